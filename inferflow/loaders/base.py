@@ -1,0 +1,43 @@
+"""The loader contract: a WeightSource yields ``(name, tensor)`` lazily.
+
+Tensors are float ``torch.Tensor`` (mmap-backed where the format allows) or ``QuantTensor`` for
+already-quantized data. Names are the checkpoint's own; the model's name map turns them into
+canonical names.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any, Protocol, Union
+
+import torch
+
+from inferflow.quant.tensor import QuantTensor
+from inferflow.registry import Registry
+
+Weight = Union[torch.Tensor, QuantTensor]
+
+
+class WeightSource(Protocol):
+    metadata: dict[str, Any]  # format metadata (GGUF key/values, safetensors __metadata__, ...)
+
+    def names(self) -> list[str]: ...
+
+    def get(self, name: str) -> Weight: ...
+
+    def shape(self, name: str) -> tuple[int, ...]: ...
+
+    def dtype_name(self, name: str) -> str: ...
+
+    def __iter__(self) -> Iterator[tuple[str, Weight]]: ...
+
+    def close(self) -> None: ...
+
+
+class TensorInfo(Protocol):
+    name: str
+
+
+# format name (the spec's ``source.format``) -> opener of a list of files
+LOADERS: Registry[Callable[[Sequence[Path]], WeightSource]] = Registry("checkpoint format")

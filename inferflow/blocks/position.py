@@ -1,0 +1,224 @@
+"""Position blocks: ``rope``, ``alibi``, ``sinusoidal``, ``learned`` and ``none``.
+
+Every block answers three questions for the attention layers (a block that does not take part
+in one answers with identity / None):
+- ``embed(positions)``: an absolute embedding added to the token embeddings, (N, hidden);
+- ``rotate(q, k, positions)``: rotary encoding of q (N, H, D) and k (N, KVH, D);
+- ``bias(q_pos, k_pos)``: an additive attention bias (H, Tq, Tk).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from inferflow.errors import SpecError
+from inferflow.registry import Registry
+
+
+@dataclass(frozen=True)
+class PositionArgs:
+    """What a position block may need; filled from the spec's ``network.position`` + hparams."""
+
+    hidden: int
+    n_heads: int
+    head_dim: int
+    max_positions: int
+    options: dict[str, Any] = field(default_factory=dict)  # the spec's position section
+
+
+class PositionBlock(nn.Module):
+    def embed(self, positions: torch.Tensor) -> torch.Tensor | None:
+        return None
+
+    def rotate(
+        self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return q, k
+
+    def bias(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor | None:
+        return None
+
+
+POSITIONS: Registry[type[PositionBlock]] = Registry("position")
+ROPE_SCALINGS: Registry[Any] = Registry("rope scaling")
+ROPE_PAIRINGS = ("half", "adjacent")
+
+
+@POSITIONS.register("none")
+class NoPosition(PositionBlock):
+    def __init__(self, args: PositionArgs) -> None:
+        super().__init__()
+
+
+# --- rotary -------------------------------------------------------------------------------
+
+
+def _inv_freq(dim: int, theta: float) -> torch.Tensor:
+    # the int64 arange then float division follows HF's default rope init bit for bit
+    return 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+
+
+@ROPE_SCALINGS.register("linear")
+def _linear(inv: torch.Tensor, opts: dict[str, Any], dim: int, theta: float) -> tuple[torch.Tensor, float]:
+    return inv / float(opts["factor"]), 1.0
+
+
+@ROPE_SCALINGS.register("llama3")
+def _llama3(inv: torch.Tensor, opts: dict[str, Any], dim: int, theta: float) -> tuple[torch.Tensor, float]:
+    # Llama 3.1's frequency-dependent interpolation (as in HF _compute_llama3_parameters)
+    factor = float(opts["factor"])
+    low, high = float(opts.get("low_freq_factor", 1.0)), float(opts.get("high_freq_factor", 4.0))
+    old_ctx = float(opts["original_max_positions"])
+    wavelen = 2 * math.pi / inv
+    scaled = torch.where(wavelen > old_ctx / low, inv / factor, inv)
+    smooth = (old_ctx / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < old_ctx / high) * ~(wavelen > old_ctx / low)
+    return torch.where(medium, smoothed, scaled), 1.0
+
+
+@ROPE_SCALINGS.register("yarn")
+def _yarn(inv: torch.Tensor, opts: dict[str, Any], dim: int, theta: float) -> tuple[torch.Tensor, float]:
+    # YaRN: blend interpolated and extrapolated frequencies by a ramp over the correction range
+    factor = float(opts["factor"])
+    old_ctx = float(opts["original_max_positions"])
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    att = opts.get("attention_factor")
+    if att is None:
+        if opts.get("mscale") and opts.get("mscale_all_dim"):
+            att = mscale(factor, opts["mscale"]) / mscale(factor, opts["mscale_all_dim"])
+        else:
+            att = mscale(factor)
+
+    def corr_dim(rot: float) -> float:
+        return (dim * math.log(old_ctx / (rot * 2 * math.pi))) / (2 * math.log(theta))
+
+    lo, hi = corr_dim(float(opts.get("beta_fast", 32))), corr_dim(float(opts.get("beta_slow", 1)))
+    if opts.get("truncate", True):
+        lo, hi = math.floor(lo), math.ceil(hi)
+    lo, hi = max(lo, 0), min(hi, dim - 1)
+    if lo == hi:
+        hi += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - lo) / (hi - lo)).clamp(0, 1)
+    extra = 1 - ramp
+    return (inv / factor) * (1 - extra) + inv * extra, float(att)
+
+
+@POSITIONS.register("rope")
+class Rotary(PositionBlock):
+    """Rotary embedding on the first ``rotary_dim`` dims of each head.
+
+    ``pairing: half`` rotates (i, i + d/2) (HF / GPT-NeoX layout); ``adjacent`` rotates
+    (2i, 2i+1) (GPT-J layout, and llama GGUF files, whose q/k rows llama.cpp's converter permutes).
+    """
+
+    def __init__(self, args: PositionArgs, theta_key: str = "theta") -> None:
+        super().__init__()
+        o = args.options
+        self.pairing = o.get("pairing", "half")
+        if self.pairing not in ROPE_PAIRINGS:
+            raise SpecError(
+                f"network.position.pairing: {self.pairing!r} is not one of: {', '.join(ROPE_PAIRINGS)}"
+            )
+        self.rotary_dim = int(o.get("rotary_dim") or round(args.head_dim * float(o.get("partial", 1.0))))
+        if self.rotary_dim % 2 or not 0 < self.rotary_dim <= args.head_dim:
+            raise SpecError(
+                f"network.position: rotary dim {self.rotary_dim} must be even and in 1..{args.head_dim}"
+            )
+        self.theta = float(o[theta_key])
+        inv = _inv_freq(self.rotary_dim, self.theta)
+        self.att_scale = 1.0
+        scaling = o.get("scaling")
+        if scaling:
+            fn = ROPE_SCALINGS.get(scaling["type"])
+            inv, self.att_scale = fn(inv, scaling, self.rotary_dim, self.theta)
+        self.register_buffer("inv_freq", inv, persistent=False)
+
+    def _cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # (N, rd/2)
+        cos, sin = freqs.cos() * self.att_scale, freqs.sin() * self.att_scale
+        return cos.to(dtype)[:, None, :], sin.to(dtype)[:, None, :]  # (N, 1, rd/2)
+
+    def _apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        rd = self.rotary_dim
+        xr, rest = x[..., :rd], x[..., rd:]
+        if self.pairing == "half":
+            x1, x2 = xr[..., : rd // 2], xr[..., rd // 2 :]
+            out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        else:
+            x1, x2 = xr[..., 0::2], xr[..., 1::2]
+            out = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
+        return torch.cat((out, rest), dim=-1) if rest.shape[-1] else out
+
+    def rotate(
+        self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = self._cos_sin(positions, q.dtype)
+        return self._apply(q, cos, sin), self._apply(k, cos, sin)
+
+
+# --- additive biases and absolute embeddings ----------------------------------------------
+
+
+def alibi_slopes(n_heads: int) -> torch.Tensor:
+    # geometric slopes of the ALiBi paper, with the interleaved extra heads for non-powers of 2
+    p2 = 2 ** math.floor(math.log2(n_heads))
+    base = 2 ** (-(2 ** -(math.log2(p2) - 3)))
+    slopes = base ** torch.arange(1, 1 + p2, dtype=torch.float32)
+    if p2 != n_heads:
+        extra_base = 2 ** (-(2 ** -(math.log2(2 * p2) - 3)))
+        n_extra = min(p2, n_heads - p2)
+        extra = extra_base ** torch.arange(1, 1 + 2 * n_extra, 2, dtype=torch.float32)
+        slopes = torch.cat([slopes, extra])
+    return slopes
+
+
+@POSITIONS.register("alibi")
+class Alibi(PositionBlock):
+    def __init__(self, args: PositionArgs) -> None:
+        super().__init__()
+        self.register_buffer("slopes", alibi_slopes(args.n_heads), persistent=False)
+
+    def bias(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor | None:
+        # slope * key position: differs from slope * (k - q) by a per-row constant (softmax-invariant)
+        b = self.slopes[:, None, None] * k_pos.float()[None, None, :]
+        return b.expand(-1, q_pos.shape[0], -1)
+
+
+@POSITIONS.register("sinusoidal")
+class Sinusoidal(PositionBlock):
+    """Fixed sin/cos table; ``offset`` shifts positions (fairseq's padding_idx + 1)."""
+
+    def __init__(self, args: PositionArgs) -> None:
+        super().__init__()
+        self.offset = int(args.options.get("offset", 0))
+        half = args.hidden // 2
+        step = math.log(10000.0) / (half - 1)
+        self.register_buffer(
+            "freqs", torch.exp(torch.arange(half, dtype=torch.float32) * -step), persistent=False
+        )
+
+    def embed(self, positions: torch.Tensor) -> torch.Tensor | None:
+        ang = (positions + self.offset).float()[:, None] * self.freqs[None, :]
+        return torch.cat((ang.sin(), ang.cos()), dim=-1)
+
+
+@POSITIONS.register("learned")
+class Learned(PositionBlock):
+    """Learned absolute table; ``offset`` shifts positions (OPT stores 2 unused rows first)."""
+
+    def __init__(self, args: PositionArgs) -> None:
+        super().__init__()
+        self.offset = int(args.options.get("offset", 0))
+        self.weight = nn.Parameter(torch.zeros(args.max_positions + self.offset, args.hidden))
+
+    def embed(self, positions: torch.Tensor) -> torch.Tensor | None:
+        return nn.functional.embedding(positions + self.offset, self.weight)

@@ -1,0 +1,65 @@
+"""``inferflow generate SPEC --prompt TEXT``: stream a completion to the terminal."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from inferflow.engine.sampling import SamplingParams
+from inferflow.runtime import load
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("generate", help="generate text from a prompt", description=__doc__)
+    p.add_argument("spec", help="spec file path or built-in spec name")
+    p.add_argument("--prompt", required=True, help="prompt text (a raw completion unless --chat)")
+    p.add_argument("--max-tokens", type=int, default=None, help="new tokens at most (spec default)")
+    p.add_argument("--temperature", type=float, default=None, help="0 = greedy (spec default)")
+    p.add_argument("--top-k", type=int, default=None, help="keep the k most likely tokens (0 = off)")
+    p.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass (1 = off)")
+    p.add_argument("--seed", type=int, default=None, help="random seed for sampling")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="activation and weight dtype")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    p.add_argument("--system", default=None, help="system message (with --chat)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    lm = load(args.spec, args.dtype)
+    g = lm.spec.generation
+    params = SamplingParams(
+        temperature=g.temperature if args.temperature is None else args.temperature,
+        top_k=g.top_k if args.top_k is None else args.top_k,
+        top_p=g.top_p if args.top_p is None else args.top_p,
+        max_new_tokens=g.max_new_tokens if args.max_tokens is None else args.max_tokens,
+        seed=g.seed if args.seed is None else args.seed,
+    )
+    prompt_ids = lm.encode_prompt(args.prompt, chat=args.chat, system=args.system)
+    tok = lm._tok()
+    decoder = tok.incremental_decoder()
+    ids: list[int] = []
+    reason = None
+    t0 = time.perf_counter()
+    for step in lm.stream(prompt_ids, params):
+        ids.append(step.token_id)
+        reason = step.finish_reason
+        if not args.json and reason != "stop":
+            sys.stdout.write(decoder.push(step.token_id))
+            sys.stdout.flush()
+    elapsed = time.perf_counter() - t0
+    shown = ids[:-1] if reason == "stop" else ids
+    if args.json:
+        out = {
+            "text": tok.decode(shown),
+            "prompt_token_ids": prompt_ids,
+            "token_ids": ids,
+            "finish_reason": reason,
+            "seconds": round(elapsed, 3),
+        }
+        print(json.dumps(out, ensure_ascii=False))
+    else:
+        sys.stdout.write(decoder.flush() + "\n")
+    return 0

@@ -1,0 +1,538 @@
+"""Our own GGUF v2/v3 reader: header and metadata parsed from an mmap, tensors built lazily.
+
+Layout (ggml docs/gguf.md): magic ``GGUF``, uint32 version, uint64 tensor count, uint64 kv count,
+the key/value pairs, the tensor infos (name, n_dims, ne[0..n), type, offset), padding to
+``general.alignment`` (default 32), then the tensor data. All little-endian.
+
+Every count, length and offset read from the file is checked against the bytes that remain before
+anything is allocated or read, so a hostile or truncated file raises ``CheckpointError`` naming
+the field and the numbers, never a raw ``struct.error``/``IndexError``/``MemoryError``.
+gguf-py is only the test oracle; this module does not import it.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import struct
+import warnings
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from enum import IntEnum
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from inferflow.errors import CheckpointError
+from inferflow.loaders.base import LOADERS, Weight, WeightSource
+from inferflow.quant.formats import get_format
+from inferflow.quant.ggml import GGML_TYPE_NAMES
+from inferflow.quant.tensor import QuantTensor
+
+logger = logging.getLogger(__name__)
+
+GGUF_MAGIC = b"GGUF"
+SUPPORTED_VERSIONS = (2, 3)  # v1 used 32-bit counts and is long gone
+DEFAULT_ALIGNMENT = 32
+MAX_DIMS = 4  # GGML_MAX_DIMS
+MAX_ARRAY_NESTING = 8  # arrays of arrays: cap the recursion a hostile file could ask for
+
+
+class GGUFValueType(IntEnum):
+    UINT8 = 0
+    INT8 = 1
+    UINT16 = 2
+    INT16 = 3
+    UINT32 = 4
+    INT32 = 5
+    FLOAT32 = 6
+    BOOL = 7
+    STRING = 8
+    ARRAY = 9
+    UINT64 = 10
+    INT64 = 11
+    FLOAT64 = 12
+
+
+_SCALAR_DTYPES: dict[int, np.dtype[Any]] = {
+    GGUFValueType.UINT8: np.dtype("<u1"),
+    GGUFValueType.INT8: np.dtype("<i1"),
+    GGUFValueType.UINT16: np.dtype("<u2"),
+    GGUFValueType.INT16: np.dtype("<i2"),
+    GGUFValueType.UINT32: np.dtype("<u4"),
+    GGUFValueType.INT32: np.dtype("<i4"),
+    GGUFValueType.FLOAT32: np.dtype("<f4"),
+    GGUFValueType.BOOL: np.dtype("<u1"),
+    GGUFValueType.UINT64: np.dtype("<u8"),
+    GGUFValueType.INT64: np.dtype("<i8"),
+    GGUFValueType.FLOAT64: np.dtype("<f8"),
+}
+_KNOWN_VALUE_TYPES = ", ".join(f"{t.name}({int(t)})" for t in GGUFValueType)
+# smallest encoding of one value of each type, to bound declared array counts
+_MIN_VALUE_SIZE = {**{t: d.itemsize for t, d in _SCALAR_DTYPES.items()}, 8: 8, 9: 12}
+
+# Unquantized GGML types returned as plain torch tensors: id -> (name, numpy dtype, torch dtype)
+_PLAIN_TYPES: dict[int, tuple[str, np.dtype[Any], torch.dtype]] = {
+    0: ("F32", np.dtype("<f4"), torch.float32),
+    1: ("F16", np.dtype("<f2"), torch.float16),
+    30: ("BF16", np.dtype("<u2"), torch.bfloat16),  # numpy has no bfloat16: view the bits
+    24: ("I8", np.dtype("<i1"), torch.int8),
+    25: ("I16", np.dtype("<i2"), torch.int16),
+    26: ("I32", np.dtype("<i4"), torch.int32),
+    27: ("I64", np.dtype("<i8"), torch.int64),
+    28: ("F64", np.dtype("<f8"), torch.float64),
+}
+
+
+def _type_layout(type_id: int) -> tuple[str, int, int] | None:
+    """(name, weights per block, bytes per block) of a GGML tensor type we can load."""
+    if type_id in _PLAIN_TYPES:
+        name, npd, _ = _PLAIN_TYPES[type_id]
+        return name, 1, npd.itemsize
+    if type_id in GGML_TYPE_NAMES:
+        fmt = get_format(GGML_TYPE_NAMES[type_id])
+        return fmt.name, fmt.block_size, fmt.bytes_per_block
+    return None
+
+
+def _supported_types() -> str:
+    ids = sorted({**{i: n for i, (n, _, _) in _PLAIN_TYPES.items()}, **GGML_TYPE_NAMES}.items())
+    return ", ".join(f"{n}({i})" for i, n in ids)
+
+
+@dataclass(frozen=True)
+class GGUFTensorInfo:
+    name: str
+    shape: tuple[int, ...]  # torch order: GGUF's ne[] reversed
+    ggml_type: int
+    type_name: str
+    offset: int  # absolute byte offset of the data in the file
+    nbytes: int
+
+
+class _Cursor:
+    """Bounds-checked little-endian reads from a buffer; errors name the field being read."""
+
+    def __init__(self, buf: memoryview, path: Path) -> None:
+        self.buf = buf
+        self.size = len(buf)
+        self.pos = 0
+        self.path = path
+
+    def need(self, n: int, what: str) -> None:
+        if n > self.size - self.pos:
+            raise CheckpointError(
+                f"{self.path}: truncated or corrupt GGUF: {what} needs {n} bytes at offset "
+                f"{self.pos}, but only {self.size - self.pos} of the file's {self.size} remain"
+            )
+
+    def bound(self, count: int, each: int, what: str) -> None:
+        """A declared count of items, each at least ``each`` bytes, must fit in the rest."""
+        if count * each > self.size - self.pos:
+            raise CheckpointError(
+                f"{self.path}: truncated or corrupt GGUF: {what} declares {count} items (at "
+                f"least {count * each} bytes), but only {self.size - self.pos} bytes remain"
+            )
+
+    def unpack(self, fmt: str, size: int, what: str) -> Any:
+        self.need(size, what)
+        (value,) = struct.unpack_from(fmt, self.buf, self.pos)
+        self.pos += size
+        return value
+
+    def u32(self, what: str) -> int:
+        return int(self.unpack("<I", 4, what))
+
+    def u64(self, what: str) -> int:
+        return int(self.unpack("<Q", 8, what))
+
+    def raw_string(self, what: str) -> bytes:
+        n = self.u64(f"length of {what}")
+        self.need(n, f"{what} (declared length {n})")
+        out = bytes(self.buf[self.pos : self.pos + n])
+        self.pos += n
+        return out
+
+    def name(self, what: str) -> str:
+        """A key or tensor name: must be valid UTF-8."""
+        raw = self.raw_string(what)
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise CheckpointError(f"{self.path}: {what} is not valid UTF-8: {raw[:64]!r}") from e
+
+
+def _decode_value(raw: bytes, key: str, path: Path) -> str:
+    # llama.cpp accepts any bytes in string values (some vocabularies hold raw byte tokens);
+    # surrogateescape keeps them round-trippable instead of refusing the whole file.
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        logger.warning("%s: metadata %r holds a string that is not valid UTF-8", path, key)
+        return raw.decode("utf-8", errors="surrogateescape")
+
+
+def _read_value(cur: _Cursor, vtype: int, key: str, depth: int = 0) -> tuple[Any, tuple[int, ...]]:
+    """One metadata value and its type path, e.g. (ARRAY, STRING) for a token list."""
+    if vtype in _SCALAR_DTYPES:
+        dt = _SCALAR_DTYPES[vtype]
+        cur.need(dt.itemsize, f"value of {key!r}")
+        value = np.frombuffer(cur.buf, dt, 1, cur.pos)[0].item()
+        cur.pos += dt.itemsize
+        return (bool(value) if vtype == GGUFValueType.BOOL else value), (GGUFValueType(vtype),)
+    if vtype == GGUFValueType.STRING:
+        return _decode_value(cur.raw_string(f"value of {key!r}"), key, cur.path), (vtype,)
+    if vtype == GGUFValueType.ARRAY:
+        if depth >= MAX_ARRAY_NESTING:
+            raise CheckpointError(
+                f"{cur.path}: metadata {key!r} nests arrays deeper than {MAX_ARRAY_NESTING}"
+            )
+        itype = cur.u32(f"array item type of {key!r}")
+        if itype not in _MIN_VALUE_SIZE:
+            raise CheckpointError(
+                f"{cur.path}: metadata {key!r} is an array of unknown value type {itype}; "
+                f"known: {_KNOWN_VALUE_TYPES}"
+            )
+        count = cur.u64(f"array length of {key!r}")
+        cur.bound(count, _MIN_VALUE_SIZE[itype], f"{GGUFValueType(itype).name} array {key!r}")
+        return _read_array(cur, itype, count, key, depth)
+    raise CheckpointError(
+        f"{cur.path}: metadata {key!r} has unknown value type {vtype}; known: {_KNOWN_VALUE_TYPES}"
+    )
+
+
+def _read_array(
+    cur: _Cursor, itype: int, count: int, key: str, depth: int
+) -> tuple[list[Any], tuple[int, ...]]:
+    arr_t = GGUFValueType.ARRAY
+    if itype in _SCALAR_DTYPES:
+        # one numpy read for the whole array (the bounds were checked by the caller)
+        dt = _SCALAR_DTYPES[itype]
+        values = np.frombuffer(cur.buf, dt, count, cur.pos)
+        cur.pos += count * dt.itemsize
+        if itype == GGUFValueType.BOOL:
+            return (values != 0).tolist(), (arr_t, GGUFValueType.BOOL)
+        return values.tolist(), (arr_t, GGUFValueType(itype))
+    if itype == GGUFValueType.STRING:
+        return _read_string_array(cur, count, key), (arr_t, GGUFValueType.STRING)
+    items: list[Any] = []
+    inner: tuple[int, ...] = (arr_t,)  # an empty array of arrays has no known leaf type
+    for _ in range(count):
+        value, inner = _read_value(cur, itype, key, depth + 1)
+        items.append(value)
+    return items, (arr_t, *inner)
+
+
+def _read_string_array(cur: _Cursor, count: int, key: str) -> list[str]:
+    # Hot loop (a 262k-token vocabulary): locals only, one bounds check per string.
+    buf, size, pos, unpack = cur.buf, cur.size, cur.pos, struct.Struct("<Q").unpack_from
+    out: list[str] = []
+    append = out.append
+    for i in range(count):
+        if size - pos < 8:
+            cur.pos = pos
+            cur.need(8, f"length of item {i} of {key!r}")
+        (n,) = unpack(buf, pos)
+        pos += 8
+        if n > size - pos:
+            cur.pos = pos
+            cur.need(n, f"item {i} of {key!r} (declared length {n})")
+        chunk = buf[pos : pos + n]
+        pos += n
+        try:
+            append(str(chunk, "utf-8"))
+        except UnicodeDecodeError:
+            append(_decode_value(bytes(chunk), key, cur.path))
+    cur.pos = pos
+    return out
+
+
+@dataclass
+class _Header:
+    version: int
+    metadata: dict[str, Any]
+    metadata_types: dict[str, tuple[int, ...]]
+    tensors: dict[str, GGUFTensorInfo]
+    alignment: int
+    data_offset: int
+
+
+def _map(path: Path) -> np.memmap[Any, np.dtype[np.uint8]]:
+    """Check magic and version with a plain read, then memory-map the whole file."""
+    try:
+        size = path.stat().st_size
+        with path.open("rb") as f:
+            head = f.read(8)
+    except OSError as e:
+        raise CheckpointError(f"cannot read GGUF file {path}: {e}") from e
+    if head[:4] != GGUF_MAGIC:
+        raise CheckpointError(
+            f"{path} is not a GGUF file: it starts with {head[:4]!r}, expected {GGUF_MAGIC!r}"
+        )
+    if len(head) < 8:
+        raise CheckpointError(f"{path}: truncated GGUF: {size} bytes, the header needs 24")
+    (version,) = struct.unpack("<I", head[4:8])
+    if version not in SUPPORTED_VERSIONS:
+        hint = ""
+        if version & 0xFFFF == 0 and struct.unpack(">I", head[4:8])[0] in SUPPORTED_VERSIONS:
+            hint = " (this is a big-endian GGUF file; only little-endian ones are supported)"
+        raise CheckpointError(
+            f"{path}: unsupported GGUF version {version}{hint}; supported: "
+            f"{', '.join(map(str, SUPPORTED_VERSIONS))}"
+        )
+    return np.memmap(path, dtype=np.uint8, mode="r")
+
+
+def _parse(mm: np.ndarray, path: Path, with_tensors: bool = True) -> _Header:
+    cur = _Cursor(mm.data, path)  # a memoryview of the mapping: no copy
+    cur.pos = 4
+    version = cur.u32("version")
+    n_tensors = cur.u64("tensor count")
+    n_kv = cur.u64("metadata key/value count")
+    cur.bound(n_kv, 13, "the metadata count")  # key length + type + a 1-byte value at least
+    metadata: dict[str, Any] = {}
+    types: dict[str, tuple[int, ...]] = {}
+    for i in range(n_kv):
+        key = cur.name(f"metadata key #{i}")
+        if key in metadata:
+            raise CheckpointError(f"{path}: duplicate metadata key {key!r}")
+        vtype = cur.u32(f"value type of {key!r}")
+        metadata[key], types[key] = _read_value(cur, vtype, key)
+
+    alignment = DEFAULT_ALIGNMENT
+    if "general.alignment" in metadata:
+        alignment = metadata["general.alignment"]
+        if (
+            types["general.alignment"] != (GGUFValueType.UINT32,)
+            or alignment <= 0
+            or (alignment & (alignment - 1))
+        ):
+            raise CheckpointError(
+                f"{path}: general.alignment must be a uint32 power of two, got {alignment!r} "
+                f"of type {[GGUFValueType(t).name for t in types['general.alignment']]}"
+            )
+    if not with_tensors:
+        return _Header(version, metadata, types, {}, alignment, 0)
+
+    cur.bound(n_tensors, 24, "the tensor count")  # name length + n_dims + type + offset
+    raw_infos = []
+    for i in range(n_tensors):
+        name = cur.name(f"name of tensor #{i}")
+        n_dims = cur.u32(f"n_dims of tensor {name!r}")
+        if n_dims > MAX_DIMS:
+            raise CheckpointError(f"{path}: tensor {name!r} has {n_dims} dims, at most {MAX_DIMS}")
+        ne = [cur.u64(f"dim {d} of tensor {name!r}") for d in range(n_dims)]
+        type_id = cur.u32(f"type of tensor {name!r}")
+        offset = cur.u64(f"data offset of tensor {name!r}")
+        raw_infos.append((name, ne, type_id, offset))
+    data_offset = -(-cur.pos // alignment) * alignment
+
+    tensors = _tensor_infos(path, cur.size, raw_infos, data_offset, alignment)
+    return _Header(version, metadata, types, tensors, alignment, data_offset)
+
+
+def _tensor_infos(
+    path: Path, size: int, raw: list[tuple[str, list[int], int, int]], base: int, align: int
+) -> dict[str, GGUFTensorInfo]:
+    """Validate the tensor infos against the types we know and the file's size."""
+    out: dict[str, GGUFTensorInfo] = {}
+    for name, ne, type_id, offset in raw:
+        if name in out:
+            raise CheckpointError(f"{path}: duplicate tensor name {name!r}")
+        layout = _type_layout(type_id)
+        if layout is None:
+            raise CheckpointError(
+                f"{path}: tensor {name!r} has unknown or unsupported GGML type {type_id}; "
+                f"supported: {_supported_types()}"
+            )
+        type_name, block, per_block = layout
+        if ne and ne[0] % block:
+            raise CheckpointError(
+                f"{path}: tensor {name!r} of type {type_name} has a row of {ne[0]} weights, "
+                f"not a multiple of the block size {block}"
+            )
+        if offset % align:
+            raise CheckpointError(
+                f"{path}: tensor {name!r} has data offset {offset}, not a multiple of the "
+                f"alignment {align}"
+            )
+        start, nbytes = base + offset, math.prod(ne) // block * per_block
+        if start + nbytes > size:
+            raise CheckpointError(
+                f"{path}: tensor {name!r} ({type_name}, ne={ne}) needs bytes "
+                f"[{start}, {start + nbytes}) but the file has only {size} bytes (truncated?)"
+            )
+        out[name] = GGUFTensorInfo(name, tuple(reversed(ne)), type_id, type_name, start, nbytes)
+    return out
+
+
+def read_gguf_metadata(path: str | Path) -> dict[str, Any]:
+    """Only the header's key/values (no tensor infos): for resolving hyperparameters."""
+    path = Path(path)
+    return _parse(_map(path), path, with_tensors=False).metadata
+
+
+class GGUFSource:
+    """One GGUF file as a WeightSource.
+
+    Tensors are views of the file's mmap (zero-copy, read-only memory: never write to them):
+    plain types come back as torch tensors in their own dtype, quantized ones as ``QuantTensor``.
+    A tensor handed out keeps the mapping alive after ``close()``.
+    """
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self._mm: np.ndarray | None = _map(self.path)
+        header = _parse(self._mm, self.path)
+        self.version = header.version
+        self.metadata: dict[str, Any] = header.metadata
+        # key -> GGUF type path, e.g. (UINT32,) or (ARRAY, STRING): what a writer needs
+        self.metadata_types: dict[str, tuple[int, ...]] = header.metadata_types
+        self.tensor_infos: dict[str, GGUFTensorInfo] = header.tensors
+        self.alignment = header.alignment
+        self.data_offset = header.data_offset
+        n_keys, n_tensors = len(self.metadata), len(self.tensor_infos)
+        logger.debug("%s: GGUF v%d, %d keys, %d tensors", path, self.version, n_keys, n_tensors)
+
+    def names(self) -> list[str]:
+        return list(self.tensor_infos)
+
+    def info(self, name: str) -> GGUFTensorInfo:
+        try:
+            return self.tensor_infos[name]
+        except KeyError:
+            raise CheckpointError(
+                f"{self.path}: no tensor named {name!r} (the file has {len(self.tensor_infos)})"
+            ) from None
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.info(name).shape
+
+    def dtype_name(self, name: str) -> str:
+        return self.info(name).type_name
+
+    def get(self, name: str, dtype: torch.dtype | None = None) -> Weight:
+        """The tensor as stored; with ``dtype``, a dense copy in that dtype (dequantized)."""
+        info = self.info(name)
+        if self._mm is None:
+            raise CheckpointError(f"{self.path}: GGUF source is closed")
+        raw = self._mm[info.offset : info.offset + info.nbytes]
+        plain = _PLAIN_TYPES.get(info.ggml_type)
+        with warnings.catch_warnings():
+            # the mapping is read-only on purpose; torch warns about any non-writable array
+            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+            if plain is not None:
+                t = torch.from_numpy(raw.view(plain[1]).reshape(info.shape))
+                if plain[2] is torch.bfloat16:
+                    t = t.view(torch.bfloat16)
+                return t if dtype is None else t.to(dtype)
+            fmt = get_format(info.type_name)
+            per_row = info.shape[-1] // fmt.block_size * fmt.bytes_per_block if info.shape else 0
+            data = torch.from_numpy(raw.reshape(-1, per_row) if per_row else raw)
+        qt = QuantTensor(data, info.type_name, info.shape)
+        return qt if dtype is None else qt.dequantize(dtype)
+
+    def __iter__(self) -> Iterator[tuple[str, Weight]]:
+        for name in self.names():
+            yield name, self.get(name)
+
+    def close(self) -> None:
+        # np.memmap has no close(): dropping our reference unmaps once no tensor views remain
+        self._mm = None
+
+    def __enter__(self) -> GGUFSource:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"GGUFSource({str(self.path)!r}, {len(self.tensor_infos)} tensors)"
+
+
+class ShardedGGUFSource:
+    """A model split by llama.cpp's gguf-split: metadata from shard 0, tensors from all."""
+
+    def __init__(self, shards: list[GGUFSource]) -> None:
+        nos = sorted(_split_int(s, "split.no", -1) for s in shards)
+        counts = {_split_int(s, "split.count", 1) for s in shards}
+        if counts != {len(shards)} or nos != list(range(len(shards))):
+            raise CheckpointError(
+                f"{len(shards)} GGUF files given, but they are not the shards of one split model "
+                f"(split.count values {sorted(counts)}, split.no values {nos}); pass one file"
+            )
+        self.shards = sorted(shards, key=lambda s: _split_int(s, "split.no", -1))
+        self.metadata = self.shards[0].metadata
+        self.metadata_types = self.shards[0].metadata_types
+        self._owner: dict[str, GGUFSource] = {}
+        for shard in self.shards:
+            for name in shard.names():
+                if name in self._owner:
+                    raise CheckpointError(
+                        f"tensor {name!r} is in {self._owner[name].path} and {shard.path}"
+                    )
+                self._owner[name] = shard
+        want = self.metadata.get("split.tensors.count", len(self._owner))
+        if want != len(self._owner):
+            raise CheckpointError(
+                f"{self.shards[0].path}: split.tensors.count is {want!r}, but the "
+                f"{len(shards)} shards hold {len(self._owner)} tensors"
+            )
+
+    def _shard(self, name: str) -> GGUFSource:
+        if name not in self._owner:
+            raise CheckpointError(f"no tensor named {name!r} in the {len(self.shards)} shards")
+        return self._owner[name]
+
+    def names(self) -> list[str]:
+        return list(self._owner)
+
+    def get(self, name: str, dtype: torch.dtype | None = None) -> Weight:
+        return self._shard(name).get(name, dtype)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._shard(name).shape(name)
+
+    def dtype_name(self, name: str) -> str:
+        return self._shard(name).dtype_name(name)
+
+    def __iter__(self) -> Iterator[tuple[str, Weight]]:
+        for name in self.names():
+            yield name, self.get(name)
+
+    def close(self) -> None:
+        for shard in self.shards:
+            shard.close()
+
+
+def _split_int(src: GGUFSource, key: str, default: int) -> int:
+    value = src.metadata.get(key, default)
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise CheckpointError(f"{src.path}: {key} must be an integer, got {value!r}")
+    return value
+
+
+def open_gguf(paths: Sequence[str | Path]) -> WeightSource:
+    """Open one GGUF file, or a gguf-split model from all its shards or from the first one."""
+    if not paths:
+        raise CheckpointError("no GGUF file given")
+    sources = [GGUFSource(p) for p in paths]
+    count = _split_int(sources[0], "split.count", 1)
+    if len(sources) == 1 and count > 1:
+        # llama.cpp convention: the first shard names the others, <prefix>-0000i-of-0000n.gguf
+        suffix = f"-00001-of-{count:05d}.gguf"
+        first = sources[0].path
+        if not first.name.endswith(suffix):
+            raise CheckpointError(f"{first} is one of {count} shards; pass all of them")
+        stem = first.name[: -len(suffix)]
+        rest = [first.with_name(f"{stem}-{i:05d}-of-{count:05d}.gguf") for i in range(2, count + 1)]
+        missing = [str(p) for p in rest if not p.exists()]
+        if missing:
+            raise CheckpointError(f"{first}: missing shard files: {', '.join(missing)}")
+        sources += [GGUFSource(p) for p in rest]
+    return sources[0] if len(sources) == 1 else ShardedGGUFSource(sources)
+
+
+LOADERS.add("gguf", open_gguf)

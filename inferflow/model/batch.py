@@ -1,0 +1,71 @@
+"""The flat batch a network's forward takes (DESIGN.md, Engine contract).
+
+All scheduled tokens of all sequences are concatenated into one (N,) tensor for every token-wise
+op; attention runs per sequence against that sequence's KV view. A KV view is anything with
+``update(layer, k_new, v_new, positions) -> (k_all, v_all, k_positions)``: the simple contiguous
+cache below, or the engine's paged cache.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+class KVView(Protocol):
+    def update(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
+
+
+@dataclass(frozen=True)
+class SeqSlice:
+    start: int  # first row of this sequence in the flat batch
+    length: int  # number of new tokens of this sequence in the batch
+
+
+@dataclass
+class FlatBatch:
+    token_ids: torch.Tensor  # (N,) int64
+    positions: torch.Tensor  # (N,) int64
+    seqs: list[SeqSlice]
+    kv: list[KVView]  # one per sequence, same order as seqs
+    logits_rows: torch.Tensor | None = None  # rows that need logits; None = last row of each seq
+
+    @classmethod
+    def single(cls, token_ids: torch.Tensor, start_pos: int, kv: KVView) -> FlatBatch:
+        n = token_ids.numel()
+        pos = torch.arange(start_pos, start_pos + n, dtype=torch.long)
+        return cls(token_ids.reshape(-1).long(), pos, [SeqSlice(0, n)], [kv])
+
+    def default_logits_rows(self) -> torch.Tensor:
+        return torch.tensor([s.start + s.length - 1 for s in self.seqs], dtype=torch.long)
+
+
+class ContiguousKVCache:
+    """One sequence's keys and values in preallocated (layers, max_len, KVH, D) tensors.
+
+    Rows are indexed by absolute position, so a sequence may be extended (or re-fed from an
+    earlier position, overwriting) in any chunking.
+    """
+
+    def __init__(
+        self, n_layers: int, n_kv_heads: int, head_dim: int, max_len: int, dtype: torch.dtype
+    ) -> None:
+        shape = (n_layers, max_len, n_kv_heads, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype)
+        self.v = torch.zeros(shape, dtype=dtype)
+        self.max_len = max_len
+        self._pos = torch.arange(max_len, dtype=torch.long)
+
+    def update(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        start, end = int(positions[0]), int(positions[-1]) + 1
+        if end > self.max_len:
+            raise ValueError(f"position {end - 1} is past the cache length {self.max_len}")
+        self.k[layer, start:end] = k
+        self.v[layer, start:end] = v
+        return self.k[layer, :end], self.v[layer, :end], self._pos[:end]

@@ -1,0 +1,127 @@
+"""Strict weight binding: every checkpoint tensor lands in exactly one parameter (rows), and
+every parameter is filled, or a WeightBindingError names what is missing or unused."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from inferflow.errors import WeightBindingError
+from inferflow.loaders.base import WeightSource
+from inferflow.model.names import NameMap
+from inferflow.quant.tensor import QuantTensor
+
+log = logging.getLogger(__name__)
+
+# canonical leaf -> (fused parameter leaf, shard id): separate checkpoint tensors filling row
+# ranges of one fused parameter (vLLM's stacked_params_mapping)
+STACKED: dict[str, tuple[str, str]] = {
+    "self_attn.wq": ("self_attn.wqkv", "q"),
+    "self_attn.wk": ("self_attn.wqkv", "k"),
+    "self_attn.wv": ("self_attn.wqkv", "v"),
+    "feed_forward.w1": ("feed_forward.w13", "w1"),
+    "feed_forward.w3": ("feed_forward.w13", "w3"),
+}
+SHARDS: dict[str, tuple[str, ...]] = {"self_attn.wqkv": ("q", "k", "v"), "feed_forward.w13": ("w1", "w3")}
+# a checkpoint's own fused tensor is reordered by the owning block (e.g. per-head qkv rows)
+FUSED_LOADERS: dict[str, str] = {"self_attn.wqkv": "load_fused"}
+
+_SHOW = 12  # names listed in one error before "... and N more"
+
+
+def _listing(names: list[str]) -> str:
+    head = ", ".join(names[:_SHOW])
+    return head + (f", ... and {len(names) - _SHOW} more" if len(names) > _SHOW else "")
+
+
+class _Target:
+    """Where one canonical tensor goes: a parameter, optionally a row range, optionally a reorder."""
+
+    def __init__(
+        self, param: str, rows: slice | None, shard: str | None, prepare: Callable[[torch.Tensor], torch.Tensor] | None
+    ) -> None:
+        self.param, self.rows, self.shard, self.prepare = param, rows, shard, prepare
+
+
+def _resolve(model: nn.Module, params: dict[str, nn.Parameter], canon: str) -> _Target | None:
+    module_path, _, leaf = canon.rpartition(".")  # e.g. dec.3.self_attn.wq , weight
+    if canon in params:
+        prepare = None
+        for suffix, method in FUSED_LOADERS.items():
+            if module_path.endswith("." + suffix):
+                prepare = getattr(model.get_submodule(module_path.rpartition(".")[0]), method)
+        return _Target(canon, None, None, prepare)
+    for src, (dst, shard) in STACKED.items():
+        if module_path.endswith("." + src):
+            fused_path = module_path[: -len(src)] + dst
+            name = f"{fused_path}.{leaf}"
+            if name in params:
+                parent = model.get_submodule(fused_path.rpartition(".")[0])
+                return _Target(name, parent.shard_rows(shard), shard, None)
+    return None
+
+
+def bind_weights(model: nn.Module, source: WeightSource, name_map: NameMap) -> set[str]:
+    """Copy the checkpoint into the model's parameters; returns the checkpoint names consumed."""
+    params = dict(model.named_parameters())
+    filled: dict[str, set[str | None]] = {}
+    consumed: set[str] = set()
+    unused: list[str] = []
+    errors: list[str] = []
+    for name in source.names():
+        mapped = name_map(name)
+        if mapped is None:
+            if not name_map.ignored(name):
+                unused.append(name)
+            continue
+        canon, transpose = mapped
+        target = _resolve(model, params, canon)
+        if target is None:
+            unused.append(f"{name} (as {canon})")
+            continue
+        shard_key = target.shard
+        if shard_key in filled.get(target.param, set()):
+            errors.append(f"{name}: {canon} is given twice")
+            continue
+        w = source.get(name)
+        t = w.dequantize() if isinstance(w, QuantTensor) else w
+        if transpose:
+            t = t.t()
+        param = params[target.param]
+        dest = param.data if target.rows is None else param.data[target.rows]
+        if tuple(t.shape) != tuple(dest.shape):
+            errors.append(f"{name}: shape {list(t.shape)} does not fit {canon} of shape {list(dest.shape)}")
+            continue
+        if target.prepare is not None:
+            t = target.prepare(t)
+        with torch.no_grad():
+            dest.copy_(t)
+        filled.setdefault(target.param, set()).add(shard_key)
+        consumed.add(name)
+    missing = []
+    for pname in params:
+        got = filled.get(pname, set())
+        leaf_module = pname.rpartition(".")[0]
+        need = next((set(s) for k, s in SHARDS.items() if leaf_module.endswith(k)), {None})
+        if None in got:
+            continue
+        lacking = need - got
+        if lacking:
+            missing.append(pname if need == {None} else f"{pname} (shards {', '.join(sorted(map(str, lacking)))})")
+    if errors:
+        raise WeightBindingError("checkpoint tensors do not fit the network:\n  " + "\n  ".join(errors))
+    if missing:
+        raise WeightBindingError(
+            f"the checkpoint lacks {len(missing)} tensor(s) the network needs: {_listing(missing)} "
+            f"(check network.tensors, or settings such as attention.bias / output.tied)"
+        )
+    if unused:
+        raise WeightBindingError(
+            f"the checkpoint has {len(unused)} tensor(s) the network does not use: {_listing(unused)} "
+            f"(map them under network.tensors.map, list them in network.tensors.ignore, or fix the network)"
+        )
+    log.debug("bound %d checkpoint tensors into %d parameters", len(consumed), len(params))
+    return consumed

@@ -1,0 +1,62 @@
+"""Build a network from a spec and load its weights: ``load_model(spec, dtype)``."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+
+from inferflow.errors import SpecError
+from inferflow.loaders import open_files
+from inferflow.model.binding import bind_weights
+from inferflow.model.decoder import DecoderOnly
+from inferflow.model.names import NameMap
+from inferflow.registry import Registry
+from inferflow.spec.types import Spec
+
+log = logging.getLogger(__name__)
+
+NETWORKS: Registry[Callable[[Spec], nn.Module]] = Registry("network type")
+NETWORKS.add("decoder_only", DecoderOnly)
+
+DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise SpecError(f"dtype {name!r} is not one of: {', '.join(DTYPES)}") from None
+
+
+@contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    # parameters are created directly in the run dtype (no full-precision copy first)
+    saved = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(saved)
+
+
+def build_network(spec: Spec, dtype: torch.dtype = torch.float32) -> nn.Module:
+    with _default_dtype(dtype):
+        return NETWORKS.get(spec.network.type)(spec)
+
+
+def load_model(spec: Spec, dtype: torch.dtype = torch.float32) -> nn.Module:
+    t0 = time.perf_counter()
+    model = build_network(spec, dtype)
+    source = open_files(spec.source.format, spec.source.files)
+    try:
+        bind_weights(model, source, NameMap(spec.network.tensors))
+    finally:
+        source.close()
+    model.eval()
+    log.info("loaded %s (%s) in %.2f s", spec.name, str(dtype).removeprefix("torch."), time.perf_counter() - t0)
+    return model

@@ -1,0 +1,125 @@
+"""Checkpoint -> canonical tensor names, as data.
+
+Canonical names are the one vocabulary between loaders and networks: ``dec.tok_embed.weight``,
+``dec.{i}.self_attn.wq.weight``, ``dec.{i}.feed_forward.w1.weight``, ``dec.output.weight``...
+A preset is a table for one checkpoint family; a spec's own ``tensors.map`` adds to or overrides
+it. ``{i}`` stands for the layer index.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from inferflow.errors import SpecError
+from inferflow.registry import Registry
+from inferflow.spec.types import MapEntry, TensorsSpec
+
+PRESETS: Registry[dict[str, str]] = Registry("tensor name preset")
+
+# llama.cpp's GGUF names (gguf-py MODEL_TENSOR / TensorNameMap), any architecture
+PRESETS.add(
+    "gguf",
+    {
+        "token_embd.weight": "dec.tok_embed.weight",
+        "position_embd.weight": "dec.pos_embed.weight",
+        "output_norm.weight": "dec.output_norm.weight",
+        "output_norm.bias": "dec.output_norm.bias",
+        "output.weight": "dec.output.weight",
+        "output.bias": "dec.output.bias",
+        "blk.{i}.attn_norm.weight": "dec.{i}.attn_norm.weight",
+        "blk.{i}.attn_norm.bias": "dec.{i}.attn_norm.bias",
+        "blk.{i}.attn_q.weight": "dec.{i}.self_attn.wq.weight",
+        "blk.{i}.attn_k.weight": "dec.{i}.self_attn.wk.weight",
+        "blk.{i}.attn_v.weight": "dec.{i}.self_attn.wv.weight",
+        "blk.{i}.attn_q.bias": "dec.{i}.self_attn.wq.bias",
+        "blk.{i}.attn_k.bias": "dec.{i}.self_attn.wk.bias",
+        "blk.{i}.attn_v.bias": "dec.{i}.self_attn.wv.bias",
+        "blk.{i}.attn_qkv.weight": "dec.{i}.self_attn.wqkv.weight",
+        "blk.{i}.attn_qkv.bias": "dec.{i}.self_attn.wqkv.bias",
+        "blk.{i}.attn_output.weight": "dec.{i}.self_attn.wo.weight",
+        "blk.{i}.attn_output.bias": "dec.{i}.self_attn.wo.bias",
+        "blk.{i}.attn_q_norm.weight": "dec.{i}.self_attn.q_norm.weight",
+        "blk.{i}.attn_k_norm.weight": "dec.{i}.self_attn.k_norm.weight",
+        "blk.{i}.post_attention_norm.weight": "dec.{i}.post_attn_norm.weight",
+        "blk.{i}.ffn_norm.weight": "dec.{i}.ffn_norm.weight",
+        "blk.{i}.ffn_norm.bias": "dec.{i}.ffn_norm.bias",
+        "blk.{i}.ffn_gate.weight": "dec.{i}.feed_forward.w1.weight",
+        "blk.{i}.ffn_up.weight": "dec.{i}.feed_forward.w3.weight",
+        "blk.{i}.ffn_down.weight": "dec.{i}.feed_forward.w2.weight",
+        "blk.{i}.post_ffw_norm.weight": "dec.{i}.post_ffn_norm.weight",
+    },
+)
+
+# Hugging Face llama-style checkpoints (Llama, Mistral, Qwen2, Gemma, ...)
+PRESETS.add(
+    "hf_llama",
+    {
+        "model.embed_tokens.weight": "dec.tok_embed.weight",
+        "model.norm.weight": "dec.output_norm.weight",
+        "lm_head.weight": "dec.output.weight",
+        "model.layers.{i}.input_layernorm.weight": "dec.{i}.attn_norm.weight",
+        "model.layers.{i}.self_attn.q_proj.weight": "dec.{i}.self_attn.wq.weight",
+        "model.layers.{i}.self_attn.k_proj.weight": "dec.{i}.self_attn.wk.weight",
+        "model.layers.{i}.self_attn.v_proj.weight": "dec.{i}.self_attn.wv.weight",
+        "model.layers.{i}.self_attn.q_proj.bias": "dec.{i}.self_attn.wq.bias",
+        "model.layers.{i}.self_attn.k_proj.bias": "dec.{i}.self_attn.wk.bias",
+        "model.layers.{i}.self_attn.v_proj.bias": "dec.{i}.self_attn.wv.bias",
+        "model.layers.{i}.self_attn.o_proj.weight": "dec.{i}.self_attn.wo.weight",
+        "model.layers.{i}.self_attn.o_proj.bias": "dec.{i}.self_attn.wo.bias",
+        "model.layers.{i}.self_attn.q_norm.weight": "dec.{i}.self_attn.q_norm.weight",
+        "model.layers.{i}.self_attn.k_norm.weight": "dec.{i}.self_attn.k_norm.weight",
+        "model.layers.{i}.post_attention_layernorm.weight": "dec.{i}.ffn_norm.weight",
+        "model.layers.{i}.pre_feedforward_layernorm.weight": "dec.{i}.ffn_norm.weight",
+        "model.layers.{i}.post_feedforward_layernorm.weight": "dec.{i}.post_ffn_norm.weight",
+        "model.layers.{i}.mlp.gate_proj.weight": "dec.{i}.feed_forward.w1.weight",
+        "model.layers.{i}.mlp.up_proj.weight": "dec.{i}.feed_forward.w3.weight",
+        "model.layers.{i}.mlp.down_proj.weight": "dec.{i}.feed_forward.w2.weight",
+    },
+)
+
+_INDEX = re.compile(r"\\\{i\\\}")
+
+
+@dataclass(frozen=True)
+class _Rule:
+    pattern: re.Pattern[str]
+    target: str
+    transpose: bool
+
+
+class NameMap:
+    """Maps checkpoint names to ``(canonical name, transpose)``; None for names it ignores."""
+
+    def __init__(self, tensors: TensorsSpec) -> None:
+        table: dict[str, MapEntry] = {}
+        if tensors.preset:
+            table.update({k: MapEntry(k, v) for k, v in PRESETS.get(tensors.preset).items()})
+        table.update({e.source: e for e in tensors.map})
+        self.prefix = tensors.prefix
+        self.rules = [_Rule(self._compile(e.source), e.target, e.transpose) for e in table.values()]
+        self.exact = {e.source: e for e in table.values() if "{i}" not in e.source}
+        self.ignore = [self._compile(p) for p in tensors.ignore]
+
+    @staticmethod
+    def _compile(pattern: str) -> re.Pattern[str]:
+        if pattern.count("{i}") > 1:
+            raise SpecError(f"network.tensors: {pattern!r} may hold at most one {{i}}")
+        return re.compile(_INDEX.sub(r"(?P<i>\\d+)", re.escape(pattern)) + r"\Z")
+
+    def __call__(self, name: str) -> tuple[str, bool] | None:
+        if self.prefix and name.startswith(self.prefix):
+            name = name[len(self.prefix) :]
+        hit = self.exact.get(name)
+        if hit is not None:
+            return hit.target, hit.transpose
+        for rule in self.rules:
+            m = rule.pattern.match(name)
+            if m:
+                return rule.target.replace("{i}", m.group("i")), rule.transpose
+        return None
+
+    def ignored(self, name: str) -> bool:
+        if self.prefix and name.startswith(self.prefix):
+            name = name[len(self.prefix) :]
+        return any(p.match(name) for p in self.ignore)

@@ -1,0 +1,133 @@
+"""Hyperparameters read from the checkpoint: data tables from our names to the keys of HF
+``config.json`` and of GGUF metadata (``{arch}`` is ``general.architecture``)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from inferflow.errors import SpecError
+
+# our name -> candidate config.json keys (dotted = nested); first present and non-null wins
+HF_CONFIG_KEYS: dict[str, tuple[str, ...]] = {
+    "vocab_size": ("vocab_size", "padded_vocab_size"),
+    "hidden": ("hidden_size", "n_embd", "d_model"),
+    "n_layers": ("num_hidden_layers", "n_layer", "num_layers"),
+    "n_heads": ("num_attention_heads", "n_head"),
+    "n_kv_heads": ("num_key_value_heads", "num_kv_heads", "n_head_kv"),
+    "head_dim": ("head_dim",),
+    "ffn_hidden": ("intermediate_size", "n_inner", "ffn_dim", "d_ff"),
+    "norm_eps": ("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon", "norm_epsilon"),
+    "rope_theta": ("rope_theta", "rope_parameters.rope_theta", "rotary_emb_base"),
+    "rope_partial": ("partial_rotary_factor", "rope_parameters.partial_rotary_factor", "rotary_pct"),
+    "max_positions": ("max_position_embeddings", "n_positions", "n_ctx"),
+    "sliding_window": ("sliding_window",),
+    "bos_id": ("bos_token_id",),
+    "eos_id": ("eos_token_id",),
+}
+
+# our name -> candidate GGUF metadata keys (llama.cpp's LLM_KV names)
+GGUF_KEYS: dict[str, tuple[str, ...]] = {
+    "vocab_size": ("{arch}.vocab_size",),
+    "hidden": ("{arch}.embedding_length",),
+    "n_layers": ("{arch}.block_count",),
+    "n_heads": ("{arch}.attention.head_count",),
+    "n_kv_heads": ("{arch}.attention.head_count_kv",),
+    "head_dim": ("{arch}.attention.key_length",),
+    "rotary_dim": ("{arch}.rope.dimension_count",),
+    "ffn_hidden": ("{arch}.feed_forward_length",),
+    "norm_eps": ("{arch}.attention.layer_norm_rms_epsilon", "{arch}.attention.layer_norm_epsilon"),
+    "rope_theta": ("{arch}.rope.freq_base",),
+    "max_positions": ("{arch}.context_length",),
+    "sliding_window": ("{arch}.attention.sliding_window",),
+    "bos_id": ("tokenizer.ggml.bos_token_id",),
+    "eos_id": ("tokenizer.ggml.eos_token_id",),
+}
+
+# rope scaling: HF rope_type / GGUF scaling type -> ours, and option keys -> ours
+ROPE_SCALING_TYPES = {"linear": "linear", "llama3": "llama3", "yarn": "yarn"}
+HF_ROPE_SCALING_KEYS = {
+    "factor": "factor",
+    "low_freq_factor": "low_freq_factor",
+    "high_freq_factor": "high_freq_factor",
+    "original_max_position_embeddings": "original_max_positions",
+    "beta_fast": "beta_fast",
+    "beta_slow": "beta_slow",
+    "attention_factor": "attention_factor",
+    "mscale": "mscale",
+    "mscale_all_dim": "mscale_all_dim",
+    "truncate": "truncate",
+}
+GGUF_ROPE_SCALING_KEYS = {
+    "{arch}.rope.scaling.factor": "factor",
+    "{arch}.rope.scaling.original_context_length": "original_max_positions",
+}
+
+
+def _dotted(d: dict[str, Any], key: str) -> Any:
+    cur: Any = d
+    for part in key.split("."):
+        if not isinstance(cur, dict) or part not in cur:
+            return None
+        cur = cur[part]
+    return cur
+
+
+def _first(value: Any) -> Any:
+    # eos_token_id may be a list in HF configs: the first is the model's own end token
+    return value[0] if isinstance(value, list) and value else value
+
+
+def from_hf_config(config: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name, keys in HF_CONFIG_KEYS.items():
+        for key in keys:
+            v = _first(_dotted(config, key))
+            if v is not None:
+                out[name] = v
+                break
+    rs = config.get("rope_scaling") or config.get("rope_parameters") or {}
+    kind = rs.get("rope_type") or rs.get("type")
+    if kind in ROPE_SCALING_TYPES:
+        scaling = {"type": ROPE_SCALING_TYPES[kind]}
+        scaling.update({ours: rs[k] for k, ours in HF_ROPE_SCALING_KEYS.items() if rs.get(k) is not None})
+        scaling.setdefault("original_max_positions", out.get("max_positions"))
+        out["rope_scaling"] = scaling
+    return out
+
+
+def from_gguf_metadata(meta: dict[str, Any]) -> dict[str, Any]:
+    arch = meta.get("general.architecture")
+    if not isinstance(arch, str):
+        raise SpecError("GGUF metadata has no general.architecture: cannot read hyperparameters")
+    out: dict[str, Any] = {}
+    for name, keys in GGUF_KEYS.items():
+        for key in keys:
+            v = meta.get(key.format(arch=arch))
+            if v is not None:
+                out[name] = v
+                break
+    if "vocab_size" not in out and isinstance(meta.get("tokenizer.ggml.tokens"), list):
+        out["vocab_size"] = len(meta["tokenizer.ggml.tokens"])
+    kind = meta.get(f"{arch}.rope.scaling.type")
+    if kind in ROPE_SCALING_TYPES:
+        scaling = {"type": ROPE_SCALING_TYPES[kind]}
+        for k, ours in GGUF_ROPE_SCALING_KEYS.items():
+            if meta.get(k.format(arch=arch)) is not None:
+                scaling[ours] = meta[k.format(arch=arch)]
+        out["rope_scaling"] = scaling
+    return out
+
+
+def read_hf_config(path: Path) -> dict[str, Any]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            config = json.load(f)
+    except FileNotFoundError:
+        raise SpecError(f"config file {path} does not exist") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise SpecError(f"config file {path} is not valid JSON: {e}") from None
+    if not isinstance(config, dict):
+        raise SpecError(f"config file {path} must hold a JSON object")
+    return config

@@ -1,0 +1,176 @@
+"""The spec's JSON Schema, built from the registries so a new block needs no schema edit, and
+error messages that name the YAML path, the bad value and the allowed values."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jsonschema
+
+HPARAM_TYPES: dict[str, str] = {
+    "vocab_size": "integer",
+    "hidden": "integer",
+    "n_layers": "integer",
+    "n_heads": "integer",
+    "n_kv_heads": "integer",
+    "head_dim": "integer",
+    "ffn_hidden": "integer",
+    "norm_eps": "number",
+    "rope_theta": "number",
+    "rope_partial": "number",
+    "rotary_dim": "integer",
+    "max_positions": "integer",
+    "sliding_window": "integer",
+    "bos_id": "integer",
+    "eos_id": "integer",
+}
+
+
+
+def _obj(props: dict[str, Any], required: tuple[str, ...] = ()) -> dict[str, Any]:
+    return {"type": "object", "properties": props, "required": list(required), "additionalProperties": False}
+
+
+def _enum(values: list[str] | tuple[str, ...]) -> dict[str, Any]:
+    return {"enum": sorted(values)}
+
+
+def build_schema() -> dict[str, Any]:
+    from inferflow import blocks
+    from inferflow.loaders import LOADERS
+    from inferflow.model.build import NETWORKS
+    from inferflow.model.names import PRESETS
+    from inferflow.tokenizer import TOKENIZER_KINDS
+
+    num = {"type": "number"}
+    string = {"type": "string"}
+    files = {"type": "array", "items": string, "minItems": 1}
+    scaling = _obj(
+        {
+            "type": _enum(blocks.ROPE_SCALINGS.names()),
+            "factor": num,
+            "low_freq_factor": num,
+            "high_freq_factor": num,
+            "original_max_positions": {"type": "integer"},
+            "beta_fast": num,
+            "beta_slow": num,
+            "attention_factor": num,
+            "mscale": num,
+            "mscale_all_dim": num,
+            "truncate": {"type": "boolean"},
+        },
+        ("type",),
+    )
+    position = _obj(
+        {
+            "type": _enum(blocks.POSITIONS.names()),
+            "pairing": _enum(blocks.ROPE_PAIRINGS),
+            "theta": num,
+            "local_theta": num,  # rope theta of sliding-window layers (Gemma 3)
+            "partial": num,
+            "rotary_dim": {"type": "integer"},
+            "scaling": scaling,
+            "offset": {"type": "integer"},
+        },
+        ("type",),
+    )
+    attention = _obj(
+        {
+            "bias": _enum(blocks.ATTN_BIAS),
+            "qkv_layout": _enum(blocks.QKV_LAYOUTS),
+            "qk_norm": _enum(blocks.NORMS.names()),
+            "sliding_window": {"type": ["boolean", "integer"]},
+            "global_every": {"type": "integer", "minimum": 1},
+            "softcap": num,
+            "scale": num,
+        }
+    )
+    map_value = {
+        "anyOf": [string, _obj({"to": string, "transpose": {"type": "boolean"}}, ("to",))]
+    }
+    tensors = _obj(
+        {
+            "preset": _enum(PRESETS.names()),
+            "prefix": string,
+            "map": {"type": "object", "additionalProperties": map_value},
+            "ignore": {"type": "array", "items": string},
+        }
+    )
+    network = _obj(
+        {
+            "type": _enum(NETWORKS.names()),
+            "norm": _enum(blocks.NORMS.names()),
+            "activation": _enum(blocks.ACTIVATIONS.names()),
+            "ffn": _enum(blocks.FFNS.names()),
+            "ffn_bias": {"type": "boolean"},
+            "residual": _enum(blocks.RESIDUALS.names()),
+            "position": position,
+            "attention": attention,
+            "embedding": _obj({"scale": {"anyOf": [{"const": "sqrt_hidden"}, num]}}),
+            "output": _obj({"tied": {"type": "boolean"}, "bias": {"type": "boolean"}, "softcap": num}),
+            "tensors": tensors,
+        },
+        ("type", "norm", "activation", "ffn", "residual", "position", "tensors"),
+    )
+    return _obj(
+        {
+            "name": string,
+            "description": string,
+            "source": _obj(
+                {"format": _enum(LOADERS.names()), "files": files, "config": string}, ("format", "files")
+            ),
+            "tokenizer": _obj(
+                {
+                    "from": _enum([*TOKENIZER_KINDS.names(), "none"]),  # none: token ids only
+                    "files": files,
+                    "chat_template": string,
+                    "add_bos": {"type": "boolean"},
+                },
+                ("from",),
+            ),
+            "hparams": _obj({k: {"type": t} for k, t in HPARAM_TYPES.items()}),
+            "network": network,
+            "generation": _obj(
+                {
+                    "temperature": {"type": "number", "minimum": 0},
+                    "top_k": {"type": "integer", "minimum": 0},
+                    "top_p": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
+                    "max_new_tokens": {"type": "integer", "minimum": 1},
+                    "seed": {"type": "integer"},
+                }
+            ),
+        },
+        ("name", "source", "network"),
+    )
+
+
+def _path(err: jsonschema.ValidationError) -> str:
+    out = ""
+    for part in err.absolute_path:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out or "(top level)"
+
+
+def format_error(err: jsonschema.ValidationError) -> str:
+    where, v = _path(err), err.validator
+    if v == "enum":
+        return f"{where}: {err.instance!r} is not one of: {', '.join(map(str, err.validator_value))}"
+    if v == "additionalProperties" and isinstance(err.instance, dict):
+        allowed = sorted(err.schema.get("properties", {}))
+        extra = sorted(k for k in err.instance if k not in allowed)
+        return f"{where}: unknown key {', '.join(map(repr, extra))}; allowed: {', '.join(allowed)}"
+    if v == "required":
+        missing = [k for k in err.validator_value if k not in err.instance]
+        return f"{where}: missing required key {', '.join(map(repr, missing))}"
+    if v == "type":
+        return f"{where}: {err.instance!r} is not of type {err.validator_value}"
+    if v == "anyOf":
+        return f"{where}: {err.instance!r} is not valid here ({err.message})"
+    return f"{where}: {err.message}"
+
+
+def validate(doc: Any) -> list[str]:
+    """All schema errors of a parsed YAML document, as messages (empty when valid)."""
+    validator = jsonschema.Draft202012Validator(build_schema())
+    errors = sorted(validator.iter_errors(doc), key=lambda e: list(map(str, e.absolute_path)))
+    return [format_error(e) for e in errors]

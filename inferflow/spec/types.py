@@ -1,0 +1,143 @@
+"""A spec as frozen dataclasses: what the network is made of plus the resolved numbers."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from inferflow.errors import SpecError
+
+
+@dataclass(frozen=True)
+class MapEntry:
+    """One checkpoint -> canonical name rule (``{i}`` is the layer index)."""
+
+    source: str
+    target: str
+    transpose: bool = False  # e.g. GPT-2's Conv1D stores (in, out)
+
+
+@dataclass(frozen=True)
+class TensorsSpec:
+    preset: str | None = None
+    prefix: str = ""  # stripped from checkpoint names before mapping
+    map: tuple[MapEntry, ...] = ()
+    ignore: tuple[str, ...] = ()  # checkpoint names (with {i}) that are expected and unused
+
+
+@dataclass(frozen=True)
+class SourceSpec:
+    format: str
+    files: tuple[Path, ...]
+    config: Path | None = None  # HF config.json for hyperparameters (safetensors / pickle)
+
+
+@dataclass(frozen=True)
+class TokenizerSpec:
+    kind: str  # gguf | tokenizer_json | vocab_txt | none
+    files: tuple[Path, ...] = ()
+    chat_template: str | None = None
+    add_bos: bool | None = None
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    bias: str = "none"
+    qkv_layout: str = "concat"
+    qk_norm: str | None = None  # a norm name, or None
+    sliding_window: bool | int = False  # True: size from hparams
+    global_every: int | None = None  # with a window: layers i where (i+1) % N == 0 see everything
+    softcap: float | None = None
+    scale: float | None = None
+
+
+@dataclass(frozen=True)
+class NetworkSpec:
+    type: str
+    norm: str
+    activation: str
+    ffn: str
+    residual: str
+    position: dict[str, Any]
+    attention: AttentionSpec
+    tensors: TensorsSpec
+    ffn_bias: bool = False
+    embedding_scale: str | float | None = None  # "sqrt_hidden" or a number
+    tied_output: bool = False
+    output_bias: bool = False
+    final_softcap: float | None = None
+
+
+@dataclass(frozen=True)
+class HParams:
+    """Numbers the checkpoint knows; derived defaults are filled here, in one place."""
+
+    vocab_size: int
+    hidden: int
+    n_layers: int
+    n_heads: int
+    ffn_hidden: int = 0  # 0: 4 * hidden
+    n_kv_heads: int = 0  # 0: same as n_heads (MHA); 1: MQA; else GQA
+    head_dim: int = 0  # 0: hidden // n_heads
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_partial: float = 1.0
+    rotary_dim: int = 0  # 0: round(head_dim * rope_partial)
+    rope_scaling: dict[str, Any] | None = None
+    max_positions: int = 2048
+    sliding_window: int | None = None
+    bos_id: int | None = None
+    eos_id: int | None = None
+
+    def __post_init__(self) -> None:
+        for k in ("vocab_size", "hidden", "n_layers", "n_heads"):
+            if getattr(self, k) <= 0:
+                raise SpecError(f"hparams.{k}: must be positive, got {getattr(self, k)}")
+        if self.ffn_hidden == 0:  # GPT-2's n_inner: null means 4 * hidden
+            object.__setattr__(self, "ffn_hidden", 4 * self.hidden)
+        if self.n_kv_heads == 0:
+            object.__setattr__(self, "n_kv_heads", self.n_heads)
+        if self.head_dim == 0:
+            if self.hidden % self.n_heads:
+                raise SpecError(
+                    f"hparams: hidden {self.hidden} is not divisible by n_heads {self.n_heads}; set hparams.head_dim"
+                )
+            object.__setattr__(self, "head_dim", self.hidden // self.n_heads)
+        if self.n_heads % self.n_kv_heads:
+            raise SpecError(
+                f"hparams: n_heads {self.n_heads} is not a multiple of n_kv_heads {self.n_kv_heads}"
+            )
+        if self.rotary_dim == 0:
+            object.__setattr__(self, "rotary_dim", round(self.head_dim * self.rope_partial))
+        if not math.isfinite(self.norm_eps) or self.norm_eps <= 0:
+            raise SpecError(f"hparams.norm_eps: must be a positive number, got {self.norm_eps}")
+
+    @property
+    def attention_kind(self) -> str:
+        if self.n_kv_heads == self.n_heads:
+            return "MHA"
+        return "MQA" if self.n_kv_heads == 1 else "GQA"
+
+
+@dataclass(frozen=True)
+class GenerationDefaults:
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    max_new_tokens: int = 256
+    seed: int | None = None
+
+
+@dataclass(frozen=True)
+class Spec:
+    name: str
+    path: Path | None
+    source: SourceSpec
+    tokenizer: TokenizerSpec
+    network: NetworkSpec
+    hparams: HParams
+    generation: GenerationDefaults = field(default_factory=GenerationDefaults)
+    description: str = ""
+    raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)

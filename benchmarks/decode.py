@@ -41,12 +41,20 @@ def bench_inferflow(dtype: str, ids: list[int], n_decode: int, repeat: int) -> t
     return best_p, best_d
 
 
-def bench_llama_cpp(path: Path, ids: list[int], n_decode: int, threads: int, repeat: int) -> tuple[float, float] | None:
+def bench_llama_cpp(
+    path: Path, ids: list[int], n_decode: int, threads: int, repeat: int
+) -> tuple[float, float] | None:
     try:
         from llama_cpp import Llama
     except ImportError:
         return None
-    llm = Llama(model_path=str(path), n_ctx=len(ids) + n_decode + 8, n_threads=threads, n_batch=512, verbose=False)
+    llm = Llama(
+        model_path=str(path),
+        n_ctx=len(ids) + n_decode + 8,
+        n_threads=threads,
+        n_batch=512,
+        verbose=False,
+    )
     best_p, best_d = 0.0, 0.0
     for _ in range(repeat):
         llm.reset()
@@ -81,10 +89,16 @@ def main() -> int:
         p, d = bench_inferflow(dt, ids, args.decode, args.repeat)
         rows.append((f"inferflow {dt}", p, d))
     ref = bench_llama_cpp(path, ids, args.decode, args.threads, args.repeat)
-    rows.append(("llama.cpp (llama-cpp-python)", *ref) if ref else ("llama.cpp: not installed", float("nan"), float("nan")))
+    rows.append(
+        ("llama.cpp (llama-cpp-python)", *ref)
+        if ref
+        else ("llama.cpp: not installed", float("nan"), float("nan"))
+    )
 
     print(f"command: python {' '.join(shlex.quote(a) for a in sys.argv)}")
-    print(f"model: {SPEC} ({path.name}), threads={args.threads}, prefill={len(ids)} tokens, decode={args.decode} steps, best of {args.repeat}")
+    print(
+        f"model: {SPEC} ({path.name}), threads={args.threads}, prefill={len(ids)} tokens, decode={args.decode} steps, best of {args.repeat}"
+    )
     base = rows[-1][2] if ref else None
     print(f"{'engine':<32} {'prefill tok/s':>14} {'decode tok/s':>13} {'decode vs llama.cpp':>20}")
     for name, p, d in rows:

@@ -1,8 +1,8 @@
 """Load everything a spec names: network with weights, tokenizer. The Python entry point:
 
-    from inferflow.runtime import load
-    lm = load("smollm2-135m-instruct")
-    print(lm.complete("The capital of France is", SamplingParams(max_new_tokens=8)).text)
+from inferflow.runtime import load
+lm = load("smollm2-135m-instruct")
+print(lm.complete("The capital of France is", SamplingParams(max_new_tokens=8)).text)
 """
 
 from __future__ import annotations
@@ -42,7 +42,11 @@ def tokenizer_for(spec: Spec) -> Tokenizer | None:
         from inferflow.loaders.gguf import read_gguf_metadata
 
         metadata = read_gguf_metadata(spec.source.files[0])
-    overrides = {k: v for k, v in (("chat_template", t.chat_template), ("add_bos", t.add_bos)) if v is not None}
+    overrides = {
+        k: v
+        for k, v in (("chat_template", t.chat_template), ("add_bos", t.add_bos))
+        if v is not None
+    }
     return load_tokenizer(t.kind, files, metadata, overrides)
 
 
@@ -52,10 +56,14 @@ class LanguageModel:
     model: nn.Module
     tokenizer: Tokenizer | None
 
-    def encode_prompt(self, prompt: str, chat: bool = False, system: str | None = None) -> list[int]:
+    def encode_prompt(
+        self, prompt: str, chat: bool = False, system: str | None = None
+    ) -> list[int]:
         tok = self._tok()
         if chat:
-            messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+            messages = ([{"role": "system", "content": system}] if system else []) + [
+                {"role": "user", "content": prompt}
+            ]
             text = tok.apply_chat_template(messages, add_generation_prompt=True)
             # the template writes BOS itself where the model wants one
             return tok.encode(text, add_special_tokens=False)
@@ -72,7 +80,9 @@ class LanguageModel:
             eos = (self.spec.hparams.eos_id,)
         return generate_tokens(self.model, prompt_ids, params, eos)
 
-    def complete(self, prompt: str | list[int], params: SamplingParams, chat: bool = False) -> Completion:
+    def complete(
+        self, prompt: str | list[int], params: SamplingParams, chat: bool = False
+    ) -> Completion:
         ids = list(prompt) if isinstance(prompt, list) else self.encode_prompt(prompt, chat)
         out, reason = [], None
         for step in self.stream(ids, params):

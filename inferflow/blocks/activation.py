@@ -15,7 +15,9 @@ ACTIVATIONS: Registry[Activation] = Registry("activation")
 ACTIVATIONS.add("relu", F.relu)
 ACTIVATIONS.add("silu", F.silu)
 ACTIVATIONS.add("gelu", F.gelu)  # exact (erf)
-ACTIVATIONS.add("gelu_tanh", lambda x: F.gelu(x, approximate="tanh"))  # HF gelu_new / gelu_pytorch_tanh
+ACTIVATIONS.add(
+    "gelu_tanh", lambda x: F.gelu(x, approximate="tanh")
+)  # HF gelu_new / gelu_pytorch_tanh
 
 
 def _gelu_quick(x: torch.Tensor) -> torch.Tensor:

@@ -39,7 +39,9 @@ class AttnArgs:
     scale: float | None = None
 
 
-def split_fused_qkv(w: torch.Tensor, layout: str, n_heads: int, n_kv: int, head_dim: int) -> torch.Tensor:
+def split_fused_qkv(
+    w: torch.Tensor, layout: str, n_heads: int, n_kv: int, head_dim: int
+) -> torch.Tensor:
     """Reorder a checkpoint's fused qkv rows (weight or bias) into [q; k; v]."""
     if layout == "concat":
         return w
@@ -51,7 +53,9 @@ def split_fused_qkv(w: torch.Tensor, layout: str, n_heads: int, n_kv: int, head_
     r = n_heads // n_kv
     x = w.reshape(n_kv, r + 2, head_dim, *rest)
     q = x[:, :r].reshape(n_heads * head_dim, *rest)
-    return torch.cat([q, x[:, r].reshape(n_kv * head_dim, *rest), x[:, r + 1].reshape(n_kv * head_dim, *rest)])
+    return torch.cat(
+        [q, x[:, r].reshape(n_kv * head_dim, *rest), x[:, r + 1].reshape(n_kv * head_dim, *rest)]
+    )
 
 
 def attend(
@@ -76,7 +80,9 @@ def attend(
         if bias is None and T == 1 and bool(visible.all()):
             mask = None  # decode step with every key visible: no mask work at all
         else:
-            mask = torch.zeros((T, S), dtype=q.dtype, device=q.device).masked_fill(~visible, float("-inf"))
+            mask = torch.zeros((T, S), dtype=q.dtype, device=q.device).masked_fill(
+                ~visible, float("-inf")
+            )
             if bias is not None:
                 mask = mask + bias.to(q.dtype)
         out = F.scaled_dot_product_attention(
@@ -133,6 +139,14 @@ class Attention(nn.Module):
             qpos = batch.positions[rows]
             k_all, v_all, k_pos = batch.kv[i].update(a.layer, k[rows], v[rows], qpos)
             out[rows] = attend(
-                q[rows], k_all, v_all, qpos, k_pos, self.scale, a.window, a.softcap, pos.bias(qpos, k_pos)
+                q[rows],
+                k_all,
+                v_all,
+                qpos,
+                k_pos,
+                self.scale,
+                a.window,
+                a.softcap,
+                pos.bias(qpos, k_pos),
             )
         return self.wo(out.reshape(N, -1))

@@ -64,12 +64,16 @@ def _inv_freq(dim: int, theta: float) -> torch.Tensor:
 
 
 @ROPE_SCALINGS.register("linear")
-def _linear(inv: torch.Tensor, opts: dict[str, Any], dim: int, theta: float) -> tuple[torch.Tensor, float]:
+def _linear(
+    inv: torch.Tensor, opts: dict[str, Any], dim: int, theta: float
+) -> tuple[torch.Tensor, float]:
     return inv / float(opts["factor"]), 1.0
 
 
 @ROPE_SCALINGS.register("llama3")
-def _llama3(inv: torch.Tensor, opts: dict[str, Any], dim: int, theta: float) -> tuple[torch.Tensor, float]:
+def _llama3(
+    inv: torch.Tensor, opts: dict[str, Any], dim: int, theta: float
+) -> tuple[torch.Tensor, float]:
     # Llama 3.1's frequency-dependent interpolation (as in HF _compute_llama3_parameters)
     factor = float(opts["factor"])
     low, high = float(opts.get("low_freq_factor", 1.0)), float(opts.get("high_freq_factor", 4.0))
@@ -83,7 +87,9 @@ def _llama3(inv: torch.Tensor, opts: dict[str, Any], dim: int, theta: float) -> 
 
 
 @ROPE_SCALINGS.register("yarn")
-def _yarn(inv: torch.Tensor, opts: dict[str, Any], dim: int, theta: float) -> tuple[torch.Tensor, float]:
+def _yarn(
+    inv: torch.Tensor, opts: dict[str, Any], dim: int, theta: float
+) -> tuple[torch.Tensor, float]:
     # YaRN: blend interpolated and extrapolated frequencies by a ramp over the correction range
     factor = float(opts["factor"])
     old_ctx = float(opts["original_max_positions"])
@@ -120,6 +126,8 @@ class Rotary(PositionBlock):
     (2i, 2i+1) (GPT-J layout, and llama GGUF files, whose q/k rows llama.cpp's converter permutes).
     """
 
+    inv_freq: torch.Tensor
+
     def __init__(self, args: PositionArgs, theta_key: str = "theta") -> None:
         super().__init__()
         o = args.options
@@ -128,7 +136,9 @@ class Rotary(PositionBlock):
             raise SpecError(
                 f"network.position.pairing: {self.pairing!r} is not one of: {', '.join(ROPE_PAIRINGS)}"
             )
-        self.rotary_dim = int(o.get("rotary_dim") or round(args.head_dim * float(o.get("partial", 1.0))))
+        self.rotary_dim = int(
+            o.get("rotary_dim") or round(args.head_dim * float(o.get("partial", 1.0)))
+        )
         if self.rotary_dim % 2 or not 0 < self.rotary_dim <= args.head_dim:
             raise SpecError(
                 f"network.position: rotary dim {self.rotary_dim} must be even and in 1..{args.head_dim}"
@@ -142,12 +152,14 @@ class Rotary(PositionBlock):
             inv, self.att_scale = fn(inv, scaling, self.rotary_dim, self.theta)
         self.register_buffer("inv_freq", inv, persistent=False)
 
-    def _cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def _cos_sin(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.float()[:, None] * self.inv_freq[None, :]  # (N, rd/2)
         cos, sin = freqs.cos() * self.att_scale, freqs.sin() * self.att_scale
         return cos.to(dtype)[:, None, :], sin.to(dtype)[:, None, :]  # (N, 1, rd/2)
 
-    def _apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def _rotate_one(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         rd = self.rotary_dim
         xr, rest = x[..., :rd], x[..., rd:]
         if self.pairing == "half":
@@ -162,7 +174,7 @@ class Rotary(PositionBlock):
         self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         cos, sin = self._cos_sin(positions, q.dtype)
-        return self._apply(q, cos, sin), self._apply(k, cos, sin)
+        return self._rotate_one(q, cos, sin), self._rotate_one(k, cos, sin)
 
 
 # --- additive biases and absolute embeddings ----------------------------------------------
@@ -183,6 +195,8 @@ def alibi_slopes(n_heads: int) -> torch.Tensor:
 
 @POSITIONS.register("alibi")
 class Alibi(PositionBlock):
+    slopes: torch.Tensor
+
     def __init__(self, args: PositionArgs) -> None:
         super().__init__()
         self.register_buffer("slopes", alibi_slopes(args.n_heads), persistent=False)
@@ -196,6 +210,8 @@ class Alibi(PositionBlock):
 @POSITIONS.register("sinusoidal")
 class Sinusoidal(PositionBlock):
     """Fixed sin/cos table; ``offset`` shifts positions (fairseq's padding_idx + 1)."""
+
+    freqs: torch.Tensor
 
     def __init__(self, args: PositionArgs) -> None:
         super().__init__()

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
-from torch import nn
 
 from inferflow.registry import Registry
 
@@ -21,35 +21,35 @@ Branch = Callable[[torch.Tensor], torch.Tensor]
 @dataclass(frozen=True)
 class Wiring:
     norms: tuple[str, ...]
-    forward: Callable[[nn.Module, torch.Tensor, Branch, Branch], torch.Tensor]
+    forward: Callable[[Any, torch.Tensor, Branch, Branch], torch.Tensor]
 
 
 RESIDUALS: Registry[Wiring] = Registry("residual")
 
 
-def _pre(n: nn.Module, x: torch.Tensor, attn: Branch, ffn: Branch) -> torch.Tensor:
+def _pre(n: Any, x: torch.Tensor, attn: Branch, ffn: Branch) -> torch.Tensor:
     h = x + attn(n.attn_norm(x))
     return h + ffn(n.ffn_norm(h))
 
 
-def _post(n: nn.Module, x: torch.Tensor, attn: Branch, ffn: Branch) -> torch.Tensor:
+def _post(n: Any, x: torch.Tensor, attn: Branch, ffn: Branch) -> torch.Tensor:
     # original Transformer / BERT: normalize after each residual add
     h = n.attn_norm(x + attn(x))
     return n.ffn_norm(h + ffn(h))
 
 
-def _parallel(n: nn.Module, x: torch.Tensor, attn: Branch, ffn: Branch) -> torch.Tensor:
+def _parallel(n: Any, x: torch.Tensor, attn: Branch, ffn: Branch) -> torch.Tensor:
     # GPT-NeoX / GPT-J: both branches read x, each through its own norm
     return x + attn(n.attn_norm(x)) + ffn(n.ffn_norm(x))
 
 
-def _parallel_shared(n: nn.Module, x: torch.Tensor, attn: Branch, ffn: Branch) -> torch.Tensor:
+def _parallel_shared(n: Any, x: torch.Tensor, attn: Branch, ffn: Branch) -> torch.Tensor:
     # Phi / Falcon-7B: one norm feeds both branches
     h = n.attn_norm(x)
     return x + attn(h) + ffn(h)
 
 
-def _sandwich(n: nn.Module, x: torch.Tensor, attn: Branch, ffn: Branch) -> torch.Tensor:
+def _sandwich(n: Any, x: torch.Tensor, attn: Branch, ffn: Branch) -> torch.Tensor:
     # Gemma 2/3: a norm before and after each branch
     h = x + n.post_attn_norm(attn(n.attn_norm(x)))
     return h + n.post_ffn_norm(ffn(n.ffn_norm(h)))
@@ -59,4 +59,6 @@ RESIDUALS.add("pre_norm", Wiring(("attn_norm", "ffn_norm"), _pre))
 RESIDUALS.add("post_norm", Wiring(("attn_norm", "ffn_norm"), _post))
 RESIDUALS.add("parallel", Wiring(("attn_norm", "ffn_norm"), _parallel))
 RESIDUALS.add("parallel_shared_norm", Wiring(("attn_norm",), _parallel_shared))
-RESIDUALS.add("sandwich", Wiring(("attn_norm", "post_attn_norm", "ffn_norm", "post_ffn_norm"), _sandwich))
+RESIDUALS.add(
+    "sandwich", Wiring(("attn_norm", "post_attn_norm", "ffn_norm", "post_ffn_norm"), _sandwich)
+)

@@ -17,13 +17,24 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prompt", required=True, help="prompt text (a raw completion unless --chat)")
     p.add_argument("--max-tokens", type=int, default=None, help="new tokens at most (spec default)")
     p.add_argument("--temperature", type=float, default=None, help="0 = greedy (spec default)")
-    p.add_argument("--top-k", type=int, default=None, help="keep the k most likely tokens (0 = off)")
+    p.add_argument(
+        "--top-k", type=int, default=None, help="keep the k most likely tokens (0 = off)"
+    )
     p.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass (1 = off)")
     p.add_argument("--seed", type=int, default=None, help="random seed for sampling")
-    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="activation and weight dtype")
-    p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    p.add_argument(
+        "--dtype",
+        default="float32",
+        choices=("float32", "bfloat16"),
+        help="activation and weight dtype",
+    )
+    p.add_argument(
+        "--chat", action="store_true", help="wrap the prompt in the model's chat template"
+    )
     p.add_argument("--system", default=None, help="system message (with --chat)")
-    p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    p.add_argument(
+        "--json", action="store_true", help="print one JSON object instead of streaming text"
+    )
     p.set_defaults(run=run)
 
 

@@ -13,8 +13,12 @@ _MAX_LIST = 8  # long arrays (vocabularies) are summarised
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("inspect", help="list tensors and metadata of a checkpoint file", description=__doc__)
-    p.add_argument("file", type=Path, help="GGUF, safetensors, pickle (.bin/.pt) file or HF model directory")
+    p = sub.add_parser(
+        "inspect", help="list tensors and metadata of a checkpoint file", description=__doc__
+    )
+    p.add_argument(
+        "file", type=Path, help="GGUF, safetensors, pickle (.bin/.pt) file or HF model directory"
+    )
     p.add_argument("--json", action="store_true", help="print JSON")
     p.add_argument("--no-metadata", action="store_true", help="tensors only")
     p.set_defaults(run=run)
@@ -41,7 +45,9 @@ def run(args: argparse.Namespace) -> int:
     finally:
         src.close()
     if args.json:
-        print(json.dumps({"format": fmt, "metadata": meta, "tensors": tensors}, indent=2, default=str))
+        print(
+            json.dumps({"format": fmt, "metadata": meta, "tensors": tensors}, indent=2, default=str)
+        )
         return 0
     print(f"format: {fmt}")
     if meta:

@@ -13,8 +13,12 @@ SUBCOMMANDS = ("generate", "validate", "inspect")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="inferflow", description="Configuration-driven transformer inference.")
-    p.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-v info, -vv debug)")
+    p = argparse.ArgumentParser(
+        prog="inferflow", description="Configuration-driven transformer inference."
+    )
+    p.add_argument(
+        "-v", "--verbose", action="count", default=0, help="more logging (-v info, -vv debug)"
+    )
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in SUBCOMMANDS:
         importlib.import_module(f"inferflow.cli.{name}").add_parser(sub)

@@ -12,14 +12,18 @@ from inferflow.spec import load_spec
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("validate", help="validate a spec and print it resolved", description=__doc__)
+    p = sub.add_parser(
+        "validate", help="validate a spec and print it resolved", description=__doc__
+    )
     p.add_argument("spec", help="spec file path or built-in spec name")
     p.set_defaults(run=run)
 
 
 def _plain(x: Any) -> Any:
     if dataclasses.is_dataclass(x) and not isinstance(x, type):
-        return {f.name: _plain(getattr(x, f.name)) for f in dataclasses.fields(x) if f.name != "raw"}
+        return {
+            f.name: _plain(getattr(x, f.name)) for f in dataclasses.fields(x) if f.name != "raw"
+        }
     if isinstance(x, (list, tuple)):
         return [_plain(v) for v in x]
     if isinstance(x, dict):

@@ -30,7 +30,9 @@ def new_cache(model: nn.Module, max_len: int) -> ContiguousKVCache:
 
 
 @torch.inference_mode()
-def prefill(model: nn.Module, ids: list[int], cache: ContiguousKVCache, start: int = 0) -> torch.Tensor:
+def prefill(
+    model: nn.Module, ids: list[int], cache: ContiguousKVCache, start: int = 0
+) -> torch.Tensor:
     """Run ``ids`` at positions start.. and return the logits of the last one (float32)."""
     return model(FlatBatch.single(torch.tensor(ids), start, cache))[-1].float()
 

@@ -57,7 +57,9 @@ def make_sampler(params: SamplingParams) -> Sampler:
     if params.temperature == 0:
         return lambda logits: int(torch.argmax(logits))
     gen = torch.Generator()
-    gen.manual_seed(params.seed if params.seed is not None else int(torch.randint(0, 2**62, ()).item()))
+    gen.manual_seed(
+        params.seed if params.seed is not None else int(torch.randint(0, 2**62, ()).item())
+    )
 
     def sample(logits: torch.Tensor) -> int:
         x = filter_logits(logits.float() / params.temperature, params.top_k, params.top_p)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -25,7 +26,10 @@ STACKED: dict[str, tuple[str, str]] = {
     "feed_forward.w1": ("feed_forward.w13", "w1"),
     "feed_forward.w3": ("feed_forward.w13", "w3"),
 }
-SHARDS: dict[str, tuple[str, ...]] = {"self_attn.wqkv": ("q", "k", "v"), "feed_forward.w13": ("w1", "w3")}
+SHARDS: dict[str, tuple[str, ...]] = {
+    "self_attn.wqkv": ("q", "k", "v"),
+    "feed_forward.w13": ("w1", "w3"),
+}
 # a checkpoint's own fused tensor is reordered by the owning block (e.g. per-head qkv rows)
 FUSED_LOADERS: dict[str, str] = {"self_attn.wqkv": "load_fused"}
 
@@ -41,7 +45,11 @@ class _Target:
     """Where one canonical tensor goes: a parameter, optionally a row range, optionally a reorder."""
 
     def __init__(
-        self, param: str, rows: slice | None, shard: str | None, prepare: Callable[[torch.Tensor], torch.Tensor] | None
+        self,
+        param: str,
+        rows: slice | None,
+        shard: str | None,
+        prepare: Callable[[torch.Tensor], torch.Tensor] | None,
     ) -> None:
         self.param, self.rows, self.shard, self.prepare = param, rows, shard, prepare
 
@@ -59,7 +67,7 @@ def _resolve(model: nn.Module, params: dict[str, nn.Parameter], canon: str) -> _
             fused_path = module_path[: -len(src)] + dst
             name = f"{fused_path}.{leaf}"
             if name in params:
-                parent = model.get_submodule(fused_path.rpartition(".")[0])
+                parent: Any = model.get_submodule(fused_path.rpartition(".")[0])
                 return _Target(name, parent.shard_rows(shard), shard, None)
     return None
 
@@ -93,7 +101,9 @@ def bind_weights(model: nn.Module, source: WeightSource, name_map: NameMap) -> s
         param = params[target.param]
         dest = param.data if target.rows is None else param.data[target.rows]
         if tuple(t.shape) != tuple(dest.shape):
-            errors.append(f"{name}: shape {list(t.shape)} does not fit {canon} of shape {list(dest.shape)}")
+            errors.append(
+                f"{name}: shape {list(t.shape)} does not fit {canon} of shape {list(dest.shape)}"
+            )
             continue
         if target.prepare is not None:
             t = target.prepare(t)
@@ -110,9 +120,15 @@ def bind_weights(model: nn.Module, source: WeightSource, name_map: NameMap) -> s
             continue
         lacking = need - got
         if lacking:
-            missing.append(pname if need == {None} else f"{pname} (shards {', '.join(sorted(map(str, lacking)))})")
+            missing.append(
+                pname
+                if need == {None}
+                else f"{pname} (shards {', '.join(sorted(map(str, lacking)))})"
+            )
     if errors:
-        raise WeightBindingError("checkpoint tensors do not fit the network:\n  " + "\n  ".join(errors))
+        raise WeightBindingError(
+            "checkpoint tensors do not fit the network:\n  " + "\n  ".join(errors)
+        )
     if missing:
         raise WeightBindingError(
             f"the checkpoint lacks {len(missing)} tensor(s) the network needs: {_listing(missing)} "

@@ -23,7 +23,11 @@ log = logging.getLogger(__name__)
 NETWORKS: Registry[Callable[[Spec], nn.Module]] = Registry("network type")
 NETWORKS.add("decoder_only", DecoderOnly)
 
-DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
 
 
 def parse_dtype(name: str) -> torch.dtype:
@@ -58,5 +62,10 @@ def load_model(spec: Spec, dtype: torch.dtype = torch.float32) -> nn.Module:
     finally:
         source.close()
     model.eval()
-    log.info("loaded %s (%s) in %.2f s", spec.name, str(dtype).removeprefix("torch."), time.perf_counter() - t0)
+    log.info(
+        "loaded %s (%s) in %.2f s",
+        spec.name,
+        str(dtype).removeprefix("torch."),
+        time.perf_counter() - t0,
+    )
     return model

@@ -11,7 +11,16 @@ import math
 import torch
 from torch import nn
 
-from inferflow.blocks import ACTIVATIONS, FFNS, NORMS, POSITIONS, RESIDUALS, Attention, AttnArgs, PositionArgs
+from inferflow.blocks import (
+    ACTIVATIONS,
+    FFNS,
+    NORMS,
+    POSITIONS,
+    RESIDUALS,
+    Attention,
+    AttnArgs,
+    PositionArgs,
+)
 from inferflow.blocks.linear import Embedding, Linear
 from inferflow.blocks.position import PositionBlock
 from inferflow.errors import SpecError
@@ -43,11 +52,15 @@ class DecoderLayer(nn.Module):
                 scale=a.scale,
             )
         )
-        self.feed_forward = FFNS.get(net.ffn)(h.hidden, h.ffn_hidden, ACTIVATIONS.get(net.activation), net.ffn_bias)
+        self.feed_forward = FFNS.get(net.ffn)(
+            h.hidden, h.ffn_hidden, ACTIVATIONS.get(net.activation), net.ffn_bias
+        )
         self.local = window is not None
 
     def forward(self, x: torch.Tensor, batch: FlatBatch, pos: PositionBlock) -> torch.Tensor:
-        return self.wiring.forward(self, x, lambda t: self.self_attn(t, batch, pos), self.feed_forward)
+        return self.wiring.forward(
+            self, x, lambda t: self.self_attn(t, batch, pos), self.feed_forward
+        )
 
 
 class DecoderStack(nn.Module):
@@ -66,16 +79,24 @@ class DecoderStack(nn.Module):
         pos_cls = POSITIONS.get(net.position["type"])
         self.pos_embed = pos_cls(args)
         # sliding-window layers may use their own rope base (Gemma 3's local_theta)
-        self.pos_local = pos_cls(args, theta_key="local_theta") if "local_theta" in net.position else None
+        self.pos_local = (
+            pos_cls(args, theta_key="local_theta") if "local_theta" in net.position else None
+        )
         windows = self._windows(net, h)
         for i in range(h.n_layers):
             self.add_module(str(i), DecoderLayer(net, h, i, windows[i]))
         self.output_norm = NORMS.get(net.norm)(h.hidden, h.norm_eps)
         if net.tied_output and net.output_bias:
-            raise SpecError("network.output: a tied output head cannot have its own bias; set tied: false")
-        self.output = None if net.tied_output else Linear(h.hidden, h.vocab_size, bias=net.output_bias)
+            raise SpecError(
+                "network.output: a tied output head cannot have its own bias; set tied: false"
+            )
+        self.output = (
+            None if net.tied_output else Linear(h.hidden, h.vocab_size, bias=net.output_bias)
+        )
         s = net.embedding_scale
-        self.embed_scale = math.sqrt(h.hidden) if s == "sqrt_hidden" else (float(s) if s is not None else None)
+        self.embed_scale = (
+            math.sqrt(h.hidden) if s == "sqrt_hidden" else (float(s) if s is not None else None)
+        )
         self.final_softcap = net.final_softcap
 
     @staticmethod
@@ -85,7 +106,9 @@ class DecoderStack(nn.Module):
             return [None] * h.n_layers
         size = h.sliding_window if sw is True else int(sw)
         if not size:
-            raise SpecError("network.attention.sliding_window: true, but the checkpoint declares no window size; give a number")
+            raise SpecError(
+                "network.attention.sliding_window: true, but the checkpoint declares no window size; give a number"
+            )
         every = net.attention.global_every
         return [None if every and (i + 1) % every == 0 else size for i in range(h.n_layers)]
 

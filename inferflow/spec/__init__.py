@@ -84,7 +84,9 @@ def read_doc(path: Path, _seen: tuple[Path, ...] = ()) -> Any:
     ref = doc.pop("base")
     if not isinstance(ref, str):
         raise SpecError(f"{path}: base: must be a spec path or built-in name, got {ref!r}")
-    rel = (path.parent / ref).with_suffix(".yaml") if not ref.endswith(".yaml") else path.parent / ref
+    rel = (
+        (path.parent / ref).with_suffix(".yaml") if not ref.endswith(".yaml") else path.parent / ref
+    )
     base_path = rel if rel.is_file() else find_spec_file(ref)
     if base_path.resolve() in _seen:
         raise SpecError(f"{path}: base: {ref!r} makes a cycle")
@@ -95,7 +97,10 @@ def read_doc(path: Path, _seen: tuple[Path, ...] = ()) -> Any:
 
 
 def parse_spec(
-    doc: Any, base_dir: Path, path: Path | None = None, hparam_overrides: dict[str, Any] | None = None
+    doc: Any,
+    base_dir: Path,
+    path: Path | None = None,
+    hparam_overrides: dict[str, Any] | None = None,
 ) -> Spec:
     where = str(path) if path else "spec"
     if not isinstance(doc, dict):
@@ -106,14 +111,16 @@ def parse_spec(
 
     src = doc["source"]
     files = tuple(resolve_ref(f, base_dir, what="source.files") for f in src["files"])
-    for ref, f in zip(src["files"], files):
+    for ref, f in zip(src["files"], files, strict=True):
         if not f.exists():
             raise SpecError(f"source.files: {ref!r} resolves to {f}, which does not exist")
     config = resolve_ref(src["config"], base_dir, what="source.config") if "config" in src else None
     source = SourceSpec(src["format"], files, config)
 
     tok = doc.get("tokenizer", {"from": source.format if source.format == "gguf" else "none"})
-    tok_files = tuple(resolve_ref(f, base_dir, what="tokenizer.files") for f in tok.get("files", ()))
+    tok_files = tuple(
+        resolve_ref(f, base_dir, what="tokenizer.files") for f in tok.get("files", ())
+    )
     for f in tok_files:
         if not f.exists():
             raise SpecError(f"tokenizer.files: {f} does not exist")
@@ -141,7 +148,9 @@ def parse_spec(
 def _network(n: dict[str, Any]) -> NetworkSpec:
     t = n["tensors"]
     entries = tuple(
-        MapEntry(k, v, False) if isinstance(v, str) else MapEntry(k, v["to"], bool(v.get("transpose")))
+        MapEntry(k, v, False)
+        if isinstance(v, str)
+        else MapEntry(k, v["to"], bool(v.get("transpose")))
         for k, v in t.get("map", {}).items()
     )
     tensors = TensorsSpec(t.get("preset"), t.get("prefix", ""), entries, tuple(t.get("ignore", ())))

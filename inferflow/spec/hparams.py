@@ -20,7 +20,11 @@ HF_CONFIG_KEYS: dict[str, tuple[str, ...]] = {
     "ffn_hidden": ("intermediate_size", "n_inner", "ffn_dim", "d_ff"),
     "norm_eps": ("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon", "norm_epsilon"),
     "rope_theta": ("rope_theta", "rope_parameters.rope_theta", "rotary_emb_base"),
-    "rope_partial": ("partial_rotary_factor", "rope_parameters.partial_rotary_factor", "rotary_pct"),
+    "rope_partial": (
+        "partial_rotary_factor",
+        "rope_parameters.partial_rotary_factor",
+        "rotary_pct",
+    ),
     "max_positions": ("max_position_embeddings", "n_positions", "n_ctx"),
     "sliding_window": ("sliding_window",),
     "bos_id": ("bos_token_id",),
@@ -90,8 +94,10 @@ def from_hf_config(config: dict[str, Any]) -> dict[str, Any]:
     rs = config.get("rope_scaling") or config.get("rope_parameters") or {}
     kind = rs.get("rope_type") or rs.get("type")
     if kind in ROPE_SCALING_TYPES:
-        scaling = {"type": ROPE_SCALING_TYPES[kind]}
-        scaling.update({ours: rs[k] for k, ours in HF_ROPE_SCALING_KEYS.items() if rs.get(k) is not None})
+        scaling: dict[str, Any] = {"type": ROPE_SCALING_TYPES[kind]}
+        scaling.update(
+            {ours: rs[k] for k, ours in HF_ROPE_SCALING_KEYS.items() if rs.get(k) is not None}
+        )
         scaling.setdefault("original_max_positions", out.get("max_positions"))
         out["rope_scaling"] = scaling
     return out

@@ -26,9 +26,13 @@ HPARAM_TYPES: dict[str, str] = {
 }
 
 
-
 def _obj(props: dict[str, Any], required: tuple[str, ...] = ()) -> dict[str, Any]:
-    return {"type": "object", "properties": props, "required": list(required), "additionalProperties": False}
+    return {
+        "type": "object",
+        "properties": props,
+        "required": list(required),
+        "additionalProperties": False,
+    }
 
 
 def _enum(values: list[str] | tuple[str, ...]) -> dict[str, Any]:
@@ -85,9 +89,7 @@ def build_schema() -> dict[str, Any]:
             "scale": num,
         }
     )
-    map_value = {
-        "anyOf": [string, _obj({"to": string, "transpose": {"type": "boolean"}}, ("to",))]
-    }
+    map_value = {"anyOf": [string, _obj({"to": string, "transpose": {"type": "boolean"}}, ("to",))]}
     tensors = _obj(
         {
             "preset": _enum(PRESETS.names()),
@@ -107,7 +109,9 @@ def build_schema() -> dict[str, Any]:
             "position": position,
             "attention": attention,
             "embedding": _obj({"scale": {"anyOf": [{"const": "sqrt_hidden"}, num]}}),
-            "output": _obj({"tied": {"type": "boolean"}, "bias": {"type": "boolean"}, "softcap": num}),
+            "output": _obj(
+                {"tied": {"type": "boolean"}, "bias": {"type": "boolean"}, "softcap": num}
+            ),
             "tensors": tensors,
         },
         ("type", "norm", "activation", "ffn", "residual", "position", "tensors"),
@@ -117,7 +121,8 @@ def build_schema() -> dict[str, Any]:
             "name": string,
             "description": string,
             "source": _obj(
-                {"format": _enum(LOADERS.names()), "files": files, "config": string}, ("format", "files")
+                {"format": _enum(LOADERS.names()), "files": files, "config": string},
+                ("format", "files"),
             ),
             "tokenizer": _obj(
                 {
@@ -154,7 +159,9 @@ def _path(err: jsonschema.ValidationError) -> str:
 def format_error(err: jsonschema.ValidationError) -> str:
     where, v = _path(err), err.validator
     if v == "enum":
-        return f"{where}: {err.instance!r} is not one of: {', '.join(map(str, err.validator_value))}"
+        return (
+            f"{where}: {err.instance!r} is not one of: {', '.join(map(str, err.validator_value))}"
+        )
     if v == "additionalProperties" and isinstance(err.instance, dict):
         allowed = sorted(err.schema.get("properties", {}))
         extra = sorted(k for k in err.instance if k not in allowed)

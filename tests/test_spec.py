@@ -1,0 +1,193 @@
+"""Spec language: validation errors name the YAML path, the bad value and the allowed values;
+hyperparameters come from the checkpoint and can be overridden; file references resolve."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from inferflow.blocks import NORMS
+from inferflow.errors import SpecError
+from inferflow.spec import BUILTIN_DIR, builtin_specs, load_spec
+from tests.conftest import gemma3_path, smollm2_path
+
+
+def _smol_doc() -> dict:
+    return yaml.safe_load((BUILTIN_DIR / "smollm2-135m-instruct.yaml").read_text())
+
+
+def test_builtin_specs_listed() -> None:
+    assert {"smollm2-135m-instruct", "gemma-3-270m"} <= set(builtin_specs())
+
+
+def test_smollm2_hparams_from_gguf_metadata() -> None:
+    smollm2_path()
+    spec = load_spec("smollm2-135m-instruct")
+    h = spec.hparams
+    # values from ASSETS.md / the GGUF header
+    assert (h.hidden, h.n_layers, h.n_heads, h.n_kv_heads, h.vocab_size) == (576, 30, 9, 3, 49152)
+    assert (h.head_dim, h.ffn_hidden, h.rope_theta, h.max_positions) == (64, 1536, 100000.0, 8192)
+    assert h.attention_kind == "GQA"
+    assert spec.source.files[0].name == "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def test_gemma3_hparams() -> None:
+    gemma3_path()
+    h = load_spec("gemma-3-270m").hparams
+    assert (h.hidden, h.n_heads, h.n_kv_heads, h.head_dim, h.sliding_window) == (
+        640,
+        4,
+        1,
+        256,
+        512,
+    )
+    assert h.attention_kind == "MQA" and h.vocab_size == 262144
+
+
+def test_hparam_override(write_spec) -> None:
+    smollm2_path()
+    doc = _smol_doc() | {"hparams": {"rope_theta": 5000.0, "max_positions": 1024}}
+    doc["source"]["files"] = [str(smollm2_path())]
+    h = load_spec(write_spec(doc)).hparams
+    assert h.rope_theta == 5000.0 and h.max_positions == 1024 and h.hidden == 576
+
+
+@pytest.mark.parametrize(
+    "mutate, expected",
+    [
+        (
+            lambda d: d["network"].update(norm="rmsnorm"),
+            "network.norm: 'rmsnorm' is not one of: layer, layer_nobias, rms, rms_offset",
+        ),
+        (
+            lambda d: d["network"].update(nrom="rms"),
+            "network: unknown key 'nrom'; allowed: activation, attention",
+        ),
+        (
+            lambda d: d["network"]["position"].update(type="rotary"),
+            "network.position.type: 'rotary' is not one of: alibi, learned, none, rope, sinusoidal",
+        ),
+        (
+            lambda d: d["network"]["position"].update(pairing="interleaved"),
+            "network.position.pairing: 'interleaved' is not one of: adjacent, half",
+        ),
+        (
+            lambda d: d["network"].update(ffn_bias="yes"),
+            "network.ffn_bias: 'yes' is not of type boolean",
+        ),
+        (
+            lambda d: d["source"].update(format="onnx"),
+            "source.format: 'onnx' is not one of: gguf, hf, pickle, safetensors",
+        ),
+        (lambda d: d["source"].pop("files"), "source: missing required key 'files'"),
+        (
+            lambda d: d["generation"].update(temperature=-1),
+            "generation.temperature: -1 is less than the minimum of 0",
+        ),
+        (
+            lambda d: (
+                d["hparams"].update(hidden="big")
+                if "hparams" in d
+                else d.update(hparams={"hidden": "big"})
+            ),
+            "hparams.hidden: 'big' is not of type integer",
+        ),
+        (
+            lambda d: d["network"]["tensors"].update(preset="hf_llamma"),
+            "network.tensors.preset: 'hf_llamma' is not one of: gguf, hf_llama",
+        ),
+    ],
+)
+def test_schema_errors_name_path_value_and_allowed(mutate, expected: str, write_spec) -> None:
+    doc = _smol_doc()
+    mutate(doc)
+    with pytest.raises(SpecError) as e:
+        load_spec(write_spec(doc))
+    assert expected in str(e.value)
+
+
+def test_all_errors_reported_at_once(write_spec) -> None:
+    doc = _smol_doc()
+    doc["network"]["norm"] = "bad1"
+    doc["network"]["activation"] = "bad2"
+    with pytest.raises(SpecError) as e:
+        load_spec(write_spec(doc))
+    assert "network.norm: 'bad1'" in str(e.value) and "network.activation: 'bad2'" in str(e.value)
+
+
+def test_schema_allowed_values_come_from_registries(write_spec) -> None:
+    doc = _smol_doc()
+    doc["network"]["norm"] = "my_norm_for_test"
+    with pytest.raises(SpecError, match="my_norm_for_test"):
+        load_spec(write_spec(doc))
+    NORMS.add("my_norm_for_test", NORMS.get("rms"))
+    try:
+        smollm2_path()
+        load_spec(write_spec(doc))  # a registered block needs no schema edit
+    finally:
+        NORMS._items.pop("my_norm_for_test")
+
+
+def test_missing_file_names_ref_and_path(write_spec, tmp_path: Path) -> None:
+    doc = _smol_doc()
+    doc["source"]["files"] = ["weights/missing.gguf"]
+    with pytest.raises(SpecError) as e:
+        load_spec(write_spec(doc))
+    assert "'weights/missing.gguf'" in str(e.value) and str(
+        tmp_path / "weights/missing.gguf"
+    ) in str(e.value)
+
+
+def test_package_ref_of_missing_package(write_spec) -> None:
+    doc = _smol_doc()
+    doc["source"]["files"] = ["package://no_such_pkg_xyz/model.gguf"]
+    with pytest.raises(SpecError, match="python package 'no_such_pkg_xyz' .* is not installed"):
+        load_spec(write_spec(doc))
+
+
+def test_relative_and_absolute_refs(write_spec, tmp_path: Path) -> None:
+    src = smollm2_path()
+    (tmp_path / "m").mkdir()
+    link = tmp_path / "m" / "model.gguf"
+    link.symlink_to(src)
+    doc = _smol_doc()
+    doc["source"]["files"] = ["m/model.gguf"]
+    assert load_spec(write_spec(doc)).source.files[0] == link
+    doc["source"]["files"] = [str(link)]
+    assert load_spec(write_spec(doc)).source.files[0] == link
+
+
+def test_yaml_syntax_error_has_line(tmp_path: Path) -> None:
+    p = tmp_path / "bad.yaml"
+    p.write_text("name: x\nnetwork: {type: decoder_only\n")
+    with pytest.raises(SpecError, match="not valid YAML at line"):
+        load_spec(p)
+
+
+def test_not_a_mapping(tmp_path: Path) -> None:
+    p = tmp_path / "list.yaml"
+    p.write_text("- a\n- b\n")
+    with pytest.raises(SpecError, match="must be a YAML mapping"):
+        load_spec(p)
+
+
+def test_unknown_spec_name_lists_builtins() -> None:
+    with pytest.raises(SpecError, match="built-in: .*smollm2-135m-instruct"):
+        load_spec("no-such-model")
+
+
+def test_base_cycle(tmp_path: Path) -> None:
+    (tmp_path / "a.yaml").write_text("name: a\nbase: b\n")
+    (tmp_path / "b.yaml").write_text("name: b\nbase: a\n")
+    with pytest.raises(SpecError, match="cycle"):
+        load_spec(tmp_path / "a.yaml")
+
+
+def test_yaml_is_never_executed(tmp_path: Path) -> None:
+    p = tmp_path / "evil.yaml"
+    p.write_text("name: !!python/object/apply:os.system ['touch PWNED']\n")
+    with pytest.raises(SpecError):
+        load_spec(p)
+    assert not (tmp_path / "PWNED").exists() and not Path("PWNED").exists()

@@ -93,7 +93,7 @@ class LanguageModel:
         return Completion(text, ids, out, reason)
 
 
-def load(ref: str | Path, dtype: str | torch.dtype = "float32") -> LanguageModel:
-    spec = load_spec(ref)
+def load(ref: str | Path | Spec, dtype: str | torch.dtype = "float32") -> LanguageModel:
+    spec = ref if isinstance(ref, Spec) else load_spec(ref)
     dt = parse_dtype(dtype) if isinstance(dtype, str) else dtype
     return LanguageModel(spec, load_model(spec, dt), tokenizer_for(spec))

@@ -9,6 +9,7 @@ import time
 
 from inferflow.engine.sampling import SamplingParams
 from inferflow.runtime import load
+from inferflow.spec import load_spec
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -39,8 +40,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    lm = load(args.spec, args.dtype)
-    g = lm.spec.generation
+    spec = load_spec(args.spec)
+    g = spec.generation
     params = SamplingParams(
         temperature=g.temperature if args.temperature is None else args.temperature,
         top_k=g.top_k if args.top_k is None else args.top_k,
@@ -48,6 +49,7 @@ def run(args: argparse.Namespace) -> int:
         max_new_tokens=g.max_new_tokens if args.max_tokens is None else args.max_tokens,
         seed=g.seed if args.seed is None else args.seed,
     )
+    lm = load(spec, args.dtype)  # after the cheap checks: bad input fails before weights load
     prompt_ids = lm.encode_prompt(args.prompt, chat=args.chat, system=args.system)
     tok = lm._tok()
     decoder = tok.incremental_decoder()

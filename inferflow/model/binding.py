@@ -125,19 +125,19 @@ def bind_weights(model: nn.Module, source: WeightSource, name_map: NameMap) -> s
                 if need == {None}
                 else f"{pname} (shards {', '.join(sorted(map(str, lacking)))})"
             )
-    if errors:
-        raise WeightBindingError(
-            "checkpoint tensors do not fit the network:\n  " + "\n  ".join(errors)
-        )
+    problems = [f"tensors that do not fit the network: {_listing(errors)}"] if errors else []
     if missing:
-        raise WeightBindingError(
-            f"the checkpoint lacks {len(missing)} tensor(s) the network needs: {_listing(missing)} "
-            f"(check network.tensors, or settings such as attention.bias / output.tied)"
+        problems.append(
+            f"the checkpoint lacks {len(missing)} tensor(s) the network needs: {_listing(missing)}"
         )
     if unused:
+        problems.append(
+            f"the checkpoint has {len(unused)} tensor(s) the network does not use: {_listing(unused)}"
+        )
+    if problems:
         raise WeightBindingError(
-            f"the checkpoint has {len(unused)} tensor(s) the network does not use: {_listing(unused)} "
-            f"(map them under network.tensors.map, list them in network.tensors.ignore, or fix the network)"
+            "; ".join(problems) + " (check network.tensors (map / ignore) and settings such as "
+            "attention.bias, output.tied, hparams)"
         )
     log.debug("bound %d checkpoint tensors into %d parameters", len(consumed), len(params))
     return consumed

@@ -1,0 +1,154 @@
+"""Tiny random transformers models run from spec files alone, logits within 1e-4 relative of
+transformers in fp32, from safetensors and from pickle checkpoints (zip and legacy)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from inferflow.model.batch import ContiguousKVCache, FlatBatch
+from inferflow.model.build import load_model
+from inferflow.spec import load_spec
+
+tf = pytest.importorskip("transformers")
+
+SMALL = dict(vocab_size=128, num_hidden_layers=2, max_position_embeddings=64)
+
+
+def _llama_like(cls_cfg, cls_model, **kw):
+    def make():
+        cfg = cls_cfg(hidden_size=64, intermediate_size=96, num_attention_heads=4, **SMALL, **kw)
+        return cls_model(cfg)
+
+    return make
+
+
+# architecture template -> builder of a random transformers model (one row per architecture)
+CASES = {
+    "llama": _llama_like(tf.LlamaConfig, tf.LlamaForCausalLM, num_key_value_heads=2),  # GQA
+    "mistral": _llama_like(
+        tf.MistralConfig, tf.MistralForCausalLM, num_key_value_heads=2, sliding_window=7
+    ),
+    "qwen2": _llama_like(tf.Qwen2Config, tf.Qwen2ForCausalLM, num_key_value_heads=2),
+    "gpt2": lambda: tf.GPT2LMHeadModel(
+        tf.GPT2Config(
+            n_embd=64,
+            n_layer=2,
+            n_head=4,
+            vocab_size=128,
+            n_positions=64,
+            bos_token_id=0,
+            eos_token_id=0,
+        )
+    ),
+    "gpt-neox": _llama_like(tf.GPTNeoXConfig, tf.GPTNeoXForCausalLM),  # rotary_pct 0.25, parallel
+    "phi": _llama_like(tf.PhiConfig, tf.PhiForCausalLM),  # partial 0.5, shared-norm parallel
+}
+CHECKPOINTS = ("safetensors", "pickle_zip", "pickle_legacy")
+
+
+def _randomize(model: torch.nn.Module) -> None:
+    # random init leaves norms at 1 / biases at 0: perturb everything so each tensor matters
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.05)
+
+
+@pytest.fixture(scope="module")
+def hf_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[torch.nn.Module, Path]]:
+    torch.manual_seed(0)
+    out = {}
+    for arch, make in CASES.items():
+        model = make().eval()
+        _randomize(model)
+        d = tmp_path_factory.mktemp(arch)
+        model.save_pretrained(d)  # config.json + model.safetensors
+        sd = model.state_dict()
+        torch.save(sd, d / "zip.bin")
+        torch.save(sd, d / "legacy.bin", _use_new_zipfile_serialization=False)
+        out[arch] = (model, d)
+    return out
+
+
+def _spec_doc(arch: str, d: Path, ckpt: str) -> dict:
+    if ckpt == "safetensors":
+        source = {"format": "hf", "files": [str(d)]}
+    else:
+        name = "zip.bin" if ckpt == "pickle_zip" else "legacy.bin"
+        source = {"format": "pickle", "files": [str(d / name)], "config": str(d / "config.json")}
+    return {"name": f"tiny-{arch}", "base": f"arch/{arch}", "source": source}
+
+
+def _all_logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    h = model.spec.hparams
+    cache = ContiguousKVCache(h.n_layers, h.n_kv_heads, h.head_dim, 64, torch.float32)
+    batch = FlatBatch.single(ids, 0, cache)
+    batch.logits_rows = torch.arange(ids.numel())
+    with torch.no_grad():
+        return model(batch)
+
+
+@pytest.mark.parametrize("ckpt", CHECKPOINTS)
+@pytest.mark.parametrize("arch", list(CASES))
+def test_logits_match_transformers(arch: str, ckpt: str, hf_models, write_spec) -> None:
+    ref_model, d = hf_models[arch]
+    spec = load_spec(write_spec(_spec_doc(arch, d, ckpt)))
+    model = load_model(spec)
+    ids = torch.randint(0, 128, (24,), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = ref_model(ids[None]).logits[0]
+    ours = _all_logits(model, ids)
+    rel = (ours - ref).abs().max() / ref.abs().max()
+    assert rel <= 1e-4, f"{arch}/{ckpt}: max relative difference {rel:.2e}"
+
+
+@pytest.mark.parametrize("arch", list(CASES))
+def test_incremental_decode_matches_full_forward(arch: str, hf_models, write_spec) -> None:
+    """Prefill in chunks then one token per step: the same logits as one full forward."""
+    _, d = hf_models[arch]
+    model = load_model(load_spec(write_spec(_spec_doc(arch, d, "safetensors"))))
+    ids = torch.randint(0, 128, (20,), generator=torch.Generator().manual_seed(2))
+    full = _all_logits(model, ids)
+    h = model.spec.hparams
+    cache = ContiguousKVCache(h.n_layers, h.n_kv_heads, h.head_dim, 64, torch.float32)
+    steps = [(0, 9), (9, 13)] + [(t, t + 1) for t in range(13, 20)]
+    with torch.no_grad():
+        for a, b in steps:
+            last = model(FlatBatch.single(ids[a:b], a, cache))[0]
+            torch.testing.assert_close(last, full[b - 1], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "network, hparams, message",
+    [
+        # a llama checkpoint has no q/k/v biases
+        (
+            {"attention": {"bias": "qkv"}},
+            {},
+            "lacks 2 tensor(s) the network needs: dec.0.self_attn.wqkv.bias (shards k, q, v)",
+        ),
+        # tied head: lm_head.weight is left over
+        ({"output": {"tied": True}}, {}, "does not use: lm_head.weight (as dec.output.weight)"),
+        # a map that leaves tensors unmatched names them
+        ({"tensors": {"preset": "gguf"}}, {}, "does not use: lm_head.weight, model.embed_tokens.weight"),
+        # wrong numbers: shapes name both sides
+        (
+            {},
+            {"ffn_hidden": 80},
+            "model.layers.0.mlp.up_proj.weight: shape [96, 64] does not fit dec.0.feed_forward.w3.weight of shape [80, 64]",
+        ),
+    ],
+)
+def test_binding_is_strict(
+    network: dict, hparams: dict, message: str, hf_models, write_spec
+) -> None:
+    from inferflow.errors import WeightBindingError
+
+    _, d = hf_models["llama"]
+    doc = _spec_doc("llama", d, "safetensors") | {"network": network, "hparams": hparams}
+    with pytest.raises(WeightBindingError) as e:
+        load_model(load_spec(write_spec(doc)))
+    assert message in str(e.value)

@@ -1,1 +1,79 @@
+"""Checkpoint loaders: every format registers an opener in ``LOADERS`` under its spec name.
 
+``open_files(format, paths)`` opens a checkpoint as a lazy ``WeightSource``;
+``detect_format(path)`` tells the format from a file's leading bytes (or a directory: ``hf``).
+"""
+
+from __future__ import annotations
+
+import struct
+import zipfile
+from collections.abc import Sequence
+from pathlib import Path
+
+from inferflow.errors import CheckpointError, UnsafePickleError
+
+# imported for their LOADERS registrations
+from inferflow.loaders import gguf, hf, pickle_safe, safetensors  # noqa: F401
+from inferflow.loaders.base import LOADERS, Weight, WeightSource
+from inferflow.loaders.pickle_vm import load_one
+from inferflow.loaders.torch_pickle import MAGIC_NUMBER, describe_allowed, resolve_global
+
+__all__ = ["LOADERS", "Weight", "WeightSource", "detect_format", "open_files"]
+
+
+def open_files(format: str, paths: Sequence[str | Path]) -> WeightSource:
+    """Open ``paths`` (one file, the shards of one checkpoint, or one hf directory) lazily."""
+    opener = LOADERS.get(format)  # an unknown format names the known ones
+    files = [Path(p) for p in paths]
+    if not files:
+        raise CheckpointError(f"no checkpoint files given for format {format!r}")
+    for f in files:
+        if not f.exists():
+            raise CheckpointError(f"checkpoint file not found: {f}")
+    return opener(files)
+
+
+def _is_legacy_torch(head: bytes, path: Path) -> bool:
+    try:
+        magic, _ = load_one(head, resolve=resolve_global, allowed=describe_allowed)
+    except UnsafePickleError as e:
+        # an unsafe pickle is worth reporting as such, not as an unknown format
+        raise UnsafePickleError(f"{path}: {e}") from e
+    except CheckpointError:
+        return False
+    return magic == MAGIC_NUMBER
+
+
+def detect_format(path: str | Path) -> str:
+    """The ``LOADERS`` name for a checkpoint file or model directory, from its content."""
+    path = Path(path)
+    if path.is_dir():
+        return "hf"
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint not found: {path}")
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(256)
+    if head[:4] == gguf.GGUF_MAGIC:
+        return "gguf"
+    if head[:4] == pickle_safe.ZIP_MAGIC:
+        try:
+            with zipfile.ZipFile(path) as zf:
+                names = zf.namelist()
+        except pickle_safe.ZIP_ERRORS as e:
+            raise CheckpointError(f"{path}: zip archive that cannot be read: {e}") from e
+        if any(n.count("/") == 1 and n.endswith("/data.pkl") for n in names):
+            return "pickle"
+        raise CheckpointError(f"{path}: zip archive without a '<prefix>/data.pkl' (not torch.save)")
+    if head[:1] == b"\x80" and _is_legacy_torch(head, path):
+        return "pickle"
+    if len(head) >= 9:
+        (n,) = struct.unpack("<Q", head[:8])
+        if 2 <= n <= size - 8 and head[8:9] == b"{":
+            return "safetensors"
+    raise CheckpointError(
+        f"cannot tell the checkpoint format of {path} (starts with {head[:8]!r}); "
+        f"supported: {', '.join(LOADERS.names())} (GGUF, torch.save zip or legacy, "
+        "safetensors, or a model directory)"
+    )

@@ -20,6 +20,8 @@ from inferflow.engine.sampling import SamplingParams
 from inferflow.errors import RequestError
 from inferflow.model.build import load_model, parse_dtype
 from inferflow.spec import Spec, load_spec
+from inferflow.quant import get_format
+from inferflow.spec.types import QuantSpec
 from inferflow.tokenizer import Tokenizer, load_tokenizer
 
 
@@ -93,7 +95,17 @@ class LanguageModel:
         return Completion(text, ids, out, reason)
 
 
-def load(ref: str | Path | Spec, dtype: str | torch.dtype = "float32") -> LanguageModel:
+def load(
+    ref: str | Path | Spec, dtype: str | torch.dtype = "float32", quant: str | None = None
+) -> LanguageModel:
+    """``quant`` replaces the spec's default weight format ("none" turns quantization off)."""
     spec = ref if isinstance(ref, Spec) else load_spec(ref)
     dt = parse_dtype(dtype) if isinstance(dtype, str) else dtype
-    return LanguageModel(spec, load_model(spec, dt), tokenizer_for(spec))
+    q = None
+    if quant is not None:
+        if quant != "none":
+            get_format(quant)  # unknown names fail here, listing the known ones, before any weights load
+        q = QuantSpec(
+            None if quant == "none" else quant, spec.quant.overrides if quant != "none" else ()
+        )
+    return LanguageModel(spec, load_model(spec, dt, q), tokenizer_for(spec))

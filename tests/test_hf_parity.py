@@ -67,7 +67,7 @@ def hf_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[torch
         d = tmp_path_factory.mktemp(arch)
         model.save_pretrained(d)  # config.json + model.safetensors
         sd = model.state_dict()
-        torch.save(sd, d / "zip.bin")
+        torch.save(sd, d / "pytorch_model.bin")
         torch.save(sd, d / "legacy.bin", _use_new_zipfile_serialization=False)
         out[arch] = (model, d)
     return out
@@ -77,7 +77,7 @@ def _spec_doc(arch: str, d: Path, ckpt: str) -> dict:
     if ckpt == "safetensors":
         source = {"format": "hf", "files": [str(d)]}
     else:
-        name = "zip.bin" if ckpt == "pickle_zip" else "legacy.bin"
+        name = "pytorch_model.bin" if ckpt == "pickle_zip" else "legacy.bin"
         source = {"format": "pickle", "files": [str(d / name)], "config": str(d / "config.json")}
     return {"name": f"tiny-{arch}", "base": f"arch/{arch}", "source": source}
 

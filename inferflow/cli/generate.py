@@ -30,6 +30,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="activation and weight dtype",
     )
     p.add_argument(
+        "--quant", default=None, help="quantize weights at load time: a format name, or none"
+    )
+    p.add_argument(
         "--chat", action="store_true", help="wrap the prompt in the model's chat template"
     )
     p.add_argument("--system", default=None, help="system message (with --chat)")
@@ -49,7 +52,9 @@ def run(args: argparse.Namespace) -> int:
         max_new_tokens=g.max_new_tokens if args.max_tokens is None else args.max_tokens,
         seed=g.seed if args.seed is None else args.seed,
     )
-    lm = load(spec, args.dtype)  # after the cheap checks: bad input fails before weights load
+    lm = load(
+        spec, args.dtype, args.quant
+    )  # after the cheap checks: bad input fails before weights load
     prompt_ids = lm.encode_prompt(args.prompt, chat=args.chat, system=args.system)
     tok = lm._tok()
     decoder = tok.incremental_decoder()

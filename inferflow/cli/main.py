@@ -9,7 +9,7 @@ import sys
 
 from inferflow.errors import InferflowError
 
-SUBCOMMANDS = ("generate", "validate", "inspect")
+SUBCOMMANDS = ("generate", "validate", "inspect", "ppl")
 
 
 def build_parser() -> argparse.ArgumentParser:

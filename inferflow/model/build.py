@@ -16,7 +16,7 @@ from inferflow.model.binding import bind_weights
 from inferflow.model.decoder import DecoderOnly
 from inferflow.model.names import NameMap
 from inferflow.registry import Registry
-from inferflow.spec.types import Spec
+from inferflow.spec.types import QuantSpec, Spec
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +53,10 @@ def build_network(spec: Spec, dtype: torch.dtype = torch.float32) -> nn.Module:
         return NETWORKS.get(spec.network.type)(spec)
 
 
-def load_model(spec: Spec, dtype: torch.dtype = torch.float32) -> nn.Module:
+def load_model(
+    spec: Spec, dtype: torch.dtype = torch.float32, quant: QuantSpec | None = None
+) -> nn.Module:
+    """Network with its weights bound; quantized by ``quant`` (default: the spec's quant section)."""
     t0 = time.perf_counter()
     model = build_network(spec, dtype)
     source = open_files(spec.source.format, spec.source.files)
@@ -61,6 +64,11 @@ def load_model(spec: Spec, dtype: torch.dtype = torch.float32) -> nn.Module:
         bind_weights(model, source, NameMap(spec.network.tensors))
     finally:
         source.close()
+    q = spec.quant if quant is None else quant
+    if q.weights or q.overrides:
+        from inferflow.quant.apply import QuantPolicy, quantize_model
+
+        quantize_model(model, QuantPolicy(default=q.weights, overrides=list(q.overrides)))
     model.eval()
     log.info(
         "loaded %s (%s) in %.2f s",

@@ -23,6 +23,7 @@ from inferflow.spec.types import (
     HParams,
     MapEntry,
     NetworkSpec,
+    QuantSpec,
     SourceSpec,
     Spec,
     TensorsSpec,
@@ -132,6 +133,10 @@ def parse_spec(
     found.update(hparam_overrides or {})
     hparams = _hparams(found, where)
     gen = GenerationDefaults(**doc.get("generation", {}))
+    q = doc.get("quant", {})
+    quant = QuantSpec(
+        _fmt(q.get("weights")), tuple((pat, _fmt(f)) for pat, f in q.get("overrides", {}).items())
+    )
     return Spec(
         name=doc["name"],
         path=path,
@@ -140,9 +145,14 @@ def parse_spec(
         network=network,
         hparams=hparams,
         generation=gen,
+        quant=quant,
         description=doc.get("description", ""),
         raw=doc,
     )
+
+
+def _fmt(name: str | None) -> str | None:
+    return None if name in (None, "none") else name
 
 
 def _network(n: dict[str, Any]) -> NetworkSpec:

@@ -44,6 +44,7 @@ def build_schema() -> dict[str, Any]:
     from inferflow.loaders import LOADERS
     from inferflow.model.build import NETWORKS
     from inferflow.model.names import PRESETS
+    from inferflow.quant import FORMATS
     from inferflow.tokenizer import TOKENIZER_KINDS
 
     num = {"type": "number"}
@@ -135,6 +136,15 @@ def build_schema() -> dict[str, Any]:
             ),
             "hparams": _obj({k: {"type": t} for k, t in HPARAM_TYPES.items()}),
             "network": network,
+            "quant": _obj(
+                {
+                    "weights": _enum([*FORMATS.names(), "none"]),
+                    "overrides": {
+                        "type": "object",
+                        "additionalProperties": _enum([*FORMATS.names(), "none"]),
+                    },
+                }
+            ),
             "generation": _obj(
                 {
                     "temperature": {"type": "number", "minimum": 0},

@@ -131,6 +131,15 @@ class GenerationDefaults:
 
 
 @dataclass(frozen=True)
+class QuantSpec:
+    """Runtime weight quantization: a default format and ordered (glob, format) overrides over
+    canonical module paths (``dec.output``, ``dec.*.feed_forward.*``); None keeps float."""
+
+    weights: str | None = None
+    overrides: tuple[tuple[str, str | None], ...] = ()
+
+
+@dataclass(frozen=True)
 class Spec:
     name: str
     path: Path | None
@@ -139,5 +148,6 @@ class Spec:
     network: NetworkSpec
     hparams: HParams
     generation: GenerationDefaults = field(default_factory=GenerationDefaults)
+    quant: QuantSpec = field(default_factory=QuantSpec)
     description: str = ""
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)

@@ -1,0 +1,92 @@
+"""``inferflow ppl SPEC --text FILE``: perplexity over a fixed text (llama.cpp's protocol: windows
+of --ctx tokens, the second half of each scored) and, with a saved reference, KL divergence.
+
+    inferflow ppl smollm2-135m-instruct --text hamlet.txt --kl-divergence-base base.st   # reference
+    inferflow ppl smollm2-135m-instruct --text hamlet.txt --quant Q4_B32 --kl-divergence-base base.st --kl-divergence
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from inferflow.errors import InferflowError
+from inferflow.evaluate import perplexity
+from inferflow.runtime import load
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "ppl",
+        help="perplexity / KL divergence over a text file",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("spec", help="spec file path or built-in spec name")
+    p.add_argument(
+        "--text",
+        type=Path,
+        required=True,
+        help="UTF-8 text file (make models puts hamlet in ~/.cache/inferflow/texts)",
+    )
+    p.add_argument("--ctx", type=int, default=512, help="window length in tokens (default 512)")
+    p.add_argument("--chunks", type=int, default=None, help="score at most this many windows")
+    p.add_argument(
+        "--quant", default=None, help="quantize weights at load time (format name or none)"
+    )
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    p.add_argument(
+        "--kl-divergence-base",
+        type=Path,
+        default=None,
+        help="reference log-probs file: written unless --kl-divergence",
+    )
+    p.add_argument(
+        "--kl-divergence",
+        action="store_true",
+        help="compare against --kl-divergence-base instead of writing it",
+    )
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.kl_divergence and args.kl_divergence_base is None:
+        raise InferflowError("--kl-divergence needs --kl-divergence-base FILE")
+    try:
+        text = args.text.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise InferflowError(f"cannot read --text {args.text}: {e}") from None
+    lm = load(args.spec, args.dtype, args.quant)
+    ids = lm._tok().encode(text, add_special_tokens=False)
+    res = perplexity(
+        lm.model,
+        ids,
+        args.ctx,
+        args.chunks,
+        save_base=None if args.kl_divergence else args.kl_divergence_base,
+        kl_base=args.kl_divergence_base if args.kl_divergence else None,
+    )
+    out = {
+        "spec": lm.spec.name,
+        "quant": args.quant or lm.spec.quant.weights,
+        "text": str(args.text),
+        "ctx": res.ctx,
+        "chunks": res.chunks,
+        "scored_tokens": res.scored_tokens,
+        "ppl": round(res.ppl, 4),
+    }
+    if res.kl:
+        out.update(
+            kl_mean=res.kl.mean,
+            kl_p99=res.kl.p99,
+            kl_max=res.kl.maximum,
+            top1_agreement=res.kl.top1_agreement,
+        )
+    if args.json:
+        print(json.dumps(out))
+    else:
+        for k, v in out.items():
+            print(f"{k}: {v}")
+    return 0

@@ -1,0 +1,154 @@
+"""Perplexity and KL divergence over a fixed text, following llama.cpp's ``perplexity`` protocol.
+
+The token stream is cut into non-overlapping windows of ``ctx`` tokens; in each window the first
+``ctx // 2`` tokens are context only and every later token is scored, so each scored token is
+predicted from at least ``ctx // 2`` tokens. ``--kl-divergence-base`` saves the scored
+log-probabilities (fp16) of a reference run; a later run of a quantized model against that
+file reports the KL divergence of its next-token distributions from the reference's and how
+often both agree on the most likely token.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from inferflow.engine.generate import new_cache
+from inferflow.errors import InferflowError, RequestError
+from inferflow.model.batch import FlatBatch
+
+
+@dataclass
+class KLStats:
+    mean: float
+    p99: float
+    maximum: float
+    top1_agreement: float
+
+
+@dataclass
+class PerplexityResult:
+    ppl: float
+    nll: float  # mean negative log-likelihood per scored token (nats)
+    scored_tokens: int
+    chunks: int
+    ctx: int
+    kl: KLStats | None = None
+    per_chunk_ppl: list[float] = field(default_factory=list)
+
+
+def windows(ids: list[int], ctx: int, max_chunks: int | None) -> list[list[int]]:
+    if ctx < 4:
+        raise RequestError(f"ctx must be at least 4 tokens, got {ctx}")
+    n = len(ids) // ctx
+    if max_chunks is not None:
+        n = min(n, max_chunks)
+    if n == 0:
+        raise RequestError(f"the text has {len(ids)} tokens: fewer than one window of ctx={ctx}")
+    return [ids[i * ctx : (i + 1) * ctx] for i in range(n)]
+
+
+@torch.inference_mode()
+def scored_logprobs(
+    model: nn.Module, chunks: list[list[int]]
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Per window: log-probs (ctx - ctx//2 - 1, vocab) float32 and the tokens they predict."""
+    for chunk in chunks:
+        ctx = len(chunk)
+        first = ctx // 2
+        batch = FlatBatch.single(torch.tensor(chunk), 0, new_cache(model, ctx))
+        batch.logits_rows = torch.arange(first, ctx - 1)
+        logits = model(batch).float()
+        yield torch.log_softmax(logits, dim=-1), torch.tensor(chunk[first + 1 :])
+
+
+def perplexity(
+    model: nn.Module,
+    ids: list[int],
+    ctx: int = 512,
+    max_chunks: int | None = None,
+    save_base: Path | None = None,
+    kl_base: Path | None = None,
+) -> PerplexityResult:
+    chunks = windows(ids, ctx, max_chunks)
+    base = _BaseFile.open(kl_base, ids, ctx, len(chunks)) if kl_base else None
+    saved: dict[str, torch.Tensor] = {}
+    nll_sum, count, per_chunk = 0.0, 0, []
+    kls: list[torch.Tensor] = []
+    agree = 0
+    for i, (lp, targets) in enumerate(scored_logprobs(model, chunks)):
+        nll = -lp.gather(1, targets[:, None]).squeeze(1)
+        nll_sum += float(nll.sum())
+        count += nll.numel()
+        per_chunk.append(math.exp(float(nll.mean())))
+        if save_base is not None:
+            saved[f"chunk{i}"] = lp.half()
+        if base is not None:
+            ref = base.chunk(i).float()
+            kls.append((ref.exp() * (ref - lp)).sum(-1))
+            agree += int((ref.argmax(-1) == lp.argmax(-1)).sum())
+    if save_base is not None:
+        _BaseFile.write(save_base, saved, ids, ctx)
+    kl = None
+    if kls:
+        k = torch.cat(kls).clamp_min(0)
+        kl = KLStats(
+            float(k.mean()), float(torch.quantile(k, 0.99)), float(k.max()), agree / k.numel()
+        )
+    return PerplexityResult(
+        math.exp(nll_sum / count), nll_sum / count, count, len(chunks), ctx, kl, per_chunk
+    )
+
+
+class _BaseFile:
+    """Reference log-probs in a safetensors file; metadata ties it to the exact token windows."""
+
+    def __init__(self, path: Path, handle: object) -> None:
+        self.path, self.handle = path, handle
+
+    @staticmethod
+    def _key(ids: list[int], ctx: int) -> str:
+        import hashlib
+
+        return hashlib.sha256(json.dumps([ctx, ids]).encode()).hexdigest()
+
+    @classmethod
+    def write(cls, path: Path, tensors: dict[str, torch.Tensor], ids: list[int], ctx: int) -> None:
+        from safetensors.torch import save_file
+
+        tmp = path.with_name(path.name + ".tmp")
+        save_file(
+            tensors, str(tmp), metadata={"inferflow.kl_base": cls._key(ids, ctx), "ctx": str(ctx)}
+        )
+        tmp.replace(path)
+
+    @classmethod
+    def open(cls, path: Path, ids: list[int], ctx: int, n_chunks: int) -> _BaseFile:
+        from safetensors import safe_open
+
+        if not path.is_file():
+            raise InferflowError(
+                f"KL base file {path} does not exist: write it first with --kl-divergence-base alone"
+            )
+        handle = safe_open(str(path), framework="pt")
+        meta = handle.metadata() or {}
+        if meta.get("inferflow.kl_base") != cls._key(ids, ctx):
+            raise InferflowError(
+                f"KL base file {path} was made from other tokens or another ctx (its ctx: {meta.get('ctx')}, this "
+                f"run: {ctx}); use the same text, tokenizer and --ctx"
+            )
+        missing = [i for i in range(n_chunks) if f"chunk{i}" not in handle.keys()]
+        if missing:
+            raise InferflowError(
+                f"KL base file {path} holds fewer windows than this run ({n_chunks}): use --chunks"
+            )
+        return cls(path, handle)
+
+    def chunk(self, i: int) -> torch.Tensor:
+        return self.handle.get_tensor(f"chunk{i}")  # type: ignore[attr-defined]

@@ -1,0 +1,209 @@
+"""The continuous-batching engine: ``add_request`` / ``step`` (Inferflow's AddQuery / Infer).
+
+A request added between steps joins the very next step. One step = schedule (token budget) ->
+execute one flat batch of every scheduled token (selective batching: token-wise ops see one
+(N, hidden) tensor; attention runs per request against its paged KV blocks) -> update (sample,
+stop checks, free finished requests).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from inferflow.engine.kv_cache import PagedKVCache
+from inferflow.engine.request import FINISHED, Request, RequestOutput, Scheduled
+from inferflow.engine.sampling import SamplingParams, make_sampler
+from inferflow.engine.scheduler import Scheduler, SchedulerConfig
+from inferflow.errors import RequestError
+from inferflow.model.batch import FlatBatch, SeqSlice
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    scheduler: SchedulerConfig = SchedulerConfig()
+    block_size: int = 16
+    kv_cache_bytes: int = 256 << 20  # memory for K and V of all requests together
+
+
+class Engine:
+    def __init__(
+        self, model: nn.Module, tokenizer: object | None = None, config: EngineConfig | None = None
+    ) -> None:
+        self.model, self.tokenizer = model, tokenizer
+        self.config = config or EngineConfig()
+        h = model.spec.hparams
+        dtype = next(model.parameters()).dtype
+        per_block = PagedKVCache.bytes_per_block(
+            h.n_layers, h.n_kv_heads, h.head_dim, self.config.block_size, dtype
+        )
+        num_blocks = self.config.kv_cache_bytes // per_block
+        if num_blocks < 1:
+            raise RequestError(
+                f"kv_cache_bytes {self.config.kv_cache_bytes} holds no block; one block of "
+                f"{self.config.block_size} tokens needs {per_block} bytes"
+            )
+        self.cache = PagedKVCache(
+            h.n_layers, h.n_kv_heads, h.head_dim, self.config.block_size, num_blocks, dtype
+        )
+        self.scheduler = Scheduler(self.config.scheduler, self.cache)
+        self.requests: dict[str, Request] = {}
+        self.eos_ids = set(
+            getattr(tokenizer, "eos_ids", None) or ([h.eos_id] if h.eos_id is not None else [])
+        )
+        self.max_len = h.max_positions
+        self._ids = itertools.count()
+        self._aborted: list[Request] = []
+
+    # --- API --------------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+    ) -> str:
+        params = params or SamplingParams()
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise RequestError("this engine has no tokenizer: pass token ids")
+            ids = self.tokenizer.encode(prompt)  # type: ignore[attr-defined]
+        else:
+            ids = [int(t) for t in prompt]
+        if not ids:
+            raise RequestError("the prompt is empty: give at least one token")
+        vocab = self.model.spec.hparams.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise RequestError(
+                f"prompt token ids {bad[:5]} are outside the vocabulary 0..{vocab - 1}"
+            )
+        if len(ids) >= self.max_len:
+            raise RequestError(
+                f"the prompt has {len(ids)} tokens; the model's context is {self.max_len}"
+            )
+        capacity = self.cache.alloc.num_blocks * self.cache.block_size
+        if len(ids) + 1 > capacity:
+            raise RequestError(
+                f"the prompt has {len(ids)} tokens; the KV cache holds {capacity} in all"
+            )
+        rid = request_id or f"req-{next(self._ids)}"
+        if rid in self.requests:
+            raise RequestError(f"request id {rid!r} is already in use")
+        n = next(self._ids)
+        detok = self.tokenizer.incremental_decoder() if self.tokenizer is not None else None  # type: ignore[attr-defined]
+        req = Request(rid, ids, params, n, make_sampler(params), detok=detok)
+        self.scheduler.add(req)
+        self.requests[rid] = req
+        return rid
+
+    def abort(self, request_id: str) -> bool:
+        req = self.requests.get(request_id)
+        if req is None or req.status == FINISHED:
+            return False
+        self.scheduler.remove(req)
+        self._finish(req, "abort")
+        self._aborted.append(req)
+        return True
+
+    def has_unfinished(self) -> bool:
+        return bool(self.scheduler.running or self.scheduler.waiting)
+
+    def step(self) -> list[RequestOutput]:
+        outputs = [RequestOutput(r.id, [], "", True, "abort") for r in self._aborted]
+        self._aborted.clear()
+        batch = self.scheduler.schedule()
+        if batch:
+            logits = self._execute(batch)
+            outputs += self._update(batch, logits)
+        for out in outputs:
+            if out.finished:  # the caller has its last event: the engine forgets the request
+                self.requests.pop(out.request_id, None)
+        return outputs
+
+    def generate(
+        self, prompts: list[str] | list[list[int]], params: SamplingParams | None = None
+    ) -> list[Request]:
+        """Blocking: run until every prompt finishes; returns the finished requests in order."""
+        reqs = [self.requests[self.add_request(p, params)] for p in prompts]
+        while any(r.status != FINISHED for r in reqs):
+            self.step()
+        return reqs
+
+    def stream(
+        self, prompt: str | list[int], params: SamplingParams | None = None
+    ) -> Iterator[RequestOutput]:
+        rid = self.add_request(prompt, params)
+        while True:
+            for out in self.step():
+                if out.request_id == rid:
+                    yield out
+                    if out.finished:
+                        return
+
+    # --- execute and update -------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def _execute(self, batch: list[Scheduled]) -> torch.Tensor:
+        ids, pos, seqs, views, rows = [], [], [], [], []
+        row = 0
+        for s in batch:
+            tokens = s.req.tokens[s.start : s.start + s.length]
+            ids.extend(tokens)
+            pos.append(torch.arange(s.start, s.start + s.length))
+            seqs.append(SeqSlice(row, s.length))
+            views.append(self.cache.view(s.req.kv, s.start, s.start + s.length))
+            row += s.length
+            if s.sample:
+                rows.append(row - 1)
+        flat = FlatBatch(
+            torch.tensor(ids), torch.cat(pos), seqs, views, torch.tensor(rows, dtype=torch.long)
+        )
+        logits = self.model(flat).float()
+        for s in batch:
+            s.req.kv.num_computed = s.start + s.length
+            if self.scheduler.cfg.prefix_caching:
+                self.cache.register_full_blocks(s.req.kv, s.req.tokens)
+        return logits
+
+    def _update(self, batch: list[Scheduled], logits: torch.Tensor) -> list[RequestOutput]:
+        outputs = []
+        sampled = [s.req for s in batch if s.sample]
+        for req, row in zip(sampled, logits, strict=True):
+            tok = req.sampler(row)
+            req.output_ids.append(tok)
+            outputs.append(self._emit(req, tok))
+        return outputs
+
+    def _emit(self, req: Request, tok: int) -> RequestOutput:
+        p = req.params
+        stop_tok = tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos_ids)
+        text = ""
+        reason = None
+        if stop_tok:
+            reason = "stop"
+        else:
+            if req.detok is not None:
+                text = req.detok.push(tok)
+                req.text += text
+            if len(req.output_ids) >= p.max_new_tokens or len(req.tokens) >= self.max_len:
+                reason = "length"
+                if req.detok is not None:
+                    tail = req.detok.flush()
+                    text, req.text = text + tail, req.text + tail
+        first = req.prompt_ids if len(req.output_ids) == 1 else None
+        if reason:
+            self.scheduler.remove(req)
+            self._finish(req, reason)
+        return RequestOutput(req.id, [tok], text, reason is not None, reason, first)
+
+    def _finish(self, req: Request, reason: str) -> None:
+        req.status = FINISHED
+        req.finish_reason = reason

@@ -1,0 +1,200 @@
+"""Paged KV cache: fixed-size blocks in one preallocated pool, per-sequence block tables,
+reference-counted sharing (prefix caching, forks) with copy-on-write.
+
+Storage is (layers, blocks, block_size, KV heads, head_dim) for K and for V; only KV heads are
+cached, so GQA/MQA models pay for their KV heads alone. A sequence's view for one engine step
+precomputes its write and read slots once, then every layer indexes with them.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import torch
+
+from inferflow.errors import InferflowError
+
+log = logging.getLogger(__name__)
+
+
+class KVCacheFull(InferflowError):
+    """No free block is left (the scheduler preempts instead of failing a request)."""
+
+
+class BlockAllocator:
+    """Free blocks in LRU order; freed blocks keep their prefix-cache identity until reused."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
+        self.refs = [0] * num_blocks
+        self.free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
+        self.on_reuse: dict[int, int] = {}  # block -> prefix hash it still holds (evictable)
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free)
+
+    def allocate(self) -> int:
+        if not self.free:
+            raise KVCacheFull("the KV cache has no free block")
+        block, _ = self.free.popitem(last=False)
+        self.refs[block] = 1
+        return block
+
+    def incref(self, block: int) -> None:
+        if self.refs[block] == 0:
+            del self.free[block]  # a cached prefix block comes back into use
+        self.refs[block] += 1
+
+    def decref(self, block: int) -> None:
+        self.refs[block] -= 1
+        if self.refs[block] == 0:
+            self.free[block] = None
+
+
+@dataclass
+class SeqBlocks:
+    """One sequence's block table and how many of its positions hold computed K/V."""
+
+    blocks: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    hashes: list[int] = field(default_factory=list)  # prefix hash of each full block
+
+
+class PagedKVCache:
+    def __init__(
+        self,
+        n_layers: int,
+        n_kv_heads: int,
+        head_dim: int,
+        block_size: int,
+        num_blocks: int,
+        dtype: torch.dtype,
+    ) -> None:
+        if num_blocks < 1 or block_size < 1:
+            raise InferflowError(
+                f"KV cache needs at least one block of at least one token, got {num_blocks} x {block_size}"
+            )
+        shape = (n_layers, num_blocks * block_size, n_kv_heads, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype)
+        self.v = torch.zeros(shape, dtype=dtype)
+        self.block_size = block_size
+        self.alloc = BlockAllocator(num_blocks)
+        self.prefix: dict[int, int] = {}  # prefix hash -> block
+
+    @staticmethod
+    def bytes_per_block(
+        n_layers: int, n_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype
+    ) -> int:
+        return (
+            2
+            * n_layers
+            * block_size
+            * n_kv_heads
+            * head_dim
+            * torch.empty((), dtype=dtype).element_size()
+        )
+
+    # --- block tables ---------------------------------------------------------------------
+
+    def blocks_needed(self, seq: SeqBlocks, upto: int) -> int:
+        return max(0, -(-upto // self.block_size) - len(seq.blocks))
+
+    def reserve(self, seq: SeqBlocks, upto: int) -> None:
+        """Give ``seq`` blocks for positions [0, upto); all or nothing."""
+        need = self.blocks_needed(seq, upto)
+        if need > self.alloc.num_free:
+            raise KVCacheFull(f"need {need} blocks, {self.alloc.num_free} free")
+        for _ in range(need):
+            block = self.alloc.allocate()
+            self._forget(block)
+            seq.blocks.append(block)
+
+    def release(self, seq: SeqBlocks) -> None:
+        for b in seq.blocks:
+            self.alloc.decref(b)
+        seq.blocks.clear()
+        seq.hashes.clear()
+        seq.num_computed = 0
+
+    def fork(self, seq: SeqBlocks) -> SeqBlocks:
+        """A copy sharing every block (n > 1 samples, beams); writes copy on demand."""
+        for b in seq.blocks:
+            self.alloc.incref(b)
+        return SeqBlocks(list(seq.blocks), seq.num_computed, list(seq.hashes))
+
+    def _forget(self, block: int) -> None:
+        h = self.alloc.on_reuse.pop(block, None)
+        if h is not None and self.prefix.get(h) == block:
+            del self.prefix[h]
+
+    def _writable(self, seq: SeqBlocks, index: int) -> None:
+        block = seq.blocks[index]
+        if self.alloc.refs[block] > 1:  # copy-on-write
+            new = self.alloc.allocate()
+            self._forget(new)
+            bs = self.block_size
+            self.k[:, new * bs : (new + 1) * bs] = self.k[:, block * bs : (block + 1) * bs]
+            self.v[:, new * bs : (new + 1) * bs] = self.v[:, block * bs : (block + 1) * bs]
+            self.alloc.decref(block)
+            seq.blocks[index] = new
+            del seq.hashes[index:]
+
+    # --- prefix caching -------------------------------------------------------------------
+
+    def match_prefix(self, seq: SeqBlocks, tokens: list[int]) -> int:
+        """Share cached blocks for the longest run of full blocks of ``tokens``; returns tokens
+        covered. At least one token is always left to compute (its logits are needed)."""
+        bs, h = self.block_size, 0
+        n_full = (len(tokens) - 1) // bs
+        for i in range(n_full):
+            h = hash((h, tuple(tokens[i * bs : (i + 1) * bs])))
+            block = self.prefix.get(h)
+            if block is None:
+                break
+            self.alloc.incref(block)
+            seq.blocks.append(block)
+            seq.hashes.append(h)
+        seq.num_computed = len(seq.blocks) * bs
+        return seq.num_computed
+
+    def register_full_blocks(self, seq: SeqBlocks, tokens: list[int]) -> None:
+        """Publish newly completed blocks (all tokens computed) for prefix sharing."""
+        bs = self.block_size
+        h = seq.hashes[-1] if seq.hashes else 0
+        for i in range(len(seq.hashes), seq.num_computed // bs):
+            h = hash((h, tuple(tokens[i * bs : (i + 1) * bs])))
+            seq.hashes.append(h)
+            block = seq.blocks[i]
+            if h not in self.prefix:
+                self.prefix[h] = block
+                self.alloc.on_reuse[block] = h
+
+    # --- the per-step view the model calls ----------------------------------------------------
+
+    def view(self, seq: SeqBlocks, start: int, end: int) -> PagedView:
+        """K/V access for positions [start, end) being computed this step (blocks reserved)."""
+        bs = self.block_size
+        for i in range(start // bs, -(-end // bs)):
+            self._writable(seq, i)
+        table = torch.tensor(seq.blocks, dtype=torch.long)
+        pos = torch.arange(end, dtype=torch.long)
+        slots = table[pos // bs] * bs + pos % bs
+        return PagedView(self, slots[start:end], slots, pos)
+
+
+class PagedView:
+    def __init__(
+        self, cache: PagedKVCache, write: torch.Tensor, read: torch.Tensor, pos: torch.Tensor
+    ) -> None:
+        self.cache, self.write, self.read, self.pos = cache, write, read, pos
+
+    def update(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        ck, cv = self.cache.k[layer], self.cache.v[layer]
+        ck[self.write] = k
+        cv[self.write] = v
+        return ck[self.read], cv[self.read], self.pos

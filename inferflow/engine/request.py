@@ -1,0 +1,51 @@
+"""Request state and the records passed between the engine's stages (plain dataclasses)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from inferflow.engine.kv_cache import SeqBlocks
+from inferflow.engine.sampling import Sampler, SamplingParams
+
+WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
+
+
+@dataclass
+class Request:
+    id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    arrival: int
+    sampler: Sampler
+    output_ids: list[int] = field(default_factory=list)
+    kv: SeqBlocks = field(default_factory=SeqBlocks)
+    status: str = WAITING
+    finish_reason: str | None = None
+    detok: Any = None  # incremental decoder when the engine has a tokenizer
+    text: str = ""
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+
+@dataclass(frozen=True)
+class Scheduled:
+    """``length`` tokens of ``req`` from position ``start`` run this step; ``sample`` when they
+    reach the end of its known tokens (otherwise it is a prefill chunk)."""
+
+    req: Request
+    start: int
+    length: int
+    sample: bool
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    token_ids: list[int]  # new this step
+    text: str  # new text this step (stop strings and end tokens are not shown)
+    finished: bool
+    finish_reason: str | None = None  # stop | length | abort | error
+    prompt_token_ids: list[int] | None = None

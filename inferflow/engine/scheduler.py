@@ -1,0 +1,118 @@
+"""Iteration-level scheduling on a token budget (Orca / vLLM): no separate prefill and decode
+phases. Each step, running requests go first (oldest first, one decode token or their next
+prefill chunk), then waiting ones are admitted while budget, running slots and KV blocks last.
+When the KV cache runs out, the newest running request is preempted: its blocks are freed and it
+is recomputed later from its tokens.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass
+
+from inferflow.engine.kv_cache import KVCacheFull, PagedKVCache
+from inferflow.engine.request import RUNNING, WAITING, Request, Scheduled
+from inferflow.errors import RequestError
+
+log = logging.getLogger(__name__)
+
+
+class QueueFull(RequestError):
+    """The waiting queue is at its bound: the caller should retry later (HTTP 429)."""
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_batched_tokens: int = 512
+    max_running: int = 64
+    max_waiting: int = 1024
+    prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        for k in ("max_batched_tokens", "max_running", "max_waiting"):
+            if getattr(self, k) < 1:
+                raise RequestError(f"{k}: must be >= 1, got {getattr(self, k)}")
+
+
+class Scheduler:
+    def __init__(self, cfg: SchedulerConfig, cache: PagedKVCache) -> None:
+        self.cfg, self.cache = cfg, cache
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.preemptions = 0
+
+    def add(self, req: Request) -> None:
+        if len(self.waiting) >= self.cfg.max_waiting:
+            raise QueueFull(
+                f"the waiting queue is full ({self.cfg.max_waiting} requests); retry later"
+            )
+        self.waiting.append(req)
+
+    def remove(self, req: Request) -> None:
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self.cache.release(req.kv)
+
+    def _preempt(self, victim: Request) -> None:
+        self.running.remove(victim)
+        self.cache.release(victim.kv)
+        victim.status = WAITING
+        self.waiting.appendleft(victim)
+        self.preemptions += 1
+        log.info("preempted request %s (KV cache full); it will be recomputed", victim.id)
+
+    def schedule(self) -> list[Scheduled]:
+        budget = self.cfg.max_batched_tokens
+        out: list[Scheduled] = []
+        for req in sorted(self.running, key=lambda r: r.arrival):
+            if budget == 0:
+                break
+            if req not in self.running:  # preempted earlier in this loop
+                continue
+            take = min(len(req.tokens) - req.kv.num_computed, budget)
+            if not self._reserve_running(req, req.kv.num_computed + take, out):
+                continue
+            out.append(
+                Scheduled(
+                    req, req.kv.num_computed, take, req.kv.num_computed + take == len(req.tokens)
+                )
+            )
+            budget -= take
+        while self.waiting and budget > 0 and len(self.running) < self.cfg.max_running:
+            req = self.waiting[0]
+            if self.cfg.prefix_caching and req.kv.num_computed == 0 and not req.kv.blocks:
+                self.cache.match_prefix(req.kv, req.tokens)
+            take = min(len(req.tokens) - req.kv.num_computed, budget)
+            try:
+                self.cache.reserve(req.kv, req.kv.num_computed + take)
+            except KVCacheFull:
+                self.cache.release(req.kv)  # drop shared prefix blocks; retried next step
+                break
+            self.waiting.popleft()
+            req.status = RUNNING
+            self.running.append(req)
+            out.append(
+                Scheduled(
+                    req, req.kv.num_computed, take, req.kv.num_computed + take == len(req.tokens)
+                )
+            )
+            budget -= take
+        return out
+
+    def _reserve_running(self, req: Request, upto: int, scheduled: list[Scheduled]) -> bool:
+        """Blocks for ``req`` up to ``upto``, preempting the newest others; False if ``req`` itself
+        had to go."""
+        taken = {s.req.id for s in scheduled}
+        while True:
+            try:
+                self.cache.reserve(req.kv, upto)
+                return True
+            except KVCacheFull:
+                candidates = [r for r in self.running if r.id not in taken]
+                victim = max(candidates, key=lambda r: r.arrival)
+                self._preempt(victim)
+                if victim is req:
+                    return False

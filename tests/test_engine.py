@@ -170,3 +170,33 @@ def test_context_limit_finishes_with_length(model) -> None:
     eng = _engine(model)
     (r,) = eng.generate([[5] * 250], SamplingParams(max_new_tokens=100, ignore_eos=True))
     assert r.finish_reason == "length" and len(r.tokens) == 256
+
+
+def test_sliding_window_and_softcap_model_batched_equals_alone(tmp_path) -> None:
+    """Grouped decode attention with a window (and the soft-capped path) equals one-at-a-time."""
+    torch.manual_seed(1)
+    cfg = tf.MistralConfig(
+        hidden_size=64,
+        intermediate_size=96,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        vocab_size=VOCAB,
+        num_hidden_layers=2,
+        max_position_embeddings=256,
+        sliding_window=5,
+    )
+    ref = tf.MistralForCausalLM(cfg)
+    with torch.no_grad():
+        ref.lm_head.weight.mul_(8)
+    ref.save_pretrained(tmp_path)
+    for extra in ("", "  attention: {softcap: 20.0}\n"):
+        (tmp_path / "spec.yaml").write_text(
+            f"name: w\nbase: arch/mistral\nsource: {{format: hf, files: ['{tmp_path}']}}\n"
+            + (f"network:\n{extra}" if extra else "")
+        )
+        model = load_model(load_spec(tmp_path / "spec.yaml"))
+        prompts = _prompts(8, seed=21)
+        params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+        reqs = _engine(model).generate(prompts, params)
+        for r, p in zip(reqs, prompts, strict=True):
+            assert r.output_ids == _alone(model, p, params)

@@ -101,6 +101,38 @@ def attend(
     return torch.matmul(p, vh).transpose(0, 1)
 
 
+def attend_decode_group(
+    q: torch.Tensor,  # (B, H, D): one new query per sequence
+    k: torch.Tensor,  # (B, S, KVH, D) padded keys
+    v: torch.Tensor,
+    q_pos: torch.Tensor,  # (B,)
+    k_pos: torch.Tensor,  # (B, S)
+    valid: torch.Tensor,  # (B, S) False on padding
+    scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """One masked attention call for a whole decode step instead of one per sequence."""
+    B, H, D = q.shape
+    KVH = k.shape[2]
+    visible = valid & (k_pos <= q_pos[:, None])
+    if window is not None:
+        visible &= (q_pos[:, None] - k_pos) < window
+    mask = torch.zeros(visible.shape, dtype=q.dtype).masked_fill(~visible, float("-inf"))[
+        :, None, None, :
+    ]
+    qh, kh, vh = q[:, :, None, :], k.transpose(1, 2), v.transpose(1, 2)  # (B, H|KVH, 1|S, D)
+    if softcap is None:
+        out = F.scaled_dot_product_attention(
+            qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=H != KVH
+        )
+        return out[:, :, 0, :]
+    if H != KVH:
+        kh, vh = kh.repeat_interleave(H // KVH, 1), vh.repeat_interleave(H // KVH, 1)
+    s = torch.tanh(torch.matmul(qh, kh.transpose(-1, -2)) * scale / softcap) * softcap + mask
+    return torch.matmul(torch.softmax(s.float(), dim=-1).to(q.dtype), vh)[:, :, 0, :]
+
+
 class Attention(nn.Module):
     def __init__(self, a: AttnArgs) -> None:
         super().__init__()
@@ -133,6 +165,12 @@ class Attention(nn.Module):
         if a.qk_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = pos.rotate(q, k, batch.positions)
+        if batch.group is not None and not pos.has_bias:
+            kp, vp, kpos, valid = batch.group.update(a.layer, k, v)
+            out = attend_decode_group(
+                q, kp, vp, batch.positions, kpos, valid, self.scale, a.window, a.softcap
+            )
+            return self.wo(out.reshape(N, -1))
         out = torch.empty_like(q)
         for i, s in enumerate(batch.seqs):
             rows = slice(s.start, s.start + s.length)

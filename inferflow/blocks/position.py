@@ -32,6 +32,8 @@ class PositionArgs:
 
 
 class PositionBlock(nn.Module):
+    has_bias = False  # True for blocks whose bias() is not None
+
     def embed(self, positions: torch.Tensor) -> torch.Tensor | None:
         return None
 
@@ -196,6 +198,7 @@ def alibi_slopes(n_heads: int) -> torch.Tensor:
 @POSITIONS.register("alibi")
 class Alibi(PositionBlock):
     slopes: torch.Tensor
+    has_bias = True
 
     def __init__(self, args: PositionArgs) -> None:
         super().__init__()

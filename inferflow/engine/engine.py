@@ -152,20 +152,25 @@ class Engine:
 
     @torch.inference_mode()
     def _execute(self, batch: list[Scheduled]) -> torch.Tensor:
-        ids, pos, seqs, views, rows = [], [], [], [], []
+        ids: list[int] = []
+        pos, seqs, views, rows = [], [], [], []
+        # a pure decode step of several sequences attends in one grouped call
+        grouped = len(batch) > 1 and all(s.length == 1 for s in batch)
         row = 0
         for s in batch:
-            tokens = s.req.tokens[s.start : s.start + s.length]
-            ids.extend(tokens)
+            ids.extend(s.req.tokens[s.start : s.start + s.length])
             pos.append(torch.arange(s.start, s.start + s.length))
             seqs.append(SeqSlice(row, s.length))
-            views.append(self.cache.view(s.req.kv, s.start, s.start + s.length))
+            if not grouped:
+                views.append(self.cache.view(s.req.kv, s.start, s.start + s.length))
             row += s.length
             if s.sample:
                 rows.append(row - 1)
         flat = FlatBatch(
             torch.tensor(ids), torch.cat(pos), seqs, views, torch.tensor(rows, dtype=torch.long)
         )
+        if grouped:
+            flat.group = self.cache.group_view([s.req.kv for s in batch], [s.start for s in batch])
         logits = self.model(flat).float()
         for s in batch:
             s.req.kv.num_computed = s.start + s.length

@@ -184,6 +184,43 @@ class PagedKVCache:
         slots = table[pos // bs] * bs + pos % bs
         return PagedView(self, slots[start:end], slots, pos)
 
+    def group_view(self, seqs: list[SeqBlocks], positions: list[int]) -> PagedGroupView:
+        """A decode step of several sequences, each writing one token at ``positions[i]``."""
+        bs = self.block_size
+        for seq, p in zip(seqs, positions, strict=True):
+            self._writable(seq, p // bs)
+        S = max(positions) + 1
+        pos = torch.arange(S, dtype=torch.long)
+        tables = torch.zeros((len(seqs), -(-S // bs)), dtype=torch.long)
+        for i, seq in enumerate(seqs):
+            n = -(-(positions[i] + 1) // bs)
+            tables[i, :n] = torch.tensor(seq.blocks[:n], dtype=torch.long)
+        slots = tables[:, pos // bs] * bs + pos % bs  # (B, S); padding reads block 0, masked out
+        p = torch.tensor(positions, dtype=torch.long)
+        valid = pos[None, :] <= p[:, None]
+        write = slots.gather(1, p[:, None]).squeeze(1)
+        return PagedGroupView(self, write, slots, pos.expand(len(seqs), S), valid)
+
+
+class PagedGroupView:
+    def __init__(
+        self,
+        cache: PagedKVCache,
+        write: torch.Tensor,
+        read: torch.Tensor,
+        pos: torch.Tensor,
+        valid: torch.Tensor,
+    ) -> None:
+        self.cache, self.write, self.read, self.pos, self.valid = cache, write, read, pos, valid
+
+    def update(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        ck, cv = self.cache.k[layer], self.cache.v[layer]
+        ck[self.write] = k
+        cv[self.write] = v
+        return ck[self.read], cv[self.read], self.pos, self.valid
+
 
 class PagedView:
     def __init__(

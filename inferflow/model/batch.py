@@ -14,6 +14,15 @@ from typing import Protocol
 import torch
 
 
+class GroupKVView(Protocol):
+    """All sequences of a pure decode step (one new token each) at once: writes the new K/V and
+    returns keys padded to the longest sequence: (B, S, KVH, D) x 2, positions (B, S), valid (B, S)."""
+
+    def update(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]: ...
+
+
 class KVView(Protocol):
     def update(
         self, layer: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor
@@ -33,6 +42,7 @@ class FlatBatch:
     seqs: list[SeqSlice]
     kv: list[KVView]  # one per sequence, same order as seqs
     logits_rows: torch.Tensor | None = None  # rows that need logits; None = last row of each seq
+    group: GroupKVView | None = None  # set when every sequence has exactly one new token
 
     @classmethod
     def single(cls, token_ids: torch.Tensor, start_pos: int, kv: KVView) -> FlatBatch:

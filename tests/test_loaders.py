@@ -455,7 +455,7 @@ def test_detect_format(tmp_path: Path) -> None:
         detect_format(tmp_path / "other.zip")
     (tmp_path / "empty.bin").write_bytes(b"")
     with pytest.raises(
-        CheckpointError, match=r"empty\.bin.*supported: gguf, hf, pickle, safetensors"
+        CheckpointError, match=r"empty\.bin.*supported: gguf, hf, inferflow_quant, pickle, safetensors"
     ):
         detect_format(tmp_path / "empty.bin")
     with pytest.raises(CheckpointError, match="checkpoint not found: .*nope"):
@@ -465,7 +465,7 @@ def test_detect_format(tmp_path: Path) -> None:
 def test_open_files_errors(tmp_path: Path) -> None:
     with pytest.raises(
         RegistryError,
-        match="unknown checkpoint format 'onnx'; known: gguf, hf, pickle, safetensors",
+        match="unknown checkpoint format 'onnx'; known: gguf, hf, inferflow_quant, pickle, safetensors",
     ):
         open_files("onnx", [tmp_path / "x"])
     with pytest.raises(CheckpointError, match=r"checkpoint file not found: .*missing\.pt"):

@@ -79,7 +79,7 @@ def test_hparam_override(write_spec) -> None:
         ),
         (
             lambda d: d["source"].update(format="onnx"),
-            "source.format: 'onnx' is not one of: gguf, hf, pickle, safetensors",
+            "source.format: 'onnx' is not one of: gguf, hf, inferflow_quant, pickle, safetensors",
         ),
         (lambda d: d["source"].pop("files"), "source: missing required key 'files'"),
         (

@@ -17,6 +17,7 @@ from inferflow.errors import CheckpointError, UnsafePickleError
 from inferflow.loaders import gguf, hf, pickle_safe, safetensors  # noqa: F401
 from inferflow.loaders.base import LOADERS, Weight, WeightSource
 from inferflow.loaders.pickle_vm import load_one
+from inferflow.loaders.quantized import wrap_if_quantized  # also registers "inferflow_quant"
 from inferflow.loaders.torch_pickle import MAGIC_NUMBER, describe_allowed, resolve_global
 
 __all__ = ["LOADERS", "Weight", "WeightSource", "detect_format", "open_files"]
@@ -31,7 +32,7 @@ def open_files(format: str, paths: Sequence[str | Path]) -> WeightSource:
     for f in files:
         if not f.exists():
             raise CheckpointError(f"checkpoint file not found: {f}")
-    return opener(files)
+    return wrap_if_quantized(opener(files))  # our quantized safetensors hand over transparently
 
 
 def _is_legacy_torch(head: bytes, path: Path) -> bool:

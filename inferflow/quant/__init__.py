@@ -1,7 +1,78 @@
 """Quantization: the format table, codecs (GGML types and Inferflow's own) and QuantTensor."""
 
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+
+from inferflow.errors import QuantError
 from inferflow.quant import ggml as _ggml  # noqa: F401  (registers the GGML formats)
+from inferflow.quant import minmax as _minmax  # noqa: F401  (registers Inferflow's min-max formats)
 from inferflow.quant.formats import FORMATS, QuantFormat, get_format
+from inferflow.quant.minmax import MINMAX_FORMATS
 from inferflow.quant.tensor import QuantTensor
 
-__all__ = ["FORMATS", "QuantFormat", "QuantTensor", "get_format"]
+
+class FormatRow(NamedTuple):
+    name: str
+    block_size: int
+    bytes_per_block: int
+    bits_per_weight: float  # actual, scales and mins included
+    writable: bool  # Inferflow can quantize to it (not only read it)
+
+
+def format_table(names: list[str] | tuple[str, ...] | None = None) -> list[FormatRow]:
+    """One row per format (all registered ones by default), e.g. for the README's size table."""
+    rows = []
+    for name in FORMATS.names() if names is None else names:
+        f = get_format(name)  # an unknown name lists the known ones
+        rows.append(
+            FormatRow(
+                f.name,
+                f.block_size,
+                f.bytes_per_block,
+                f.bits_per_weight,
+                f.quantize_blocks is not None,
+            )
+        )
+    return rows
+
+
+def quantize(tensor: torch.Tensor, fmt: str | QuantFormat) -> QuantTensor:
+    """Quantize a float tensor to ``fmt`` along its last dimension, keeping its (torch) shape.
+
+    The last dimension must be a multiple of the block size: we never pad silently, because
+    padding would change the shape the model sees; pad (e.g. with zeros) and slice yourself.
+    """
+    f = get_format(fmt) if isinstance(fmt, str) else fmt
+    if f.quantize_blocks is None:
+        writable = [r.name for r in format_table() if r.writable]
+        raise QuantError(f"cannot quantize to {f.name}; writable formats: {', '.join(writable)}")
+    if not tensor.is_floating_point():
+        raise QuantError(f"{f.name}: can only quantize float tensors, got {tensor.dtype}")
+    shape = tuple(tensor.shape)
+    last = shape[-1] if shape else 1
+    if last % f.block_size:
+        raise QuantError(
+            f"{f.name}: tensor of shape {list(shape)} has last dimension {last}, not a multiple "
+            f"of the block size {f.block_size}; Inferflow does not pad silently (pad the last "
+            f"dimension to a multiple of {f.block_size} yourself)"
+        )
+    blocks = tensor.detach().contiguous().reshape(-1, f.block_size)
+    data = f.quantize_blocks(blocks)  # (n_blocks, bytes_per_block)
+    rows = math.prod(shape[:-1]) if shape else 1
+    return QuantTensor(data.reshape(rows, -1), f.name, shape)
+
+
+__all__ = [
+    "FORMATS",
+    "MINMAX_FORMATS",
+    "FormatRow",
+    "QuantFormat",
+    "QuantTensor",
+    "format_table",
+    "get_format",
+    "quantize",
+]

@@ -1,0 +1,54 @@
+"""``inferflow quantize SRC -o OUT --format FMT``: write an Inferflow quantized checkpoint.
+
+The output is a safetensors file: packed tensors are uint8 blocks under their own names, and the
+``inferflow.quant`` metadata entry records each one's format and shape. 1-D tensors (norms,
+biases) and integer tensors stay as they are; a tensor whose last dimension is not a multiple of
+the format's block size stays float (with a warning). ``--per-tensor PATTERN=FMT`` (fnmatch
+globs over the checkpoint's tensor names, first match wins) picks other formats, ``none`` or
+``float`` keeps a tensor unquantized.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections import Counter
+from pathlib import Path
+
+from inferflow.convert import quantize_checkpoint
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "quantize",
+        help="quantize a checkpoint into Inferflow's safetensors container",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("src", type=Path, help="GGUF, safetensors, pickle file or HF model directory")
+    p.add_argument("-o", "--output", type=Path, required=True, help="output .safetensors file")
+    p.add_argument("--format", required=True, help="quant format, e.g. Q8_0, Q4_0, Q4_B32")
+    p.add_argument(
+        "--per-tensor",
+        action="append",
+        default=[],
+        metavar="PATTERN=FMT",
+        help="format for tensors matching an fnmatch pattern (repeatable; none = keep float)",
+    )
+    p.add_argument("--force", action="store_true", help="overwrite an existing output file")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    result = quantize_checkpoint(
+        args.src,
+        args.output,
+        args.format,
+        per_tensor=args.per_tensor,
+        force=args.force,
+        progress=sys.stderr.isatty(),
+    )
+    counts = Counter(result.formats.values())
+    summary = ", ".join(f"{n} {fmt}" for fmt, n in counts.most_common())
+    print(f"wrote {result.out} ({result.nbytes / 2**20:.1f} MiB): {summary}")
+    return 0

@@ -1,0 +1,446 @@
+"""Checkpoint conversion and quantization: the library behind ``inferflow convert`` / ``quantize``.
+
+Every output is written to a temporary file next to the destination and renamed over it only
+when complete (``os.replace`` is atomic within a directory), so an interrupted or failed run never
+leaves a half-written checkpoint and never damages an existing one. Tensors are read lazily and
+written one at a time (GGUF, safetensors); only pickle output holds them all, as ``torch.save``
+needs one object.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import logging
+import os
+import secrets
+import sys
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import torch
+from tqdm import tqdm
+
+from inferflow.errors import CheckpointError, QuantError
+from inferflow.loaders import detect_format, open_files
+from inferflow.loaders.base import Weight, WeightSource
+from inferflow.loaders.gguf_writer import GGUFTensorPlan, TypePath, write_gguf
+from inferflow.loaders.quantized import (
+    QuantEntry,
+    StoredTensor,
+    packed_shape,
+    quant_metadata,
+    write_safetensors,
+)
+from inferflow.loaders.safetensors import DTYPE_BITS
+from inferflow.quant.formats import FORMATS, QuantFormat
+from inferflow.quant.tensor import QuantTensor
+
+logger = logging.getLogger(__name__)
+
+OUTPUT_FORMATS = ("gguf", "safetensors", "pickle")
+GGUF_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")
+FLOAT_TYPES: dict[str, torch.dtype] = {
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+}
+KEEP_FLOAT = ("none", "float")  # quantize FMT values that leave a tensor unquantized
+# llama.cpp ``enum llama_ftype`` (llama.h) for the types we write
+LLAMA_FTYPE = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "BF16": 32}
+_SUFFIX_FORMAT = {".gguf": "gguf", ".safetensors": "safetensors", ".bin": "pickle", ".pt": "pickle"}
+_SUFFIX_FORMAT |= {".pth": "pickle", ".ckpt": "pickle"}
+# dtypes GGUF lacks, widened losslessly (F8 floats go to F32 the same way)
+_GGUF_WIDEN = {"BOOL": "I8", "U8": "I16", "U16": "I32", "U32": "I64"}
+_TORCH_INT = {"I8": torch.int8, "I16": torch.int16, "I32": torch.int32, "I64": torch.int64}
+_PLAIN_GGUF = ("F32", "F16", "BF16", "F64", "I8", "I16", "I32", "I64")
+HF_TO_GGUF_UNSUPPORTED = (
+    "{src}: converting a Hugging Face model directory into a llama.cpp GGUF (architecture "
+    "keys from config.json, tokenizer, q/k row permutation) is not supported yet; supported: "
+    "GGUF -> GGUF (metadata kept, tensors re-typed), one safetensors or pickle file -> GGUF "
+    "tensor container, any checkpoint -> safetensors or pickle. For llama.cpp, use its "
+    "convert_hf_to_gguf.py, then `inferflow convert` between GGUF types"
+)
+_CHUNK_WEIGHTS = 1 << 21  # weights quantized per call: bounds the codecs' float32 temporaries
+
+
+# --- shared helpers ----------------------------------------------------------------------------
+
+
+@contextmanager
+def atomic_output(out: str | Path, force: bool = False) -> Iterator[BinaryIO]:
+    """A file object for ``out`` that only replaces it once the ``with`` body completes.
+
+    Refuses an existing ``out`` without ``force``. On any exception, KeyboardInterrupt included,
+    the temporary file is removed and ``out`` is left as it was.
+    """
+    out = Path(out)
+    if out.is_dir():
+        raise CheckpointError(f"output {out} is a directory; give a file path")
+    if out.exists() and not force:
+        raise CheckpointError(f"output {out} already exists; pass --force to overwrite it")
+    if not out.parent.is_dir():
+        raise CheckpointError(f"output directory {out.parent} does not exist")
+    tmp = out.with_name(f".{out.name}.{secrets.token_hex(4)}.tmp")
+    try:
+        with open(tmp, "xb") as f:  # "x": never clobber; normal umask permissions
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, out)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def open_source(path: str | Path) -> tuple[str, WeightSource]:
+    """(detected format, lazily opened source) of any checkpoint ``detect_format`` knows."""
+    fmt = detect_format(path)
+    return fmt, open_files(fmt, [path])
+
+
+def _progress(total: int, desc: str, enabled: bool) -> tqdm[Any]:
+    return tqdm(total=total, desc=desc, unit="tensor", file=sys.stderr, disable=not enabled)
+
+
+def _is_quant(dtype: str) -> bool:
+    """A packed format name (GGML Q4_1, Inferflow Q3H, ...), as opposed to a plain dtype."""
+    return dtype in FORMATS and FORMATS.get(dtype).block_size > 1
+
+
+def _is_float(dtype: str) -> bool:
+    return _is_quant(dtype) or dtype in ("F32", "F16", "BF16", "F64") or dtype.startswith("F8")
+
+
+def as_float(w: Weight) -> torch.Tensor:
+    """A dense float tensor: packed data dequantized to float32, plain data as stored."""
+    return w.dequantize(torch.float32) if isinstance(w, QuantTensor) else w
+
+
+def _owned(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with storage of its own, so torch.save does not write a whole mmap it views."""
+    if t.untyped_storage().nbytes() != t.numel() * t.element_size() or not t.is_contiguous():
+        return t.contiguous().clone()
+    return t
+
+
+def quantize_rows(w: Weight, fmt: QuantFormat) -> torch.Tensor:
+    """Raw ``fmt`` blocks of ``w``, shaped (rows, bytes_per_row); same-format data is copied as is."""
+    shape = tuple(w.shape)
+    rows, per_row = packed_shape(fmt, shape) if shape else (1, -1)
+    if isinstance(w, QuantTensor) and w.format == fmt.name:
+        return w.data.reshape(rows, per_row)  # lossless: no dequantize/requantize round
+    if fmt.quantize_blocks is None:
+        raise QuantError(f"{fmt.name} has no quantizer (Inferflow can read it, not write it)")
+    blocks = as_float(w).reshape(-1, fmt.block_size)
+    step = max(1, _CHUNK_WEIGHTS // fmt.block_size)
+    out = [fmt.quantize_blocks(blocks[i : i + step]) for i in range(0, len(blocks), step)]
+    return torch.cat(out).reshape(rows, per_row)
+
+
+def _writable_quant_formats() -> list[str]:
+    return [n for n, f in FORMATS.items() if f.block_size > 1 and f.quantize_blocks is not None]
+
+
+def parse_quant_format(name: str) -> QuantFormat | None:
+    """A ``--format``/``--per-tensor`` value: a writable packed format, or None for none/float."""
+    if name.lower() in KEEP_FLOAT:
+        return None
+    allowed = _writable_quant_formats()
+    if name.upper() not in allowed:
+        raise QuantError(
+            f"unknown quant format {name!r}; allowed: {', '.join([*KEEP_FLOAT, *allowed])}"
+        )
+    return FORMATS.get(name.upper())
+
+
+def parse_per_tensor(items: Sequence[str]) -> list[tuple[str, QuantFormat | None]]:
+    """``PATTERN=FMT`` strings to (fnmatch pattern, format) rules; the first match wins."""
+    rules = []
+    for item in items:
+        pattern, sep, fmt = item.rpartition("=")
+        if not sep or not pattern or not fmt:
+            raise QuantError(f"--per-tensor {item!r}: expected PATTERN=FMT, e.g. '*.ffn_*=Q4_0'")
+        rules.append((pattern, parse_quant_format(fmt)))
+    return rules
+
+
+# --- quantize -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class QuantizeResult:
+    out: Path
+    formats: dict[str, str]  # tensor name -> format it was stored in (a dtype when kept)
+    nbytes: int
+
+
+def _kept_dtype(dtype: str) -> str:
+    return "F32" if _is_quant(dtype) or dtype not in DTYPE_BITS else dtype
+
+
+def quantize_checkpoint(
+    src: str | Path,
+    out: str | Path,
+    fmt: str,
+    per_tensor: Sequence[str] = (),
+    force: bool = False,
+    progress: bool = False,
+) -> QuantizeResult:
+    """Write ``src`` as an Inferflow quantized checkpoint (see ``loaders/quantized.py``).
+
+    Tensors matching a ``PATTERN=FMT`` rule get that format (first match wins), the rest
+    ``fmt``. 1-D tensors (norms, biases) and integer tensors stay as they are; a tensor whose last
+    dimension is not a multiple of the format's block size stays float, with a warning.
+    """
+    default, rules = parse_quant_format(fmt), parse_per_tensor(per_tensor)
+    src_format, source = open_source(src)
+    try:
+        names = source.names()
+        for pattern, _ in rules:
+            if not any(fnmatch.fnmatchcase(n, pattern) for n in names):
+                raise QuantError(
+                    f"--per-tensor pattern {pattern!r} matches no tensor; names look like: "
+                    f"{', '.join(names[:5])}"
+                )
+        plans: list[StoredTensor] = []
+        targets: dict[str, QuantFormat | None] = {}
+        entries: dict[str, QuantEntry] = {}
+        for name in names:
+            shape, dtype = source.shape(name), source.dtype_name(name)
+            target = next((f for p, f in rules if fnmatch.fnmatchcase(name, p)), default)
+            if target is not None and (not _is_float(dtype) or len(shape) < 2):
+                target = None  # norms, biases and integer tensors are never packed
+            elif target is not None and shape[-1] % target.block_size:
+                logger.warning(
+                    "%s: last dimension %d is not a multiple of the %s block size %d; kept float",
+                    name, shape[-1], target.name, target.block_size,
+                )  # fmt: skip
+                target = None
+            targets[name] = target
+            if target is None:
+                plans.append(StoredTensor(name, _kept_dtype(dtype), shape))
+            else:
+                plans.append(StoredTensor(name, "U8", packed_shape(target, shape)))
+                entries[name] = QuantEntry(target.name, shape)
+        # safetensors' own string metadata carries over; GGUF key/values have no place here
+        keep = src_format == "safetensors"
+        meta = {k: v for k, v in source.metadata.items() if keep and isinstance(v, str)}
+        meta.update(quant_metadata(entries))
+
+        bar = _progress(len(plans), "quantize", progress)
+
+        def produce(t: StoredTensor) -> torch.Tensor:
+            w, target = source.get(t.name), targets[t.name]
+            data = as_float(w) if target is None else quantize_rows(w, target)
+            bar.update()
+            return data
+
+        with bar, atomic_output(out, force) as f:
+            nbytes = write_safetensors(f, plans, produce, meta)
+    finally:
+        source.close()
+    formats = {p.name: (e.format if (e := entries.get(p.name)) else p.dtype) for p in plans}
+    logger.info("wrote %s: %d of %d tensors quantized", out, len(entries), len(names))
+    return QuantizeResult(Path(out), formats, nbytes)
+
+
+# --- convert --------------------------------------------------------------------------------
+
+
+def output_format(out: str | Path, to: str | None) -> str:
+    if to is not None:
+        if to not in OUTPUT_FORMATS:
+            raise CheckpointError(
+                f"unknown output format {to!r}; allowed: {', '.join(OUTPUT_FORMATS)}"
+            )
+        return to
+    suffix = Path(out).suffix.lower()
+    if suffix not in _SUFFIX_FORMAT:
+        raise CheckpointError(
+            f"cannot tell the output format from {str(out)!r}; pass --to "
+            f"({', '.join(OUTPUT_FORMATS)}) or use one of {', '.join(_SUFFIX_FORMAT)}"
+        )
+    return _SUFFIX_FORMAT[suffix]
+
+
+def _check_type(type_name: str | None, to: str) -> str | None:
+    if type_name is None:
+        return None
+    allowed = GGUF_TYPES if to == "gguf" else tuple(FLOAT_TYPES)
+    if type_name.upper() not in allowed:
+        hint = "" if to == "gguf" else " (for quantized safetensors use `inferflow quantize`)"
+        raise QuantError(
+            f"--type {type_name!r} is not available for {to} output; allowed: "
+            f"{', '.join(allowed)}{hint}"
+        )
+    return type_name.upper()
+
+
+def convert_checkpoint(
+    src: str | Path,
+    out: str | Path,
+    to: str | None = None,
+    type_name: str | None = None,
+    force: bool = False,
+    progress: bool = False,
+) -> Path:
+    """Convert between pickle, safetensors and GGUF; ``type_name`` None keeps each tensor's type.
+
+    GGUF output from a GGUF source keeps all its metadata (with the original value types) and
+    updates ``general.file_type``. From other sources the GGUF holds the tensors under their own
+    names with only ``general.*`` bookkeeping keys: a tensor container, not a llama.cpp model.
+    """
+    to = output_format(out, to)
+    target = _check_type(type_name, to)
+    if to == "gguf" and detect_format(src) == "hf":
+        raise CheckpointError(HF_TO_GGUF_UNSUPPORTED.format(src=src))
+    src_format, source = open_source(src)
+    try:
+        if to == "gguf":
+            _to_gguf(source, src_format, Path(src), out, target, force, progress)
+        else:
+            if src_format == "gguf":
+                logger.warning(
+                    "GGUF metadata (hyperparameters, tokenizer) is not carried to %s", to
+                )
+            dtype = FLOAT_TYPES[target] if target else None
+            writer = _to_safetensors if to == "safetensors" else _to_pickle
+            writer(source, out, dtype, force, progress)
+    finally:
+        source.close()
+    logger.info("wrote %s (%s)", out, to)
+    return Path(out)
+
+
+def _plain(w: Weight, dtype: torch.dtype | None) -> torch.Tensor:
+    t = as_float(w)
+    return t.to(dtype) if dtype is not None and t.is_floating_point() else t
+
+
+def _to_safetensors(
+    source: WeightSource, out: str | Path, dtype: torch.dtype | None, force: bool, progress: bool
+) -> None:
+    target = next((n for n, d in FLOAT_TYPES.items() if d == dtype), None)
+    plans = []
+    for name in source.names():
+        stored = _kept_dtype(source.dtype_name(name))
+        if target and _is_float(stored):
+            stored = target
+        plans.append(StoredTensor(name, stored, source.shape(name)))
+    bar = _progress(len(plans), "convert", progress)
+
+    def produce(t: StoredTensor) -> torch.Tensor:
+        bar.update()
+        return _plain(source.get(t.name), dtype)
+
+    with bar, atomic_output(out, force) as f:
+        write_safetensors(f, plans, produce, {"format": "pt"})
+
+
+def _to_pickle(
+    source: WeightSource, out: str | Path, dtype: torch.dtype | None, force: bool, progress: bool
+) -> None:
+    state: dict[str, torch.Tensor] = {}
+    with _progress(len(source.names()), "convert", progress) as bar:
+        for name in source.names():
+            state[name] = _owned(_plain(source.get(name), dtype))
+            bar.update()
+    with atomic_output(out, force) as f:
+        # torch.save is fine for writing: only *reading* untrusted pickles is dangerous
+        torch.save(state, f)
+
+
+def gguf_tensor_type(name: str, shape: Sequence[int], dtype: str, target: str | None) -> str:
+    """The GGML type a tensor is written as, following convert_hf_to_gguf.py's rules."""
+    if dtype in _GGUF_WIDEN:
+        return _GGUF_WIDEN[dtype]
+    if not _is_float(dtype):
+        if dtype not in _PLAIN_GGUF:
+            raise CheckpointError(f"tensor {name!r}: GGUF has no type for {dtype} data")
+        return dtype
+    if target is None:
+        # keep what GGUF can hold (any GGML type, copied raw); Inferflow-only formats and F8 -> F32
+        keep = dtype in _PLAIN_GGUF or (
+            _is_quant(dtype) and FORMATS.get(dtype).ggml_type is not None
+        )
+        return dtype if keep else "F32"
+    if len(shape) <= 1 or name.endswith("_norm.weight"):
+        return "F32"  # llama.cpp keeps norms and 1-D tensors in F32
+    if dtype == target:
+        return dtype
+    block = FORMATS.get(target).block_size
+    if shape[-1] % block:
+        logger.warning(
+            "%s: row of %d is not a multiple of the %s block size %d; falling back to F16",
+            name, shape[-1], target, block,
+        )  # fmt: skip
+        return "F16"
+    return target
+
+
+def _gguf_data(w: Weight, type_name: str) -> torch.Tensor:
+    if isinstance(w, QuantTensor) and w.format == type_name:
+        return w.data  # raw copy: no dequantize/requantize round
+    if type_name in _TORCH_INT:
+        return as_float(w).to(_TORCH_INT[type_name])
+    if type_name == "F64":
+        return as_float(w).to(torch.float64)
+    return quantize_rows(as_float(w), FORMATS.get(type_name))
+
+
+def _file_type(plans: Sequence[GGUFTensorPlan]) -> int:
+    """llama.cpp ftype of the most common type among the matrices (their bytes dominate)."""
+    counts = Counter(p.type_name for p in plans if len(p.shape) > 1)
+    common = [t for t, _ in counts.most_common() if t in LLAMA_FTYPE]
+    return LLAMA_FTYPE[common[0]] if common else LLAMA_FTYPE["F32"]
+
+
+def _to_gguf(
+    source: WeightSource,
+    src_format: str,
+    src_path: Path,
+    out: str | Path,
+    target: str | None,
+    force: bool,
+    progress: bool,
+) -> None:
+    plans = [
+        GGUFTensorPlan(
+            n, source.shape(n), gguf_tensor_type(n, source.shape(n), source.dtype_name(n), target)
+        )
+        for n in source.names()
+    ]
+    metadata: dict[str, Any] = {}
+    types: dict[str, TypePath] = {}
+    if src_format == "gguf":
+        src_types: dict[str, TypePath] = getattr(source, "metadata_types", {})
+        for key, value in source.metadata.items():
+            if key.startswith("split."):
+                continue  # the output is one file, whatever the source's sharding
+            metadata[key], types[key] = value, src_types[key]
+    else:
+        metadata["general.name"] = src_path.stem
+        logger.warning(
+            "%s is not a GGUF: the output holds its tensors under their own names, without "
+            "the architecture and tokenizer metadata llama.cpp needs",
+            src_path,
+        )
+    if target is not None or "general.file_type" not in metadata:
+        metadata["general.file_type"] = LLAMA_FTYPE[target] if target else _file_type(plans)
+        types.setdefault("general.file_type", (4,))  # UINT32, as llama.cpp writes it
+    if "general.quantization_version" not in metadata:
+        metadata["general.quantization_version"] = 2  # GGML_QNT_VERSION
+        types["general.quantization_version"] = (4,)
+    bar = _progress(len(plans), "convert", progress)
+
+    def produce(p: GGUFTensorPlan) -> torch.Tensor:
+        data = _gguf_data(source.get(p.name), p.type_name)
+        bar.update()
+        return data
+
+    with bar, atomic_output(out, force) as f:
+        write_gguf(f, metadata, plans, produce, types)

@@ -1,0 +1,217 @@
+"""Inferflow's own block-wise linear min-max formats (the seed paper's Q8 ... Q2 and Q3H).
+
+Formula (per block of weights ``w`` with ``min = min(w)``, ``max = max(w)``, ``L = 2**k - 1``)::
+
+    q  = round((w - min) / (max - min) * L)        # an integer code in [0, L]
+    w' = q / L * (max - min) + min                 # = q * scale + min
+
+Table (name: bits k, weights per block, bytes per block, bits per weight)::
+
+    Q8      8  32  36  9.0      Q4_B64  4  64  36  4.5
+    Q6      6  64  52  6.5      Q3_B32  3  32  16  4.0
+    Q5      5  64  44  5.5      Q2      2  32  12  3.0
+    Q4_B32  4  32  20  5.0      Q3H   3.5  64  32  4.0
+
+Byte layout of every block::
+
+    bytes 0-1   min    fp16, little-endian
+    bytes 2-3   scale  fp16, little-endian (scale = (max - min) / L, see rounding below)
+    bytes 4-    codes  one little-endian, LSB-first bit stream: code i occupies stream bits
+                       [i*c, (i+1)*c), stream bit j is bit (j % 8) of code byte j // 8.
+
+For the k-bit formats ``c = k`` and code i is weight i's q (so Q4 puts weight 2i in the low
+nibble of byte i and weight 2i+1 in the high nibble; unlike ggml's Q4_1, which puts the block's
+first half in the low nibbles). Q3H (3.5 bits) quantizes each weight to 11 levels (L = 10) and
+stores each adjacent pair as one 7-bit code ``q[2p] * 11 + q[2p+1]`` (0..120; decoded with
+``// 11`` and ``% 11``): 32 pairs * 7 bits = 28 bytes, so 64 weights take 32 bytes, the same 4.0
+bits per weight as Q3_B32 (12 code bytes + 4 per 32). Codes 121..127 never occur; decoding a
+block that holds one raises QuantError (the data is corrupt).
+
+fp16 rounding. Only fp16 values are stored, so the codes are chosen against the stored grid, not
+the exact one: ``min16`` is ``min`` rounded toward -inf to fp16, ``scale16`` is
+``(max - min16) / L`` (float32) rounded toward +inf to fp16, and
+``q = clamp(round((w - min16) / scale16), 0, L)`` (round half to even). Rounding outward means
+the grid ``[min16, min16 + L * scale16]`` covers ``[min, max]``, so no weight is clamped and
+dequantization ``w' = q * scale16 + min16`` (float32; ``q * scale16`` is exact) means exactly what
+the codes say. Error bound, for every weight of a block (all after float32 conversion and
+saturation, below)::
+
+    |w - w'| <= scale16 / 2 + 2**-20 * max(|min|, |max|)            (float32 arithmetic slack)
+    scale16  <= ((max - min) + 2**-10 * |min| + 2**-24) / L * (1 + 2**-9) + 2**-24
+
+i.e. the paper's ``(max - min) / (2L)`` plus fp16 terms: ``2**-10 * |min|`` (min rounded down by
+< 1 fp16 ulp), ``2**-9`` relative (scale rounded up by < 1 ulp, plus float32 rounding) and
+``2**-24`` absolute (fp16's subnormal spacing, which bounds tiny blocks).
+
+Special cases. A block whose values all equal one fp16-representable value (0, negatives and
+subnormals included) gets ``min16 = max``, scale 0 and codes 0, so ``w' = min`` exactly; other
+constant blocks fall under the general rule (a tiny scale, error within the bound). Inputs are
+converted to float32 and clamped to fp16's finite range [-65504, 65504] first, so larger
+magnitudes saturate (their error is not bounded). NaN or infinite inputs raise QuantError.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from inferflow.errors import QuantError
+from inferflow.quant.formats import QuantFormat, register_format
+
+F16_MAX = 65504.0  # largest finite fp16
+_MIN_BYTES = 4  # fp16 min + fp16 scale at the head of every block
+_Q3H_BASE = 11  # Q3H levels per weight; a pair code is q_even * 11 + q_odd
+
+
+@dataclass(frozen=True)
+class MinMaxLayout:
+    """One min-max format: levels per weight and how codes are packed."""
+
+    name: str
+    bits: float  # bits per weight of the codes alone (3.5 for Q3H)
+    block_size: int
+    levels: int  # L + 1
+    code_bits: int  # bits per packed code (k, or 7 for a Q3H pair)
+    pairs: bool  # Q3H: codes are pairs of 11-level weights
+
+    @property
+    def bytes_per_block(self) -> int:
+        n_codes = self.block_size // 2 if self.pairs else self.block_size
+        return _MIN_BYTES + n_codes * self.code_bits // 8
+
+
+def _kbit(name: str, k: int, block_size: int) -> MinMaxLayout:
+    return MinMaxLayout(name, k, block_size, 2**k, k, pairs=False)
+
+
+# Inferflow's min-max formats (the seed paper's names), in README order.
+MINMAX_LAYOUTS: tuple[MinMaxLayout, ...] = (
+    _kbit("Q8", 8, 32),
+    _kbit("Q6", 6, 64),
+    _kbit("Q5", 5, 64),
+    _kbit("Q4_B32", 4, 32),
+    _kbit("Q4_B64", 4, 64),
+    _kbit("Q3_B32", 3, 32),
+    _kbit("Q2", 2, 32),
+    MinMaxLayout("Q3H", 3.5, 64, _Q3H_BASE, 7, pairs=True),
+)
+MINMAX_FORMATS: tuple[str, ...] = tuple(lay.name for lay in MINMAX_LAYOUTS)
+
+
+# --- fp16 directed rounding --------------------------------------------------------------------
+
+
+def _f16_step(h: torch.Tensor, up: bool) -> torch.Tensor:
+    """The fp16 neighbour of finite fp16 ``h`` toward +inf (``up``) or -inf, as fp16."""
+    b = h.view(torch.int16).to(torch.int32) & 0xFFFF
+    mag = b & 0x7FFF
+    neg = (b & 0x8000) != 0
+    if up:  # away from zero for positives, toward zero for negatives; +-0 -> smallest subnormal
+        nb = torch.where(mag == 0, 0x0001, torch.where(neg, b - 1, b + 1))
+    else:
+        nb = torch.where(mag == 0, 0x8001, torch.where(neg, b + 1, b - 1))
+    nb = torch.where(nb >= 0x8000, nb - 0x10000, nb)  # back to int16 without cast wrapping
+    return nb.to(torch.int16).view(torch.float16)
+
+
+def _f16_round(x: torch.Tensor, up: bool) -> torch.Tensor:
+    """float32 ``x`` (within fp16 range) rounded to fp16 toward +inf or -inf: (same shape) fp16."""
+    h = x.to(torch.float16)  # nearest even; one step fixes the wrong side
+    back = h.to(torch.float32)
+    wrong = back < x if up else back > x
+    return torch.where(wrong, _f16_step(h, up), h)
+
+
+# --- bit streams -------------------------------------------------------------------------------
+
+
+def _pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """(n, m) codes < 2**bits -> (n, m * bits / 8) uint8: LSB-first stream, code 0 lowest."""
+    n, m = codes.shape
+    shifts = torch.arange(bits, dtype=torch.int32, device=codes.device)
+    stream = (codes.to(torch.int32).unsqueeze(-1) >> shifts) & 1  # (n, m, bits)
+    stream = stream.reshape(n, m * bits // 8, 8)
+    weights = torch.arange(8, dtype=torch.int32, device=codes.device)
+    return (stream << weights).sum(dim=-1).to(torch.uint8)
+
+
+def _unpack_bits(packed: torch.Tensor, bits: int, m: int) -> torch.Tensor:
+    """Inverse of _pack_bits: (n, m * bits / 8) uint8 -> (n, m) int32 codes."""
+    n = packed.shape[0]
+    shifts = torch.arange(8, dtype=torch.int32, device=packed.device)
+    stream = (packed.to(torch.int32).unsqueeze(-1) >> shifts) & 1  # (n, bytes, 8)
+    stream = stream.reshape(n, m, bits)
+    weights = torch.arange(bits, dtype=torch.int32, device=packed.device)
+    return (stream << weights).sum(dim=-1)
+
+
+# --- codecs ------------------------------------------------------------------------------------
+
+
+def _check_floats(x: torch.Tensor, lay: MinMaxLayout) -> torch.Tensor:
+    if x.dim() != 2 or x.shape[1] != lay.block_size or not x.is_floating_point():
+        raise QuantError(
+            f"{lay.name}: expected float blocks of shape (n, {lay.block_size}), "
+            f"got {x.dtype} {list(x.shape)}"
+        )
+    x = x.to(torch.float32)
+    bad = ~torch.isfinite(x)
+    if bool(bad.any()):
+        # name the first offender: silently quantizing NaN/inf would poison the whole block
+        blk, col = (int(i) for i in bad.nonzero()[0])
+        raise QuantError(
+            f"{lay.name}: cannot quantize non-finite values ({int(bad.sum())} NaN/inf; first "
+            f"is {float(x[blk, col])} at block {blk}, weight {col})"
+        )
+    return x.clamp(-F16_MAX, F16_MAX)  # saturate: fp16 cannot store a wider min or scale
+
+
+def _quantize(x: torch.Tensor, lay: MinMaxLayout) -> torch.Tensor:
+    x = _check_floats(x, lay)  # (n, block)
+    top = lay.levels - 1  # L
+    mn = x.amin(dim=-1, keepdim=True)
+    mx = x.amax(dim=-1, keepdim=True)
+    # outward rounding: the stored grid [min16, min16 + L*scale16] covers [min, max]
+    min16 = _f16_round(mn, up=False)
+    lo = min16.to(torch.float32)
+    scale16 = _f16_round((mx - lo) / top, up=True)  # 0 only when max == min16
+    scale = scale16.to(torch.float32)
+    t = torch.where(scale > 0, (x - lo) / torch.where(scale > 0, scale, 1.0), 0.0)
+    q = torch.round(t).clamp(0, top).to(torch.int32)  # clamp only absorbs float32 noise
+    if lay.pairs:
+        q = q[:, 0::2] * _Q3H_BASE + q[:, 1::2]  # (n, block/2) pair codes 0..120
+    head = torch.cat([min16, scale16], dim=-1).contiguous().view(torch.uint8)  # (n, 4)
+    return torch.cat([head, _pack_bits(q, lay.code_bits)], dim=-1)
+
+
+def _dequantize(blocks: torch.Tensor, lay: MinMaxLayout) -> torch.Tensor:
+    if blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape[1] != lay.bytes_per_block:
+        raise QuantError(
+            f"{lay.name}: expected uint8 blocks of shape (n, {lay.bytes_per_block}), "
+            f"got {blocks.dtype} {list(blocks.shape)}"
+        )
+    head = blocks[:, :_MIN_BYTES].contiguous().view(torch.float16).to(torch.float32)  # (n, 2)
+    lo, scale = head[:, :1], head[:, 1:]
+    n_codes = lay.block_size // 2 if lay.pairs else lay.block_size
+    q = _unpack_bits(blocks[:, _MIN_BYTES:], lay.code_bits, n_codes)
+    if lay.pairs:
+        if bool((q >= _Q3H_BASE * _Q3H_BASE).any()):
+            blk = int((q >= _Q3H_BASE * _Q3H_BASE).any(dim=-1).nonzero()[0])
+            raise QuantError(f"{lay.name}: block {blk} holds a pair code > 120 (corrupt data)")
+        q = torch.stack([q // _Q3H_BASE, q % _Q3H_BASE], dim=-1).reshape(q.shape[0], -1)
+    return q.to(torch.float32) * scale + lo  # q * scale is exact in float32 (<= 19 bits)
+
+
+def _register(lay: MinMaxLayout) -> QuantFormat:
+    def deq(blocks: torch.Tensor) -> torch.Tensor:
+        return _dequantize(blocks, lay)
+
+    def quant(x: torch.Tensor) -> torch.Tensor:
+        return _quantize(x, lay)
+
+    return register_format(QuantFormat(lay.name, lay.block_size, lay.bytes_per_block, deq, quant))
+
+
+for _lay in MINMAX_LAYOUTS:
+    _register(_lay)

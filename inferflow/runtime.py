@@ -19,8 +19,8 @@ from inferflow.engine.generate import StepOutput, generate_tokens
 from inferflow.engine.sampling import SamplingParams
 from inferflow.errors import RequestError
 from inferflow.model.build import load_model, parse_dtype
-from inferflow.spec import Spec, load_spec
 from inferflow.quant import get_format
+from inferflow.spec import Spec, load_spec
 from inferflow.spec.types import QuantSpec
 from inferflow.tokenizer import Tokenizer, load_tokenizer
 
@@ -104,7 +104,9 @@ def load(
     q = None
     if quant is not None:
         if quant != "none":
-            get_format(quant)  # unknown names fail here, listing the known ones, before any weights load
+            get_format(
+                quant
+            )  # unknown names fail here, listing the known ones, before any weights load
         q = QuantSpec(
             None if quant == "none" else quant, spec.quant.overrides if quant != "none" else ()
         )

@@ -33,10 +33,26 @@ def _hf_config(scaling: dict) -> tf.LlamaConfig:
     "ours, hf, fn",
     [
         ({}, {"rope_type": "default"}, None),
-        ({"type": "linear", "factor": 4.0}, {"rope_type": "linear", "factor": 4.0}, "_compute_linear_scaling_rope_parameters"),
         (
-            {"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_positions": 512},
-            {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 512},
+            {"type": "linear", "factor": 4.0},
+            {"rope_type": "linear", "factor": 4.0},
+            "_compute_linear_scaling_rope_parameters",
+        ),
+        (
+            {
+                "type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_positions": 512,
+            },
+            {
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 512,
+            },
             "_compute_llama3_parameters",
         ),
         (
@@ -50,7 +66,9 @@ def test_rope_frequencies_match_transformers(ours: dict, hf: dict, fn: str | Non
     rot = _rotary(scaling=ours or None)
     cfg = _hf_config(hf)
     if fn is None:
-        expected = 1.0 / (10000.0 ** (torch.arange(0, HEAD_DIM, 2, dtype=torch.int64).float() / HEAD_DIM))
+        expected = 1.0 / (
+            10000.0 ** (torch.arange(0, HEAD_DIM, 2, dtype=torch.int64).float() / HEAD_DIM)
+        )
         att = 1.0
     else:
         expected, att = getattr(rope_utils, fn)(cfg, "cpu")
@@ -96,11 +114,29 @@ def test_alibi_slopes_match_bloom(n_heads: int) -> None:
 
 def test_top_k_and_top_p_filters() -> None:
     logits = torch.log(torch.tensor([0.5, 0.2, 0.15, 0.1, 0.05]))
-    assert torch.isfinite(filter_logits(logits, 2, 1.0)).tolist() == [True, True, False, False, False]
+    assert torch.isfinite(filter_logits(logits, 2, 1.0)).tolist() == [
+        True,
+        True,
+        False,
+        False,
+        False,
+    ]
     # nucleus 0.8: 0.5 + 0.2 = 0.7 < 0.8, so 0.15 is needed; 0.1 is not
-    assert torch.isfinite(filter_logits(logits, 0, 0.8)).tolist() == [True, True, True, False, False]
+    assert torch.isfinite(filter_logits(logits, 0, 0.8)).tolist() == [
+        True,
+        True,
+        True,
+        False,
+        False,
+    ]
     # the top token always survives even with a tiny top_p
-    assert torch.isfinite(filter_logits(logits, 0, 0.01)).tolist() == [True, False, False, False, False]
+    assert torch.isfinite(filter_logits(logits, 0, 0.01)).tolist() == [
+        True,
+        False,
+        False,
+        False,
+        False,
+    ]
 
 
 def test_sampler_stays_in_nucleus_and_follows_distribution() -> None:
@@ -122,7 +158,12 @@ def test_seed_reproducible_and_greedy() -> None:
 
 @pytest.mark.parametrize(
     "kw, msg",
-    [({"temperature": -1}, "temperature"), ({"top_p": 0}, "top_p"), ({"top_k": -2}, "top_k"), ({"max_new_tokens": 0}, "max_new_tokens")],
+    [
+        ({"temperature": -1}, "temperature"),
+        ({"top_p": 0}, "top_p"),
+        ({"top_k": -2}, "top_k"),
+        ({"max_new_tokens": 0}, "max_new_tokens"),
+    ],
 )
 def test_sampling_params_validation(kw: dict, msg: str) -> None:
     with pytest.raises(RequestError, match=msg):

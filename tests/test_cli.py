@@ -15,7 +15,10 @@ from tests.conftest import smollm2_path
 
 def run_cli(*args: str, timeout: int = 300) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "inferflow.cli.main", *args], capture_output=True, text=True, timeout=timeout
+        [sys.executable, "-m", "inferflow.cli.main", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
     )
 
 
@@ -25,7 +28,17 @@ def test_generate_json_greedy_matches_library() -> None:
     from inferflow.engine.sampling import SamplingParams
     from inferflow.runtime import load
 
-    r = run_cli("generate", "smollm2-135m-instruct", "--prompt", "The capital of France is", "--max-tokens", "8", "--temperature", "0", "--json")
+    r = run_cli(
+        "generate",
+        "smollm2-135m-instruct",
+        "--prompt",
+        "The capital of France is",
+        "--max-tokens",
+        "8",
+        "--temperature",
+        "0",
+        "--json",
+    )
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     lm = load("smollm2-135m-instruct")
@@ -38,7 +51,17 @@ def test_generate_json_greedy_matches_library() -> None:
 @pytest.mark.slow
 def test_generate_streams_chat_text() -> None:
     smollm2_path()
-    r = run_cli("generate", "smollm2-135m-instruct", "--chat", "--prompt", "What is the capital of France?", "--max-tokens", "12", "--temperature", "0")
+    r = run_cli(
+        "generate",
+        "smollm2-135m-instruct",
+        "--chat",
+        "--prompt",
+        "What is the capital of France?",
+        "--max-tokens",
+        "12",
+        "--temperature",
+        "0",
+    )
     assert r.returncode == 0, r.stderr
     assert "Paris" in r.stdout
 
@@ -56,17 +79,41 @@ def test_inspect_lists_tensors_and_metadata() -> None:
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     types = {t["name"]: t["type"] for t in out["tensors"]}
-    assert len(types) == 272 and types["token_embd.weight"] == "Q8_0" and types["blk.0.attn_q.weight"] == "Q4_1"
+    assert (
+        len(types) == 272
+        and types["token_embd.weight"] == "Q8_0"
+        and types["blk.0.attn_q.weight"] == "Q4_1"
+    )
     assert out["metadata"]["general.architecture"] == "llama"
 
 
 @pytest.mark.parametrize(
     "make_args, message",
     [
-        (lambda tmp: ["generate", "no-such-model", "--prompt", "x"], "no spec file 'no-such-model'"),
-        (lambda tmp: ["validate", str(_write(tmp, "name: x\nsource: {format: gguf, files: [a.gguf]}\nnetwork: {type: decoder_only}\n"))], "missing required key"),
+        (
+            lambda tmp: ["generate", "no-such-model", "--prompt", "x"],
+            "no spec file 'no-such-model'",
+        ),
+        (
+            lambda tmp: [
+                "validate",
+                str(
+                    _write(
+                        tmp,
+                        "name: x\nsource: {format: gguf, files: [a.gguf]}\nnetwork: {type: decoder_only}\n",
+                    )
+                ),
+            ],
+            "missing required key",
+        ),
         (lambda tmp: ["inspect", str(_write(tmp, "not a checkpoint at all", "x.bin"))], "x.bin"),
-        (lambda tmp: ["inspect", str(_write_bytes(tmp, b"GGUF\x03\x00\x00\x00" + b"\x00" * 5, "t.gguf"))], "t.gguf"),
+        (
+            lambda tmp: [
+                "inspect",
+                str(_write_bytes(tmp, b"GGUF\x03\x00\x00\x00" + b"\x00" * 5, "t.gguf")),
+            ],
+            "t.gguf",
+        ),
     ],
 )
 def test_errors_are_one_clean_line(make_args, message: str, tmp_path: Path) -> None:
@@ -79,7 +126,9 @@ def test_errors_are_one_clean_line(make_args, message: str, tmp_path: Path) -> N
 def test_generate_rejects_bad_sampling_value() -> None:
     smollm2_path()
     r = run_cli("generate", "smollm2-135m-instruct", "--prompt", "x", "--top-p", "1.5")
-    assert r.returncode == 2 and "top_p: must be in (0, 1]" in r.stderr and "Traceback" not in r.stderr
+    assert (
+        r.returncode == 2 and "top_p: must be in (0, 1]" in r.stderr and "Traceback" not in r.stderr
+    )
 
 
 def _write(tmp: Path, text: str, name: str = "spec.yaml") -> Path:

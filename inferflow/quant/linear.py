@@ -1,0 +1,326 @@
+"""QuantLinear: a linear layer over quantized weights, with one CPU kernel chosen per format.
+
+Kernels (timings from ``benchmarks/quant_kernels.py`` on this project's 2-core AVX-512 machine):
+
+- ``int4pack``: torch's tinygemm-style ``_weight_int4pack_mm_for_cpu`` for every format whose
+  blocks are affine in small integer codes, ``w = code * scale + min`` per group of 32..256
+  weights (GGML Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K, all min-max formats). Codes of up to 4 bits
+  are one int4 plane; 5..8-bit codes split into a high and a low nibble plane laid side by side
+  along K (``[x, x] @ [W_hi | W_lo]^T``), so one call sums both. 2-6x faster than any dense or
+  dequantizing path at decode sizes, but only with bf16 activations (fp32 and fp16 inputs are
+  20-50x slower), so activations are cast to bf16 and back.
+- ``dequant``: everything else (k-quants with 16-weight groups, IQ/TQ/MXFP4, float formats):
+  dequantize a bounded tile of rows (``TILE_BYTES`` of float32) at a time from the raw blocks and
+  multiply in float32 (float32 GEMM is no slower than bf16 on this CPU, and the codecs emit
+  float32 anyway). Keeps the format's own memory footprint; slow per call.
+
+Numerics. ``dequant`` equals ``F.linear(x.float(), W.dequantize())`` rounded to x.dtype. torch's
+int4pack dequantizes ``(c - 8) * s + z`` per group (z is a float offset, *not* a zero-point code:
+checked against a float reference in the tests) with s and z held in bf16. pack_int4 maps a
+format's (code, scale, min) so that c is centred on 8 and z is the block's midpoint; s and z are
+each rounded once to bf16 (relative 2**-9), so each effective weight is off by at most about
+2**-9 * 2 * (block's max |w|). With the bf16 cast of x and of the output, a layer's output is
+within ``5 * 2**-9 * (|x| @ A^T)`` of the exact product (A: per-block max |w|); measured worst
+cases are ~0.25 * 2**-9 * (|x| @ A^T). Symmetric formats (Q4_0, Q5_0, Q8_0) get z = 0 exactly.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from inferflow.errors import QuantError
+from inferflow.quant import ggml
+from inferflow.quant.formats import QuantFormat
+from inferflow.quant.minmax import _MIN_BYTES, MINMAX_LAYOUTS, MinMaxLayout, _unpack_bits
+from inferflow.quant.tensor import QuantTensor
+from inferflow.registry import Registry
+
+log = logging.getLogger(__name__)
+
+TILE_BYTES = 4 << 20  # float32 rows dequantized at once by the ``dequant`` kernel
+INT4_GROUPS = (32, 64, 128, 256)  # group sizes _weight_int4pack_mm_for_cpu accepts
+_INT4_ROWS = 16  # _convert_weight_to_int4pack_for_cpu needs out_features % 16 == 0: pad
+_CHECK_BLOCKS = 64  # blocks compared against the codec when a layer is built
+
+Kernel = Callable[[torch.Tensor], torch.Tensor]  # (M, in) -> (M, out), same dtype
+
+# --- affine views: how a format's blocks read as code * scale + min ---------------------------
+
+Unpack = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class AffineView:
+    """``unpack(blocks uint8 (n, bytes)) -> codes (n, block) uint8, scale, min float32 (n,
+    block // group)``, with ``codes * scale + min`` (float32) equal to the codec's output."""
+
+    levels: int  # codes lie in [0, levels)
+    group: int  # weights sharing one (scale, min)
+    unpack: Unpack
+
+    @property
+    def bits(self) -> int:
+        return max(1, (self.levels - 1).bit_length())
+
+
+AFFINE_VIEWS: Registry[AffineView] = Registry("affine view")
+
+
+def _u8(x: torch.Tensor) -> torch.Tensor:
+    return x.to(torch.uint8)
+
+
+def _q4_0(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    d = ggml._f16(b, 0)  # gguf-py Q4_0: d * (nibble - 8)
+    return ggml._nibbles(b[:, 2:]), d, -8 * d
+
+
+def _q4_1(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return ggml._nibbles(b[:, 4:]), ggml._f16(b, 0), ggml._f16(b, 2)  # d * nibble + m
+
+
+def _q5_0(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    d = ggml._f16(b, 0)  # gguf-py Q5_0: d * (q5 - 16)
+    return _u8(ggml._nibbles(b[:, 6:]) | (ggml._bits32(b[:, 2:6]) << 4)), d, -16 * d
+
+
+def _q5_1(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    q = ggml._nibbles(b[:, 8:]) | (ggml._bits32(b[:, 4:8]) << 4)
+    return _u8(q), ggml._f16(b, 0), ggml._f16(b, 2)
+
+
+def _q8_0(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    d = ggml._f16(b, 0)  # int8 q * d == (q + 128) * d - 128 * d exactly (<= 19-bit products)
+    return _u8(b[:, 2:].view(torch.int8).to(torch.int16) + 128), d, -128 * d
+
+
+def _k_scales(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    # gguf-py Q4_K/Q5_K: sub-block scale d * sc and min -(dmin * m), 8 sub-blocks of 32
+    sc, mn = ggml._scale_min_k4(b[:, 4:16])
+    return ggml._f16(b, 0) * sc.to(torch.float32), -(ggml._f16(b, 2) * mn.to(torch.float32))
+
+
+def _q4_k(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    n = b.shape[0]
+    q = ggml._shr(b[:, 16:].reshape(n, -1, 1, 32), [0, 4], (1, 1, 2, 1)) & 0x0F
+    return (q.reshape(n, -1), *_k_scales(b))
+
+
+def _q5_k(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    n = b.shape[0]
+    ql = ggml._shr(b[:, 48:].reshape(n, -1, 1, 32), [0, 4], (1, 1, 2, 1)) & 0x0F
+    qh = ggml._shr(b[:, 16:48].reshape(n, -1, 1, 32), list(range(8)), (1, 1, 8, 1)) & 1
+    return (_u8(ql.reshape(n, -1) | (qh.reshape(n, -1) << 4)), *_k_scales(b))
+
+
+def _minmax_view(lay: MinMaxLayout) -> AffineView:
+    # inferflow.quant.minmax layout: fp16 min, fp16 scale, LSB-first codes (Q3H: base-11 pairs)
+    n_codes = lay.block_size // 2 if lay.pairs else lay.block_size
+
+    def unpack(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        head = b[:, :_MIN_BYTES].contiguous().view(torch.float16).to(torch.float32)
+        q = _unpack_bits(b[:, _MIN_BYTES:], lay.code_bits, n_codes)
+        if lay.pairs:
+            q = torch.stack([q // lay.levels, q % lay.levels], dim=-1).reshape(q.shape[0], -1)
+        return _u8(q), head[:, 1:], head[:, :1]
+
+    return AffineView(lay.levels, lay.block_size, unpack)
+
+
+for _name, _levels, _group, _fn in [
+    ("Q4_0", 16, 32, _q4_0),
+    ("Q4_1", 16, 32, _q4_1),
+    ("Q5_0", 32, 32, _q5_0),
+    ("Q5_1", 32, 32, _q5_1),
+    ("Q8_0", 256, 32, _q8_0),
+    ("Q4_K", 16, 32, _q4_k),
+    ("Q5_K", 32, 32, _q5_k),
+]:
+    AFFINE_VIEWS.add(_name, AffineView(_levels, _group, _fn))
+for _lay in MINMAX_LAYOUTS:
+    AFFINE_VIEWS.add(_lay.name, _minmax_view(_lay))
+
+
+def affine_parts(w: QuantTensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A 2-D weight as (codes uint8 (out, in), scale, min float32 (out, in // group))."""
+    view = AFFINE_VIEWS.get(w.format)
+    fmt = w.qformat
+    rows, cols = w.shape
+    codes, scale, mn = view.unpack(w.data.reshape(-1, fmt.bytes_per_block))
+    g = cols // view.group
+    return codes.reshape(rows, cols), scale.reshape(rows, g), mn.reshape(rows, g)
+
+
+def _view_matches(w: QuantTensor, view: AffineView) -> bool:
+    """Whether the view reproduces the codec bit for bit on a sample of blocks."""
+    fmt = w.qformat
+    blocks = w.data.reshape(-1, fmt.bytes_per_block)[:_CHECK_BLOCKS]
+    codes, scale, mn = view.unpack(blocks)
+    n = blocks.shape[0]
+    mine = codes.to(torch.float32).reshape(n, -1, view.group) * scale.reshape(n, -1, 1)
+    mine = mine + mn.reshape(n, -1, 1)
+    return torch.equal(mine.reshape(n, -1), fmt.dequantize_blocks(blocks))
+
+
+# --- kernels -----------------------------------------------------------------------------------
+
+
+def _has_int4pack() -> bool:
+    # torch < 2.6 names the CPU ops differently (or lacks them): fall back to dequant there
+    return hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu") and hasattr(
+        torch.ops.aten, "_convert_weight_to_int4pack_for_cpu"
+    )
+
+
+def select_kernel(fmt: QuantFormat) -> str:
+    """The kernel a weight of ``fmt`` gets: ``int4pack`` where the format is affine in codes of
+    <= 8 bits with a group size int4pack accepts (and torch has the op), else ``dequant``."""
+    if fmt.name in AFFINE_VIEWS and _has_int4pack():
+        view = AFFINE_VIEWS.get(fmt.name)
+        if view.bits <= 8 and view.group in INT4_GROUPS:
+            return "int4pack"
+    return "dequant"
+
+
+@dataclass(frozen=True)
+class Int4Pack:
+    """A weight in torch's CPU int4pack form: ``planes`` nibble planes side by side along K."""
+
+    packed: torch.Tensor  # uint8, torch's private layout (out_padded, planes * in / 2)
+    scales_zeros: torch.Tensor  # bf16 (planes * in // group, out_padded, 2)
+    group: int
+    planes: int
+    out_features: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.nbytes + self.scales_zeros.nbytes
+
+
+def pack_int4(w: QuantTensor) -> Int4Pack:
+    """Repack an affine-format 2-D weight for ``_weight_int4pack_mm_for_cpu``.
+
+    int4pack computes ``(c - 8) * s + z`` per group. Codes with ``n <= 16`` levels map as
+    ``c = code + 8 - n // 2``, ``s = scale``, ``z = min + (n // 2) * scale``: codes centred on 8
+    and z at the block's midpoint, so both bf16 roundings (of s and z) stay relative to the
+    block's magnitude (``z = min + 8 * scale`` for 2-bit codes would be 3x the block's range).
+    Wider codes split as ``code = 16 * hi + lo``: plane hi maps like a code of ``ceil(n / 16)``
+    levels with scale ``16 * scale``, plane lo is ``(lo, scale, 8 * scale)``; the planes sum to
+    the weight and only plane hi carries min. Symmetric GGML formats (Q4_0, Q5_0, Q8_0) get
+    z = 0 exactly, and 16 * s, 8 * s stay exact in bf16.
+    """
+    view = AFFINE_VIEWS.get(w.format)
+    codes, scale, mn = affine_parts(w)  # (out, in), (out, G), (out, G)
+    if view.levels <= 16:
+        half = view.levels // 2
+        parts = [(codes + (8 - half), scale, mn + half * scale)]
+    else:
+        half = -(-view.levels // 16) // 2  # half the levels of plane hi
+        hi = (codes >> 4) + (8 - half)
+        parts = [(hi, 16 * scale, mn + 16 * half * scale), (codes & 0x0F, scale, 8 * scale)]
+    c = torch.cat([p[0] for p in parts], dim=1).to(torch.int32)  # (out, planes * in)
+    s = torch.cat([p[1] for p in parts], dim=1)  # (out, planes * G)
+    z = torch.cat([p[2] for p in parts], dim=1)
+    out = c.shape[0]
+    pad = -out % _INT4_ROWS  # zero rows (code 0, scale 0, zero 0) give 0 and are sliced off
+    if pad:
+        c = nn.functional.pad(c, (0, 0, 0, pad))
+        s, z = (nn.functional.pad(t, (0, 0, 0, pad)) for t in (s, z))
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(c.contiguous(), 1)
+    sz = torch.stack([s, z], dim=-1).transpose(0, 1).to(torch.bfloat16).contiguous()
+    return Int4Pack(packed, sz, view.group, len(parts), out)
+
+
+def int4pack_kernel(p: Int4Pack) -> Kernel:
+    op = torch.ops.aten._weight_int4pack_mm_for_cpu
+    packed, sz, group, out = p.packed, p.scales_zeros, p.group, p.out_features
+    sliced, two = packed.shape[0] != out, p.planes == 2
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        xb = x.to(torch.bfloat16)  # the op is fast only for bf16 (fp32 is ~20x slower)
+        if two:
+            xb = torch.cat([xb, xb], dim=1)  # (M, 2 * in): hi and lo planes in one call
+        y = op(xb, packed, group, sz)
+        if sliced:
+            y = y[:, :out]
+        return y.to(x.dtype)
+
+    return run
+
+
+def dequant_kernel(w: QuantTensor, tile_bytes: int = TILE_BYTES) -> Kernel:
+    fmt = w.qformat
+    rows, cols = w.shape
+    blocks = w.data.reshape(rows, -1)  # (out, bytes per row)
+    tile = max(1, tile_bytes // (4 * cols))
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        xf = x.to(torch.float32)
+        outs = []
+        for r in range(0, rows, tile):
+            wt = fmt.dequantize_blocks(blocks[r : r + tile].reshape(-1, fmt.bytes_per_block))
+            outs.append(xf @ wt.reshape(-1, cols).t())  # (M, tile)
+        y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+        return y.to(x.dtype)
+
+    return run
+
+
+# --- the layer ---------------------------------------------------------------------------------
+
+
+class QuantLinear(nn.Module):
+    """``y = x @ W^T + b`` for a quantized 2-D weight W (out, in); x (..., in) fp32 or bf16.
+
+    The kernel is picked once here (``kernel_name``); ``kernel=`` forces one (``"dequant"``
+    keeps the raw blocks, e.g. to keep Q2's 3 bits/weight instead of int4pack's 5). Kernels run
+    on CPU: the packed weight is a plain attribute, not a buffer, so ``.to()`` leaves it alone.
+    """
+
+    def __init__(
+        self, weight: QuantTensor, bias: torch.Tensor | None = None, kernel: str | None = None
+    ) -> None:
+        super().__init__()
+        if len(weight.shape) != 2:
+            raise QuantError(f"QuantLinear needs a 2-D weight, got shape {list(weight.shape)}")
+        self.out_features, self.in_features = weight.shape
+        self.format = weight.format
+        if bias is not None and tuple(bias.shape) != (self.out_features,):
+            raise QuantError(f"bias of shape {list(bias.shape)} for {self.out_features} outputs")
+        self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
+        auto = select_kernel(weight.qformat)
+        name = kernel or auto
+        if kernel == "int4pack" and auto != "int4pack":
+            raise QuantError(f"{self.format} cannot use the int4pack kernel; use dequant")
+        if name == "int4pack":
+            view = AFFINE_VIEWS.get(weight.format)
+            if not _view_matches(weight, view):  # a wrong view would be silently wrong output
+                log.warning("%s: affine view disagrees with the codec; using dequant", self.format)
+                name = "dequant"
+        self.kernel_name = name
+        self.nbytes: int  # resident weight bytes (bias excluded)
+        self.kernel: Kernel
+        if name == "int4pack":
+            p = pack_int4(weight)
+            self.kernel, self.nbytes = int4pack_kernel(p), p.nbytes
+        elif name == "dequant":
+            self.kernel, self.nbytes = dequant_kernel(weight), weight.data.nbytes
+        else:
+            raise QuantError(f"unknown QuantLinear kernel {name!r}; known: dequant, int4pack")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.kernel(x.reshape(-1, self.in_features))
+        if self.bias is not None:
+            y = y + self.bias.to(y.dtype)
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"format={self.format}, kernel={self.kernel_name}, bias={self.bias is not None}"
+        )

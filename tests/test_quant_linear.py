@@ -1,0 +1,292 @@
+"""QuantLinear kernels against ``F.linear(x, W.dequantize())`` and quantize_model on a tiny model.
+
+Tolerances come from the rounding each path does, written next to each check:
+
+- ``dequant``: float32 GEMM of the exact dequantized weight; only the output cast rounds (bf16
+  x: 2**-9 relative) plus float32 accumulation-order noise.
+- ``int4pack``: activations are cast to bf16 (2**-9 of |x|), the kernel holds each group's scale
+  and zero in bf16 (2**-9 each, of at most the block's max |w| after pack_int4 centres them),
+  may round the dequantized weight to bf16 (2**-9 of |w|), and rounds the output to bf16 (2**-9
+  of |y| <= sum |x||w|). With A = per-block max |w| >= |w|, the sum is
+  ``|y - ref| <= 5 * 2**-9 * (|x| @ A^T)``; measured worst cases are ~0.25 * 2**-9 * (|x| @ A^T)
+  (every format, N <= 64), 20x inside it, as independent roundings mostly cancel.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+from torch.nn import functional as F
+
+from inferflow.blocks.linear import Linear
+from inferflow.errors import QuantError
+from inferflow.model.batch import ContiguousKVCache, FlatBatch
+from inferflow.model.build import load_model
+from inferflow.quant import MINMAX_FORMATS, get_format, quantize
+from inferflow.quant.apply import QuantPolicy, quantize_model
+from inferflow.quant.linear import (
+    AFFINE_VIEWS,
+    QuantLinear,
+    affine_parts,
+    dequant_kernel,
+    select_kernel,
+)
+from inferflow.quant.tensor import QuantTensor
+from inferflow.spec import load_spec
+
+GGML_WRITABLE = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"]
+FORMATS = GGML_WRITABLE + list(MINMAX_FORMATS)
+SHAPES = [(192, 576), (576, 1536), (200, 576)]  # (out, in); 200 % 16 != 0 exercises row padding
+BATCH = [1, 7, 64]
+EPS_BF16 = 2.0**-9  # unit roundoff of bf16 (8-bit significand)
+
+# raw blocks for read-only formats: (format, byte offsets of fp16 scale fields)
+RANDOM_BLOCKS = {"Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208], "Q2_K": [80, 82], "IQ4_NL": [0]}
+
+
+def _weight(out: int, inp: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    # a per-row offset makes blocks with min far from 0, where a badly placed zero would show
+    return torch.randn(out, inp, generator=g) * 0.05 + torch.randn(out, 1, generator=g) * 0.05
+
+
+def _random_blocks(name: str, out: int, inp: int) -> QuantTensor:
+    fmt = get_format(name)
+    n = out * inp // fmt.block_size
+    g = torch.Generator().manual_seed(1)
+    data = torch.randint(0, 256, (n, fmt.bytes_per_block), generator=g, dtype=torch.uint8)
+    for off in RANDOM_BLOCKS[name]:  # sane fp16 scales instead of random bits (inf, NaN)
+        d = (torch.rand(n, 1, generator=g) * 0.01 + 0.001).to(torch.float16)
+        data[:, off : off + 2] = d.view(torch.uint8)
+    return QuantTensor(data.reshape(out, -1), name, (out, inp))
+
+
+def _block_max(qt: QuantTensor) -> torch.Tensor:
+    """A: each weight replaced by its block's max |w| (>= |w|), shape (out, in)."""
+    w = qt.dequantize().abs()
+    b = qt.qformat.block_size
+    return w.reshape(w.shape[0], -1, b).amax(-1, keepdim=True).expand(-1, -1, b).reshape(w.shape)
+
+
+def _check(ql: QuantLinear, qt: QuantTensor, x: torch.Tensor) -> None:
+    y = ql(x)
+    assert y.dtype == x.dtype and y.shape == (*x.shape[:-1], qt.shape[0])
+    xf = x.float().reshape(-1, qt.shape[1])
+    ref = xf @ qt.dequantize().t()
+    err = (y.float().reshape(ref.shape) - ref).abs()
+    if ql.kernel_name == "int4pack":
+        bound = 5 * EPS_BF16 * (xf.abs() @ _block_max(qt).t())  # derivation in the docstring
+    else:
+        # output cast (bf16 only) + float32 accumulation noise (K * 2**-24, K <= 1536 here)
+        rel = EPS_BF16 if x.dtype == torch.bfloat16 else 0.0
+        bound = (rel + 1e-4) * (xf.abs() @ qt.dequantize().abs().t())
+    worst = (err - bound).max().item()
+    assert worst <= 1e-6, f"{qt.format} {ql.kernel_name} {x.dtype}: exceeds bound by {worst:.2e}"
+
+
+@pytest.fixture(scope="module")
+def layers() -> dict[tuple[str, tuple[int, int]], tuple[QuantLinear, QuantTensor]]:
+    out = {}
+    for name in FORMATS:
+        for shape in SHAPES:
+            qt = quantize(_weight(*shape), name)
+            out[name, shape] = (QuantLinear(qt), qt)
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", FORMATS)
+def test_kernel_matches_dequantize(name: str, dtype: torch.dtype, layers) -> None:
+    g = torch.Generator().manual_seed(2)
+    for shape in SHAPES:
+        ql, qt = layers[name, shape]
+        for n in BATCH:
+            _check(ql, qt, torch.randn(n, shape[1], generator=g).to(dtype))
+
+
+@pytest.mark.parametrize("name", FORMATS)
+def test_affine_formats_use_int4pack(name: str, layers) -> None:
+    # the point of the layer: every writable affine format gets torch's int4 kernel
+    assert layers[name, SHAPES[0]][0].kernel_name == "int4pack"
+
+
+@pytest.mark.parametrize("name", list(RANDOM_BLOCKS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_read_only_formats(name: str, dtype: torch.dtype) -> None:
+    """k-quants and IQ4_NL from random blocks: Q4_K/Q5_K (32-weight groups) via int4pack, the
+    16-weight-group and non-affine ones via dequant."""
+    qt = _random_blocks(name, 192, 512)
+    ql = QuantLinear(qt)
+    assert ql.kernel_name == ("int4pack" if name in ("Q4_K", "Q5_K") else "dequant")
+    assert ql.kernel_name == select_kernel(get_format(name))
+    _check(ql, qt, torch.randn(7, 512).to(dtype))
+    if ql.kernel_name == "dequant":
+        with pytest.raises(QuantError, match=f"{name} cannot use the int4pack kernel"):
+            QuantLinear(qt, kernel="int4pack")
+
+
+@pytest.mark.parametrize("name", [*FORMATS, "Q4_K", "Q5_K"])
+def test_affine_views_are_exact(name: str) -> None:
+    # codes * scale + min must be the codec's float32 output to the bit, for every block
+    qt = (
+        _random_blocks(name, 64, 256) if name in RANDOM_BLOCKS else quantize(_weight(64, 256), name)
+    )
+    codes, scale, mn = affine_parts(qt)
+    view = AFFINE_VIEWS.get(name)
+    assert int(codes.max()) < view.levels
+    w = codes.float().reshape(64, -1, view.group) * scale[..., None] + mn[..., None]
+    assert torch.equal(w.reshape(64, 256), qt.dequantize())
+
+
+def test_torch_int4pack_convention() -> None:
+    """torch's CPU int4pack dequantizes (code - 8) * scale + zero, zero a float offset (not a
+    zero-point code): pack_int4's mapping rests on this."""
+    n, k, group = 32, 128, 32
+    g = torch.Generator().manual_seed(3)
+    codes = torch.randint(0, 16, (n, k), generator=g, dtype=torch.int32)
+    sz = torch.stack([torch.rand(k // group, n, generator=g), torch.randn(k // group, n)], -1)
+    sz = sz.to(torch.bfloat16)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
+    s, z = (sz[..., i].float().t().repeat_interleave(group, dim=1) for i in (0, 1))
+    w = (codes.float() - 8) * s + z  # (n, k)
+    x = torch.randn(4, k, generator=g).to(torch.bfloat16)
+    y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, group, sz).float()
+    ref = x.float() @ w.t()
+    # bf16 weight and output rounding only: 2 * 2**-9 of sum |x||w|
+    assert ((y - ref).abs() <= 2 * EPS_BF16 * (x.float().abs() @ w.abs().t()) + 1e-6).all()
+
+
+def test_dequant_kernel_tiles_and_bias() -> None:
+    qt = quantize(_weight(200, 256), "Q4_1")
+    x = torch.randn(5, 3, 256)
+    ref = x @ qt.dequantize().t()
+    tiled = dequant_kernel(qt, tile_bytes=37 * 256 * 4)(x.reshape(-1, 256))  # 6 uneven tiles
+    torch.testing.assert_close(tiled.reshape(ref.shape), ref, rtol=1e-5, atol=1e-5)
+    b = torch.randn(200)
+    ql = QuantLinear(qt, b, kernel="dequant")
+    torch.testing.assert_close(ql(x), F.linear(x, qt.dequantize(), b), rtol=1e-5, atol=1e-5)
+    assert ql.nbytes == qt.data.nbytes  # the dequant kernel keeps the raw blocks only
+    with pytest.raises(QuantError, match="unknown QuantLinear kernel 'fast'"):
+        QuantLinear(qt, kernel="fast")
+
+
+# --- quantize_model on a tiny transformers llama ------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    tf = pytest.importorskip("transformers")
+    out = {}
+    for tied in (False, True):
+        cfg = tf.LlamaConfig(
+            hidden_size=128,  # multiples of 64: every format's block size divides each in_features
+            intermediate_size=192,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            num_hidden_layers=2,
+            vocab_size=256,
+            max_position_embeddings=64,
+            tie_word_embeddings=tied,
+        )
+        torch.manual_seed(0)
+        model = tf.LlamaForCausalLM(cfg)
+        with torch.no_grad():  # perturb norms (init 1) so every tensor matters
+            for p in model.parameters():
+                p.add_(torch.randn(p.shape) * 0.05)
+        d = tmp_path_factory.mktemp("tied" if tied else "untied")
+        model.save_pretrained(d)
+        out["tied" if tied else "untied"] = d
+    return out
+
+
+def _model(d: Path, write_spec, dtype: torch.dtype = torch.float32, **network):
+    doc = {"name": "tiny", "base": "arch/llama", "source": {"format": "hf", "files": [str(d)]}}
+    if network:
+        doc["network"] = network
+    return load_model(load_spec(write_spec(doc)), dtype)
+
+
+def _logits(model, dtype: torch.dtype) -> torch.Tensor:
+    h = model.spec.hparams
+    ids = torch.randint(0, 256, (24,), generator=torch.Generator().manual_seed(4))
+    cache = ContiguousKVCache(h.n_layers, h.n_kv_heads, h.head_dim, 64, dtype)
+    batch = FlatBatch.single(ids, 0, cache)
+    batch.logits_rows = torch.arange(ids.numel())
+    with torch.no_grad():
+        return model(batch).float()
+
+
+def _dequantized_copy(model, policy: QuantPolicy):
+    """The float model with each policy-mapped weight replaced by its dequantized value."""
+    ref = copy.deepcopy(model)
+    with torch.no_grad():
+        for path, m in ref.named_modules():
+            fmt = policy.format_for(path)
+            if isinstance(m, Linear) and fmt is not None:
+                m.weight.copy_(quantize(m.weight, fmt).dequantize())
+    return ref
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantized_model_matches_dequantized_model(dtype, tiny_llama, write_spec) -> None:
+    model = _model(tiny_llama["untied"], write_spec, dtype)
+    policy = QuantPolicy(
+        default="Q4_B32",
+        overrides=[("dec.*.feed_forward.*", "Q3H"), ("dec.output", "Q8"), ("dec.1.*.wo", None)],
+    )
+    float_logits = _logits(model, dtype)
+    ref = _logits(_dequantized_copy(model, policy), dtype)
+    report = quantize_model(model, policy)
+    ours = _logits(model, dtype)
+    scale = ref.abs().max()
+    kernel_err = (ours - ref).abs().max() / scale
+    quant_err = (float_logits - ref).abs().max() / scale
+    # bf16-level error compounded over 2 layers and the head: a few 2**-8; the kernel's error must
+    # also be well under what quantization itself changes (else we would test the wrong thing)
+    assert kernel_err <= 8 * 2.0**-8, f"kernel error {kernel_err:.2e}"
+    assert kernel_err <= quant_err / 4, f"kernel {kernel_err:.2e} vs quant {quant_err:.2e}"
+
+    by_path = {r.path: r for r in report.layers}
+    assert by_path["dec.0.feed_forward.w13"].format == "Q3H"
+    assert by_path["dec.0.self_attn.wqkv"].format == "Q4_B32"
+    assert by_path["dec.output"].format == "Q8"
+    assert by_path["dec.1.self_attn.wo"].format is None
+    assert isinstance(model.dec.get_submodule("1.self_attn.wo"), Linear)
+    assert all(r.kernel == "int4pack" for r in report.layers if r.format)
+    assert report.bytes_after < report.bytes_before / 2
+    assert "total" in report.table()
+
+
+def test_tied_head_gets_quantized_copy(tiny_llama, write_spec) -> None:
+    model = _model(tiny_llama["tied"], write_spec, output={"tied": True})
+    assert model.dec.output is None
+    before = _logits(model, torch.float32)
+    plain = quantize_model(copy.deepcopy(model), QuantPolicy(default="Q8_0"))
+    assert "dec.output" not in {r.path for r in plain.layers}  # tied heads stay float by default
+    policy = QuantPolicy(
+        overrides=[("dec.output", "Q8_0")], tie_outputs=[("dec.output", "dec.tok_embed")]
+    )
+    report = quantize_model(model, policy)
+    assert isinstance(model.dec.output, QuantLinear)
+    assert model.dec.tok_embed.weight.dtype == torch.float32  # lookups stay float
+    (row,) = report.layers[-1:]
+    assert (row.path, row.format, row.bytes_before) == ("dec.output", "Q8_0", 0)
+    after = _logits(model, torch.float32)
+    # Q8_0 weights (2**-8 of each block's max) behind a bf16 int4pack head: small but nonzero
+    assert 0 < (after - before).abs().max() / before.abs().max() < 2e-2
+
+
+def test_policy_errors(tiny_llama, write_spec) -> None:
+    with pytest.raises(QuantError, match=r"unknown quant format 'Q4'; known: .*Q4_B32"):
+        QuantPolicy(default="Q4")
+    with pytest.raises(QuantError, match="unknown quant format 'Q9'"):
+        QuantPolicy(overrides=[("dec.output", "Q9")])
+    model = _model(tiny_llama["untied"], write_spec)
+    # Q6_K's 256-weight blocks do not divide in_features 128 / 192: named, not padded
+    with pytest.raises(QuantError, match=r"dec\.0\.self_attn\.wqkv\.weight of shape \[256, 128\]"):
+        quantize_model(model, QuantPolicy(default="Q4_K"))
+    p = QuantPolicy(default="Q8", overrides=[("dec.*", "Q2"), ("dec.output", None)])
+    assert [p.format_for(s) for s in ("x", "dec.0.wq", "dec.output")] == ["Q8", "Q2", None]

@@ -98,16 +98,14 @@ class LanguageModel:
 def load(
     ref: str | Path | Spec, dtype: str | torch.dtype = "float32", quant: str | None = None
 ) -> LanguageModel:
-    """``quant`` replaces the spec's default weight format ("none" turns quantization off)."""
+    """``quant`` replaces the spec's default weight format: a format name re-quantizes every
+    linear layer, "none" runs everything in float (the checkpoint's own quantized blocks too)."""
     spec = ref if isinstance(ref, Spec) else load_spec(ref)
     dt = parse_dtype(dtype) if isinstance(dtype, str) else dtype
     q = None
-    if quant is not None:
-        if quant != "none":
-            get_format(
-                quant
-            )  # unknown names fail here, listing the known ones, before any weights load
-        q = QuantSpec(
-            None if quant == "none" else quant, spec.quant.overrides if quant != "none" else ()
-        )
+    if quant == "none":
+        q = QuantSpec(None, (), "dequantize")
+    elif quant is not None:
+        get_format(quant)  # an unknown name fails here, listing the known ones, before loading
+        q = QuantSpec(quant, spec.quant.overrides)
     return LanguageModel(spec, load_model(spec, dt, q), tokenizer_for(spec))

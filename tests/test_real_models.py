@@ -36,7 +36,7 @@ MODELS = {"smollm2-135m-instruct": smollm2_path, "gemma-3-270m": gemma3_path}
 @pytest.fixture(scope="module", params=list(MODELS))
 def pair(request: pytest.FixtureRequest) -> tuple[LanguageModel, torch.nn.Module]:
     path: Path = MODELS[request.param]()
-    ours = load(request.param, "float32")
+    ours = load(request.param, "float32", "none")  # float reference mode: no bf16 kernels
     ref = tf.AutoModelForCausalLM.from_pretrained(
         str(path.parent), gguf_file=path.name, dtype=torch.float32
     )

@@ -72,8 +72,18 @@ def _resolve(model: nn.Module, params: dict[str, nn.Parameter], canon: str) -> _
     return None
 
 
-def bind_weights(model: nn.Module, source: WeightSource, name_map: NameMap) -> set[str]:
-    """Copy the checkpoint into the model's parameters; returns the checkpoint names consumed."""
+def bind_weights(
+    model: nn.Module,
+    source: WeightSource,
+    name_map: NameMap,
+    quantized: dict[str, dict[int, QuantTensor]] | None = None,
+) -> set[str]:
+    """Copy the checkpoint into the model's parameters; returns the checkpoint names consumed.
+
+    With ``quantized``, every checkpoint tensor stored quantized that lands unchanged (no
+    transpose or reorder) in a parameter is also recorded there as ``{param: {first row:
+    QuantTensor}}``, so a caller can keep the blocks (inferflow.quant.apply.keep_checkpoint).
+    """
     params = dict(model.named_parameters())
     filled: dict[str, set[str | None]] = {}
     consumed: set[str] = set()
@@ -109,6 +119,10 @@ def bind_weights(model: nn.Module, source: WeightSource, name_map: NameMap) -> s
             t = target.prepare(t)
         with torch.no_grad():
             dest.copy_(t)
+        if quantized is not None and isinstance(w, QuantTensor) and not transpose:
+            if target.prepare is None:
+                first = 0 if target.rows is None else target.rows.start
+                quantized.setdefault(target.param, {})[first] = w
         filled.setdefault(target.param, set()).add(shard_key)
         consumed.add(name)
     missing = []

@@ -15,6 +15,7 @@ from inferflow.loaders import open_files
 from inferflow.model.binding import bind_weights
 from inferflow.model.decoder import DecoderOnly
 from inferflow.model.names import NameMap
+from inferflow.quant.tensor import QuantTensor
 from inferflow.registry import Registry
 from inferflow.spec.types import QuantSpec, Spec
 
@@ -59,16 +60,26 @@ def load_model(
     """Network with its weights bound; quantized by ``quant`` (default: the spec's quant section)."""
     t0 = time.perf_counter()
     model = build_network(spec, dtype)
+    q = spec.quant if quant is None else quant
+    # a runtime format replaces the checkpoint's own quantization everywhere
+    keep: dict[str, dict[int, QuantTensor]] | None = (
+        {} if q.weights is None and q.checkpoint == "keep" else None
+    )
+    ties = tuple(getattr(model, "tied_outputs", ()))
     source = open_files(spec.source.format, spec.source.files)
     try:
-        bind_weights(model, source, NameMap(spec.network.tensors))
+        bind_weights(model, source, NameMap(spec.network.tensors), keep)
+        if keep:
+            from inferflow.quant.apply import keep_checkpoint
+
+            keep_checkpoint(model, keep, ties)
     finally:
         source.close()
-    q = spec.quant if quant is None else quant
     if q.weights or q.overrides:
         from inferflow.quant.apply import QuantPolicy, quantize_model
 
-        quantize_model(model, QuantPolicy(default=q.weights, overrides=list(q.overrides)))
+        policy = QuantPolicy(default=q.weights, overrides=list(q.overrides), tie_outputs=ties)
+        quantize_model(model, policy)
     model.eval()
     log.info(
         "loaded %s (%s) in %.2f s",

@@ -121,6 +121,8 @@ class DecoderOnly(nn.Module):
         super().__init__()
         self.spec = spec
         self.dec = DecoderStack(spec)
+        # (head, embedding) module paths: quantization may give a tied head its own weight
+        self.tied_outputs = [("dec.output", "dec.tok_embed")] if spec.network.tied_output else []
 
     def hidden_states(self, batch: FlatBatch) -> torch.Tensor:
         d = self.dec

@@ -23,8 +23,8 @@ from torch import nn
 
 from inferflow.blocks.linear import Linear
 from inferflow.errors import QuantError
-from inferflow.quant import FORMATS, QuantFormat, quantize
-from inferflow.quant.linear import QuantLinear
+from inferflow.quant import FORMATS, QuantFormat, QuantTensor, quantize
+from inferflow.quant.linear import QuantLinear, select_kernel
 
 log = logging.getLogger(__name__)
 
@@ -115,6 +115,64 @@ def _set(model: nn.Module, path: str, module: nn.Module) -> None:
     setattr(model.get_submodule(parent) if parent else model, name, module)
 
 
+def _stack_rows(parts: dict[int, QuantTensor], rows: int) -> QuantTensor | None:
+    """Row blocks of one parameter as one QuantTensor, or None unless they are of one format
+    and cover all ``rows`` in order (a fused q/k/v with a Q6_K v among Q4_K stays float)."""
+    ordered = [parts[k] for k in sorted(parts)]
+    fmt = ordered[0].format
+    starts = sorted(parts)
+    ends = [s + p.shape[0] for s, p in zip(starts, ordered, strict=True)]
+    if any(p.format != fmt or len(p.shape) != 2 for p in ordered):
+        return None
+    if starts[0] != 0 or ends[-1] != rows or starts[1:] != ends[:-1]:
+        return None
+    if len(ordered) == 1:
+        return ordered[0]
+    data = torch.cat([p.data.reshape(p.shape[0], -1) for p in ordered])
+    return QuantTensor(data, fmt, (rows, ordered[0].shape[1]))
+
+
+def keep_checkpoint(
+    model: nn.Module,
+    quantized: dict[str, dict[int, QuantTensor]],
+    tie_outputs: Sequence[tuple[str, str]] = (),
+) -> QuantReport:
+    """Give every ``Linear`` whose checkpoint weight was stored quantized (as recorded by
+    ``bind_weights(quantized=...)``) a QuantLinear over those very blocks, where the format has
+    the fast int4pack kernel; other formats (e.g. Q6_K, Q2_K) stay dequantized float, which is
+    faster on CPU than their dequantize-per-call path. A tied head whose embedding was stored
+    quantized gets a QuantLinear over the embedding's blocks (the embedding stays float)."""
+    layers: list[LayerReport] = []
+    heads = dict(tie_outputs)
+    for pname, parts in quantized.items():
+        path, _, leaf = pname.rpartition(".")
+        mod = model.get_submodule(path)
+        targets: list[tuple[str, Linear | None]] = []
+        if isinstance(mod, Linear) and leaf == "weight":
+            targets.append((path, mod))
+        targets += [(h, None) for h, e in heads.items() if e == path and leaf == "weight"]
+        for target, lin in targets:
+            rows = lin.out_features if lin is not None else model.get_parameter(pname).shape[0]
+            qt = _stack_rows(parts, rows)
+            if qt is None or select_kernel(qt.qformat) != "int4pack":
+                continue
+            if lin is None and _get(model, target) is not None:
+                continue  # the head is not tied after all
+            q = QuantLinear(qt, None if lin is None else lin.bias)
+            _set(model, target, q)
+            before = 0 if lin is None else lin.weight.nbytes  # a tied head's bytes are extra
+            shape = (qt.shape[0], qt.shape[1])
+            layers.append(LayerReport(target, shape, qt.format, q.kernel_name, before, q.nbytes))
+    report = QuantReport(layers)
+    log.info("kept %d checkpoint-quantized linear layers in their blocks", len(layers))
+    return report
+
+
+def _get(model: nn.Module, path: str) -> nn.Module | None:
+    parent, _, name = path.rpartition(".")
+    return getattr(model.get_submodule(parent) if parent else model, name, None)
+
+
 def quantize_model(model: nn.Module, policy: QuantPolicy) -> QuantReport:
     """Replace every ``Linear`` whose path the policy maps to a format, in place.
 
@@ -135,15 +193,13 @@ def quantize_model(model: nn.Module, policy: QuantPolicy) -> QuantReport:
         layers.append(LayerReport(path, shape, fmt, q.kernel_name, before, q.nbytes))
     for head, embed in policy.tie_outputs:
         fmt = policy.format_for(head)
-        parent, _, name = head.rpartition(".")
-        owner = model.get_submodule(parent) if parent else model
-        if fmt is None or getattr(owner, name, None) is not None:
-            continue  # float head, or an untied head already handled above
+        if fmt is None or _get(model, head) is not None:
+            continue  # float head, or an untied (or already quantized) head
         weight = model.get_submodule(embed).weight
         if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
             raise QuantError(f"tie_outputs: {embed}.weight is not a 2-D tensor")
         q = _quant_linear(head, weight, None, fmt)
-        setattr(owner, name, q)
+        _set(model, head, q)
         # the embedding stays float, so the head's bytes are all extra
         shape = (weight.shape[0], weight.shape[1])
         layers.append(LayerReport(head, shape, fmt, q.kernel_name, 0, q.nbytes))

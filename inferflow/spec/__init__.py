@@ -135,7 +135,10 @@ def parse_spec(
     gen = GenerationDefaults(**doc.get("generation", {}))
     q = doc.get("quant", {})
     quant = QuantSpec(
-        _fmt(q.get("weights")), tuple((pat, _fmt(f)) for pat, f in q.get("overrides", {}).items())
+        _fmt(q.get("weights")),
+        tuple((pat, _fmt(f)) for pat, f in q.get("overrides", {}).items()),
+        # weights: none means float everywhere, the checkpoint's own blocks included
+        "dequantize" if q.get("weights") == "none" else q.get("checkpoint", "keep"),
     )
     return Spec(
         name=doc["name"],

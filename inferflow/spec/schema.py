@@ -139,6 +139,7 @@ def build_schema() -> dict[str, Any]:
             "quant": _obj(
                 {
                     "weights": _enum([*FORMATS.names(), "none"]),
+                    "checkpoint": _enum(["keep", "dequantize"]),
                     "overrides": {
                         "type": "object",
                         "additionalProperties": _enum([*FORMATS.names(), "none"]),

@@ -137,6 +137,9 @@ class QuantSpec:
 
     weights: str | None = None
     overrides: tuple[tuple[str, str | None], ...] = ()
+    # "keep": linear weights a checkpoint already stores quantized (GGUF Q4_1, Q8_0 ...) stay in
+    # their blocks where a fast kernel reads them, when ``weights`` is unset; "dequantize": float
+    checkpoint: str = "keep"
 
 
 @dataclass(frozen=True)

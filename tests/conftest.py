@@ -7,7 +7,11 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
+
+from inferflow.model.build import load_model
+from inferflow.spec import load_spec
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -41,3 +45,37 @@ def write_spec(tmp_path: Path):
         return p
 
     return write
+
+
+def tiny_llama(
+    d: Path, sharpen: float = 1.0, **cfg: object
+) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """A random-initialised tiny transformers llama (GQA 4/2 heads) saved in ``d`` with a spec,
+    and Inferflow's model of it: (reference, ours). ``sharpen`` scales the output head so that
+    greedy paths stay far from ties."""
+    tf = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    args: dict = dict(
+        hidden_size=64,
+        intermediate_size=96,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=128,
+        num_hidden_layers=2,
+        max_position_embeddings=256,
+    )
+    ref = tf.LlamaForCausalLM(tf.LlamaConfig(**{**args, **cfg})).eval()
+    with torch.no_grad():
+        ref.lm_head.weight.mul_(sharpen)
+    ref.save_pretrained(d)
+    (d / "spec.yaml").write_text(
+        f"name: tiny\nbase: arch/llama\nsource: {{format: hf, files: ['{d}']}}\n"
+    )
+    return ref, load_model(load_spec(d / "spec.yaml"))
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> torch.nn.Module:
+    """Inferflow's model of a tiny random llama (vocab 128, no end token, sharp logits)."""
+    d = tmp_path_factory.mktemp("tiny")
+    return tiny_llama(d, sharpen=8.0, eos_token_id=None, bos_token_id=None)[1]

@@ -19,28 +19,8 @@ VOCAB = 128
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory):
-    torch.manual_seed(0)
-    cfg = tf.LlamaConfig(
-        hidden_size=64,
-        intermediate_size=96,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=VOCAB,
-        num_hidden_layers=2,
-        max_position_embeddings=256,
-        eos_token_id=None,
-        bos_token_id=None,
-    )
-    ref = tf.LlamaForCausalLM(cfg)
-    with torch.no_grad():  # sharpen the distribution so greedy paths are far from ties
-        ref.lm_head.weight.mul_(8)
-    d = tmp_path_factory.mktemp("tiny")
-    ref.save_pretrained(d)
-    (d / "spec.yaml").write_text(
-        f"name: tiny\nbase: arch/llama\nsource: {{format: hf, files: ['{d}']}}\n"
-    )
-    return load_model(load_spec(d / "spec.yaml"))
+def model(tiny_model):  # noqa: ANN001  (conftest: a tiny random llama, GQA, sharp logits)
+    return tiny_model
 
 
 def _prompts(n: int, seed: int) -> list[list[int]]:

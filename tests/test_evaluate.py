@@ -10,30 +10,14 @@ import torch
 
 from inferflow.errors import InferflowError, RequestError
 from inferflow.evaluate import perplexity
-from inferflow.model.build import load_model
-from inferflow.spec import load_spec
+from tests.conftest import tiny_llama
 
 tf = pytest.importorskip("transformers")
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory):
-    torch.manual_seed(0)
-    cfg = tf.LlamaConfig(
-        hidden_size=64,
-        intermediate_size=96,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=100,
-        num_hidden_layers=2,
-        max_position_embeddings=128,
-    )
-    ref = tf.LlamaForCausalLM(cfg).eval()
-    d = tmp_path_factory.mktemp("tiny")
-    ref.save_pretrained(d)
-    spec_path = d / "spec.yaml"
-    spec_path.write_text(f"name: tiny\nbase: arch/llama\nsource: {{format: hf, files: ['{d}']}}\n")
-    return ref, load_model(load_spec(spec_path))
+    return tiny_llama(tmp_path_factory.mktemp("tiny"), vocab_size=100, max_position_embeddings=128)
 
 
 def test_perplexity_matches_transformers_cross_entropy(tiny) -> None:

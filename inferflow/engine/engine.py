@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from inferflow.engine.kv_cache import PagedKVCache
-from inferflow.engine.request import FINISHED, Request, RequestOutput, Scheduled
+from inferflow.engine.request import FINISHED, Request, RequestOutput, Scheduled, TokenLogprobs
 from inferflow.engine.sampling import SamplingParams, make_sampler
 from inferflow.engine.scheduler import Scheduler, SchedulerConfig
 from inferflow.errors import RequestError
@@ -99,7 +99,7 @@ class Engine:
             raise RequestError(f"request id {rid!r} is already in use")
         n = next(self._ids)
         detok = self.tokenizer.incremental_decoder() if self.tokenizer is not None else None  # type: ignore[attr-defined]
-        req = Request(rid, ids, params, n, make_sampler(params), detok=detok)
+        req = Request(rid, ids, params, n, make_sampler(params, tuple(self.eos_ids)), detok=detok)
         self.scheduler.add(req)
         self.requests[rid] = req
         return rid
@@ -182,27 +182,28 @@ class Engine:
         outputs = []
         sampled = [s.req for s in batch if s.sample]
         for req, row in zip(sampled, logits, strict=True):
-            tok = req.sampler(row)
+            tok = req.sampler(row, req.prompt_ids, req.output_ids)
             req.output_ids.append(tok)
-            outputs.append(self._emit(req, tok))
+            out = self._emit(req, tok)
+            if req.params.logprobs is not None:
+                out.logprobs = [token_logprobs(row, tok, req.params.logprobs)]
+            outputs.append(out)
         return outputs
 
     def _emit(self, req: Request, tok: int) -> RequestOutput:
         p = req.params
-        stop_tok = tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos_ids)
-        text = ""
         reason = None
-        if stop_tok:
+        if tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos_ids):
             reason = "stop"
         else:
             if req.detok is not None:
-                text = req.detok.push(tok)
-                req.text += text
+                req.text += req.detok.push(tok)
             if len(req.output_ids) >= p.max_new_tokens or len(req.tokens) >= self.max_len:
                 reason = "length"
                 if req.detok is not None:
-                    tail = req.detok.flush()
-                    text, req.text = text + tail, req.text + tail
+                    req.text += req.detok.flush()
+        text, hit = _visible_text(req, p.stop, final=reason is not None)
+        reason = "stop" if hit else reason
         first = req.prompt_ids if len(req.output_ids) == 1 else None
         if reason:
             self.scheduler.remove(req)
@@ -212,3 +213,26 @@ class Engine:
     def _finish(self, req: Request, reason: str) -> None:
         req.status = FINISHED
         req.finish_reason = reason
+
+
+def _visible_text(req: Request, stops: tuple[str, ...], final: bool) -> tuple[str, bool]:
+    """New text to emit, and whether a stop string ended the request. Text that could still be
+    the start of a stop string is held back until the next token settles it."""
+    if stops:
+        longest = max(map(len, stops))
+        start = max(0, req.shown - longest + 1)
+        hits = [i for i in (req.text.find(s, start) for s in stops) if i >= 0]
+        if hits:
+            req.text = req.text[: min(hits)]
+            text, req.shown = req.text[req.shown :], len(req.text)
+            return text, True
+    end = len(req.text) if final or not stops else max(req.shown, len(req.text) - longest + 1)
+    text, req.shown = req.text[req.shown : end], end
+    return text, False
+
+
+def token_logprobs(row: torch.Tensor, tok: int, n: int) -> TokenLogprobs:
+    lp = torch.log_softmax(row.float(), dim=-1)
+    top = torch.topk(lp, n) if n else None
+    pairs = list(zip(top.indices.tolist(), top.values.tolist(), strict=True)) if top else []
+    return TokenLogprobs(tok, float(lp[tok]), pairs)

@@ -47,12 +47,14 @@ def generate_tokens(
         raise RequestError(f"the prompt has {len(prompt_ids)} tokens; the model's context is {ctx}")
     max_new = min(params.max_new_tokens, ctx - len(prompt_ids))
     stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_ids))
-    sample = make_sampler(params)
+    sample = make_sampler(params, eos_ids)
     cache = new_cache(model, len(prompt_ids) + max_new)
     logits = prefill(model, prompt_ids, cache)
     pos = len(prompt_ids)
+    out: list[int] = []
     for n in range(max_new):
-        tok = sample(logits)
+        tok = sample(logits, prompt_ids, out)
+        out.append(tok)
         if tok in stops:
             yield StepOutput(tok, "stop")
             return

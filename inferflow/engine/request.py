@@ -23,7 +23,8 @@ class Request:
     status: str = WAITING
     finish_reason: str | None = None
     detok: Any = None  # incremental decoder when the engine has a tokenizer
-    text: str = ""
+    text: str = ""  # decoded output so far
+    shown: int = 0  # characters of ``text`` already emitted (the rest may start a stop string)
 
     @property
     def tokens(self) -> list[int]:
@@ -49,3 +50,12 @@ class RequestOutput:
     finished: bool
     finish_reason: str | None = None  # stop | length | abort | error
     prompt_token_ids: list[int] | None = None
+    # with SamplingParams.logprobs: per new token, its logprob and the top-n (id, logprob) pairs
+    logprobs: list[TokenLogprobs] | None = None
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    token_id: int
+    logprob: float  # log-softmax of the model's raw logits (before penalties / temperature)
+    top: list[tuple[int, float]]

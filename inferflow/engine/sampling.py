@@ -1,17 +1,30 @@
-"""Sampling parameters and a sampler built once per request (temperature, top-k, top-p, seed).
+"""Sampling parameters and the per-request sampler built once from them (mlx-lm's make_sampler).
 
-The continuous-batching engine extends this with the remaining strategies; the contract stays:
-``make_sampler(params)`` returns a callable from float32 logits (V,) to a token id.
+``make_sampler(params, end_ids)`` returns a callable ``sampler(logits (V,), prompt, output) ->
+token id``. Order: processors (repetition / presence / frequency penalties, logit bias, end
+tokens banned below min_new_tokens) -> strategy:
+
+- greedy (temperature 0): argmax;
+- FSD (``fsd_alpha`` > 0; inferflow.engine.fsd), deterministic; with ``fsd_random_steps`` T, the
+  first T tokens are sampled as below instead (randomized FSD);
+- mirostat v1 / v2 (Basu et al.; llama.cpp's definitions: tau target surprise in bits, eta
+  learning rate, mu starts at 2 tau; v1 estimates Zipf's exponent from the top 100 tokens);
+- otherwise temperature, then top-k, top-p, min-p, typical, tail-free, then a draw.
+
+Each request owns its torch.Generator (seeded), so a seed gives the same tokens whatever else is
+in the batch.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
+from inferflow.engine import logits as L
+from inferflow.engine.fsd import NGramAntiLM, fsd_choose
 from inferflow.errors import RequestError
 
 
@@ -20,50 +33,144 @@ class SamplingParams:
     temperature: float = 0.0  # 0: greedy
     top_k: int = 0  # 0: off
     top_p: float = 1.0
+    min_p: float = 0.0
+    typical_p: float = 1.0
+    tfs_z: float = 1.0
+    mirostat: int = 0  # 0 off, 1 or 2
+    mirostat_tau: float = 5.0
+    mirostat_eta: float = 0.1
+    fsd_alpha: float = 0.0  # > 0 turns frustratingly simple decoding on
+    fsd_k: int = 6
+    fsd_n: int = 3
+    fsd_random_steps: int = 0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
     max_new_tokens: int = 256
+    min_new_tokens: int = 0
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    stop: tuple[str, ...] = field(default_factory=tuple)  # stop strings (not shown in the text)
     ignore_eos: bool = False
+    logprobs: int | None = None  # None: off; n >= 0: chosen token's logprob plus the top n
 
     def __post_init__(self) -> None:
+        def bad(name: str, rule: str) -> RequestError:
+            return RequestError(f"{name}: must be {rule}, got {getattr(self, name)!r}")
+
         if not math.isfinite(self.temperature) or self.temperature < 0:
-            raise RequestError(f"temperature: must be a number >= 0, got {self.temperature}")
-        if self.top_k < 0:
-            raise RequestError(f"top_k: must be >= 0 (0 turns it off), got {self.top_k}")
-        if not 0 < self.top_p <= 1:
-            raise RequestError(f"top_p: must be in (0, 1], got {self.top_p}")
+            raise bad("temperature", "a number >= 0")
+        for name in ("top_k", "min_new_tokens", "fsd_random_steps"):
+            if getattr(self, name) < 0:
+                raise bad(name, ">= 0 (0 turns it off)")
+        for name in ("top_p", "typical_p", "tfs_z"):
+            if not 0 < getattr(self, name) <= 1:
+                raise bad(name, "in (0, 1] (1 turns it off)")
+        if not 0 <= self.min_p < 1:
+            raise bad("min_p", "in [0, 1) (0 turns it off)")
+        if self.mirostat not in (0, 1, 2):
+            raise bad("mirostat", "one of 0 (off), 1, 2")
+        if self.mirostat_tau <= 0 or self.mirostat_eta <= 0:
+            raise RequestError("mirostat_tau and mirostat_eta: must be > 0")
+        if not 0 <= self.fsd_alpha < 1:
+            raise bad("fsd_alpha", "in [0, 1) (0 turns FSD off)")
+        if self.fsd_k < 1 or self.fsd_n < 1:
+            raise RequestError("fsd_k and fsd_n: must be >= 1")
+        if not math.isfinite(self.repetition_penalty) or self.repetition_penalty <= 0:
+            raise bad("repetition_penalty", "a number > 0 (1 turns it off)")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise bad(name, "in [-2, 2]")
         if self.max_new_tokens < 1:
-            raise RequestError(f"max_new_tokens: must be >= 1, got {self.max_new_tokens}")
+            raise bad("max_new_tokens", ">= 1")
+        if self.min_new_tokens > self.max_new_tokens:
+            raise RequestError(
+                f"min_new_tokens ({self.min_new_tokens}) exceeds max_new_tokens ({self.max_new_tokens})"
+            )
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            raise bad("logprobs", "in [0, 20]")
+        if any(not s for s in self.stop):
+            raise RequestError("stop: stop strings must not be empty")
+        for tok, b in self.logit_bias.items():
+            if not math.isfinite(b) or not -100 <= b <= 100:
+                raise RequestError(
+                    f"logit_bias: bias for token {tok} must be in [-100, 100], got {b}"
+                )
 
 
-Sampler = Callable[[torch.Tensor], int]
+class Sampler:
+    """Built once per request; stateful where the strategy is (mirostat's mu, FSD's n-grams)."""
+
+    def __init__(self, params: SamplingParams, end_ids: Sequence[int] = ()) -> None:
+        p = self.params = params
+        self.processors: list[L.Processor] = []
+        if p.repetition_penalty != 1.0:
+            self.processors.append(L.repetition_penalty(p.repetition_penalty))
+        if p.presence_penalty or p.frequency_penalty:
+            self.processors.append(
+                L.presence_frequency_penalty(p.presence_penalty, p.frequency_penalty)
+            )
+        if p.logit_bias:
+            self.processors.append(L.logit_bias(p.logit_bias))
+        if p.min_new_tokens:
+            banned = [*p.stop_token_ids, *(() if p.ignore_eos else end_ids)]
+            self.processors.append(L.ban_until(banned, p.min_new_tokens))
+        self.gen = torch.Generator()
+        seed = p.seed if p.seed is not None else int(torch.randint(0, 2**62, ()).item())
+        self.gen.manual_seed(seed)
+        self.mu = 2 * p.mirostat_tau
+        self.anti = NGramAntiLM(p.fsd_n) if p.fsd_alpha > 0 else None
+
+    def __call__(
+        self, logits: torch.Tensor, prompt: Sequence[int] = (), output: Sequence[int] = ()
+    ) -> int:
+        x = logits.float()
+        for proc in self.processors:
+            x = proc(x, prompt, output)
+        p = self.params
+        if self.anti is not None and len(output) >= p.fsd_random_steps:
+            return fsd_choose(x, self.anti, [*prompt, *output], p.fsd_alpha, p.fsd_k)
+        if p.temperature == 0:
+            return int(torch.argmax(x))
+        x = x / p.temperature
+        if p.mirostat:
+            return self._mirostat(x)
+        x = L.top_k(x, p.top_k)
+        x = L.top_p(x, p.top_p)
+        x = L.min_p(x, p.min_p)
+        x = L.typical(x, p.typical_p)
+        x = L.tail_free(x, p.tfs_z)
+        return self._draw(torch.softmax(x, dim=-1))
+
+    def _draw(self, probs: torch.Tensor) -> int:
+        return int(torch.multinomial(probs, 1, generator=self.gen))
+
+    def _mirostat(self, x: torch.Tensor) -> int:
+        p = self.params
+        probs, idx = torch.sort(torch.softmax(x, dim=-1), descending=True)
+        if p.mirostat == 1:
+            m = min(100, probs.numel() - 1)
+            i = torch.arange(m - 1, dtype=torch.float64)
+            t = torch.log((i + 2) / (i + 1))
+            b = torch.log(probs[: m - 1].double() / probs[1:m].double())
+            s_hat = float((t * b).sum() / (t * t).sum())
+            eps = s_hat - 1
+            n = probs.numel()
+            k = ((eps * 2**self.mu) / (1 - n ** (-eps))) ** (1 / s_hat) if eps > 0 else n
+            keep = min(max(int(k), 1), n) if math.isfinite(k) else n
+        else:  # v2: drop tokens more surprising than mu
+            keep = max(1, int((-torch.log2(probs) <= self.mu).sum()))
+        kept = probs[:keep] / probs[:keep].sum()
+        j = self._draw(kept)
+        self.mu -= p.mirostat_eta * (-math.log2(float(kept[j])) - p.mirostat_tau)
+        return int(idx[j])
+
+
+def make_sampler(params: SamplingParams, end_ids: Sequence[int] = ()) -> Sampler:
+    return Sampler(params, end_ids)
 
 
 def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
     """Mask (to -inf) tokens outside the top-k and outside the smallest top-p nucleus."""
-    if top_k and top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, idx = torch.sort(logits, descending=True)
-        probs = torch.softmax(sorted_logits, dim=-1)
-        # drop a token when the mass before it already reaches top_p (the top token always stays)
-        drop = (probs.cumsum(-1) - probs) >= top_p
-        logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, idx, drop), float("-inf"))
-    return logits
-
-
-def make_sampler(params: SamplingParams) -> Sampler:
-    if params.temperature == 0:
-        return lambda logits: int(torch.argmax(logits))
-    gen = torch.Generator()
-    gen.manual_seed(
-        params.seed if params.seed is not None else int(torch.randint(0, 2**62, ()).item())
-    )
-
-    def sample(logits: torch.Tensor) -> int:
-        x = filter_logits(logits.float() / params.temperature, params.top_k, params.top_p)
-        probs = torch.softmax(x, dim=-1)
-        return int(torch.multinomial(probs, 1, generator=gen))
-
-    return sample
+    return L.top_p(L.top_k(logits, top_k), top_p)

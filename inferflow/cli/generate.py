@@ -11,6 +11,20 @@ from inferflow.engine.sampling import SamplingParams
 from inferflow.runtime import load
 from inferflow.spec import load_spec
 
+# extra sampling flags: (flag, type, help); each maps to the SamplingParams field of its name
+EXTRA_SAMPLING = [
+    ("--min-p", float, "keep tokens with p >= min_p * p_max (0 = off)"),
+    ("--typical-p", float, "locally typical sampling mass (1 = off)"),
+    ("--tfs-z", float, "tail-free sampling z (1 = off)"),
+    ("--mirostat", int, "mirostat version 1 or 2 (0 = off)"),
+    ("--mirostat-tau", float, "mirostat target surprise in bits (5)"),
+    ("--mirostat-eta", float, "mirostat learning rate (0.1)"),
+    ("--fsd-alpha", float, "frustratingly simple decoding strength (0 = off)"),
+    ("--repetition-penalty", float, "divide repeated tokens' positive logits by this (1 = off)"),
+    ("--presence-penalty", float, "subtract from tokens already generated (-2..2)"),
+    ("--frequency-penalty", float, "subtract this times each token's count (-2..2)"),
+]
+
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="generate text from a prompt", description=__doc__)
@@ -23,6 +37,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass (1 = off)")
     p.add_argument("--seed", type=int, default=None, help="random seed for sampling")
+    for flag, kind, what in EXTRA_SAMPLING:
+        p.add_argument(flag, type=kind, default=None, help=what)
+    p.add_argument("--draft", default=None, help="speculative decoding: the draft model's spec")
+    p.add_argument("--lookahead", type=int, default=4, help="draft tokens per target pass (4)")
+    p.add_argument(
+        "--spec-rule",
+        default="exact",
+        choices=("exact", "relaxed"),
+        help="exact: the target's distribution; relaxed: accept drafts in the target's kept set",
+    )
     p.add_argument(
         "--dtype",
         default="float32",
@@ -51,7 +75,14 @@ def run(args: argparse.Namespace) -> int:
         top_p=g.top_p if args.top_p is None else args.top_p,
         max_new_tokens=g.max_new_tokens if args.max_tokens is None else args.max_tokens,
         seed=g.seed if args.seed is None else args.seed,
+        **{
+            f[2:].replace("-", "_"): getattr(args, f[2:].replace("-", "_"))
+            for f, _, _ in EXTRA_SAMPLING
+            if getattr(args, f[2:].replace("-", "_")) is not None
+        },
     )
+    if args.draft:
+        return _speculative(args, spec, params)
     lm = load(
         spec, args.dtype, args.quant
     )  # after the cheap checks: bad input fails before weights load
@@ -80,4 +111,34 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(out, ensure_ascii=False))
     else:
         sys.stdout.write(decoder.flush() + "\n")
+    return 0
+
+
+def _speculative(args: argparse.Namespace, spec: object, params: SamplingParams) -> int:
+    from inferflow.engine.speculative import speculative_generate
+
+    lm = load(spec, args.dtype, args.quant)  # type: ignore[arg-type]
+    draft = load(args.draft, args.dtype, args.quant)
+    prompt_ids = lm.encode_prompt(args.prompt, chat=args.chat, system=args.system)
+    tok = lm._tok()
+    t0 = time.perf_counter()
+    res = speculative_generate(
+        lm.model, draft.model, prompt_ids, params, args.lookahead, args.spec_rule, tok.eos_ids
+    )
+    elapsed = time.perf_counter() - t0
+    shown = res.token_ids[:-1] if res.finish_reason == "stop" else res.token_ids
+    out = {
+        "text": tok.decode(shown),
+        "prompt_token_ids": prompt_ids,
+        "token_ids": res.token_ids,
+        "finish_reason": res.finish_reason,
+        "seconds": round(elapsed, 3),
+        "acceptance_rate": round(res.acceptance_rate, 4),
+        "target_passes": res.target_passes,
+    }
+    if args.json:
+        print(json.dumps(out, ensure_ascii=False))
+    else:
+        print(out["text"])
+        print(f"[acceptance rate {res.acceptance_rate:.2%}, {res.target_passes} target passes]")
     return 0

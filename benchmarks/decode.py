@@ -1,5 +1,6 @@
-"""Prefill and batch-1 decode speed on SmolLM2-135M (Q4_1 GGUF): Inferflow (fp32 and bf16)
-side by side with llama.cpp (llama-cpp-python) on the same file, in one run.
+"""Prefill and batch-1 decode speed on SmolLM2-135M (Q4_1 GGUF): Inferflow (float32 and bfloat16
+weights dequantized from the file, and the file's own Q4_1 blocks kept, the default) side by
+side with llama.cpp (llama-cpp-python) on the same file, in one run.
 
     python benchmarks/decode.py [--prefill 128] [--decode 64] [--threads 2] [--repeat 3]
 
@@ -26,8 +27,10 @@ from inferflow.runtime import load  # noqa: E402
 SPEC = "smollm2-135m-instruct"
 
 
-def bench_inferflow(dtype: str, ids: list[int], n_decode: int, repeat: int) -> tuple[float, float]:
-    lm = load(SPEC, dtype)
+def bench_inferflow(
+    dtype: str, quant: str | None, ids: list[int], n_decode: int, repeat: int
+) -> tuple[float, float]:
+    lm = load(SPEC, dtype, quant)
     best_p, best_d = 0.0, 0.0
     for _ in range(repeat):
         cache = new_cache(lm.model, len(ids) + n_decode + 1)
@@ -74,7 +77,11 @@ def main() -> int:
     ap.add_argument("--decode", type=int, default=64)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 2)
     ap.add_argument("--repeat", type=int, default=3)
-    ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument(
+        "--configs",
+        default="float32:none,bfloat16:none,float32:checkpoint",
+        help="dtype:quant pairs; quant none = dequantized float, checkpoint = the GGUF's own blocks",
+    )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -85,9 +92,12 @@ def main() -> int:
     del lm
 
     rows = []
-    for dt in args.dtypes.split(","):
-        p, d = bench_inferflow(dt, ids, args.decode, args.repeat)
-        rows.append((f"inferflow {dt}", p, d))
+    for cfg in args.configs.split(","):
+        dt, _, quant = cfg.partition(":")
+        p, d = bench_inferflow(
+            dt, None if quant == "checkpoint" else quant, ids, args.decode, args.repeat
+        )
+        rows.append((f"inferflow {dt} {quant}", p, d))
     ref = bench_llama_cpp(path, ids, args.decode, args.threads, args.repeat)
     rows.append(
         ("llama.cpp (llama-cpp-python)", *ref)

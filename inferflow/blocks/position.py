@@ -153,6 +153,7 @@ class Rotary(PositionBlock):
             fn = ROPE_SCALINGS.get(scaling["type"])
             inv, self.att_scale = fn(inv, scaling, self.rotary_dim, self.theta)
         self.register_buffer("inv_freq", inv, persistent=False)
+        self._cached: tuple[torch.Tensor, torch.dtype, torch.Tensor, torch.Tensor] | None = None
 
     def _cos_sin(
         self, positions: torch.Tensor, dtype: torch.dtype
@@ -175,8 +176,13 @@ class Rotary(PositionBlock):
     def rotate(
         self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        cos, sin = self._cos_sin(positions, q.dtype)
-        return self._rotate_one(q, cos, sin), self._rotate_one(k, cos, sin)
+        # every layer of one forward rotates at the same positions: compute cos / sin once
+        key = (positions, q.dtype)
+        if self._cached is None or self._cached[0] is not positions or self._cached[1] != q.dtype:
+            self._cached = (*key, *self._cos_sin(positions, q.dtype))
+        cos, sin = self._cached[2], self._cached[3]
+        qk = self._rotate_one(torch.cat((q, k), dim=1), cos, sin)  # (N, H + KVH, D): one pass
+        return qk[:, : q.shape[1]], qk[:, q.shape[1] :]
 
 
 # --- additive biases and absolute embeddings ----------------------------------------------

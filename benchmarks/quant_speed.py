@@ -9,7 +9,7 @@ default load; every other row re-quantizes all linear layers (and the tied head)
 Each row runs the continuous-batching engine with B requests of a 64-token prompt: prefill, then
 --decode greedy steps of B tokens each; decode tok/s counts all B sequences. Resident weight MB
 counts every parameter, buffer and QuantLinear's packed weight. llama.cpp decodes one sequence
-(batch 1) of the same Q4_1 file, teacher-forced as in benchmarks/decode.py.
+(batch 1) of the same Q4_1 file, teacher-forced as in benchmarks/decode.py, measured first.
 """
 
 from __future__ import annotations
@@ -30,7 +30,8 @@ from decode import bench_llama_cpp  # noqa: E402
 from inferflow.engine.engine import Engine, EngineConfig  # noqa: E402
 from inferflow.engine.sampling import SamplingParams  # noqa: E402
 from inferflow.quant.linear import QuantLinear  # noqa: E402
-from inferflow.runtime import load  # noqa: E402
+from inferflow.runtime import load, tokenizer_for  # noqa: E402
+from inferflow.spec import load_spec  # noqa: E402
 
 SPEC = "smollm2-135m-instruct"
 FORMATS = "checkpoint,Q8,Q6,Q5,Q4_B32,Q4_B64,Q3H,Q3_B32,Q2,Q8_0,Q4_1,Q4_0"
@@ -73,10 +74,14 @@ def main() -> int:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     batches = [int(b) for b in args.batch.split(",")]
-    lm = load(SPEC, "float32", "none")
-    prompt = lm._tok().encode(Path(__file__).read_text())[:64]
-    path = lm.spec.source.files[0]
-    del lm
+    spec = load_spec(SPEC)
+    tok = tokenizer_for(spec)
+    assert tok is not None
+    prompt = tok.encode(Path(__file__).read_text())[:64]
+    path = spec.source.files[0]
+    # llama.cpp first, in a process that has run no torch work yet (busy torch threads slow it)
+    ref = bench_llama_cpp(path, prompt, args.decode, args.threads, args.repeat)
+    llama = ref[1] if ref else None
 
     print("command: python " + " ".join(shlex.quote(a) for a in sys.argv))
     print(
@@ -84,8 +89,6 @@ def main() -> int:
     )
     cols = "".join(f" {'B=' + str(b) + ' tok/s':>13}" for b in batches)
     print(f"{'weights':<12} {'weight MB':>10}{cols} {'B=1 vs bf16':>12} {'B=1 vs llama.cpp':>17}")
-    ref = bench_llama_cpp(path, prompt, args.decode, args.threads, args.repeat)
-    llama = ref[1] if ref else None
     rows = ["float32", "bfloat16", *args.formats.split(",")]
     bf16 = None
     for name in rows:

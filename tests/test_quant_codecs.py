@@ -367,3 +367,15 @@ def test_q3h_beats_q3_b32_on_smollm2() -> None:
         assert err["Q3H"] < err["Q3_B32"], tname
     src.close()
     print("\nrelative RMS error of re-quantized SmolLM2-135M weights\n" + "\n".join(lines))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("name", [*NAMES, "Q8_0", "Q4_0", "Q4_1"])
+def test_codecs_on_cuda_equal_cpu(name: str) -> None:
+    """The same torch codecs run on CUDA tensors: bytes and decoded values equal the CPU's."""
+    w = torch.randn(64, 256, generator=torch.Generator().manual_seed(9))
+    cpu = quantize(w, name)
+    gpu = quantize(w.cuda(), name)
+    assert torch.equal(gpu.data.cpu(), cpu.data)
+    assert torch.equal(gpu.dequantize().cpu(), cpu.dequantize())

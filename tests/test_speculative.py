@@ -95,5 +95,7 @@ def test_errors(models) -> None:  # noqa: ANN001
         speculative_generate(target, draft, [1], SamplingParams(), rule="fast")
     with pytest.raises(RequestError, match="repetition_penalty"):
         speculative_generate(target, draft, [1], SamplingParams(repetition_penalty=1.2))
+    with pytest.raises(RequestError, match="unsupported here: stop, logprobs"):
+        speculative_generate(target, draft, [1], SamplingParams(stop=("x",), logprobs=1))
     with pytest.raises(RequestError, match="empty"):
         speculative_generate(target, draft, [], SamplingParams())

@@ -8,6 +8,7 @@ import sys
 import time
 
 from inferflow.engine.sampling import SamplingParams
+from inferflow.engine.speculative import speculative_generate
 from inferflow.runtime import load
 from inferflow.spec import load_spec
 
@@ -66,38 +67,48 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(run=run)
 
 
+def _dest(flag: str) -> str:
+    return flag[2:].replace("-", "_")
+
+
 def run(args: argparse.Namespace) -> int:
     spec = load_spec(args.spec)
     g = spec.generation
+    extra = {_dest(f): getattr(args, _dest(f)) for f, _, _ in EXTRA_SAMPLING}
     params = SamplingParams(
         temperature=g.temperature if args.temperature is None else args.temperature,
         top_k=g.top_k if args.top_k is None else args.top_k,
         top_p=g.top_p if args.top_p is None else args.top_p,
         max_new_tokens=g.max_new_tokens if args.max_tokens is None else args.max_tokens,
         seed=g.seed if args.seed is None else args.seed,
-        **{
-            f[2:].replace("-", "_"): getattr(args, f[2:].replace("-", "_"))
-            for f, _, _ in EXTRA_SAMPLING
-            if getattr(args, f[2:].replace("-", "_")) is not None
-        },
+        **{k: v for k, v in extra.items() if v is not None},
     )
-    if args.draft:
-        return _speculative(args, spec, params)
-    lm = load(
-        spec, args.dtype, args.quant
-    )  # after the cheap checks: bad input fails before weights load
+    # after the cheap checks: bad input fails before weights load
+    lm = load(spec, args.dtype, args.quant)
+    draft = load(args.draft, args.dtype, args.quant) if args.draft else None
     prompt_ids = lm.encode_prompt(args.prompt, chat=args.chat, system=args.system)
     tok = lm._tok()
     decoder = tok.incremental_decoder()
     ids: list[int] = []
     reason = None
+    report: dict[str, object] = {}
     t0 = time.perf_counter()
-    for step in lm.stream(prompt_ids, params):
-        ids.append(step.token_id)
-        reason = step.finish_reason
-        if not args.json and reason != "stop":
-            sys.stdout.write(decoder.push(step.token_id))
-            sys.stdout.flush()
+    if draft is not None:
+        res = speculative_generate(
+            lm.model, draft.model, prompt_ids, params, args.lookahead, args.spec_rule, tok.eos_ids
+        )
+        ids, reason = res.token_ids, res.finish_reason
+        report = {
+            "acceptance_rate": round(res.acceptance_rate, 4),
+            "target_passes": res.target_passes,
+        }
+    else:
+        for step in lm.stream(prompt_ids, params):
+            ids.append(step.token_id)
+            reason = step.finish_reason
+            if not args.json and reason != "stop":
+                sys.stdout.write(decoder.push(step.token_id))
+                sys.stdout.flush()
     elapsed = time.perf_counter() - t0
     shown = ids[:-1] if reason == "stop" else ids
     if args.json:
@@ -107,38 +118,12 @@ def run(args: argparse.Namespace) -> int:
             "token_ids": ids,
             "finish_reason": reason,
             "seconds": round(elapsed, 3),
+            **report,
         }
         print(json.dumps(out, ensure_ascii=False))
+    elif draft is not None:
+        print(tok.decode(shown))
+        print(f"[acceptance rate {res.acceptance_rate:.2%}, {res.target_passes} target passes]")
     else:
         sys.stdout.write(decoder.flush() + "\n")
-    return 0
-
-
-def _speculative(args: argparse.Namespace, spec: object, params: SamplingParams) -> int:
-    from inferflow.engine.speculative import speculative_generate
-
-    lm = load(spec, args.dtype, args.quant)  # type: ignore[arg-type]
-    draft = load(args.draft, args.dtype, args.quant)
-    prompt_ids = lm.encode_prompt(args.prompt, chat=args.chat, system=args.system)
-    tok = lm._tok()
-    t0 = time.perf_counter()
-    res = speculative_generate(
-        lm.model, draft.model, prompt_ids, params, args.lookahead, args.spec_rule, tok.eos_ids
-    )
-    elapsed = time.perf_counter() - t0
-    shown = res.token_ids[:-1] if res.finish_reason == "stop" else res.token_ids
-    out = {
-        "text": tok.decode(shown),
-        "prompt_token_ids": prompt_ids,
-        "token_ids": res.token_ids,
-        "finish_reason": res.finish_reason,
-        "seconds": round(elapsed, 3),
-        "acceptance_rate": round(res.acceptance_rate, 4),
-        "target_passes": res.target_passes,
-    }
-    if args.json:
-        print(json.dumps(out, ensure_ascii=False))
-    else:
-        print(out["text"])
-        print(f"[acceptance rate {res.acceptance_rate:.2%}, {res.target_passes} target passes]")
     return 0

@@ -218,17 +218,13 @@ class Engine:
 def _visible_text(req: Request, stops: tuple[str, ...], final: bool) -> tuple[str, bool]:
     """New text to emit, and whether a stop string ended the request. Text that could still be
     the start of a stop string is held back until the next token settles it."""
-    if stops:
-        longest = max(map(len, stops))
-        start = max(0, req.shown - longest + 1)
-        hits = [i for i in (req.text.find(s, start) for s in stops) if i >= 0]
-        if hits:
-            req.text = req.text[: min(hits)]
-            text, req.shown = req.text[req.shown :], len(req.text)
-            return text, True
-    end = len(req.text) if final or not stops else max(req.shown, len(req.text) - longest + 1)
+    hold = max(map(len, stops), default=1) - 1  # a stop string's first chars may be pending
+    hits = [i for i in (req.text.find(s, max(0, req.shown - hold)) for s in stops) if i >= 0]
+    if hits:
+        req.text = req.text[: min(hits)]
+    end = len(req.text) if final or hits else max(req.shown, len(req.text) - hold)
     text, req.shown = req.text[req.shown : end], end
-    return text, False
+    return text, bool(hits)
 
 
 def token_logprobs(row: torch.Tensor, tok: int, n: int) -> TokenLogprobs:

@@ -88,7 +88,8 @@ def _sorted_probs(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def _keep_sorted(
     logits: torch.Tensor, idx: torch.Tensor, drop_sorted: torch.Tensor
 ) -> torch.Tensor:
-    drop_sorted[0] = False  # the most likely token always stays
+    """Mask the tokens ``idx[drop_sorted]``; the first in ``idx`` order always stays."""
+    drop_sorted[0] = False
     return logits.masked_fill(torch.zeros_like(drop_sorted).scatter(0, idx, drop_sorted), NEG_INF)
 
 
@@ -116,9 +117,7 @@ def typical(logits: torch.Tensor, mass: float) -> torch.Tensor:
     shift = (-logp - entropy).abs()  # distance of each token's surprise from the entropy
     order = torch.argsort(shift)
     ps = p[order]
-    drop = (ps.cumsum(-1) - ps) >= mass
-    drop[0] = False
-    return logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), NEG_INF)
+    return _keep_sorted(logits, order, (ps.cumsum(-1) - ps) >= mass)
 
 
 def tail_free(logits: torch.Tensor, z: float) -> torch.Tensor:

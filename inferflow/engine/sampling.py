@@ -136,12 +136,7 @@ class Sampler:
         x = x / p.temperature
         if p.mirostat:
             return self._mirostat(x)
-        x = L.top_k(x, p.top_k)
-        x = L.top_p(x, p.top_p)
-        x = L.min_p(x, p.min_p)
-        x = L.typical(x, p.typical_p)
-        x = L.tail_free(x, p.tfs_z)
-        return self._draw(torch.softmax(x, dim=-1))
+        return self._draw(torch.softmax(truncate(x, p), dim=-1))
 
     def _draw(self, probs: torch.Tensor) -> int:
         return int(torch.multinomial(probs, 1, generator=self.gen))
@@ -165,6 +160,12 @@ class Sampler:
         j = self._draw(kept)
         self.mu -= p.mirostat_eta * (-math.log2(float(kept[j])) - p.mirostat_tau)
         return int(idx[j])
+
+
+def truncate(x: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """The truncation filters in order, on logits already divided by the temperature."""
+    x = L.min_p(L.top_p(L.top_k(x, p.top_k), p.top_p), p.min_p)
+    return L.tail_free(L.typical(x, p.typical_p), p.tfs_z)
 
 
 def make_sampler(params: SamplingParams, end_ids: Sequence[int] = ()) -> Sampler:

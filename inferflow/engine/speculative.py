@@ -11,8 +11,9 @@ Acceptance rules (``rule``):
   min-p filtered distribution); a rejection draws from the target. Faster, not distribution
   preserving.
 
-p and q are the distributions the sampling parameters define (temperature, top-k, top-p, min-p)
-over each model's logits; penalties and stateful strategies are not supported here.
+p and q are the distributions the sampling parameters define (temperature and the truncation
+filters of inferflow.engine.sampling.truncate) over each model's logits; penalties and stateful
+strategies are refused.
 """
 
 from __future__ import annotations
@@ -23,13 +24,24 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from inferflow.engine import logits as L
 from inferflow.engine.generate import new_cache
-from inferflow.engine.sampling import SamplingParams
+from inferflow.engine.sampling import SamplingParams, truncate
 from inferflow.errors import RequestError
 from inferflow.model.batch import ContiguousKVCache, FlatBatch
 
 RULES = ("exact", "relaxed")
+# sampling settings that depend on the sequence or on sampler state: not in the verified p / q
+STATEFUL = (
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "logit_bias",
+    "min_new_tokens",
+    "mirostat",
+    "fsd_alpha",
+    "stop",  # stop strings need the detokenizer: use stop_token_ids
+    "logprobs",
+)
 
 
 @dataclass
@@ -50,11 +62,9 @@ def distribution(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """The probabilities the sampling parameters define over float32 logits (..., V)."""
     if params.temperature == 0:
         return nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
-    rows = []
-    for row in logits.reshape(-1, logits.shape[-1]).float() / params.temperature:
-        row = L.min_p(L.top_p(L.top_k(row, params.top_k), params.top_p), params.min_p)
-        rows.append(torch.softmax(row, dim=-1))
-    return torch.stack(rows).reshape(logits.shape)
+    rows = logits.reshape(-1, logits.shape[-1]).float() / params.temperature
+    probs = [torch.softmax(truncate(row, params), dim=-1) for row in rows]
+    return torch.stack(probs).reshape(logits.shape)
 
 
 def verify(
@@ -119,22 +129,12 @@ def speculative_generate(
     tv, dv = target.spec.hparams.vocab_size, draft.spec.hparams.vocab_size
     if tv != dv:
         raise RequestError(f"draft vocabulary ({dv}) differs from the target's ({tv})")
-    unsupported = [
-        k
-        for k, off in (
-            ("repetition_penalty", 1.0),
-            ("presence_penalty", 0.0),
-            ("frequency_penalty", 0.0),
-            ("typical_p", 1.0),
-            ("tfs_z", 1.0),
-            ("mirostat", 0),
-            ("fsd_alpha", 0.0),
-        )
-        if getattr(params, k) != off
-    ]
-    if unsupported or params.logit_bias:
+    defaults = SamplingParams()
+    unsupported = [k for k in STATEFUL if getattr(params, k) != getattr(defaults, k)]
+    if unsupported:
         raise RequestError(
-            f"speculative decoding supports temperature, top_k, top_p, min_p only; got {unsupported or ['logit_bias']}"
+            f"speculative decoding supports temperature and the truncation filters only; "
+            f"unsupported here: {', '.join(unsupported)}"
         )
     max_new = min(params.max_new_tokens, target.spec.hparams.max_positions - len(prompt_ids))
     limit = len(prompt_ids) + max_new + lookahead + 1

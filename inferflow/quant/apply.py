@@ -118,9 +118,9 @@ def _set(model: nn.Module, path: str, module: nn.Module) -> None:
 def _stack_rows(parts: dict[int, QuantTensor], rows: int) -> QuantTensor | None:
     """Row blocks of one parameter as one QuantTensor, or None unless they are of one format
     and cover all ``rows`` in order (a fused q/k/v with a Q6_K v among Q4_K stays float)."""
-    ordered = [parts[k] for k in sorted(parts)]
-    fmt = ordered[0].format
     starts = sorted(parts)
+    ordered = [parts[k] for k in starts]
+    fmt = ordered[0].format
     ends = [s + p.shape[0] for s, p in zip(starts, ordered, strict=True)]
     if any(p.format != fmt or len(p.shape) != 2 for p in ordered):
         return None

@@ -41,12 +41,11 @@ def prompts_for(n: int, lo: int, hi: int, vocab: int) -> list[list[int]]:
     return [torch.randint(100, vocab, (k,), generator=g).tolist() for k in lens]
 
 
-def run_inferflow(lm, prompts: list[list[int]], out_len: int, max_batched: int) -> dict:
-    eng = Engine(
-        lm.model,
-        lm.tokenizer,
-        EngineConfig(SchedulerConfig(max_batched_tokens=max_batched, max_running=256)),
-    )
+def run_inferflow(
+    lm, prompts: list[list[int]], out_len: int, max_batched: int, deterministic: bool = False
+) -> dict:
+    sched = SchedulerConfig(max_batched_tokens=max_batched, max_running=256)
+    eng = Engine(lm.model, lm.tokenizer, EngineConfig(sched, deterministic=deterministic))
     params = SamplingParams(max_new_tokens=out_len, ignore_eos=True)
     t0 = time.perf_counter()
     ids = [eng.add_request(p, params) for p in prompts]
@@ -99,6 +98,9 @@ def main() -> int:
     ap.add_argument("--max-batched-tokens", type=int, default=512)
     ap.add_argument("--hf-dtype", default="bfloat16")
     ap.add_argument("--no-transformers", action="store_true")
+    ap.add_argument(
+        "--deterministic", action="store_true", help="add a row for the batch-invariant mode"
+    )
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 2)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -117,7 +119,11 @@ def main() -> int:
     for n in map(int, args.concurrency.split(",")):
         prompts = prompts_for(n, lo, hi, lm.spec.hparams.vocab_size)
         r = run_inferflow(lm, prompts, args.output_len, args.max_batched_tokens)
-        rows.append((n, f"inferflow {args.dtype}" + (f" {args.quant}" if args.quant else ""), r))
+        name = f"inferflow {args.dtype}" + (f" {args.quant}" if args.quant else "")
+        rows.append((n, name, r))
+        if args.deterministic:
+            r = run_inferflow(lm, prompts, args.output_len, args.max_batched_tokens, True)
+            rows.append((n, f"{name} deterministic", r))
         if hf is not None:
             rows.append(
                 (

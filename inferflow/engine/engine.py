@@ -8,6 +8,7 @@ stop checks, free finished requests).
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 from collections.abc import Iterator
@@ -17,7 +18,14 @@ import torch
 from torch import nn
 
 from inferflow.engine.kv_cache import PagedKVCache
-from inferflow.engine.request import FINISHED, Request, RequestOutput, Scheduled, TokenLogprobs
+from inferflow.engine.request import (
+    FINISHED,
+    RUNNING,
+    Request,
+    RequestOutput,
+    Scheduled,
+    TokenLogprobs,
+)
 from inferflow.engine.sampling import SamplingParams, make_sampler
 from inferflow.engine.scheduler import Scheduler, SchedulerConfig
 from inferflow.errors import RequestError
@@ -31,6 +39,9 @@ class EngineConfig:
     scheduler: SchedulerConfig = SchedulerConfig()
     block_size: int = 16
     kv_cache_bytes: int = 256 << 20  # memory for K and V of all requests together
+    # batch-invariant by construction: every request runs its own forward pass, prompts are
+    # prefilled in chunks at fixed positions, later tokens one at a time, no prefix sharing
+    deterministic: bool = False
 
 
 class Engine:
@@ -53,8 +64,11 @@ class Engine:
         self.cache = PagedKVCache(
             h.n_layers, h.n_kv_heads, h.head_dim, self.config.block_size, num_blocks, dtype
         )
-        self.scheduler = Scheduler(self.config.scheduler, self.cache)
-        self.requests: dict[str, Request] = {}
+        sched = self.config.scheduler
+        if self.config.deterministic and sched.prefix_caching:
+            sched = dataclasses.replace(sched, prefix_caching=False)
+        self.scheduler = Scheduler(sched, self.cache, fixed_chunks=self.config.deterministic)
+        self.requests: dict[str, list[Request]] = {}  # request id -> its n samples
         self.eos_ids = set(
             getattr(tokenizer, "eos_ids", None) or ([h.eos_id] if h.eos_id is not None else [])
         )
@@ -94,45 +108,71 @@ class Engine:
             raise RequestError(
                 f"the prompt has {len(ids)} tokens; the KV cache holds {capacity} in all"
             )
+        if params.n > self.scheduler.cfg.max_running:
+            raise RequestError(
+                f"n: {params.n} samples exceed max_running ({self.scheduler.cfg.max_running})"
+            )
         rid = request_id or f"req-{next(self._ids)}"
         if rid in self.requests:
             raise RequestError(f"request id {rid!r} is already in use")
-        n = next(self._ids)
-        detok = self.tokenizer.incremental_decoder() if self.tokenizer is not None else None  # type: ignore[attr-defined]
-        req = Request(rid, ids, params, n, make_sampler(params, tuple(self.eos_ids)), detok=detok)
-        self.scheduler.add(req)
-        self.requests[rid] = req
+        arrival = next(self._ids)
+        # sample 0 computes the prompt; the others fork its KV blocks when it first samples
+        group = [self._new_request(rid, i, ids, params, arrival) for i in range(params.n)]
+        group[0].forks = group[1:]
+        self.scheduler.add(group[0])
+        self.requests[rid] = group
         return rid
 
+    def _new_request(
+        self, rid: str, i: int, ids: list[int], params: SamplingParams, arrival: int
+    ) -> Request:
+        if i and params.seed is not None:
+            params = dataclasses.replace(params, seed=params.seed + i)
+        detok = self.tokenizer.incremental_decoder() if self.tokenizer is not None else None  # type: ignore[attr-defined]
+        sampler = make_sampler(params, tuple(self.eos_ids))
+        return Request(
+            rid if i == 0 else f"{rid}/{i}",
+            ids,
+            params,
+            arrival,
+            sampler,
+            detok=detok,
+            group=rid,
+            index=i,
+        )
+
     def abort(self, request_id: str) -> bool:
-        req = self.requests.get(request_id)
-        if req is None or req.status == FINISHED:
-            return False
-        self.scheduler.remove(req)
-        self._finish(req, "abort")
-        self._aborted.append(req)
-        return True
+        live = [r for r in self.requests.get(request_id, []) if r.status != FINISHED]
+        for req in live:
+            self.scheduler.remove(req)
+            self._finish(req, "abort")
+            self._aborted.append(req)
+        return bool(live)
 
     def has_unfinished(self) -> bool:
         return bool(self.scheduler.running or self.scheduler.waiting)
 
     def step(self) -> list[RequestOutput]:
-        outputs = [RequestOutput(r.id, [], "", True, "abort") for r in self._aborted]
+        outputs = [
+            RequestOutput(r.group, [], "", True, "abort", index=r.index) for r in self._aborted
+        ]
         self._aborted.clear()
         batch = self.scheduler.schedule()
         if batch:
             logits = self._execute(batch)
             outputs += self._update(batch, logits)
-        for out in outputs:
-            if out.finished:  # the caller has its last event: the engine forgets the request
+        for out in outputs:  # a request whose samples all ended has had its last event
+            group = self.requests.get(out.request_id, [])
+            if out.finished and all(r.status == FINISHED for r in group):
                 self.requests.pop(out.request_id, None)
         return outputs
 
     def generate(
         self, prompts: list[str] | list[list[int]], params: SamplingParams | None = None
     ) -> list[Request]:
-        """Blocking: run until every prompt finishes; returns the finished requests in order."""
-        reqs = [self.requests[self.add_request(p, params)] for p in prompts]
+        """Blocking: run until every prompt finishes; returns the finished requests in order
+        (the n samples of a prompt next to each other)."""
+        reqs = [r for p in prompts for r in self.requests[self.add_request(p, params)]]
         while any(r.status != FINISHED for r in reqs):
             self.step()
         return reqs
@@ -141,17 +181,22 @@ class Engine:
         self, prompt: str | list[int], params: SamplingParams | None = None
     ) -> Iterator[RequestOutput]:
         rid = self.add_request(prompt, params)
-        while True:
+        left = len(self.requests[rid])
+        while left:
             for out in self.step():
                 if out.request_id == rid:
                     yield out
-                    if out.finished:
-                        return
+                    left -= out.finished
 
     # --- execute and update -------------------------------------------------------------------
 
     @torch.inference_mode()
     def _execute(self, batch: list[Scheduled]) -> torch.Tensor:
+        if self.config.deterministic:  # the same shapes for a request whatever else runs
+            return torch.cat([self._forward([s]) for s in batch])
+        return self._forward(batch)
+
+    def _forward(self, batch: list[Scheduled]) -> torch.Tensor:
         ids: list[int] = []
         pos, seqs, views, rows = [], [], [], []
         # a pure decode step of several sequences attends in one grouped call
@@ -182,13 +227,21 @@ class Engine:
         outputs = []
         sampled = [s.req for s in batch if s.sample]
         for req, row in zip(sampled, logits, strict=True):
-            tok = req.sampler(row, req.prompt_ids, req.output_ids)
-            req.output_ids.append(tok)
-            out = self._emit(req, tok)
-            if req.params.logprobs is not None:
-                out.logprobs = [token_logprobs(row, tok, req.params.logprobs)]
-            outputs.append(out)
+            forks, req.forks = req.forks, []
+            for f in forks:  # the prompt is computed: the other samples share its blocks
+                f.kv = self.cache.fork(req.kv)
+                f.status = RUNNING
+                self.scheduler.running.append(f)
+            outputs += [self._sample(r, row) for r in (req, *forks)]
         return outputs
+
+    def _sample(self, req: Request, row: torch.Tensor) -> RequestOutput:
+        tok = req.sampler(row, req.prompt_ids, req.output_ids)
+        req.output_ids.append(tok)
+        out = self._emit(req, tok)
+        if req.params.logprobs is not None:
+            out.logprobs = [token_logprobs(row, tok, req.params.logprobs)]
+        return out
 
     def _emit(self, req: Request, tok: int) -> RequestOutput:
         p = req.params
@@ -208,7 +261,9 @@ class Engine:
         if reason:
             self.scheduler.remove(req)
             self._finish(req, reason)
-        return RequestOutput(req.id, [tok], text, reason is not None, reason, first)
+        return RequestOutput(
+            req.group, [tok], text, reason is not None, reason, first, index=req.index
+        )
 
     def _finish(self, req: Request, reason: str) -> None:
         req.status = FINISHED

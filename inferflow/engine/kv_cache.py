@@ -102,12 +102,22 @@ class PagedKVCache:
     def blocks_needed(self, seq: SeqBlocks, upto: int) -> int:
         return max(0, -(-upto // self.block_size) - len(seq.blocks))
 
+    def _shared_to_write(self, seq: SeqBlocks, upto: int) -> list[int]:
+        """Indexes of blocks that positions [num_computed, upto) would write but others share."""
+        first = seq.num_computed // self.block_size
+        last = min(len(seq.blocks), -(-upto // self.block_size))
+        return [i for i in range(first, last) if self.alloc.refs[seq.blocks[i]] > 1]
+
     def reserve(self, seq: SeqBlocks, upto: int) -> None:
-        """Give ``seq`` blocks for positions [0, upto); all or nothing."""
-        need = self.blocks_needed(seq, upto)
+        """Give ``seq`` writable blocks for positions [num_computed, upto): new blocks, and
+        private copies of shared blocks it will write (copy-on-write). All or nothing."""
+        shared = self._shared_to_write(seq, upto)
+        need = self.blocks_needed(seq, upto) + len(shared)
         if need > self.alloc.num_free:
             raise KVCacheFull(f"need {need} blocks, {self.alloc.num_free} free")
-        for _ in range(need):
+        for i in shared:
+            self._writable(seq, i)
+        for _ in range(self.blocks_needed(seq, upto)):
             block = self.alloc.allocate()
             self._forget(block)
             seq.blocks.append(block)

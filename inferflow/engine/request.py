@@ -25,6 +25,9 @@ class Request:
     detok: Any = None  # incremental decoder when the engine has a tokenizer
     text: str = ""  # decoded output so far
     shown: int = 0  # characters of ``text`` already emitted (the rest may start a stop string)
+    group: str = ""  # the id the caller knows (several requests share it when n > 1)
+    index: int = 0  # which of the group's n samples
+    forks: list[Request] = field(default_factory=list)  # siblings waiting for this prefill
 
     @property
     def tokens(self) -> list[int]:
@@ -52,6 +55,7 @@ class RequestOutput:
     prompt_token_ids: list[int] | None = None
     # with SamplingParams.logprobs: per new token, its logprob and the top-n (id, logprob) pairs
     logprobs: list[TokenLogprobs] | None = None
+    index: int = 0  # which of the request's n samples (SamplingParams.n)
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,8 @@ from inferflow.engine import logits as L
 from inferflow.engine.fsd import NGramAntiLM, fsd_choose
 from inferflow.errors import RequestError
 
+MAX_N = 64
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -54,6 +56,7 @@ class SamplingParams:
     stop: tuple[str, ...] = field(default_factory=tuple)  # stop strings (not shown in the text)
     ignore_eos: bool = False
     logprobs: int | None = None  # None: off; n >= 0: chosen token's logprob plus the top n
+    n: int = 1  # samples per prompt; they share the prompt's KV blocks (sample i uses seed + i)
 
     def __post_init__(self) -> None:
         def bad(name: str, rule: str) -> RequestError:
@@ -90,6 +93,8 @@ class SamplingParams:
             )
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise bad("logprobs", "in [0, 20]")
+        if not 1 <= self.n <= MAX_N:
+            raise bad("n", f"in [1, {MAX_N}]")
         if any(not s for s in self.stop):
             raise RequestError("stop: stop strings must not be empty")
         for tok, b in self.logit_bias.items():

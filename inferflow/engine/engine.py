@@ -91,6 +91,21 @@ class Engine:
             ids = self.tokenizer.encode(prompt)  # type: ignore[attr-defined]
         else:
             ids = [int(t) for t in prompt]
+        self.check(ids, params)
+        rid = request_id or f"req-{next(self._ids)}"
+        if rid in self.requests:
+            raise RequestError(f"request id {rid!r} is already in use")
+        arrival = next(self._ids)
+        # sample 0 computes the prompt; the others fork its KV blocks when it first samples
+        group = [self._new_request(rid, i, ids, params, arrival) for i in range(params.n)]
+        group[0].forks = group[1:]
+        self.scheduler.add(group[0])
+        self.requests[rid] = group
+        return rid
+
+    def check(self, ids: list[int], params: SamplingParams) -> None:
+        """Raise RequestError if the request cannot run; reads only the engine's configuration,
+        so another thread may call it (the server validates before queueing)."""
         if not ids:
             raise RequestError("the prompt is empty: give at least one token")
         vocab = self.model.spec.hparams.vocab_size
@@ -112,16 +127,6 @@ class Engine:
             raise RequestError(
                 f"n: {params.n} samples exceed max_running ({self.scheduler.cfg.max_running})"
             )
-        rid = request_id or f"req-{next(self._ids)}"
-        if rid in self.requests:
-            raise RequestError(f"request id {rid!r} is already in use")
-        arrival = next(self._ids)
-        # sample 0 computes the prompt; the others fork its KV blocks when it first samples
-        group = [self._new_request(rid, i, ids, params, arrival) for i in range(params.n)]
-        group[0].forks = group[1:]
-        self.scheduler.add(group[0])
-        self.requests[rid] = group
-        return rid
 
     def _new_request(
         self, rid: str, i: int, ids: list[int], params: SamplingParams, arrival: int
@@ -150,7 +155,8 @@ class Engine:
         return bool(live)
 
     def has_unfinished(self) -> bool:
-        return bool(self.scheduler.running or self.scheduler.waiting)
+        """True while a step has work: requests to run, or abort events not yet returned."""
+        return bool(self.scheduler.running or self.scheduler.waiting or self._aborted)
 
     def step(self) -> list[RequestOutput]:
         outputs = [
@@ -236,12 +242,30 @@ class Engine:
         return outputs
 
     def _sample(self, req: Request, row: torch.Tensor) -> RequestOutput:
-        tok = req.sampler(row, req.prompt_ids, req.output_ids)
-        req.output_ids.append(tok)
-        out = self._emit(req, tok)
-        if req.params.logprobs is not None:
-            out.logprobs = [token_logprobs(row, tok, req.params.logprobs)]
-        return out
+        try:
+            tok = req.sampler(row, req.prompt_ids, req.output_ids)
+            req.output_ids.append(tok)
+            out = self._emit(req, tok)
+            if req.params.logprobs is not None:
+                out.logprobs = [token_logprobs(row, tok, req.params.logprobs)]
+            return out
+        except Exception:  # one request's failure (sampler, detokenizer) ends only that request
+            log.exception("request %s failed; the others go on", req.id)
+            self.scheduler.remove(req)
+            self._finish(req, "error")
+            return RequestOutput(req.group, [], "", True, "error", index=req.index)
+
+    def fail_all(self) -> list[RequestOutput]:
+        """End every request with finish reason "error" (after a failed forward pass)."""
+        outs = []
+        for group in list(self.requests.values()):
+            for req in group:
+                if req.status != FINISHED:
+                    self.scheduler.remove(req)
+                    self._finish(req, "error")
+                    outs.append(RequestOutput(req.group, [], "", True, "error", index=req.index))
+        self.requests.clear()
+        return outs
 
     def _emit(self, req: Request, tok: int) -> RequestOutput:
         p = req.params

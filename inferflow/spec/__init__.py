@@ -150,6 +150,7 @@ def parse_spec(
         generation=gen,
         quant=quant,
         description=doc.get("description", ""),
+        embedding_pooling=doc.get("embeddings", {}).get("pooling"),
         raw=doc,
     )
 

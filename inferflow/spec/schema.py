@@ -146,6 +146,8 @@ def build_schema() -> dict[str, Any]:
                     },
                 }
             ),
+            # a decoder served on /v1/embeddings pools its final hidden states this way
+            "embeddings": _obj({"pooling": _enum(["mean", "last"])}, ("pooling",)),
             "generation": _obj(
                 {
                     "temperature": {"type": "number", "minimum": 0},

@@ -153,4 +153,5 @@ class Spec:
     generation: GenerationDefaults = field(default_factory=GenerationDefaults)
     quant: QuantSpec = field(default_factory=QuantSpec)
     description: str = ""
+    embedding_pooling: str | None = None  # "mean" / "last": served on /v1/embeddings
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)

@@ -1,0 +1,132 @@
+"""``inferflow serve [SPEC]``: the OpenAI-compatible HTTP server (default: the embedded
+SmolLM2-135M-Instruct). Binds 127.0.0.1 unless --host says otherwise."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+
+from inferflow.engine.engine import EngineConfig
+from inferflow.engine.scheduler import SchedulerConfig
+from inferflow.errors import InferflowError
+from inferflow.quant import get_format
+from inferflow.spec import load_spec
+
+DEFAULT_SPEC = "smollm2-135m-instruct"
+UNITS = {"": 1 << 30, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30}
+
+
+def memory_bytes(text: str) -> int:
+    """'2' or '2GiB' (GiB), '512MiB', or a fraction of physical memory such as '0.1' or '10%'."""
+    t = text.strip().lower()
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)\s*(%|b|kib|mib|gib)?", t)
+    if m is None:
+        raise InferflowError(
+            f"--kv-cache-memory: {text!r} is not a size; use GiB ('2'), a unit (512MiB, 2GiB) "
+            "or a fraction of RAM ('0.1', '10%')"
+        )
+    value, unit = float(m.group(1)), m.group(2) or ""
+    if unit == "%" or (unit == "" and value < 1):
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        return int(ram * (value / 100 if unit == "%" else value))
+    return int(value * UNITS[unit])
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "serve", help="serve a model over an OpenAI-compatible HTTP API", description=__doc__
+    )
+    p.add_argument(
+        "spec", nargs="?", default=DEFAULT_SPEC, help=f"spec file or built-in name ({DEFAULT_SPEC})"
+    )
+    p.add_argument(
+        "--host", default="127.0.0.1", help="address to bind (127.0.0.1; 0.0.0.0 exposes it)"
+    )
+    p.add_argument("--port", type=int, default=8000, help="TCP port (8000)")
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("INFERFLOW_API_KEY"),
+        help="require 'Authorization: Bearer KEY' on every route but /health (env INFERFLOW_API_KEY)",
+    )
+    p.add_argument(
+        "--served-model-name", default=None, help="model id clients send (the spec's name)"
+    )
+    p.add_argument(
+        "--dtype", default="float32", choices=("float32", "bfloat16"), help="activation dtype"
+    )
+    p.add_argument(
+        "--quant", default=None, help="re-quantize weights at load: a format name, or none (float)"
+    )
+    p.add_argument(
+        "--max-batched-tokens", type=int, default=512, help="token budget of one engine step (512)"
+    )
+    p.add_argument(
+        "--max-running", type=int, default=64, help="sequences in the running batch at most (64)"
+    )
+    p.add_argument("--max-waiting", type=int, default=256, help="queued requests before 429 (256)")
+    p.add_argument(
+        "--kv-cache-memory",
+        default="1GiB",
+        help="KV cache size: GiB ('2'), with a unit (512MiB) or a fraction of RAM ('0.1', '10%%'); 1GiB",
+    )
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block (16)")
+    p.add_argument(
+        "--no-prefix-caching", action="store_true", help="do not share identical prompt prefixes"
+    )
+    p.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="batch-invariant outputs (each request computed on its own; slower under load)",
+    )
+    p.add_argument(
+        "--max-body-bytes", type=int, default=4 << 20, help="request body limit, bytes (4 MiB)"
+    )
+    p.add_argument(
+        "--cors-origin",
+        action="append",
+        default=[],
+        help="allow this browser origin (repeatable; off by default)",
+    )
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from inferflow.server.app import ServerConfig, create_app
+
+    spec = load_spec(args.spec)  # a bad spec fails here, before the port opens
+    if args.quant not in (None, "none"):
+        get_format(args.quant)
+    for flag in ("max_batched_tokens", "max_running", "max_waiting", "block_size", "port"):
+        if getattr(args, flag) < 1:
+            raise InferflowError(
+                f"--{flag.replace('_', '-')}: must be >= 1, got {getattr(args, flag)}"
+            )
+    engine = EngineConfig(
+        SchedulerConfig(
+            args.max_batched_tokens, args.max_running, args.max_waiting, not args.no_prefix_caching
+        ),
+        block_size=args.block_size,
+        kv_cache_bytes=memory_bytes(args.kv_cache_memory),
+        deterministic=args.deterministic,
+    )
+    cfg = ServerConfig(
+        spec,
+        args.served_model_name,
+        args.dtype,
+        args.quant,
+        engine,
+        args.api_key,
+        args.max_body_bytes,
+        tuple(args.cors_origin),
+    )
+    uvicorn.run(
+        create_app(cfg),
+        host=args.host,
+        port=args.port,
+        timeout_graceful_shutdown=10,
+        log_level="info",
+    )
+    return 0

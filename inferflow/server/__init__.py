@@ -1,0 +1,1 @@
+"""OpenAI-compatible HTTP server: ``inferflow serve [SPEC]`` (FastAPI + uvicorn)."""

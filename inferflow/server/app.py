@@ -1,0 +1,374 @@
+"""The FastAPI application: OpenAI-compatible routes over one EngineRunner.
+
+The port opens at once; the weights load in a background thread while ``/health`` answers 503
+and the other routes say the model is loading.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import hmac
+import json
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from inferflow.engine.embed import embed
+from inferflow.engine.engine import Engine, EngineConfig
+from inferflow.engine.scheduler import QueueFull
+from inferflow.errors import InferflowError
+from inferflow.runtime import LanguageModel, load
+from inferflow.server.generation import Generation, GenerationFailed
+from inferflow.server.metrics import Metrics
+from inferflow.server.protocol import (
+    ChatBody,
+    CompletionBody,
+    DetokenizeBody,
+    EmbeddingBody,
+    TokenizeBody,
+    prompt_list,
+)
+from inferflow.server.runner import EngineRunner
+from inferflow.spec import Spec
+from inferflow.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ServerConfig:
+    spec: Spec
+    served_name: str | None = None  # the model id clients send (default: the spec's name)
+    dtype: str = "float32"
+    quant: str | None = None
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    api_key: str | None = None
+    max_body_bytes: int = 4 << 20
+    cors_origins: tuple[str, ...] = ()
+
+
+class APIError(Exception):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        kind: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.kind, self.param = status, message, kind, param
+        self.code, self.headers = code, headers
+
+
+def error_body(
+    message: str, kind: str, param: str | None = None, code: str | None = None
+) -> dict[str, Any]:
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+class ServerState:
+    def __init__(self, cfg: ServerConfig) -> None:
+        self.cfg = cfg
+        self.name = cfg.served_name or cfg.spec.name
+        self.metrics = Metrics()
+        self.lm: LanguageModel | None = None
+        self.runner: EngineRunner | None = None
+        self.load_error: str | None = None
+        self.started = time.time()
+
+    def load(self, loop: asyncio.AbstractEventLoop) -> None:
+        try:
+            t0 = time.perf_counter()
+            lm = load(self.cfg.spec, self.cfg.dtype, self.cfg.quant)
+            runner = EngineRunner(Engine(lm.model, lm.tokenizer, self.cfg.engine), self.metrics)
+            runner.start(loop)
+            self.lm, self.runner = lm, runner
+            log.info("model %s loaded in %.1fs", self.name, time.perf_counter() - t0)
+        except Exception as e:
+            log.exception("loading %s failed", self.name)
+            self.load_error = str(e)
+
+    def ready(self, model: str | None = None) -> tuple[LanguageModel, EngineRunner]:
+        if self.lm is None or self.runner is None:
+            if self.load_error:
+                raise APIError(500, f"the model failed to load: {self.load_error}", "server_error")
+            raise APIError(
+                503,
+                "the model is still loading; retry shortly",
+                "server_error",
+                headers={"Retry-After": "1"},
+            )
+        if model is not None and model != self.name:
+            raise APIError(
+                404,
+                f"model {model!r} is not served here; available: {self.name!r}",
+                param="model",
+                code="model_not_found",
+            )
+        return self.lm, self.runner
+
+    def tokenizer(self) -> Tokenizer:
+        lm = self.lm
+        if lm is None or lm.tokenizer is None:
+            raise APIError(400, f"model {self.name!r} has no tokenizer: send token ids")
+        return lm.tokenizer
+
+
+def create_app(cfg: ServerConfig) -> FastAPI:
+    state = ServerState(cfg)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        loop = asyncio.get_running_loop()
+        threading.Thread(
+            target=state.load, args=(loop,), name="inferflow-load", daemon=True
+        ).start()
+        yield
+        if state.runner is not None:
+            state.runner.stop()
+
+    app = FastAPI(title="Inferflow", lifespan=lifespan)
+    app.state.inferflow = state
+    _errors(app)
+    app.add_middleware(Guard, api_key=cfg.api_key, limit=cfg.max_body_bytes)
+    if cfg.cors_origins:
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(cfg.cors_origins),
+            allow_methods=["*"],
+            allow_headers=["*"],
+        )
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        if state.load_error:
+            return JSONResponse({"status": "failed", "error": state.load_error}, 500)
+        if state.runner is None:
+            return JSONResponse({"status": "loading"}, 503, headers={"Retry-After": "1"})
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        lm, _ = state.ready()
+        card = {
+            "id": state.name,
+            "object": "model",
+            "created": int(state.started),
+            "owned_by": "inferflow",
+            "max_model_len": lm.spec.hparams.max_positions,
+        }
+        return {"object": "list", "data": [card]}
+
+    @app.post("/v1/completions", response_model=None)
+    async def completions(body: CompletionBody, request: Request) -> Any:
+        lm, runner = state.ready(body.model)
+        prompts = [
+            p if isinstance(p, list) else _encode(state, p) for p in prompt_list(body.prompt)
+        ]
+        params = body.sampling(body.max_tokens or 16, body.logprobs, lm.spec.hparams.vocab_size)
+        gen = Generation(runner, lm.tokenizer, state.name, False, prompts, params)
+        return await _respond(gen, request, body.stream, body.stream_options)
+
+    @app.post("/v1/chat/completions", response_model=None)
+    async def chat(body: ChatBody, request: Request) -> Any:
+        lm, runner = state.ready(body.model)
+        ids = _chat_ids(state, body.messages)
+        top = body.top_logprobs if body.logprobs else None
+        if body.top_logprobs is not None and not body.logprobs:
+            raise APIError(400, "top_logprobs: needs logprobs set to true", param="top_logprobs")
+        room = lm.spec.hparams.max_positions - len(ids)
+        max_tokens = (
+            body.max_completion_tokens
+            or body.max_tokens
+            or max(1, min(room, lm.spec.generation.max_new_tokens))
+        )
+        params = body.sampling(
+            max_tokens, (top or 0) if body.logprobs else None, lm.spec.hparams.vocab_size
+        )
+        gen = Generation(runner, lm.tokenizer, state.name, True, [ids], params)
+        return await _respond(gen, request, body.stream, body.stream_options)
+
+    @app.post("/v1/embeddings")
+    async def embeddings(body: EmbeddingBody) -> dict[str, Any]:
+        lm, runner = state.ready(body.model)
+        pooling = lm.spec.embedding_pooling
+        if pooling is None:
+            raise APIError(
+                400,
+                f"model {state.name!r} does not serve embeddings: its spec declares no 'embeddings: {{pooling: mean|last}}'",
+                param="model",
+            )
+        dim = lm.spec.hparams.hidden
+        if body.dimensions is not None and body.dimensions != dim:
+            raise APIError(
+                400,
+                f"dimensions: this model's embeddings have {dim} dimensions, got {body.dimensions}",
+                param="dimensions",
+            )
+        inputs = [p if isinstance(p, list) else _encode(state, p) for p in prompt_list(body.input)]
+        data, used = [], 0
+        for i, ids in enumerate(inputs):
+            vec = await runner.call(lambda ids=ids: embed(lm.model, ids, pooling).numpy())
+            used += len(ids)
+            value: Any = (
+                vec.tolist()
+                if body.encoding_format == "float"
+                else base64.b64encode(vec.astype("<f4").tobytes()).decode()
+            )
+            data.append({"object": "embedding", "index": i, "embedding": value})
+        return {
+            "object": "list",
+            "data": data,
+            "model": state.name,
+            "usage": {"prompt_tokens": used, "total_tokens": used},
+        }
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeBody) -> dict[str, Any]:
+        lm, _ = state.ready(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError(400, "give exactly one of prompt, messages", param="prompt")
+        if body.messages is not None:
+            ids = _chat_ids(state, body.messages)
+        else:
+            ids = state.tokenizer().encode(
+                body.prompt or "", add_special_tokens=body.add_special_tokens
+            )
+        return {"tokens": ids, "count": len(ids), "max_model_len": lm.spec.hparams.max_positions}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeBody) -> dict[str, Any]:
+        lm, _ = state.ready(body.model)
+        vocab = lm.spec.hparams.vocab_size
+        bad = [t for t in body.tokens if not 0 <= t < vocab]
+        if bad:
+            raise APIError(
+                400, f"tokens: {bad[:5]} are outside the vocabulary 0..{vocab - 1}", param="tokens"
+            )
+        return {"prompt": state.tokenizer().decode(body.tokens)}
+
+    return app
+
+
+def _encode(state: ServerState, text: str) -> list[int]:
+    return state.tokenizer().encode(text, add_special_tokens=True)
+
+
+def _chat_ids(state: ServerState, messages: list[Any]) -> list[int]:
+    tok = state.tokenizer()
+    text = tok.apply_chat_template(
+        [m.as_template_input() for m in messages], add_generation_prompt=True
+    )
+    return tok.encode(text, add_special_tokens=False)  # the template writes BOS where needed
+
+
+async def _respond(gen: Generation, request: Request, stream: bool, options: Any) -> Any:
+    if stream:
+        usage = bool(options and options.include_usage)
+        return StreamingResponse(
+            gen.sse(usage), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+        )
+    return await gen.response(request.is_disconnected)
+
+
+# --- errors and middleware ------------------------------------------------------------------
+
+KINDS = {401: "authentication_error", 404: "not_found_error", 413: "invalid_request_error"}
+
+
+def _errors(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, e: APIError) -> JSONResponse:
+        return JSONResponse(
+            error_body(e.message, e.kind, e.param, e.code), e.status, headers=e.headers
+        )
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
+        kind = KINDS.get(e.status_code, "invalid_request_error")
+        return JSONResponse(error_body(str(e.detail), kind), e.status_code, headers=e.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_: Request, e: RequestValidationError) -> JSONResponse:
+        first = e.errors()[0] if e.errors() else {}
+        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+        param = ".".join(loc) or None
+        msg = first.get("msg", "invalid request")
+        if first.get("type") == "extra_forbidden":
+            msg = "unknown field; see the API reference for the allowed fields"
+        text = f"{param}: {msg}" if param else msg
+        if "input" in first and first.get("type") not in ("missing", "extra_forbidden"):
+            text += f" (got {json.dumps(first['input'], default=str)[:80]})"
+        return JSONResponse(error_body(text, "invalid_request_error", param), 400)
+
+    @app.exception_handler(QueueFull)
+    async def full(_: Request, e: QueueFull) -> JSONResponse:
+        return JSONResponse(
+            error_body(str(e), "rate_limit_error"), 429, headers={"Retry-After": "1"}
+        )
+
+    @app.exception_handler(InferflowError)
+    async def bad(_: Request, e: InferflowError) -> JSONResponse:
+        return JSONResponse(error_body(str(e), "invalid_request_error"), 400)
+
+    @app.exception_handler(GenerationFailed)
+    async def failed(_: Request, e: GenerationFailed) -> JSONResponse:
+        return JSONResponse(error_body(str(e), "server_error"), 500)
+
+
+class Guard:
+    """Pure ASGI middleware (it must not buffer streaming responses): the API key on every
+    route but /health, and the body size limit, by Content-Length and while the body streams."""
+
+    def __init__(self, app: ASGIApp, api_key: str | None, limit: int) -> None:
+        self.app, self.key, self.limit = app, api_key, limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope["headers"])
+        if self.key is not None and scope["path"] != "/health":
+            given = headers.get(b"authorization", b"")
+            if not hmac.compare_digest(given, f"Bearer {self.key}".encode()):
+                msg = "invalid or missing API key (send the header Authorization: Bearer KEY)"
+                return await JSONResponse(error_body(msg, "authentication_error"), 401)(
+                    scope, receive, send
+                )
+        size = headers.get(b"content-length", b"")
+        if size.isdigit() and int(size) > self.limit:
+            msg = f"the request body has {int(size)} bytes; the limit is {self.limit}"
+            return await JSONResponse(error_body(msg, "invalid_request_error"), 413)(
+                scope, receive, send
+            )
+        seen = 0
+
+        async def limited() -> Message:
+            nonlocal seen
+            msg = await receive()
+            seen += len(msg.get("body", b""))
+            if seen > self.limit:
+                raise StarletteHTTPException(
+                    413, f"the request body exceeds the limit of {self.limit} bytes"
+                )
+            return msg
+
+        await self.app(scope, limited, send)

@@ -1,0 +1,223 @@
+"""One HTTP generation request: its engine streams, merged into OpenAI choices, as one response
+object or as SSE chunks. Whatever way the handler ends (done, client gone, cancelled), every
+sample still running is aborted, so its KV blocks return to the pool within one engine step."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from inferflow.engine.request import RequestOutput
+from inferflow.engine.sampling import SamplingParams
+from inferflow.server.runner import EngineRunner, Stream
+from inferflow.tokenizer import Tokenizer
+
+
+class GenerationFailed(Exception):
+    """The engine ended a sample with finish reason "error" (logged on the engine side)."""
+
+
+@dataclass
+class Choice:
+    index: int
+    text: str = ""
+    tokens: int = 0
+    finish_reason: str | None = None
+    logprobs: list[Any] = field(default_factory=list)
+
+
+class Generation:
+    def __init__(
+        self,
+        runner: EngineRunner,
+        tokenizer: Tokenizer | None,
+        model_name: str,
+        chat: bool,
+        prompts: list[list[int]],
+        params: SamplingParams,
+    ) -> None:
+        self.runner, self.tok, self.model, self.chat = runner, tokenizer, model_name, chat
+        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.n = params.n
+        self.prompt_tokens = sum(map(len, prompts))
+        self.queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        self.streams: list[Stream] = []
+        try:
+            for ids in prompts:
+                self.streams.append(runner.submit(ids, params, self.queue))
+        except Exception:
+            self.abort()
+            raise
+        self.order = {s.id: i for i, s in enumerate(self.streams)}
+        self.choices = [Choice(i) for i in range(len(prompts) * self.n)]
+        self.left = len(self.choices)
+
+    def abort(self) -> None:
+        for s in self.streams:
+            if s.n > 0:
+                self.runner.abort(s.id)
+
+    async def events(self) -> AsyncIterator[tuple[Choice, RequestOutput]]:
+        try:
+            while self.left:
+                out = await self.queue.get()
+                c = self.choices[self.order[out.request_id] * self.n + out.index]
+                c.tokens += len(out.token_ids)
+                c.text += out.text
+                if out.finished:
+                    c.finish_reason = out.finish_reason
+                    self.left -= 1
+                yield c, out
+        finally:
+            if self.left:
+                self.abort()
+
+    # --- OpenAI objects ----------------------------------------------------------------------
+
+    def usage(self) -> dict[str, int]:
+        done = sum(c.tokens for c in self.choices)
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": done,
+            "total_tokens": self.prompt_tokens + done,
+        }
+
+    def _logprobs(self, out: RequestOutput, offset: int) -> Any:
+        if not out.logprobs or self.tok is None:
+            return None
+        piece = self.tok.token_to_piece
+        if self.chat:
+
+            def entry(t: int, lp: float) -> dict[str, Any]:
+                return {"token": piece(t), "logprob": lp, "bytes": list(self.tok.token_to_bytes(t))}  # type: ignore[union-attr]
+
+            return {
+                "content": [
+                    {
+                        **entry(x.token_id, x.logprob),
+                        "top_logprobs": [entry(t, v) for t, v in x.top],
+                    }
+                    for x in out.logprobs
+                ]
+            }
+        return {
+            "tokens": [piece(x.token_id) for x in out.logprobs],
+            "token_logprobs": [x.logprob for x in out.logprobs],
+            "top_logprobs": [{piece(t): v for t, v in x.top} for x in out.logprobs],
+            "text_offset": [offset] * len(out.logprobs),
+        }
+
+    def _envelope(self, choices: list[dict[str, Any]], chunk: bool) -> dict[str, Any]:
+        kind = (
+            ("chat.completion.chunk" if chunk else "chat.completion")
+            if self.chat
+            else "text_completion"
+        )
+        return {
+            "id": self.id,
+            "object": kind,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
+
+    async def response(self, disconnected: Callable[[], Awaitable[bool]]) -> dict[str, Any]:
+        """Collect everything; abort if the client goes away first."""
+        per_choice: dict[int, list[Any]] = {c.index: [] for c in self.choices}
+
+        async def consume() -> None:
+            async for c, out in self.events():
+                lp = self._logprobs(out, len(c.text) - len(out.text))
+                if lp is not None:
+                    per_choice[c.index].append(lp)
+
+        async def watch() -> None:
+            while not await disconnected():
+                await asyncio.sleep(0.1)
+
+        work, watcher = asyncio.ensure_future(consume()), asyncio.ensure_future(watch())
+        try:
+            await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watcher.cancel()
+            if not work.done():
+                work.cancel()
+                self.abort()
+        if work.cancelled():
+            raise asyncio.CancelledError("the client disconnected")
+        work.result()
+        if any(c.finish_reason == "error" for c in self.choices):
+            raise GenerationFailed("the engine failed while generating this request")
+        return {
+            **self._envelope([self._final(c, per_choice[c.index]) for c in self.choices], False),
+            "usage": self.usage(),
+        }
+
+    def _final(self, c: Choice, lps: list[Any]) -> dict[str, Any]:
+        lp: Any = None
+        if lps and self.chat:
+            lp = {"content": [x for d in lps for x in d["content"]]}
+        elif lps:
+            lp = {k: [x for d in lps for x in d[k]] for k in lps[0]}
+        body: dict[str, Any] = (
+            {"message": {"role": "assistant", "content": c.text}} if self.chat else {"text": c.text}
+        )
+        return {"index": c.index, **body, "logprobs": lp, "finish_reason": c.finish_reason}
+
+    async def sse(self, include_usage: bool) -> AsyncIterator[str]:
+        """Server-sent events: one chunk per new piece of text, ending with ``data: [DONE]``."""
+
+        def data(obj: Any) -> str:
+            return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+        if self.chat:  # the role comes first, in a chunk of its own
+            yield data(
+                self._envelope(
+                    [
+                        {
+                            "index": c.index,
+                            "delta": {"role": "assistant", "content": ""},
+                            "logprobs": None,
+                            "finish_reason": None,
+                        }
+                        for c in self.choices
+                    ],
+                    True,
+                )
+            )
+        async for c, out in self.events():
+            if out.finish_reason == "error":
+                yield data(
+                    {
+                        "error": {
+                            "message": "the engine failed while generating this request",
+                            "type": "server_error",
+                            "param": None,
+                            "code": None,
+                        }
+                    }
+                )
+                continue
+            if not out.text and not out.finished and not out.logprobs:
+                continue  # (text held back: a stop string may be starting)
+            lp = self._logprobs(out, len(c.text) - len(out.text))
+            reason = out.finish_reason if out.finished else None
+            part = (
+                {"delta": {"content": out.text} if out.text else {}}
+                if self.chat
+                else {"text": out.text}
+            )
+            yield data(
+                self._envelope(
+                    [{"index": c.index, **part, "logprobs": lp, "finish_reason": reason}], True
+                )
+            )
+        if include_usage:
+            yield data({**self._envelope([], True), "usage": self.usage()})
+        yield "data: [DONE]\n\n"

@@ -1,0 +1,150 @@
+"""OpenAI request bodies (pydantic; unknown fields are refused, naming the allowed ones) and
+their mapping onto SamplingParams. Engine extras (top_k, min_p, mirostat, FSD, ...) are
+accepted as extra body fields, as vLLM does."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from inferflow.engine.sampling import MAX_N, SamplingParams
+from inferflow.errors import RequestError
+
+
+class Body(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(Body):
+    include_usage: bool = False
+
+
+class SamplingBody(Body):
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0, le=2)
+    top_p: float = Field(1.0, gt=0, le=1)
+    n: int = Field(1, ge=1, le=MAX_N)
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    logit_bias: dict[str, float] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    # engine extras
+    top_k: int = Field(0, ge=0)
+    min_p: float = Field(0.0, ge=0, lt=1)
+    typical_p: float = Field(1.0, gt=0, le=1)
+    tfs_z: float = Field(1.0, gt=0, le=1)
+    mirostat: Literal[0, 1, 2] = 0
+    mirostat_tau: float = Field(5.0, gt=0)
+    mirostat_eta: float = Field(0.1, gt=0)
+    fsd_alpha: float = Field(0.0, ge=0, lt=1)
+    fsd_k: int = Field(6, ge=1)
+    fsd_n: int = Field(3, ge=1)
+    fsd_random_steps: int = Field(0, ge=0)
+    repetition_penalty: float = Field(1.0, gt=0)
+    min_tokens: int = Field(0, ge=0)
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+
+    def sampling(self, max_tokens: int, logprobs: int | None, vocab: int) -> SamplingParams:
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        bias = {}
+        for k, v in (self.logit_bias or {}).items():
+            if not k.lstrip("-").isdigit() or not 0 <= int(k) < vocab:
+                raise RequestError(f"logit_bias: key {k!r} is not a token id in 0..{vocab - 1}")
+            bias[int(k)] = v
+        return SamplingParams(
+            temperature=self.temperature,
+            top_k=self.top_k,
+            top_p=self.top_p,
+            min_p=self.min_p,
+            typical_p=self.typical_p,
+            tfs_z=self.tfs_z,
+            mirostat=self.mirostat,
+            mirostat_tau=self.mirostat_tau,
+            mirostat_eta=self.mirostat_eta,
+            fsd_alpha=self.fsd_alpha,
+            fsd_k=self.fsd_k,
+            fsd_n=self.fsd_n,
+            fsd_random_steps=self.fsd_random_steps,
+            repetition_penalty=self.repetition_penalty,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            logit_bias=bias,
+            max_new_tokens=max_tokens,
+            min_new_tokens=min(self.min_tokens, max_tokens),
+            seed=self.seed,
+            stop_token_ids=tuple(self.stop_token_ids or ()),
+            stop=tuple(stop),
+            ignore_eos=self.ignore_eos,
+            logprobs=logprobs,
+            n=self.n,
+        )
+
+
+class CompletionBody(SamplingBody):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(16, ge=1)  # OpenAI's default for completions
+    logprobs: int | None = Field(None, ge=0, le=20)
+
+
+class TextPart(Body):
+    type: Literal["text"]
+    text: str
+
+
+class Message(Body):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def as_template_input(self) -> dict[str, Any]:
+        text = (
+            self.content
+            if isinstance(self.content, str)
+            else "".join(p.text for p in self.content or [])
+        )
+        return {"role": "system" if self.role == "developer" else self.role, "content": text}
+
+
+class ChatBody(SamplingBody):
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+
+
+class EmbeddingBody(Body):
+    input: str | list[str] | list[int] | list[list[int]]
+    model: str | None = None
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None
+    user: str | None = None
+
+
+class TokenizeBody(Body):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[Message] | None = None
+    add_special_tokens: bool = True
+
+
+class DetokenizeBody(Body):
+    model: str | None = None
+    tokens: list[int]
+
+
+def prompt_list(p: str | list[str] | list[int] | list[list[int]]) -> list[str | list[int]]:
+    """OpenAI's four prompt shapes as a list of prompts (text or token ids)."""
+    if isinstance(p, str):
+        return [p]
+    if not p:
+        raise RequestError("prompt: the list is empty; give at least one prompt")
+    if all(isinstance(x, int) for x in p):
+        return [list(p)]  # type: ignore[arg-type]
+    return list(p)  # type: ignore[arg-type]

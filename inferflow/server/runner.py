@@ -1,0 +1,168 @@
+"""The engine in its own thread, fed by HTTP handlers on the event loop.
+
+Handlers never touch the engine: they post ``add`` / ``abort`` / ``call`` messages to an inbox
+the engine thread drains before every step, and read outputs from a per-request asyncio queue.
+An abort posted between two steps therefore frees the request's KV blocks before the next one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+from inferflow.engine.engine import Engine
+from inferflow.engine.request import RequestOutput
+from inferflow.engine.sampling import SamplingParams
+from inferflow.engine.scheduler import QueueFull
+from inferflow.server.metrics import Metrics
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Stream:
+    """What a handler holds for one request: its outputs arrive on ``queue``."""
+
+    id: str
+    n: int
+    prompt_len: int
+    queue: asyncio.Queue[RequestOutput]
+    created: float = field(default_factory=time.monotonic)
+    last: dict[int, float] = field(default_factory=dict)  # per sample: time of its last token
+
+
+class EngineRunner:
+    def __init__(self, engine: Engine, metrics: Metrics) -> None:
+        self.engine, self.metrics = engine, metrics
+        self.inbox: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
+        self.streams: dict[str, Stream] = {}
+        self.wake = threading.Event()
+        self.stopping = False
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.thread = threading.Thread(target=self._run, name="inferflow-engine", daemon=True)
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.thread.start()
+
+    def stop(self) -> None:
+        """Abort what is still in flight (its streams get finish reason "abort"), then stop."""
+        self.inbox.put(("abort_all",))
+        self.stopping = True
+        self.wake.set()
+        self.thread.join(timeout=30)
+
+    # --- called from the event loop --------------------------------------------------------
+
+    def submit(
+        self, ids: list[int], params: SamplingParams, out: asyncio.Queue[RequestOutput]
+    ) -> Stream:
+        """Queue a request (validated first) whose outputs go to ``out``; QueueFull when the
+        waiting queue is at its bound."""
+        self.engine.check(ids, params)
+        bound = self.engine.scheduler.cfg.max_waiting
+        if len(self.engine.scheduler.waiting) + self.inbox.qsize() >= bound:
+            raise QueueFull(f"the waiting queue is full ({bound} requests); retry later")
+        stream = Stream(f"req-{uuid.uuid4().hex}", params.n, len(ids), out)
+        self.streams[stream.id] = stream
+        self._post("add", stream.id, ids, params)
+        return stream
+
+    def abort(self, rid: str) -> None:
+        self._post("abort", rid)
+
+    async def call(self, fn: Callable[[], Any]) -> Any:
+        """Run ``fn`` on the engine thread between two steps (model use that is not a request)."""
+        fut: Future[Any] = Future()
+        self._post("call", fn, fut)
+        return await asyncio.wrap_future(fut)
+
+    def _post(self, *msg: Any) -> None:
+        self.inbox.put(msg)
+        self.wake.set()
+
+    # --- the engine thread -------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            self._drain()
+            self.metrics.engine_state(self.engine)
+            if self.stopping and not self.engine.has_unfinished():
+                return
+            if not self.engine.has_unfinished():
+                self.wake.wait(0.5)
+                self.wake.clear()
+                continue
+            try:
+                outs = self.engine.step()
+            except Exception:  # a failed forward pass: its requests end with "error"
+                log.exception("engine step failed; ending the requests in flight")
+                outs = self.engine.fail_all()
+            self._deliver(outs)
+            self.metrics.engine_state(self.engine)
+
+    def _drain(self) -> None:
+        while True:
+            try:
+                msg = self.inbox.get_nowait()
+            except queue.Empty:
+                return
+            kind = msg[0]
+            if kind == "add":
+                _, rid, ids, params = msg
+                try:
+                    self.engine.add_request(ids, params, request_id=rid)
+                    self.metrics.prompt_tokens.inc(len(ids))
+                except Exception as e:  # QueueFull after the check raced, or a bad request
+                    log.warning("request %s refused: %s", rid, e)
+                    self._deliver(
+                        [
+                            RequestOutput(rid, [], "", True, "error", index=i)
+                            for i in range(params.n)
+                        ]
+                    )
+            elif kind == "abort":
+                self.engine.abort(msg[1])
+            elif kind == "abort_all":
+                for rid in list(self.engine.requests):
+                    self.engine.abort(rid)
+            elif kind == "call":
+                _, fn, fut = msg
+                try:
+                    fut.set_result(fn())
+                except Exception as e:
+                    fut.set_exception(e)
+
+    def _deliver(self, outs: list[RequestOutput]) -> None:
+        now = time.monotonic()
+        done = []
+        for o in outs:
+            s = self.streams.get(o.request_id)
+            if s is None:
+                continue
+            if o.token_ids:
+                self.metrics.generation_tokens.inc(len(o.token_ids))
+                prev = s.last.get(o.index)
+                if prev is None:
+                    self.metrics.ttft.observe(now - s.created)
+                else:
+                    self.metrics.itl.observe(now - prev)
+                s.last[o.index] = now
+            if o.finished:
+                self.metrics.finished.labels(o.finish_reason or "unknown").inc()
+                s.n -= 1
+                if s.n == 0:
+                    self.metrics.e2e.observe(now - s.created)
+                    done.append(s.id)
+            assert self.loop is not None
+            self.loop.call_soon_threadsafe(s.queue.put_nowait, o)
+        for rid in done:
+            self.streams.pop(rid, None)

@@ -1,0 +1,353 @@
+"""`inferflow serve` as a real process on a free localhost port, driven by the official `openai`
+client and by raw HTTP for every error path. Outputs are checked against transformers running
+the same GGUF (greedy text, logprobs, embeddings, chat template) — not against the server."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import smollm2_path
+
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+tf = pytest.importorskip("transformers")
+pytest.importorskip("fastapi")
+pytestmark = pytest.mark.slow
+
+NAME = "smollm2-embed"
+KEY = "sk-test-key"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextlib.contextmanager
+def _server(tmp: Path, *args: str) -> Iterator[tuple[str, subprocess.Popen]]:
+    spec = tmp / "embed.yaml"  # the default model, declared for /v1/embeddings too
+    spec.write_text(f"name: {NAME}\nbase: smollm2-135m-instruct\nembeddings: {{pooling: mean}}\n")
+    port = _free_port()
+    log = open(tmp / f"server-{port}.log", "w")  # noqa: SIM115
+    cmd = [sys.executable, "-m", "inferflow.cli.main", "serve", str(spec), "--port", str(port)]
+    proc = subprocess.Popen([*cmd, *args], stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            assert proc.poll() is None, (tmp / f"server-{port}.log").read_text()
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            assert time.monotonic() < deadline, "the server did not become healthy"
+            time.sleep(0.2)
+        yield url, proc
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        log.close()
+
+
+@pytest.fixture(scope="module")
+def url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    smollm2_path()  # skips when the model package is missing
+    with _server(tmp_path_factory.mktemp("srv"), "--quant", "none") as (u, _):
+        yield u
+
+
+@pytest.fixture(scope="module")
+def client(url: str):  # noqa: ANN201
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def hf():  # noqa: ANN201
+    path = smollm2_path()
+    model = tf.AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32
+    ).eval()
+    tok = tf.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    return model, tok
+
+
+def _greedy(hf, ids: list[int], n: int) -> list[int]:  # noqa: ANN001
+    model, _ = hf
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([ids]), max_new_tokens=n, do_sample=False, top_p=None, top_k=None
+        )
+    return out[0, len(ids) :].tolist()
+
+
+def test_completion_greedy_text_and_logprobs_match_transformers(client, hf) -> None:  # noqa: ANN001
+    model, tok = hf
+    prompt = "The capital of France is"
+    r = client.completions.create(
+        model=NAME, prompt=prompt, max_tokens=12, temperature=0, logprobs=3
+    )
+    ids = tok(prompt)["input_ids"]
+    want = _greedy(hf, ids, 12)
+    c = r.choices[0]
+    assert c.text == tok.decode(want, skip_special_tokens=True)
+    assert c.finish_reason == "length" and r.usage.completion_tokens == 12
+    assert r.usage.prompt_tokens == len(ids) and r.object == "text_completion" and r.id
+    with torch.no_grad():
+        lp = torch.log_softmax(model(torch.tensor([ids])).logits[0, -1], -1)
+    top = torch.topk(lp, 3)
+    got = c.logprobs.top_logprobs[0]
+    assert len(got) == 3 and c.logprobs.token_logprobs[0] == pytest.approx(
+        float(top.values[0]), abs=1e-3
+    )
+    for t, v in zip(top.indices.tolist(), top.values.tolist(), strict=True):
+        assert got[tok.decode([t])] == pytest.approx(v, abs=1e-3)
+
+
+def test_chat_stream_equals_non_stream_and_template_matches(client, hf, url) -> None:  # noqa: ANN001
+    _, tok = hf
+    messages = [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "Name an ocean."},
+        {"role": "assistant", "content": "The Pacific."},
+        {"role": "user", "content": "Another one?"},
+    ]
+    text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    want_ids = tok(text, add_special_tokens=False)["input_ids"]
+    got = httpx.post(f"{url}/tokenize", json={"messages": messages}).json()
+    assert got["tokens"] == list(want_ids)
+    kw = dict(model=NAME, messages=messages, max_tokens=16, temperature=0)
+    full = client.chat.completions.create(**kw)
+    assert full.object == "chat.completion" and full.choices[0].message.role == "assistant"
+    want = tok.decode(_greedy(hf, list(want_ids), 16), skip_special_tokens=True)
+    assert full.choices[0].message.content == want
+    chunks = list(
+        client.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True})
+    )
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert text == full.choices[0].message.content
+    assert chunks[0].choices[0].delta.role == "assistant"
+    reasons = [
+        ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason
+    ]
+    assert reasons == [full.choices[0].finish_reason]
+    assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+
+
+def test_stop_sequence_cuts_the_greedy_text(client) -> None:  # noqa: ANN001
+    kw = dict(model=NAME, prompt="1, 2, 3, 4,", max_tokens=24, temperature=0)
+    free = client.completions.create(**kw).choices[0].text
+    assert " 7" in free
+    r = client.completions.create(**kw, stop=[" 7", "never"])
+    assert r.choices[0].text == free[: free.index(" 7")] and r.choices[0].finish_reason == "stop"
+    s = client.completions.create(**kw, stop=" 7", stream=True)
+    assert "".join(ch.choices[0].text for ch in s) == r.choices[0].text
+
+
+def test_n2_and_seed_reproducibility(client) -> None:  # noqa: ANN001
+    kw = dict(model=NAME, prompt="Once upon a time", max_tokens=16, temperature=1.0, n=2, seed=7)
+    a, b = client.completions.create(**kw), client.completions.create(**kw)
+    assert [c.index for c in a.choices] == [0, 1]
+    assert [c.text for c in a.choices] == [c.text for c in b.choices]
+    assert a.choices[0].text != a.choices[1].text  # sample i draws with seed + i
+    c = client.completions.create(**{**kw, "seed": 8})
+    assert [x.text for x in c.choices] != [x.text for x in a.choices]
+    assert a.usage.completion_tokens == 32
+    chat = client.chat.completions.create(
+        model=NAME,
+        messages=[{"role": "user", "content": "Hi"}],
+        n=2,
+        max_tokens=8,
+        seed=1,
+        logprobs=True,
+        top_logprobs=2,
+    )
+    assert len(chat.choices) == 2
+    entries = chat.choices[0].logprobs.content
+    assert entries and all(len(e.top_logprobs) == 2 for e in entries)
+    assert all(e.logprob <= e.top_logprobs[0].logprob + 1e-6 for e in entries)
+
+
+def test_embeddings_match_transformers_mean_pooling(client, hf) -> None:  # noqa: ANN001
+    model, tok = hf
+    texts = ["The sea is calm tonight.", "def add(a, b): return a + b"]
+    r = client.embeddings.create(model=NAME, input=texts)  # the client asks for base64
+    assert [d.index for d in r.data] == [0, 1] and r.usage.prompt_tokens > 0
+    for text, d in zip(texts, r.data, strict=True):
+        with torch.no_grad():
+            h = model.model(torch.tensor([tok(text)["input_ids"]])).last_hidden_state[0]
+        want = torch.nn.functional.normalize(h.mean(0), dim=0)
+        got = torch.tensor(d.embedding)
+        assert got.shape == want.shape
+        assert float(got @ want) > 0.9999
+
+
+def test_models_tokenize_detokenize_metrics(client, hf, url) -> None:  # noqa: ANN001
+    _, tok = hf
+    (card,) = client.models.list().data
+    assert card.id == NAME and card.owned_by == "inferflow"
+    text = "Hello, world! Ünïcödé"
+    ids = httpx.post(f"{url}/tokenize", json={"prompt": text}).json()["tokens"]
+    assert ids == tok(text)["input_ids"]
+    assert httpx.post(f"{url}/detokenize", json={"tokens": ids}).json()["prompt"] == text
+    client.completions.create(model=NAME, prompt="Hi", max_tokens=3, temperature=0)
+    m = httpx.get(f"{url}/metrics").text
+    for name in (
+        "inferflow_requests_running",
+        "inferflow_requests_waiting",
+        "inferflow_kv_cache_usage_ratio",
+        "inferflow_prompt_tokens_total",
+        "inferflow_generation_tokens_total",
+        "inferflow_time_to_first_token_seconds_bucket",
+        "inferflow_inter_token_latency_seconds_bucket",
+    ):
+        assert name in m, name
+    gen = [ln for ln in m.splitlines() if ln.startswith("inferflow_generation_tokens_total")]
+    assert float(gen[0].split()[-1]) > 0
+
+
+def _err(r, status: int, *needles: str) -> None:  # noqa: ANN001
+    assert r.status_code == status, r.text
+    body = r.json()["error"]
+    assert body["message"] and body["type"]
+    for n in needles:
+        assert n in body["message"], body
+
+
+def test_error_paths(url) -> None:
+    post = lambda path, **kw: httpx.post(f"{url}{path}", timeout=30, **kw)  # noqa: E731
+    base = {"model": NAME, "prompt": "hi", "max_tokens": 2}
+    _err(
+        post("/v1/completions", json={**base, "frobnicate": 1}), 400, "frobnicate", "unknown field"
+    )
+    _err(post("/v1/completions", json={**base, "max_tokens": "many"}), 400, "max_tokens")
+    _err(post("/v1/completions", json={**base, "top_p": 0}), 400, "top_p")
+    _err(post("/v1/completions", json={**base, "model": "gpt-4"}), 404, "gpt-4", NAME)
+    _err(post("/v1/completions", json={**base, "prompt": [5] * 9000}), 400, "9000", "8192")
+    _err(post("/v1/completions", json={**base, "prompt": []}), 400, "empty")
+    _err(post("/v1/completions", json={**base, "prompt": [10**7]}), 400, "outside the vocabulary")
+    _err(post("/v1/completions", json={**base, "logit_bias": {"abc": 1}}), 400, "logit_bias")
+    _err(
+        post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"}),
+        400,
+    )
+    _err(post("/v1/completions", json={"model": NAME}), 400, "prompt")
+    chat = {"model": NAME, "messages": [{"role": "user", "content": "x"}]}
+    _err(post("/v1/chat/completions", json={**chat, "top_logprobs": 2}), 400, "logprobs")
+    _err(
+        post(
+            "/v1/chat/completions", json={**chat, "messages": [{"role": "wizard", "content": "x"}]}
+        ),
+        400,
+        "role",
+    )
+    _err(post("/v1/chat/completions", json={**chat, "messages": []}), 400, "messages")
+    _err(post("/detokenize", json={"tokens": [-1]}), 400, "outside the vocabulary")
+    _err(httpx.get(f"{url}/v1/nothing"), 404)
+
+
+def _metric(url: str, name: str, headers: dict | None = None) -> float:
+    for ln in httpx.get(f"{url}/metrics", headers=headers).text.splitlines():
+        if ln.startswith((name + " ", name + "{")):
+            return float(ln.split()[-1])
+    raise AssertionError(name)
+
+
+def _wait_for(pred, timeout: float = 10.0) -> bool:  # noqa: ANN001
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_limits_auth_queue_and_disconnects(tmp_path: Path) -> None:
+    smollm2_path()
+    args = (
+        "--api-key",
+        KEY,
+        "--max-running",
+        "1",
+        "--max-waiting",
+        "1",
+        "--max-body-bytes",
+        "4096",
+    )
+    with _server(tmp_path, *args) as (url, proc):
+        auth = {"Authorization": f"Bearer {KEY}"}
+        assert httpx.get(f"{url}/health").status_code == 200  # open without the key
+        _err(httpx.get(f"{url}/v1/models"), 401, "API key")
+        _err(httpx.get(f"{url}/v1/models", headers={"Authorization": "Bearer nope"}), 401)
+        assert httpx.get(f"{url}/v1/models", headers=auth).status_code == 200
+        big = {"model": NAME, "prompt": "x " * 4000}
+        _err(httpx.post(f"{url}/v1/completions", json=big, headers=auth), 413, "limit")
+
+        def chunked():  # noqa: ANN202  (no Content-Length: the limit applies while reading)
+            yield json.dumps(big).encode()
+
+        _err(
+            httpx.post(
+                f"{url}/v1/completions",
+                content=chunked(),
+                headers={**auth, "content-type": "application/json"},
+            ),
+            413,
+        )
+
+        free0 = _metric(url, "inferflow_kv_cache_free_blocks", auth)
+        long = {
+            "model": NAME,
+            "prompt": "Tell me a story.",
+            "max_tokens": 2000,
+            "ignore_eos": True,
+            "stream": True,
+        }
+        with (
+            httpx.Client(headers=auth, timeout=60) as c1,
+            httpx.Client(headers=auth, timeout=60) as c2,
+        ):
+            with c1.stream("POST", f"{url}/v1/completions", json=long) as s1:
+                lines1 = s1.iter_lines()  # (held: a dropped iterator closes the connection)
+                next(lines1)  # the first request is running
+                with c2.stream("POST", f"{url}/v1/completions", json=long) as s2:
+                    assert s2.status_code == 200  # waiting (max_running 1)
+                    r = httpx.post(f"{url}/v1/completions", json=long, headers=auth)
+                    _err(r, 429, "queue is full")
+                    assert r.headers["retry-after"] == "1"
+                    assert _metric(url, "inferflow_kv_cache_free_blocks", auth) < free0
+            # both streams closed by the client mid-generation: aborted, blocks back
+        assert _wait_for(lambda: _metric(url, "inferflow_kv_cache_free_blocks", auth) == free0)
+        assert _metric(url, "inferflow_requests_running", auth) == 0
+        # a non-streaming request whose client gives up
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(
+                f"{url}/v1/completions", json={**long, "stream": False}, headers=auth, timeout=1.0
+            )
+        assert _wait_for(lambda: _metric(url, "inferflow_kv_cache_free_blocks", auth) == free0)
+        assert _wait_for(lambda: _metric(url, "inferflow_requests_running", auth) == 0)
+        aborts = 'inferflow_request_finished_total{finish_reason="abort"}'
+        assert _metric(url, aborts, auth) == 3  # two streams and one plain request
+        # graceful shutdown with a request in flight: it ends, the process exits cleanly
+        with httpx.Client(headers=auth, timeout=60) as c:
+            with c.stream("POST", f"{url}/v1/completions", json={**long, "max_tokens": 60}) as s:
+                lines = s.iter_lines()
+                next(lines)
+                proc.send_signal(signal.SIGINT)
+                rest = list(lines)
+        assert rest[-2:] == ["data: [DONE]", ""] or rest[-1] == "data: [DONE]"
+        assert proc.wait(30) == 0

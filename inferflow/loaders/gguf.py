@@ -12,6 +12,7 @@ gguf-py is only the test oracle; this module does not import it.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import struct
@@ -369,8 +370,18 @@ def _tensor_infos(
 
 
 def read_gguf_metadata(path: str | Path) -> dict[str, Any]:
-    """Only the header's key/values (no tensor infos): for resolving hyperparameters."""
+    """Only the header's key/values (no tensor infos): for resolving hyperparameters and the
+    tokenizer. Parsed once per file version (the vocabulary arrays take a while)."""
     path = Path(path)
+    try:
+        st = path.stat()
+    except OSError as e:
+        raise CheckpointError(f"cannot read GGUF file {path}: {e}") from e
+    return dict(_metadata(path.resolve(), st.st_mtime_ns, st.st_size))
+
+
+@functools.lru_cache(maxsize=8)
+def _metadata(path: Path, mtime_ns: int, size: int) -> dict[str, Any]:
     return _parse(_map(path), path, with_tensors=False).metadata
 
 

@@ -184,7 +184,9 @@ def create_app(cfg: ServerConfig) -> FastAPI:
         prompts = [
             p if isinstance(p, list) else _encode(state, p) for p in prompt_list(body.prompt)
         ]
-        params = body.sampling(body.max_tokens or 16, body.logprobs, lm.spec.hparams.vocab_size)
+        params = body.sampling(
+            body.max_tokens or 16, body.logprobs, lm.spec.hparams.vocab_size, lm.spec.generation
+        )
         gen = Generation(runner, lm.tokenizer, state.name, False, prompts, params)
         return await _respond(gen, request, body.stream, body.stream_options)
 
@@ -192,7 +194,6 @@ def create_app(cfg: ServerConfig) -> FastAPI:
     async def chat(body: ChatBody, request: Request) -> Any:
         lm, runner = state.ready(body.model)
         ids = _chat_ids(state, body.messages)
-        top = body.top_logprobs if body.logprobs else None
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "top_logprobs: needs logprobs set to true", param="top_logprobs")
         room = lm.spec.hparams.max_positions - len(ids)
@@ -201,9 +202,8 @@ def create_app(cfg: ServerConfig) -> FastAPI:
             or body.max_tokens
             or max(1, min(room, lm.spec.generation.max_new_tokens))
         )
-        params = body.sampling(
-            max_tokens, (top or 0) if body.logprobs else None, lm.spec.hparams.vocab_size
-        )
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        params = body.sampling(max_tokens, logprobs, lm.spec.hparams.vocab_size, lm.spec.generation)
         gen = Generation(runner, lm.tokenizer, state.name, True, [ids], params)
         return await _respond(gen, request, body.stream, body.stream_options)
 

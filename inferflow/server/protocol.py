@@ -10,6 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from inferflow.engine.sampling import MAX_N, SamplingParams
 from inferflow.errors import RequestError
+from inferflow.spec.types import GenerationDefaults
 
 
 class Body(BaseModel):
@@ -23,8 +24,9 @@ class StreamOptions(Body):
 class SamplingBody(Body):
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0, le=2)
-    top_p: float = Field(1.0, gt=0, le=1)
+    # unset: the spec's generation defaults (as vLLM takes the model's generation config)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
     n: int = Field(1, ge=1, le=MAX_N)
     stop: str | list[str] | None = None
     seed: int | None = None
@@ -35,7 +37,7 @@ class SamplingBody(Body):
     stream_options: StreamOptions | None = None
     user: str | None = None
     # engine extras
-    top_k: int = Field(0, ge=0)
+    top_k: int | None = Field(None, ge=0)
     min_p: float = Field(0.0, ge=0, lt=1)
     typical_p: float = Field(1.0, gt=0, le=1)
     tfs_z: float = Field(1.0, gt=0, le=1)
@@ -51,7 +53,9 @@ class SamplingBody(Body):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
 
-    def sampling(self, max_tokens: int, logprobs: int | None, vocab: int) -> SamplingParams:
+    def sampling(
+        self, max_tokens: int, logprobs: int | None, vocab: int, defaults: GenerationDefaults
+    ) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         bias = {}
         for k, v in (self.logit_bias or {}).items():
@@ -59,9 +63,9 @@ class SamplingBody(Body):
                 raise RequestError(f"logit_bias: key {k!r} is not a token id in 0..{vocab - 1}")
             bias[int(k)] = v
         return SamplingParams(
-            temperature=self.temperature,
-            top_k=self.top_k,
-            top_p=self.top_p,
+            temperature=defaults.temperature if self.temperature is None else self.temperature,
+            top_k=defaults.top_k if self.top_k is None else self.top_k,
+            top_p=defaults.top_p if self.top_p is None else self.top_p,
             min_p=self.min_p,
             typical_p=self.typical_p,
             tfs_z=self.tfs_z,

@@ -54,9 +54,10 @@ async def one(client: httpx.AsyncClient, url: str, rng: random.Random, t: Tally)
     got, done, text = 0, False, ""
     try:
         async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
-            if r.status_code == 429:
+            if r.status_code == 429:  # a well-behaved client waits as Retry-After says
                 t.refused += 1
                 await r.aread()
+                await asyncio.sleep(float(r.headers.get("retry-after", "1")))
                 return
             if r.status_code != 200:
                 t.failed += 1

@@ -351,3 +351,26 @@ def test_limits_auth_queue_and_disconnects(tmp_path: Path) -> None:
                 rest = list(lines)
         assert rest[-2:] == ["data: [DONE]", ""] or rest[-1] == "data: [DONE]"
         assert proc.wait(30) == 0
+
+
+def test_beam_search_extra_field_matches_transformers(client, hf) -> None:  # noqa: ANN001
+    model, tok = hf
+    prompt = "The best way to learn a language is"
+    r = client.completions.create(
+        model=NAME, prompt=prompt, max_tokens=8, n=2, extra_body={"beam_width": 3}
+    )
+    ids = tok(prompt)["input_ids"]
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([ids]),
+            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            num_beams=3,
+            num_return_sequences=2,
+            do_sample=False,
+            max_new_tokens=8,
+            early_stopping=True,
+            top_p=None,
+            top_k=None,
+        )
+    want = [tok.decode(s[len(ids) :], skip_special_tokens=True) for s in out]
+    assert [c.text for c in r.choices] == want

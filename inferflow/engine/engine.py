@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from inferflow.engine.beam import BeamState, Hypothesis
 from inferflow.engine.kv_cache import PagedKVCache
 from inferflow.engine.request import (
     FINISHED,
@@ -75,6 +76,7 @@ class Engine:
         self.max_len = h.max_positions
         self._ids = itertools.count()
         self._aborted: list[Request] = []
+        self.beams: dict[str, BeamState] = {}  # request id -> its beam search
 
     # --- API --------------------------------------------------------------------------------
 
@@ -97,8 +99,12 @@ class Engine:
             raise RequestError(f"request id {rid!r} is already in use")
         arrival = next(self._ids)
         # sample 0 computes the prompt; the others fork its KV blocks when it first samples
-        group = [self._new_request(rid, i, ids, params, arrival) for i in range(params.n)]
+        # (a beam search forks its beams as it goes)
+        n = 1 if params.beam_width > 1 else params.n
+        group = [self._new_request(rid, i, ids, params, arrival) for i in range(n)]
         group[0].forks = group[1:]
+        if params.beam_width > 1:
+            self.beams[rid] = BeamState(params.beam_width, params.length_penalty)
         self.scheduler.add(group[0])
         self.requests[rid] = group
         return rid
@@ -123,10 +129,14 @@ class Engine:
             raise RequestError(
                 f"the prompt has {len(ids)} tokens; the KV cache holds {capacity} in all"
             )
-        if params.n > self.scheduler.cfg.max_running:
-            raise RequestError(
-                f"n: {params.n} samples exceed max_running ({self.scheduler.cfg.max_running})"
+        most = self.scheduler.cfg.max_running
+        if params.n > most or params.beam_width > most:
+            what = (
+                f"beam_width: {params.beam_width} beams"
+                if params.beam_width > 1
+                else f"n: {params.n} samples"
             )
+            raise RequestError(f"{what} exceed max_running ({most})")
 
     def _new_request(
         self, rid: str, i: int, ids: list[int], params: SamplingParams, arrival: int
@@ -148,6 +158,7 @@ class Engine:
 
     def abort(self, request_id: str) -> bool:
         live = [r for r in self.requests.get(request_id, []) if r.status != FINISHED]
+        self.beams.pop(request_id, None)
         for req in live:
             self.scheduler.remove(req)
             self._finish(req, "abort")
@@ -178,16 +189,16 @@ class Engine:
     ) -> list[Request]:
         """Blocking: run until every prompt finishes; returns the finished requests in order
         (the n samples of a prompt next to each other)."""
-        reqs = [r for p in prompts for r in self.requests[self.add_request(p, params)]]
-        while any(r.status != FINISHED for r in reqs):
+        groups = [self.requests[self.add_request(p, params)] for p in prompts]
+        while any(r.status != FINISHED for g in groups for r in g):
             self.step()
-        return reqs
+        return [r for g in groups for r in g]  # (a beam search leaves its n best here)
 
     def stream(
         self, prompt: str | list[int], params: SamplingParams | None = None
     ) -> Iterator[RequestOutput]:
         rid = self.add_request(prompt, params)
-        left = len(self.requests[rid])
+        left = self.requests[rid][0].params.n
         while left:
             for out in self.step():
                 if out.request_id == rid:
@@ -232,14 +243,108 @@ class Engine:
     def _update(self, batch: list[Scheduled], logits: torch.Tensor) -> list[RequestOutput]:
         outputs = []
         sampled = [s.req for s in batch if s.sample]
+        beams: dict[str, None] = {}
         for req, row in zip(sampled, logits, strict=True):
+            if req.group in self.beams:
+                req.pending = row
+                beams[req.group] = None
+                continue
             forks, req.forks = req.forks, []
             for f in forks:  # the prompt is computed: the other samples share its blocks
                 f.kv = self.cache.fork(req.kv)
                 f.status = RUNNING
                 self.scheduler.running.append(f)
             outputs += [self._sample(r, row) for r in (req, *forks)]
+        for gid in beams:
+            outputs += self._beam_step(gid)
         return outputs
+
+    def _beam_step(self, gid: str) -> list[RequestOutput]:
+        """Once every live beam of the group has logits: choose the next beams (reusing or
+        forking their parents' blocks), or end the search with its n best hypotheses."""
+        group, state = self.requests[gid], self.beams[gid]
+        live = [r for r in group if r.status != FINISHED]
+        if any(r.pending is None for r in live):
+            return []  # siblings still computing (chunked prefill, preemption)
+        p = live[0].params
+        picks = state.select(
+            [r.output_ids for r in live],
+            [r.beam_logprob for r in live],
+            [r.pending for r in live],
+            set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_ids),
+            len(live[0].output_ids) >= p.min_new_tokens,
+        )
+        children, used = [], set()
+        for parent, tok, score in picks:  # fork before any parent takes its own token
+            child = live[parent] if parent not in used else self._fork_beam(live[parent])
+            used.add(parent)
+            children.append((child, tok, score))
+        for i, r in enumerate(live):
+            r.pending = None
+            if i not in used:  # no child: its blocks go back
+                self.scheduler.remove(r)
+                self._finish(r, "pruned")
+        for child, tok, score in children:
+            child.output_ids.append(tok)
+            child.beam_logprob = score
+            if child not in group:
+                group.append(child)
+                self.scheduler.running.append(child)
+        n_out = len(children[0][0].output_ids) if children else 0
+        if (
+            children
+            and not state.done
+            and n_out < p.max_new_tokens
+            and len(children[0][0].tokens) < self.max_len
+        ):
+            return []
+        return self._end_beams(gid, [c for c, _, _ in children])
+
+    def _fork_beam(self, parent: Request) -> Request:
+        return Request(
+            f"{parent.group}/b{next(self._ids)}",
+            parent.prompt_ids,
+            parent.params,
+            parent.arrival,
+            parent.sampler,
+            list(parent.output_ids),
+            self.cache.fork(parent.kv),
+            RUNNING,
+            group=parent.group,
+            beam_logprob=parent.beam_logprob,
+        )
+
+    def _end_beams(self, gid: str, live: list[Request]) -> list[RequestOutput]:
+        state, group = self.beams.pop(gid), self.requests[gid]
+        first = group[0]
+        for r in live:
+            self.scheduler.remove(r)
+            self._finish(r, "pruned")
+        hyps = [Hypothesis(list(r.output_ids), r.beam_logprob, False) for r in live]
+        results, outs = [], []
+        for i, h in enumerate(state.best(hyps, first.params.n)):
+            reason = "stop" if h.ended else "length"
+            shown = h.tokens[:-1] if h.ended else h.tokens
+            text = self.tokenizer.decode(shown) if self.tokenizer is not None else ""  # type: ignore[attr-defined]
+            results.append(
+                Request(
+                    gid,
+                    first.prompt_ids,
+                    first.params,
+                    first.arrival,
+                    first.sampler,
+                    list(h.tokens),
+                    status=FINISHED,
+                    finish_reason=reason,
+                    text=text,
+                    group=gid,
+                    index=i,
+                    beam_logprob=h.logprob,
+                )
+            )
+            outs.append(RequestOutput(gid, list(h.tokens), text, True, reason, index=i))
+        group[:] = results  # what generate() returns for this prompt
+        return outs
 
     def _sample(self, req: Request, row: torch.Tensor) -> RequestOutput:
         try:
@@ -265,6 +370,7 @@ class Engine:
                     self._finish(req, "error")
                     outs.append(RequestOutput(req.group, [], "", True, "error", index=req.index))
         self.requests.clear()
+        self.beams.clear()
         return outs
 
     def _emit(self, req: Request, tok: int) -> RequestOutput:

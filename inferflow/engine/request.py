@@ -11,7 +11,7 @@ from inferflow.engine.sampling import Sampler, SamplingParams
 WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
 
 
-@dataclass
+@dataclass(eq=False)  # identity: the scheduler's lists hold distinct requests
 class Request:
     id: str
     prompt_ids: list[int]
@@ -28,6 +28,15 @@ class Request:
     group: str = ""  # the id the caller knows (several requests share it when n > 1)
     index: int = 0  # which of the group's n samples
     forks: list[Request] = field(default_factory=list)  # siblings waiting for this prefill
+    beam_logprob: float = 0.0  # beam search: summed logprob of output_ids
+    pending: Any = None  # beam search: logits waiting for the rest of the group
+
+    @property
+    def slots(self) -> int:
+        """Running slots this request takes when admitted (its samples, or all its beams)."""
+        if self.params.beam_width > 1 and not self.output_ids:
+            return self.params.beam_width
+        return 1 + len(self.forks)
 
     @property
     def tokens(self) -> list[int]:

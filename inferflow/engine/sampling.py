@@ -57,6 +57,9 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # None: off; n >= 0: chosen token's logprob plus the top n
     n: int = 1  # samples per prompt; they share the prompt's KV blocks (sample i uses seed + i)
+    # > 1: beam search (inferflow.engine.beam) returning the n best beams; sampling is ignored
+    beam_width: int = 1
+    length_penalty: float = 1.0  # beams rank by logprob / generated_len ** length_penalty
 
     def __post_init__(self) -> None:
         def bad(name: str, rule: str) -> RequestError:
@@ -95,6 +98,13 @@ class SamplingParams:
             raise bad("logprobs", "in [0, 20]")
         if not 1 <= self.n <= MAX_N:
             raise bad("n", f"in [1, {MAX_N}]")
+        if not 1 <= self.beam_width <= MAX_N:
+            raise bad("beam_width", f"in [1, {MAX_N}] (1 turns beam search off)")
+        if self.beam_width > 1:
+            if self.n > self.beam_width:
+                raise RequestError(f"n ({self.n}) exceeds beam_width ({self.beam_width})")
+            if self.stop or self.logprobs is not None:
+                raise RequestError("beam search does not take stop strings or logprobs")
         if any(not s for s in self.stop):
             raise RequestError("stop: stop strings must not be empty")
         for tok, b in self.logit_bias.items():

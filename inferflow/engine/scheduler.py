@@ -88,8 +88,8 @@ class Scheduler:
             budget -= take
         while self.waiting and budget > 0:
             req = self.waiting[0]
-            if len(self.running) + 1 + len(req.forks) > self.cfg.max_running:
-                break  # (a request with n samples needs n running slots)
+            if len(self.running) + req.slots > self.cfg.max_running:
+                break  # (n samples or W beams need as many running slots)
             if self.cfg.prefix_caching and req.kv.num_computed == 0 and not req.kv.blocks:
                 self.cache.match_prefix(req.kv, req.tokens)
             take = self._take(req, budget)

@@ -52,6 +52,8 @@ class SamplingBody(Body):
     min_tokens: int = Field(0, ge=0)
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
+    beam_width: int = Field(1, ge=1, le=MAX_N)  # > 1: beam search, the n best beams returned
+    length_penalty: float = 1.0
 
     def sampling(
         self, max_tokens: int, logprobs: int | None, vocab: int, defaults: GenerationDefaults
@@ -88,6 +90,8 @@ class SamplingBody(Body):
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
             n=self.n,
+            beam_width=self.beam_width,
+            length_penalty=self.length_penalty,
         )
 
 

@@ -1,0 +1,79 @@
+"""Beam search inside the continuous-batching engine.
+
+A beam request starts as one sequence; after its prompt, each step takes the top 2W (beam,
+token) continuations by summed log-probability over all live beams (W = beam_width), keeps the
+first W that do not end the sequence, and moves those ending in an end token within the top W
+to the finished hypotheses (the best W are kept). A kept continuation reuses its parent's sequence the first time, and forks the
+parent's KV blocks (shared, copy-on-write) for every further child; parents with no child are
+released. Each beam waits (nothing to compute) until all of its group's beams have logits.
+
+The search ends when W hypotheses have finished (transformers' ``early_stopping=True``) or the
+beams reach max_new_tokens / the context; the n best hypotheses by ``logprob / len **
+length_penalty`` (len counts the generated tokens, end token included) are returned, all at
+the end — beam outputs are not streamed, since a prefix can still lose to another beam.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class Hypothesis:
+    tokens: list[int]
+    logprob: float
+    ended: bool  # with an end token (finish reason "stop"), else cut at the length limit
+
+    def score(self, length_penalty: float) -> float:
+        return self.logprob / max(1, len(self.tokens)) ** length_penalty
+
+
+@dataclass
+class BeamState:
+    width: int
+    length_penalty: float
+    finished: list[Hypothesis] = field(default_factory=list)
+
+    def select(
+        self,
+        outputs: list[list[int]],
+        scores: list[float],
+        logits: list[torch.Tensor],
+        end_ids: set[int],
+        allow_end: bool,
+    ) -> list[tuple[int, int, float]]:
+        """(parent beam, token, summed logprob) of the next live beams, best first; a candidate
+        ending in an end token and ranked among the top W becomes a finished hypothesis."""
+        logp = torch.log_softmax(torch.stack(logits).float(), dim=-1)
+        if not allow_end:  # below min_new_tokens
+            logp[:, list(end_ids)] = float("-inf")
+        total = logp + torch.tensor(scores, dtype=torch.float32)[:, None]
+        vocab = total.shape[1]
+        values, flat = torch.topk(total.flatten(), min(2 * self.width, total.numel()))
+        picks = []
+        for rank, (v, f) in enumerate(zip(values.tolist(), flat.tolist(), strict=True)):
+            parent, tok = divmod(f, vocab)
+            if tok in end_ids:
+                if rank < self.width:  # an ending among the top W is a finished hypothesis
+                    self._finish(Hypothesis([*outputs[parent], tok], v, True))
+                continue
+            picks.append((parent, tok, v))
+            if len(picks) == self.width:
+                break
+        return picks
+
+    def _finish(self, h: Hypothesis) -> None:
+        self.finished.append(h)  # the best W are kept
+        self.finished.sort(key=lambda x: x.score(self.length_penalty), reverse=True)
+        del self.finished[self.width :]
+
+    @property
+    def done(self) -> bool:
+        return len(self.finished) >= self.width
+
+    def best(self, live: list[Hypothesis], n: int) -> list[Hypothesis]:
+        """The n best; beams still running compete only if fewer than W hypotheses ended."""
+        pool = self.finished if self.done else self.finished + live
+        return sorted(pool, key=lambda h: h.score(self.length_penalty), reverse=True)[:n]

@@ -32,8 +32,7 @@ class Stream:
     """What a handler holds for one request: its outputs arrive on ``queue``."""
 
     id: str
-    n: int
-    prompt_len: int
+    n: int  # samples not yet finished
     queue: asyncio.Queue[RequestOutput]
     created: float = field(default_factory=time.monotonic)
     last: dict[int, float] = field(default_factory=dict)  # per sample: time of its last token
@@ -71,7 +70,7 @@ class EngineRunner:
         bound = self.engine.scheduler.cfg.max_waiting
         if len(self.engine.scheduler.waiting) + self.inbox.qsize() >= bound:
             raise QueueFull(f"the waiting queue is full ({bound} requests); retry later")
-        stream = Stream(f"req-{uuid.uuid4().hex}", params.n, len(ids), out)
+        stream = Stream(f"req-{uuid.uuid4().hex}", params.n, out)
         self.streams[stream.id] = stream
         self._post("add", stream.id, ids, params)
         return stream

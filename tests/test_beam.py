@@ -25,7 +25,7 @@ def _prompts(n: int) -> list[list[int]]:
     return [torch.randint(0, 128, (int(5 + 7 * i),), generator=g).tolist() for i in range(n)]
 
 
-def _hf_beams(ref, prompt, width, new, eos=None, lp=1.0):  # noqa: ANN001, ANN202
+def _hf_beams(ref, prompt, width, new, eos=None, lp=1.0, min_new=0):  # noqa: ANN001, ANN202
     with torch.no_grad():
         out = ref.generate(
             torch.tensor([prompt]),
@@ -34,6 +34,7 @@ def _hf_beams(ref, prompt, width, new, eos=None, lp=1.0):  # noqa: ANN001, ANN20
             num_return_sequences=width,
             do_sample=False,
             max_new_tokens=new,
+            min_new_tokens=min_new,
             early_stopping=True,
             length_penalty=lp,
             eos_token_id=eos,
@@ -70,21 +71,29 @@ def test_beams_with_an_end_token_equal_transformers(pair) -> None:
     prompts = _prompts(4)
     # an end token the beams meet: the one transformers' best beam picks 5th for one prompt
     eos = _hf_beams(ref, prompts[1], 3, 6)[0][0][4]
-    for lp in (1.0, 0.5):
+    # min_new_tokens bans the end token below 6 tokens through the request's logits processors
+    for lp, min_new in ((1.0, 0), (0.5, 0), (1.0, 6)):
         eng = Engine(ours)
         params = SamplingParams(
-            beam_width=3, n=3, max_new_tokens=12, stop_token_ids=(eos,), length_penalty=lp
+            beam_width=3,
+            n=3,
+            max_new_tokens=12,
+            min_new_tokens=min_new,
+            stop_token_ids=(eos,),
+            length_penalty=lp,
         )
         got = eng.generate(prompts, params)
         ended = 0
         for i, p in enumerate(prompts):
-            want, scores = _hf_beams(ref, p, 3, 12, eos=eos, lp=lp)
+            want, scores = _hf_beams(ref, p, 3, 12, eos=eos, lp=lp, min_new=min_new)
             beams = got[i * 3 : (i + 1) * 3]
-            assert [b.output_ids for b in beams] == want, (i, lp)
+            assert [b.output_ids for b in beams] == want, (i, lp, min_new)
             for b, s in zip(beams, scores, strict=True):
                 assert b.beam_logprob / len(b.output_ids) ** lp == pytest.approx(s, abs=1e-4)
+                assert len(b.output_ids) >= min_new
             ended += sum(b.finish_reason == "stop" for b in beams)
         assert ended > 0  # the end token did end some beams
+        assert eng.cache.alloc.num_free == eng.cache.alloc.num_blocks  # no beam kept a block
 
 
 def test_beams_share_blocks_and_run_beside_other_requests(pair) -> None:

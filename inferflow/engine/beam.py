@@ -3,12 +3,15 @@
 A beam request starts as one sequence; after its prompt, each step takes the top 2W (beam,
 token) continuations by summed log-probability over all live beams (W = beam_width), keeps the
 first W that do not end the sequence, and moves those ending in an end token within the top W
-to the finished hypotheses (the best W are kept). A kept continuation reuses its parent's sequence the first time, and forks the
-parent's KV blocks (shared, copy-on-write) for every further child; parents with no child are
-released. Each beam waits (nothing to compute) until all of its group's beams have logits.
+to the finished hypotheses (the best W are kept). A kept continuation reuses its parent's
+sequence the first time, and forks the parent's KV blocks (shared, copy-on-write) for every
+further child; parents with no child are released. The request's logits processors (penalties,
+bias, end tokens banned below min_new_tokens) act on each beam's log-probabilities, as in
+transformers' beam search. Each beam waits (nothing to compute) until all of its group's beams have logits.
 
-The search ends when W hypotheses have finished (transformers' ``early_stopping=True``) or the
-beams reach max_new_tokens / the context; the n best hypotheses by ``logprob / len **
+At the last step (max_new_tokens or the context reached) every candidate ranked among the top W
+finishes, ended or not. The search ends when W hypotheses have finished (transformers'
+``early_stopping=True``) or after that last step; the n best by ``logprob / len **
 length_penalty`` (len counts the generated tokens, end token included) are returned, all at
 the end — beam outputs are not streamed, since a prefix can still lose to another beam.
 """
@@ -40,24 +43,23 @@ class BeamState:
         self,
         outputs: list[list[int]],
         scores: list[float],
-        logits: list[torch.Tensor],
+        logprobs: list[torch.Tensor],
         end_ids: set[int],
-        allow_end: bool,
+        last: bool,
     ) -> list[tuple[int, int, float]]:
-        """(parent beam, token, summed logprob) of the next live beams, best first; a candidate
-        ending in an end token and ranked among the top W becomes a finished hypothesis."""
-        logp = torch.log_softmax(torch.stack(logits).float(), dim=-1)
-        if not allow_end:  # below min_new_tokens
-            logp[:, list(end_ids)] = float("-inf")
-        total = logp + torch.tensor(scores, dtype=torch.float32)[:, None]
+        """From each beam's (processed) next-token log-probabilities: (parent beam, token, summed
+        logprob) of the next live beams, best first. A candidate ranked among the top W that
+        ends in an end token (or any, at the ``last`` step) becomes a finished hypothesis."""
+        total = torch.stack(logprobs) + torch.tensor(scores, dtype=torch.float32)[:, None]
         vocab = total.shape[1]
         values, flat = torch.topk(total.flatten(), min(2 * self.width, total.numel()))
         picks = []
         for rank, (v, f) in enumerate(zip(values.tolist(), flat.tolist(), strict=True)):
             parent, tok = divmod(f, vocab)
-            if tok in end_ids:
-                if rank < self.width:  # an ending among the top W is a finished hypothesis
-                    self._finish(Hypothesis([*outputs[parent], tok], v, True))
+            ended = tok in end_ids
+            if ended or last:
+                if rank < self.width:
+                    self._finish(Hypothesis([*outputs[parent], tok], v, ended))
                 continue
             picks.append((parent, tok, v))
             if len(picks) == self.width:
@@ -72,8 +74,3 @@ class BeamState:
     @property
     def done(self) -> bool:
         return len(self.finished) >= self.width
-
-    def best(self, live: list[Hypothesis], n: int) -> list[Hypothesis]:
-        """The n best; beams still running compete only if fewer than W hypotheses ended."""
-        pool = self.finished if self.done else self.finished + live
-        return sorted(pool, key=lambda h: h.score(self.length_penalty), reverse=True)[:n]

@@ -17,16 +17,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from inferflow.engine.beam import BeamState, Hypothesis
+from inferflow.engine.beam import BeamState
 from inferflow.engine.kv_cache import PagedKVCache
-from inferflow.engine.request import (
-    FINISHED,
-    RUNNING,
-    Request,
-    RequestOutput,
-    Scheduled,
-    TokenLogprobs,
-)
+from inferflow.engine.request import FINISHED, Request, RequestOutput, Scheduled, TokenLogprobs
 from inferflow.engine.sampling import SamplingParams, make_sampler
 from inferflow.engine.scheduler import Scheduler, SchedulerConfig
 from inferflow.errors import RequestError
@@ -252,8 +245,7 @@ class Engine:
             forks, req.forks = req.forks, []
             for f in forks:  # the prompt is computed: the other samples share its blocks
                 f.kv = self.cache.fork(req.kv)
-                f.status = RUNNING
-                self.scheduler.running.append(f)
+                self.scheduler.join(f)
             outputs += [self._sample(r, row) for r in (req, *forks)]
         for gid in beams:
             outputs += self._beam_step(gid)
@@ -266,14 +258,22 @@ class Engine:
         live = [r for r in group if r.status != FINISHED]
         if any(r.pending is None for r in live):
             return []  # siblings still computing (chunked prefill, preemption)
-        p = live[0].params
+        p, head = live[0].params, live[0]  # all live beams have the same length
+        last = len(head.output_ids) + 1 >= p.max_new_tokens or len(head.tokens) + 1 >= self.max_len
         picks = state.select(
             [r.output_ids for r in live],
             [r.beam_logprob for r in live],
-            [r.pending for r in live],
+            [
+                r.sampler.process(torch.log_softmax(r.pending, -1), r.prompt_ids, r.output_ids)
+                for r in live
+            ],
             set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_ids),
-            len(live[0].output_ids) >= p.min_new_tokens,
+            last,
         )
+        if last or state.done:
+            for r in live:
+                self._prune(r)
+            return self._end_beams(gid)
         children, used = [], set()
         for parent, tok, score in picks:  # fork before any parent takes its own token
             child = live[parent] if parent not in used else self._fork_beam(live[parent])
@@ -282,23 +282,18 @@ class Engine:
         for i, r in enumerate(live):
             r.pending = None
             if i not in used:  # no child: its blocks go back
-                self.scheduler.remove(r)
-                self._finish(r, "pruned")
+                self._prune(r)
         for child, tok, score in children:
             child.output_ids.append(tok)
             child.beam_logprob = score
             if child not in group:
                 group.append(child)
-                self.scheduler.running.append(child)
-        n_out = len(children[0][0].output_ids) if children else 0
-        if (
-            children
-            and not state.done
-            and n_out < p.max_new_tokens
-            and len(children[0][0].tokens) < self.max_len
-        ):
-            return []
-        return self._end_beams(gid, [c for c, _, _ in children])
+                self.scheduler.join(child)
+        return []
+
+    def _prune(self, beam: Request) -> None:
+        self.scheduler.remove(beam)
+        self._finish(beam, "pruned")
 
     def _fork_beam(self, parent: Request) -> Request:
         return Request(
@@ -309,20 +304,16 @@ class Engine:
             parent.sampler,
             list(parent.output_ids),
             self.cache.fork(parent.kv),
-            RUNNING,
             group=parent.group,
             beam_logprob=parent.beam_logprob,
         )
 
-    def _end_beams(self, gid: str, live: list[Request]) -> list[RequestOutput]:
+    def _end_beams(self, gid: str) -> list[RequestOutput]:
+        """The n best finished hypotheses, as the group's final outputs (and requests)."""
         state, group = self.beams.pop(gid), self.requests[gid]
         first = group[0]
-        for r in live:
-            self.scheduler.remove(r)
-            self._finish(r, "pruned")
-        hyps = [Hypothesis(list(r.output_ids), r.beam_logprob, False) for r in live]
         results, outs = [], []
-        for i, h in enumerate(state.best(hyps, first.params.n)):
+        for i, h in enumerate(state.finished[: first.params.n]):  # best first
             reason = "stop" if h.ended else "length"
             shown = h.tokens[:-1] if h.ended else h.tokens
             text = self.tokenizer.decode(shown) if self.tokenizer is not None else ""  # type: ignore[attr-defined]

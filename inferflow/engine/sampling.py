@@ -57,7 +57,8 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # None: off; n >= 0: chosen token's logprob plus the top n
     n: int = 1  # samples per prompt; they share the prompt's KV blocks (sample i uses seed + i)
-    # > 1: beam search (inferflow.engine.beam) returning the n best beams; sampling is ignored
+    # > 1: beam search (inferflow.engine.beam) returning the n best beams; the processors
+    # (penalties, bias, min_new_tokens) apply, temperature and the filters do not
     beam_width: int = 1
     length_penalty: float = 1.0  # beams rank by logprob / generated_len ** length_penalty
 
@@ -137,12 +138,20 @@ class Sampler:
         self.mu = 2 * p.mirostat_tau
         self.anti = NGramAntiLM(p.fsd_n) if p.fsd_alpha > 0 else None
 
-    def __call__(
+    def process(
         self, logits: torch.Tensor, prompt: Sequence[int] = (), output: Sequence[int] = ()
-    ) -> int:
+    ) -> torch.Tensor:
+        """The processors alone (penalties, bias, end tokens banned below min_new_tokens), in
+        float32 (beam search runs them on log-probabilities)."""
         x = logits.float()
         for proc in self.processors:
             x = proc(x, prompt, output)
+        return x
+
+    def __call__(
+        self, logits: torch.Tensor, prompt: Sequence[int] = (), output: Sequence[int] = ()
+    ) -> int:
+        x = self.process(logits, prompt, output)
         p = self.params
         if self.anti is not None and len(output) >= p.fsd_random_steps:
             return fsd_choose(x, self.anti, [*prompt, *output], p.fsd_alpha, p.fsd_k)

@@ -54,6 +54,11 @@ class Scheduler:
             )
         self.waiting.append(req)
 
+    def join(self, req: Request) -> None:
+        """A fork (a sample or beam sharing a running request's blocks) runs from now on."""
+        req.status = RUNNING
+        self.running.append(req)
+
     def remove(self, req: Request) -> None:
         if req in self.running:
             self.running.remove(req)

@@ -374,3 +374,16 @@ def test_beam_search_extra_field_matches_transformers(client, hf) -> None:  # no
         )
     want = [tok.decode(s[len(ids) :], skip_special_tokens=True) for s in out]
     assert [c.text for c in r.choices] == want
+
+
+def test_every_sampling_field_reaches_sampling_params() -> None:
+    """The body -> SamplingParams table misses no field and names only real parameters."""
+    import dataclasses
+
+    from inferflow.engine.sampling import SamplingParams
+    from inferflow.server.protocol import SAME_NAME, SPEC_DEFAULTED, SamplingBody
+
+    by_hand = {"model", "max_tokens", "stream", "stream_options", "user", "stop", "logit_bias"}
+    by_hand |= {"min_tokens", "stop_token_ids"}
+    assert set(SamplingBody.model_fields) - by_hand == {*SAME_NAME, *SPEC_DEFAULTED}
+    assert {*SAME_NAME, *SPEC_DEFAULTED} <= {f.name for f in dataclasses.fields(SamplingParams)}

@@ -39,6 +39,7 @@ from inferflow.server.protocol import (
     DetokenizeBody,
     EmbeddingBody,
     TokenizeBody,
+    error_body,
     prompt_list,
 )
 from inferflow.server.runner import EngineRunner
@@ -73,12 +74,6 @@ class APIError(Exception):
         super().__init__(message)
         self.status, self.message, self.kind, self.param = status, message, kind, param
         self.code, self.headers = code, headers
-
-
-def error_body(
-    message: str, kind: str, param: str | None = None, code: str | None = None
-) -> dict[str, Any]:
-    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
 class ServerState:
@@ -292,7 +287,7 @@ async def _respond(gen: Generation, request: Request, stream: bool, options: Any
 
 # --- errors and middleware ------------------------------------------------------------------
 
-KINDS = {401: "authentication_error", 404: "not_found_error", 413: "invalid_request_error"}
+KINDS = {401: "authentication_error", 404: "not_found_error"}  # others: invalid_request_error
 
 
 def _errors(app: FastAPI) -> None:

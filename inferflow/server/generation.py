@@ -14,12 +14,15 @@ from typing import Any
 
 from inferflow.engine.request import RequestOutput
 from inferflow.engine.sampling import SamplingParams
+from inferflow.server.protocol import error_body
 from inferflow.server.runner import EngineRunner, Stream
 from inferflow.tokenizer import Tokenizer
 
 
 class GenerationFailed(Exception):
     """The engine ended a sample with finish reason "error" (logged on the engine side)."""
+
+    MESSAGE = "the engine failed while generating this request"
 
 
 @dataclass
@@ -28,7 +31,7 @@ class Choice:
     text: str = ""
     tokens: int = 0
     finish_reason: str | None = None
-    logprobs: list[Any] = field(default_factory=list)
+    logprobs: list[Any] = field(default_factory=list)  # per output, its OpenAI logprobs part
 
 
 class Generation:
@@ -129,13 +132,12 @@ class Generation:
 
     async def response(self, disconnected: Callable[[], Awaitable[bool]]) -> dict[str, Any]:
         """Collect everything; abort if the client goes away first."""
-        per_choice: dict[int, list[Any]] = {c.index: [] for c in self.choices}
 
         async def consume() -> None:
             async for c, out in self.events():
                 lp = self._logprobs(out, len(c.text) - len(out.text))
                 if lp is not None:
-                    per_choice[c.index].append(lp)
+                    c.logprobs.append(lp)
 
         async def watch() -> None:
             while not await disconnected():
@@ -153,14 +155,15 @@ class Generation:
             raise asyncio.CancelledError("the client disconnected")
         work.result()
         if any(c.finish_reason == "error" for c in self.choices):
-            raise GenerationFailed("the engine failed while generating this request")
+            raise GenerationFailed(GenerationFailed.MESSAGE)
         return {
-            **self._envelope([self._final(c, per_choice[c.index]) for c in self.choices], False),
+            **self._envelope([self._final(c) for c in self.choices], False),
             "usage": self.usage(),
         }
 
-    def _final(self, c: Choice, lps: list[Any]) -> dict[str, Any]:
+    def _final(self, c: Choice) -> dict[str, Any]:
         lp: Any = None
+        lps = c.logprobs
         if lps and self.chat:
             lp = {"content": [x for d in lps for x in d["content"]]}
         elif lps:
@@ -193,16 +196,7 @@ class Generation:
             )
         async for c, out in self.events():
             if out.finish_reason == "error":
-                yield data(
-                    {
-                        "error": {
-                            "message": "the engine failed while generating this request",
-                            "type": "server_error",
-                            "param": None,
-                            "code": None,
-                        }
-                    }
-                )
+                yield data(error_body(GenerationFailed.MESSAGE, "server_error"))
                 continue
             if not out.text and not out.finished and not out.logprobs:
                 continue  # (text held back: a stop string may be starting)

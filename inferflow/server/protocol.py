@@ -13,12 +13,28 @@ from inferflow.errors import RequestError
 from inferflow.spec.types import GenerationDefaults
 
 
+def error_body(
+    message: str, kind: str, param: str | None = None, code: str | None = None
+) -> dict[str, Any]:
+    """OpenAI's error object (HTTP error responses and the SSE error event)."""
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
 class Body(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
 class StreamOptions(Body):
     include_usage: bool = False
+
+
+SPEC_DEFAULTED = ("temperature", "top_k", "top_p")
+# body fields passed to SamplingParams under the same name, unchanged
+SAME_NAME = (
+    "min_p", "typical_p", "tfs_z", "mirostat", "mirostat_tau", "mirostat_eta", "fsd_alpha",
+    "fsd_k", "fsd_n", "fsd_random_steps", "repetition_penalty", "presence_penalty",
+    "frequency_penalty", "seed", "ignore_eos", "n", "beam_width", "length_penalty",
+)  # fmt: skip
 
 
 class SamplingBody(Body):
@@ -64,34 +80,19 @@ class SamplingBody(Body):
             if not k.lstrip("-").isdigit() or not 0 <= int(k) < vocab:
                 raise RequestError(f"logit_bias: key {k!r} is not a token id in 0..{vocab - 1}")
             bias[int(k)] = v
+        unset = {  # fields a request may leave to the spec's generation defaults
+            k: getattr(defaults, k) if getattr(self, k) is None else getattr(self, k)
+            for k in SPEC_DEFAULTED
+        }
         return SamplingParams(
-            temperature=defaults.temperature if self.temperature is None else self.temperature,
-            top_k=defaults.top_k if self.top_k is None else self.top_k,
-            top_p=defaults.top_p if self.top_p is None else self.top_p,
-            min_p=self.min_p,
-            typical_p=self.typical_p,
-            tfs_z=self.tfs_z,
-            mirostat=self.mirostat,
-            mirostat_tau=self.mirostat_tau,
-            mirostat_eta=self.mirostat_eta,
-            fsd_alpha=self.fsd_alpha,
-            fsd_k=self.fsd_k,
-            fsd_n=self.fsd_n,
-            fsd_random_steps=self.fsd_random_steps,
-            repetition_penalty=self.repetition_penalty,
-            presence_penalty=self.presence_penalty,
-            frequency_penalty=self.frequency_penalty,
+            **unset,
+            **{k: getattr(self, k) for k in SAME_NAME},
             logit_bias=bias,
             max_new_tokens=max_tokens,
             min_new_tokens=min(self.min_tokens, max_tokens),
-            seed=self.seed,
             stop_token_ids=tuple(self.stop_token_ids or ()),
             stop=tuple(stop),
-            ignore_eos=self.ignore_eos,
             logprobs=logprobs,
-            n=self.n,
-            beam_width=self.beam_width,
-            length_penalty=self.length_penalty,
         )
 
 

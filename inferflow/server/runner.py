@@ -105,8 +105,7 @@ class EngineRunner:
             except Exception:  # a failed forward pass: its requests end with "error"
                 log.exception("engine step failed; ending the requests in flight")
                 outs = self.engine.fail_all()
-            self._deliver(outs)
-            self.metrics.engine_state(self.engine)
+            self._deliver(outs)  # (the gauges update after the next drain)
 
     def _drain(self) -> None:
         while True:

@@ -26,6 +26,8 @@ import httpx
 WORDS = "the sea river mountain light storm ship keeper lamp night wind stone bird road".split()
 
 
+# (not imported from throughput.py: that pulls in torch, and this client must stay light so it
+# does not take CPU from the server it measures, start-up included)
 def pct(xs: list[float], q: float) -> float:
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")

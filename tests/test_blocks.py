@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from inferflow.blocks.position import PositionArgs, Rotary, alibi_slopes
-from inferflow.engine.sampling import SamplingParams, filter_logits, make_sampler
+from inferflow.engine import logits as L
+from inferflow.engine.sampling import SamplingParams, make_sampler
 from inferflow.errors import RequestError, SpecError
 
 tf = pytest.importorskip("transformers")
@@ -114,7 +115,7 @@ def test_alibi_slopes_match_bloom(n_heads: int) -> None:
 
 def test_top_k_and_top_p_filters() -> None:
     logits = torch.log(torch.tensor([0.5, 0.2, 0.15, 0.1, 0.05]))
-    assert torch.isfinite(filter_logits(logits, 2, 1.0)).tolist() == [
+    assert torch.isfinite(L.top_k(logits, 2)).tolist() == [
         True,
         True,
         False,
@@ -122,7 +123,7 @@ def test_top_k_and_top_p_filters() -> None:
         False,
     ]
     # nucleus 0.8: 0.5 + 0.2 = 0.7 < 0.8, so 0.15 is needed; 0.1 is not
-    assert torch.isfinite(filter_logits(logits, 0, 0.8)).tolist() == [
+    assert torch.isfinite(L.top_p(logits, 0.8)).tolist() == [
         True,
         True,
         True,
@@ -130,7 +131,7 @@ def test_top_k_and_top_p_filters() -> None:
         False,
     ]
     # the top token always survives even with a tiny top_p
-    assert torch.isfinite(filter_logits(logits, 0, 0.01)).tolist() == [
+    assert torch.isfinite(L.top_p(logits, 0.01)).tolist() == [
         True,
         False,
         False,

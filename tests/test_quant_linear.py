@@ -22,7 +22,7 @@ import torch
 from torch.nn import functional as F
 
 from inferflow.blocks.linear import Linear
-from inferflow.errors import QuantError
+from inferflow.errors import InferflowError, QuantError
 from inferflow.model.batch import ContiguousKVCache, FlatBatch
 from inferflow.model.build import load_model
 from inferflow.quant import MINMAX_FORMATS, get_format, quantize
@@ -280,9 +280,9 @@ def test_tied_head_gets_quantized_copy(tiny_llama, write_spec) -> None:
 
 
 def test_policy_errors(tiny_llama, write_spec) -> None:
-    with pytest.raises(QuantError, match=r"unknown quant format 'Q4'; known: .*Q4_B32"):
+    with pytest.raises(InferflowError, match=r"unknown quant format 'Q4'; known: .*Q4_B32"):
         QuantPolicy(default="Q4")
-    with pytest.raises(QuantError, match="unknown quant format 'Q9'"):
+    with pytest.raises(InferflowError, match="unknown quant format 'Q9'"):
         QuantPolicy(overrides=[("dec.output", "Q9")])
     model = _model(tiny_llama["untied"], write_spec)
     # Q6_K's 256-weight blocks do not divide in_features 128 / 192: named, not padded

@@ -9,8 +9,7 @@ from torch import nn
 from inferflow.engine.generate import new_cache
 from inferflow.errors import RequestError
 from inferflow.model.batch import FlatBatch
-
-POOLINGS = ("mean", "last")
+from inferflow.spec.types import POOLINGS
 
 
 @torch.inference_mode()

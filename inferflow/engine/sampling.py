@@ -194,8 +194,3 @@ def truncate(x: torch.Tensor, p: SamplingParams) -> torch.Tensor:
 
 def make_sampler(params: SamplingParams, end_ids: Sequence[int] = ()) -> Sampler:
     return Sampler(params, end_ids)
-
-
-def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """Mask (to -inf) tokens outside the top-k and outside the smallest top-p nucleus."""
-    return L.top_p(L.top_k(logits, top_k), top_p)

@@ -23,16 +23,10 @@ from torch import nn
 
 from inferflow.blocks.linear import Linear
 from inferflow.errors import QuantError
-from inferflow.quant import FORMATS, QuantFormat, QuantTensor, quantize
+from inferflow.quant import QuantTensor, get_format, quantize
 from inferflow.quant.linear import QuantLinear, select_kernel
 
 log = logging.getLogger(__name__)
-
-
-def _format(name: str) -> QuantFormat:
-    if name not in FORMATS:
-        raise QuantError(f"unknown quant format {name!r}; known: {', '.join(FORMATS.names())}")
-    return FORMATS.get(name)
 
 
 @dataclass(frozen=True)
@@ -48,7 +42,7 @@ class QuantPolicy:
     def __post_init__(self) -> None:
         for name in (self.default, *(f for _, f in self.overrides)):
             if name is not None:
-                _format(name)  # fail at construction, naming the known formats
+                get_format(name)  # fail at construction, naming the known formats
 
     def format_for(self, path: str) -> str | None:
         fmt = self.default
@@ -99,7 +93,7 @@ class QuantReport:
 def _quant_linear(
     path: str, weight: torch.Tensor, bias: torch.Tensor | None, fmt: str
 ) -> QuantLinear:
-    block = _format(fmt).block_size
+    block = get_format(fmt).block_size
     if weight.shape[-1] % block:
         # we never pad: the model would see a different shape; keep this layer float instead
         raise QuantError(

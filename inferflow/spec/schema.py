@@ -7,6 +7,8 @@ from typing import Any
 
 import jsonschema
 
+from inferflow.spec.types import POOLINGS
+
 HPARAM_TYPES: dict[str, str] = {
     "vocab_size": "integer",
     "hidden": "integer",
@@ -147,7 +149,7 @@ def build_schema() -> dict[str, Any]:
                 }
             ),
             # a decoder served on /v1/embeddings pools its final hidden states this way
-            "embeddings": _obj({"pooling": _enum(["mean", "last"])}, ("pooling",)),
+            "embeddings": _obj({"pooling": _enum(POOLINGS)}, ("pooling",)),
             "generation": _obj(
                 {
                     "temperature": {"type": "number", "minimum": 0},

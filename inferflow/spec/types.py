@@ -142,6 +142,9 @@ class QuantSpec:
     checkpoint: str = "keep"
 
 
+POOLINGS = ("mean", "last")  # how /v1/embeddings pools a decoder's final hidden states
+
+
 @dataclass(frozen=True)
 class Spec:
     name: str

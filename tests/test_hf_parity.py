@@ -45,6 +45,22 @@ CASES = {
     ),
     "gpt-neox": _llama_like(tf.GPTNeoXConfig, tf.GPTNeoXForCausalLM),  # rotary_pct 0.25, parallel
     "phi": _llama_like(tf.PhiConfig, tf.PhiForCausalLM),  # partial 0.5, shared-norm parallel
+    # GQA, (1 + w) norms, GeGLU, scaled embeddings, tied head
+    "gemma": _llama_like(tf.GemmaConfig, tf.GemmaForCausalLM, num_key_value_heads=2, head_dim=16),
+    # multi_query (one KV head), parallel attention with one norm, tied head
+    "falcon": lambda: tf.FalconForCausalLM(
+        tf.FalconConfig(hidden_size=64, num_attention_heads=4, **SMALL)
+    ),
+    # ALiBi, embedding LayerNorm, per-head fused qkv, tied head
+    "bloom": lambda: tf.BloomForCausalLM(
+        tf.BloomConfig(hidden_size=64, n_layer=2, n_head=4, vocab_size=128)
+    ),
+    # learned positions with offset 2, ReLU, tied head
+    "opt": lambda: tf.OPTForCausalLM(
+        tf.OPTConfig(
+            hidden_size=64, ffn_dim=96, num_attention_heads=4, word_embed_proj_dim=64, **SMALL
+        )
+    ),
 }
 CHECKPOINTS = ("safetensors", "pickle_zip", "pickle_legacy")
 

@@ -70,7 +70,10 @@ class DecoderStack(nn.Module):
         super().__init__()
         net, h = spec.network, spec.hparams
         self.n_layers = h.n_layers
+        self.spec_net = net
         self.tok_embed = Embedding(h.vocab_size, h.hidden)
+        if net.embedding_norm:
+            self.embed_norm = NORMS.get(net.norm)(h.hidden, h.norm_eps)
         pos_opts = {"theta": h.rope_theta, "rotary_dim": h.rotary_dim, "scaling": h.rope_scaling}
         pos_opts.update(net.position)
         if "partial" in net.position:
@@ -132,6 +135,8 @@ class DecoderOnly(nn.Module):
         pe = d.pos_embed.embed(batch.positions)
         if pe is not None:
             x = x + pe.to(x.dtype)
+        if d.spec_net.embedding_norm:
+            x = d.embed_norm(x)
         for layer in d.layers():
             pos = d.pos_local if layer.local and d.pos_local is not None else d.pos_embed
             x = layer(x, batch, pos)

@@ -151,6 +151,7 @@ def parse_spec(
         quant=quant,
         description=doc.get("description", ""),
         embedding_pooling=doc.get("embeddings", {}).get("pooling"),
+        embedding_normalize=doc.get("embeddings", {}).get("normalize", True),
         raw=doc,
     )
 
@@ -168,7 +169,7 @@ def _network(n: dict[str, Any]) -> NetworkSpec:
         for k, v in t.get("map", {}).items()
     )
     tensors = TensorsSpec(t.get("preset"), t.get("prefix", ""), entries, tuple(t.get("ignore", ())))
-    out = n.get("output", {})
+    out, emb = n.get("output", {}), n.get("embedding", {})
     return NetworkSpec(
         type=n["type"],
         norm=n["norm"],
@@ -179,7 +180,12 @@ def _network(n: dict[str, Any]) -> NetworkSpec:
         attention=AttentionSpec(**n.get("attention", {})),
         tensors=tensors,
         ffn_bias=n.get("ffn_bias", False),
-        embedding_scale=n.get("embedding", {}).get("scale"),
+        embedding_scale=emb.get("scale"),
+        embedding_norm=emb.get("norm", False),
+        token_types=emb.get("token_types", False),
+        shared_embedding=emb.get("shared", True),
+        final_norm=n.get("final_norm", n["residual"] != "post_norm"),
+        output_scale=out.get("scale"),
         tied_output=out.get("tied", False),
         output_bias=out.get("bias", False),
         final_softcap=out.get("softcap"),

@@ -13,11 +13,19 @@ from inferflow.errors import SpecError
 HF_CONFIG_KEYS: dict[str, tuple[str, ...]] = {
     "vocab_size": ("vocab_size", "padded_vocab_size"),
     "hidden": ("hidden_size", "n_embd", "d_model"),
-    "n_layers": ("num_hidden_layers", "n_layer", "num_layers"),
-    "n_heads": ("num_attention_heads", "n_head"),
+    # encoder-decoder configs: n_layers / n_heads / ffn_hidden are the decoder's
+    "n_layers": (
+        "decoder_layers",
+        "num_decoder_layers",
+        "num_hidden_layers",
+        "n_layer",
+        "num_layers",
+    ),
+    "n_enc_layers": ("encoder_layers", "num_layers"),
+    "n_heads": ("decoder_attention_heads", "num_attention_heads", "n_head", "num_heads"),
     "n_kv_heads": ("num_key_value_heads", "num_kv_heads", "n_head_kv"),
-    "head_dim": ("head_dim",),
-    "ffn_hidden": ("intermediate_size", "n_inner", "ffn_dim", "d_ff"),
+    "head_dim": ("head_dim", "d_kv"),
+    "ffn_hidden": ("intermediate_size", "n_inner", "ffn_dim", "decoder_ffn_dim", "d_ff"),
     "norm_eps": ("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon", "norm_epsilon"),
     "rope_theta": ("rope_theta", "rope_parameters.rope_theta", "rotary_emb_base"),
     "rope_partial": (
@@ -29,6 +37,11 @@ HF_CONFIG_KEYS: dict[str, tuple[str, ...]] = {
     "sliding_window": ("sliding_window",),
     "bos_id": ("bos_token_id",),
     "eos_id": ("eos_token_id",),
+    "pad_id": ("pad_token_id",),
+    "decoder_start_id": ("decoder_start_token_id",),
+    "type_vocab_size": ("type_vocab_size",),
+    "rel_buckets": ("relative_attention_num_buckets",),
+    "rel_max_distance": ("relative_attention_max_distance",),
 }
 
 # our name -> candidate GGUF metadata keys (llama.cpp's LLM_KV names)

@@ -25,6 +25,12 @@ HPARAM_TYPES: dict[str, str] = {
     "sliding_window": "integer",
     "bos_id": "integer",
     "eos_id": "integer",
+    "pad_id": "integer",
+    "decoder_start_id": "integer",
+    "n_enc_layers": "integer",
+    "type_vocab_size": "integer",
+    "rel_buckets": "integer",
+    "rel_max_distance": "integer",
 }
 
 
@@ -78,6 +84,7 @@ def build_schema() -> dict[str, Any]:
             "rotary_dim": {"type": "integer"},
             "scaling": scaling,
             "offset": {"type": "integer"},
+            "variant": _enum(blocks.SINUSOIDAL_VARIANTS),  # sinusoidal frequencies
         },
         ("type",),
     )
@@ -111,9 +118,23 @@ def build_schema() -> dict[str, Any]:
             "residual": _enum(blocks.RESIDUALS.names()),
             "position": position,
             "attention": attention,
-            "embedding": _obj({"scale": {"anyOf": [{"const": "sqrt_hidden"}, num]}}),
+            "embedding": _obj(
+                {
+                    "scale": {"anyOf": [{"const": "sqrt_hidden"}, num]},
+                    "norm": {"type": "boolean"},  # a norm right after the embeddings
+                    "token_types": {"type": "boolean"},  # BERT's segment embeddings (type 0)
+                    "shared": {"type": "boolean"},  # encoder-decoder: one table for both
+                }
+            ),
+            "final_norm": {"type": "boolean"},  # default: true unless residual is post_norm
             "output": _obj(
-                {"tied": {"type": "boolean"}, "bias": {"type": "boolean"}, "softcap": num}
+                {
+                    "tied": {"type": "boolean"},
+                    "bias": {"type": "boolean"},
+                    "softcap": num,
+                    # hidden states scaled before the head (T5's tied head: 1/sqrt(hidden))
+                    "scale": {"anyOf": [{"const": "inv_sqrt_hidden"}, num]},
+                }
             ),
             "tensors": tensors,
         },
@@ -149,7 +170,9 @@ def build_schema() -> dict[str, Any]:
                 }
             ),
             # a decoder served on /v1/embeddings pools its final hidden states this way
-            "embeddings": _obj({"pooling": _enum(POOLINGS)}, ("pooling",)),
+            "embeddings": _obj(
+                {"pooling": _enum(POOLINGS), "normalize": {"type": "boolean"}}, ("pooling",)
+            ),
             "generation": _obj(
                 {
                     "temperature": {"type": "number", "minimum": 0},

@@ -65,6 +65,11 @@ class NetworkSpec:
     tensors: TensorsSpec
     ffn_bias: bool = False
     embedding_scale: str | float | None = None  # "sqrt_hidden" or a number
+    embedding_norm: bool = False  # a norm right after the embeddings (BLOOM, BART, BERT)
+    token_types: bool = False  # BERT's token-type (segment) embeddings; every token is type 0
+    shared_embedding: bool = True  # encoder-decoder: the encoder reads the decoder's table
+    final_norm: bool = True  # a norm after the last layer of each stack
+    output_scale: str | float | None = None  # "inv_sqrt_hidden" or a number (T5)
     tied_output: bool = False
     output_bias: bool = False
     final_softcap: float | None = None
@@ -90,6 +95,12 @@ class HParams:
     sliding_window: int | None = None
     bos_id: int | None = None
     eos_id: int | None = None
+    pad_id: int | None = None
+    decoder_start_id: int | None = None  # encoder-decoder: the decoder's first input token
+    n_enc_layers: int = 0  # encoder-decoder: 0 means n_layers
+    type_vocab_size: int = 2
+    rel_buckets: int = 32  # relative position bias (T5)
+    rel_max_distance: int = 128
 
     def __post_init__(self) -> None:
         for k in ("vocab_size", "hidden", "n_layers", "n_heads"):
@@ -109,6 +120,8 @@ class HParams:
             raise SpecError(
                 f"hparams: n_heads {self.n_heads} is not a multiple of n_kv_heads {self.n_kv_heads}"
             )
+        if self.n_enc_layers == 0:
+            object.__setattr__(self, "n_enc_layers", self.n_layers)
         if self.rotary_dim == 0:
             object.__setattr__(self, "rotary_dim", round(self.head_dim * self.rope_partial))
         if not math.isfinite(self.norm_eps) or self.norm_eps <= 0:
@@ -142,7 +155,9 @@ class QuantSpec:
     checkpoint: str = "keep"
 
 
-POOLINGS = ("mean", "last")  # how /v1/embeddings pools a decoder's final hidden states
+# how an embedding is pooled from the final hidden states: the mean over the tokens, the first
+# token's state (BERT's [CLS]), the last token's, or none (one vector per token)
+POOLINGS = ("mean", "cls", "last", "none")
 
 
 @dataclass(frozen=True)
@@ -156,5 +171,6 @@ class Spec:
     generation: GenerationDefaults = field(default_factory=GenerationDefaults)
     quant: QuantSpec = field(default_factory=QuantSpec)
     description: str = ""
-    embedding_pooling: str | None = None  # "mean" / "last": served on /v1/embeddings
+    embedding_pooling: str | None = None  # one of POOLINGS: served on /v1/embeddings
+    embedding_normalize: bool = True  # L2-normalise pooled embeddings
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)

@@ -1,10 +1,16 @@
 """Atomic blocks; importing this package registers every name a spec's network may use."""
 
 from inferflow.blocks.activation import ACTIVATIONS
-from inferflow.blocks.attention import ATTN_BIAS, QKV_LAYOUTS, Attention, AttnArgs
+from inferflow.blocks.attention import ATTN_BIAS, QKV_LAYOUTS, Attention, AttnArgs, CrossAttention
 from inferflow.blocks.ffn import FFNS
 from inferflow.blocks.norm import NORMS
-from inferflow.blocks.position import POSITIONS, ROPE_PAIRINGS, ROPE_SCALINGS, PositionArgs
+from inferflow.blocks.position import (
+    POSITIONS,
+    ROPE_PAIRINGS,
+    ROPE_SCALINGS,
+    SINUSOIDAL_VARIANTS,
+    PositionArgs,
+)
 from inferflow.blocks.residual import RESIDUALS
 
 __all__ = [
@@ -17,7 +23,9 @@ __all__ = [
     "RESIDUALS",
     "ROPE_PAIRINGS",
     "ROPE_SCALINGS",
+    "SINUSOIDAL_VARIANTS",
     "Attention",
     "AttnArgs",
+    "CrossAttention",
     "PositionArgs",
 ]

@@ -37,6 +37,7 @@ class AttnArgs:
     window: int | None = None  # keys with q_pos - k_pos < window are visible
     softcap: float | None = None
     scale: float | None = None
+    causal: bool = True  # False in encoders: every token sees the whole sequence
 
 
 def split_fused_qkv(
@@ -68,11 +69,16 @@ def attend(
     window: int | None = None,
     softcap: float | None = None,
     bias: torch.Tensor | None = None,  # (H, T, S) additive
+    causal: bool = True,
 ) -> torch.Tensor:
-    """Causal attention of one sequence's new queries over its keys; returns (T, H, D)."""
+    """Attention of one sequence's new queries over its keys (causal unless told otherwise);
+    returns (T, H, D)."""
     T, H, _ = q.shape
     S, KVH, _ = k.shape
-    visible = k_pos[None, :] <= q_pos[:, None]  # (T, S)
+    if causal:
+        visible = k_pos[None, :] <= q_pos[:, None]  # (T, S)
+    else:
+        visible = torch.ones((T, S), dtype=torch.bool, device=q.device)
     if window is not None:
         visible &= (q_pos[:, None] - k_pos[None, :]) < window
     qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # (H|KVH, T|S, D)
@@ -186,5 +192,45 @@ class Attention(nn.Module):
                 a.window,
                 a.softcap,
                 pos.bias(qpos, k_pos),
+                a.causal,
             )
         return self.wo(out.reshape(N, -1))
+
+
+class CrossAttention(nn.Module):
+    """A decoder's attention over the encoder output: queries from the decoder, keys and values
+    from the encoder output, computed once per source (``memory``) and kept for every step."""
+
+    def __init__(self, a: AttnArgs) -> None:
+        super().__init__()
+        self.a = a
+        H, D = a.n_heads, a.head_dim
+        self.rows = H * D
+        self.wq = Linear(a.hidden, H * D, bias=a.bias != "none")
+        self.wkv = Linear(a.hidden, 2 * H * D, bias=a.bias != "none")
+        self.wo = Linear(H * D, a.hidden, bias=a.bias == "all")
+        self.scale = a.scale if a.scale is not None else D**-0.5
+
+    def shard_rows(self, shard: str) -> slice:
+        """Rows of ``wkv`` that a checkpoint's separate k / v tensor fills."""
+        return {"k": slice(0, self.rows), "v": slice(self.rows, 2 * self.rows)}[shard]
+
+    def memory(self, enc_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(K, V) of one source's encoder output (S, hidden): (H, S, D) each."""
+        a = self.a
+        kv = self.wkv(enc_out).view(-1, 2, a.n_heads, a.head_dim)
+        return kv[:, 0].transpose(0, 1), kv[:, 1].transpose(0, 1)
+
+    def forward(self, x: torch.Tensor, batch: FlatBatch) -> torch.Tensor:
+        a = self.a
+        if batch.cross is None:
+            raise ValueError("cross-attention needs the encoder output (FlatBatch.cross)")
+        q = self.wq(x).view(-1, a.n_heads, a.head_dim)
+        out = torch.empty_like(q)
+        for i, s in enumerate(batch.seqs):
+            rows = slice(s.start, s.start + s.length)
+            k, v = batch.cross[i][a.layer]
+            out[rows] = F.scaled_dot_product_attention(
+                q[rows].transpose(0, 1)[None], k[None], v[None], scale=self.scale
+            )[0].transpose(0, 1)
+        return self.wo(out.reshape(x.shape[0], -1))

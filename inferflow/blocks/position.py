@@ -216,17 +216,29 @@ class Alibi(PositionBlock):
         return b.expand(-1, q_pos.shape[0], -1)
 
 
+SINUSOIDAL_VARIANTS = ("fairseq", "paper")
+
+
 @POSITIONS.register("sinusoidal")
 class Sinusoidal(PositionBlock):
-    """Fixed sin/cos table; ``offset`` shifts positions (fairseq's padding_idx + 1)."""
+    """Fixed [sin | cos] table; ``offset`` shifts positions (fairseq's padding_idx + 1).
+
+    Frequencies 10000^(-i / (d/2 - 1)) in the ``fairseq`` variant (fairseq, tensor2tensor,
+    M2M100), 10000^(-2i / d) in the ``paper`` variant ("Attention is all you need", Marian).
+    """
 
     freqs: torch.Tensor
 
     def __init__(self, args: PositionArgs) -> None:
         super().__init__()
         self.offset = int(args.options.get("offset", 0))
+        variant = args.options.get("variant", "fairseq")
+        if variant not in SINUSOIDAL_VARIANTS:
+            raise SpecError(
+                f"network.position.variant: {variant!r} is not one of: {', '.join(SINUSOIDAL_VARIANTS)}"
+            )
         half = args.hidden // 2
-        step = math.log(10000.0) / (half - 1)
+        step = math.log(10000.0) / (half - 1 if variant == "fairseq" else half)
         self.register_buffer(
             "freqs", torch.exp(torch.arange(half, dtype=torch.float32) * -step), persistent=False
         )
@@ -247,3 +259,43 @@ class Learned(PositionBlock):
 
     def embed(self, positions: torch.Tensor) -> torch.Tensor | None:
         return nn.functional.embedding(positions + self.offset, self.weight)
+
+
+@POSITIONS.register("relative")
+class RelativeBias(PositionBlock):
+    """T5's learned relative position bias: one (buckets, heads) table per stack, shared by its
+    layers; exact buckets for small distances, logarithmic ones up to ``max_distance``. Keys
+    before and after the query get their own buckets in encoders (``bidirectional``)."""
+
+    has_bias = True
+
+    def __init__(self, args: PositionArgs) -> None:
+        super().__init__()
+        o = args.options
+        self.buckets = int(o.get("buckets", 32))
+        self.max_distance = int(o.get("max_distance", 128))
+        self.bidirectional = bool(o.get("bidirectional", False))
+        self.weight = nn.Parameter(torch.zeros(self.buckets, args.n_heads))
+
+    def _bucket(self, rel: torch.Tensor) -> torch.Tensor:
+        n = self.buckets
+        out = torch.zeros_like(rel)
+        if self.bidirectional:
+            n //= 2
+            out += (rel > 0).long() * n
+            rel = rel.abs()
+        else:
+            rel = -rel.clamp(max=0)
+        exact = n // 2
+        large = (
+            exact
+            + (
+                torch.log(rel.float() / exact) / math.log(self.max_distance / exact) * (n - exact)
+            ).long()
+        )
+        large = large.clamp(max=n - 1)
+        return out + torch.where(rel < exact, rel, large)
+
+    def bias(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor | None:
+        rel = k_pos[None, :] - q_pos[:, None]  # (T, S)
+        return self.weight[self._bucket(rel)].permute(2, 0, 1)  # (H, T, S)

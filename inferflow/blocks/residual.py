@@ -21,20 +21,29 @@ Branch = Callable[[torch.Tensor], torch.Tensor]
 @dataclass(frozen=True)
 class Wiring:
     norms: tuple[str, ...]
-    forward: Callable[[Any, torch.Tensor, Branch, Branch], torch.Tensor]
+    forward: Callable[..., torch.Tensor]  # (n, x, attn, ffn, cross=None) -> x
+    cross: bool = False  # takes a cross-attention branch (``cross_norm``) between attn and ffn
 
 
 RESIDUALS: Registry[Wiring] = Registry("residual")
 
 
-def _pre(n: Any, x: torch.Tensor, attn: Branch, ffn: Branch) -> torch.Tensor:
+def _pre(
+    n: Any, x: torch.Tensor, attn: Branch, ffn: Branch, cross: Branch | None = None
+) -> torch.Tensor:
     h = x + attn(n.attn_norm(x))
+    if cross is not None:
+        h = h + cross(n.cross_norm(h))
     return h + ffn(n.ffn_norm(h))
 
 
-def _post(n: Any, x: torch.Tensor, attn: Branch, ffn: Branch) -> torch.Tensor:
-    # original Transformer / BERT: normalize after each residual add
+def _post(
+    n: Any, x: torch.Tensor, attn: Branch, ffn: Branch, cross: Branch | None = None
+) -> torch.Tensor:
+    # original Transformer / BERT / BART: normalize after each residual add
     h = n.attn_norm(x + attn(x))
+    if cross is not None:
+        h = n.cross_norm(h + cross(h))
     return n.ffn_norm(h + ffn(h))
 
 
@@ -55,8 +64,8 @@ def _sandwich(n: Any, x: torch.Tensor, attn: Branch, ffn: Branch) -> torch.Tenso
     return h + n.post_ffn_norm(ffn(n.ffn_norm(h)))
 
 
-RESIDUALS.add("pre_norm", Wiring(("attn_norm", "ffn_norm"), _pre))
-RESIDUALS.add("post_norm", Wiring(("attn_norm", "ffn_norm"), _post))
+RESIDUALS.add("pre_norm", Wiring(("attn_norm", "ffn_norm"), _pre, cross=True))
+RESIDUALS.add("post_norm", Wiring(("attn_norm", "ffn_norm"), _post, cross=True))
 RESIDUALS.add("parallel", Wiring(("attn_norm", "ffn_norm"), _parallel))
 RESIDUALS.add("parallel_shared_norm", Wiring(("attn_norm",), _parallel_shared))
 RESIDUALS.add(

@@ -43,6 +43,9 @@ class FlatBatch:
     kv: list[KVView]  # one per sequence, same order as seqs
     logits_rows: torch.Tensor | None = None  # rows that need logits; None = last row of each seq
     group: GroupKVView | None = None  # set when every sequence has exactly one new token
+    # encoder-decoder: per sequence, each decoder layer's cross-attention (K, V) over the
+    # encoder output, computed once per source (EncoderDecoder.cross_memory)
+    cross: list[list[tuple[torch.Tensor, torch.Tensor]]] | None = None
 
     @classmethod
     def single(cls, token_ids: torch.Tensor, start_pos: int, kv: KVView) -> FlatBatch:
@@ -52,6 +55,27 @@ class FlatBatch:
 
     def default_logits_rows(self) -> torch.Tensor:
         return torch.tensor([s.start + s.length - 1 for s in self.seqs], dtype=torch.long)
+
+
+class NoCache:
+    """The KV view of a pass with nothing to remember (an encoder): keys are the new tokens."""
+
+    def update(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return k, v, positions
+
+
+def packed(seqs: list[list[int]]) -> FlatBatch:
+    """Several sequences in one flat batch without padding, each at positions 0..len-1, for a
+    pass without a cache (encoders)."""
+    ids = torch.tensor([t for s in seqs for t in s], dtype=torch.long)
+    pos = torch.cat([torch.arange(len(s), dtype=torch.long) for s in seqs])
+    starts = [0]
+    for s in seqs[:-1]:
+        starts.append(starts[-1] + len(s))
+    slices = [SeqSlice(a, len(s)) for a, s in zip(starts, seqs, strict=True)]
+    return FlatBatch(ids, pos, slices, [NoCache()] * len(seqs))
 
 
 class ContiguousKVCache:

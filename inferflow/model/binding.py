@@ -23,11 +23,14 @@ STACKED: dict[str, tuple[str, str]] = {
     "self_attn.wq": ("self_attn.wqkv", "q"),
     "self_attn.wk": ("self_attn.wqkv", "k"),
     "self_attn.wv": ("self_attn.wqkv", "v"),
+    "cross_attn.wk": ("cross_attn.wkv", "k"),
+    "cross_attn.wv": ("cross_attn.wkv", "v"),
     "feed_forward.w1": ("feed_forward.w13", "w1"),
     "feed_forward.w3": ("feed_forward.w13", "w3"),
 }
 SHARDS: dict[str, tuple[str, ...]] = {
     "self_attn.wqkv": ("q", "k", "v"),
+    "cross_attn.wkv": ("k", "v"),
     "feed_forward.w13": ("w1", "w3"),
 }
 # a checkpoint's own fused tensor is reordered by the owning block (e.g. per-head qkv rows)
@@ -110,6 +113,8 @@ def bind_weights(
             t = t.t()
         param = params[target.param]
         dest = param.data if target.rows is None else param.data[target.rows]
+        if t.shape != dest.shape and t.squeeze().shape == dest.squeeze().shape:
+            t = t.reshape(dest.shape)  # e.g. BART's final_logits_bias, stored (1, vocab)
         if tuple(t.shape) != tuple(dest.shape):
             errors.append(
                 f"{name}: shape {list(t.shape)} does not fit {canon} of shape {list(dest.shape)}"
@@ -125,7 +130,8 @@ def bind_weights(
                 quantized.setdefault(target.param, {})[first] = w
         filled.setdefault(target.param, set()).add(shard_key)
         consumed.add(name)
-    missing = []
+    missing: list[str] = []
+    unfilled: set[str] = set()
     for pname in params:
         got = filled.get(pname, set())
         leaf_module = pname.rpartition(".")[0]
@@ -134,12 +140,20 @@ def bind_weights(
             continue
         lacking = need - got
         if lacking:
+            unfilled.add(pname)
             missing.append(
                 pname
                 if need == {None}
                 else f"{pname} (shards {', '.join(sorted(map(str, lacking)))})"
             )
     problems = [f"tensors that do not fit the network: {_listing(errors)}"] if errors else []
+    for stack, role in (("enc.", "encoder"), ("dec.", "decoder")):
+        mine = [p for p in params if p.startswith(stack)]
+        if mine and all(p in unfilled for p in mine):
+            problems.append(
+                f"no checkpoint tensor maps to the {role} ({stack}*): is network.type right "
+                f"(the checkpoint may not have an {role}), and does network.tensors map its names?"
+            )
     if missing:
         problems.append(
             f"the checkpoint lacks {len(missing)} tensor(s) the network needs: {_listing(missing)}"

@@ -14,6 +14,7 @@ from inferflow.errors import SpecError
 from inferflow.loaders import open_files
 from inferflow.model.binding import bind_weights
 from inferflow.model.decoder import DecoderOnly
+from inferflow.model.encoder import EncoderDecoder, EncoderOnly
 from inferflow.model.names import NameMap
 from inferflow.quant.tensor import QuantTensor
 from inferflow.registry import Registry
@@ -23,6 +24,8 @@ log = logging.getLogger(__name__)
 
 NETWORKS: Registry[Callable[[Spec], nn.Module]] = Registry("network type")
 NETWORKS.add("decoder_only", DecoderOnly)
+NETWORKS.add("encoder_only", EncoderOnly)
+NETWORKS.add("encoder_decoder", EncoderDecoder)
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,

@@ -1,0 +1,93 @@
+"""Encoder-only (BERT family) and encoder-decoder networks.
+
+The encoder runs bidirectional attention over each source, packed without padding
+(``inferflow.model.batch.packed``). An encoder-decoder's decoder layers attend to the encoder
+output through cross-attention whose keys and values are computed once per source
+(``cross_memory``) and passed with each decoder batch (``FlatBatch.cross``).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from inferflow.errors import RequestError
+from inferflow.model.batch import FlatBatch, packed
+from inferflow.model.stack import Stack
+from inferflow.spec.types import Spec
+
+CrossMemory = list[tuple[torch.Tensor, torch.Tensor]]  # per decoder layer: (K, V), (H, S, D)
+
+
+def check_lengths(sources: list[list[int]], limit: int, what: str = "input") -> None:
+    for i, s in enumerate(sources):
+        if not s:
+            raise RequestError(f"{what} {i} is empty: give at least one token")
+        if len(s) > limit:
+            raise RequestError(
+                f"{what} {i} has {len(s)} tokens; the model takes at most {limit} (max_positions)"
+            )
+
+
+class EncoderOnly(nn.Module):
+    """``forward`` returns the final hidden states (N, hidden) of a packed batch."""
+
+    def __init__(self, spec: Spec) -> None:
+        super().__init__()
+        self.spec = spec
+        self.enc = Stack(spec, spec.hparams.n_layers, causal=False, head=False)
+
+    def hidden_states(self, batch: FlatBatch) -> torch.Tensor:
+        return self.enc.hidden_states(batch)
+
+    def forward(self, batch: FlatBatch) -> torch.Tensor:
+        return self.hidden_states(batch)
+
+
+class EncoderDecoder(nn.Module):
+    def __init__(self, spec: Spec) -> None:
+        super().__init__()
+        self.spec = spec
+        h = spec.hparams
+        self.dec = Stack(spec, h.n_layers, causal=True, cross=True)
+        shared = self.dec.tok_embed if spec.network.shared_embedding else None
+        self.enc = Stack(spec, h.n_enc_layers, causal=False, head=False, embed=shared)
+        self.tied_outputs = [("dec.output", "dec.tok_embed")] if spec.network.tied_output else []
+
+    @property
+    def start_id(self) -> int:
+        h = self.spec.hparams
+        start = h.decoder_start_id if h.decoder_start_id is not None else h.bos_id
+        if start is None:
+            raise RequestError(
+                f"spec {self.spec.name!r}: the checkpoint declares no decoder start token; "
+                "set hparams.decoder_start_id"
+            )
+        return start
+
+    def encode(self, sources: list[list[int]]) -> list[torch.Tensor]:
+        """Each source's encoder output (S_i, hidden), all sources in one packed pass."""
+        check_lengths(sources, self.spec.hparams.max_positions, "source")
+        batch = packed(sources)
+        out = self.enc.hidden_states(batch)
+        return [out[s.start : s.start + s.length] for s in batch.seqs]
+
+    def cross_memory(self, enc_out: torch.Tensor) -> CrossMemory:
+        out = []
+        for layer in self.dec.layers():
+            assert layer.cross_attn is not None
+            out.append(layer.cross_attn.memory(enc_out))
+        return out
+
+    def hidden_states(self, batch: FlatBatch) -> torch.Tensor:
+        return self.dec.hidden_states(batch)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        return self.dec.logits(h)
+
+    def forward(self, batch: FlatBatch) -> torch.Tensor:
+        """Decoder logits for ``batch.logits_rows`` (default: each sequence's last token);
+        ``batch.cross`` holds each sequence's cross memory."""
+        h = self.hidden_states(batch)
+        rows = batch.logits_rows if batch.logits_rows is not None else batch.default_logits_rows()
+        return self.logits(h[rows])

@@ -1,0 +1,210 @@
+"""One stack of transformer layers, assembled from registered blocks as the spec says: the
+decoder of every network type and the encoder of encoder-only / encoder-decoder networks.
+
+Module paths equal canonical tensor names (``dec.{i}.self_attn.wqkv.weight``,
+``enc.{i}.feed_forward.w1.weight``), so weight binding needs no second name table.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from inferflow.blocks import (
+    ACTIVATIONS,
+    FFNS,
+    NORMS,
+    POSITIONS,
+    RESIDUALS,
+    Attention,
+    AttnArgs,
+    CrossAttention,
+    PositionArgs,
+)
+from inferflow.blocks.linear import Embedding, Linear
+from inferflow.blocks.position import PositionBlock
+from inferflow.errors import SpecError
+from inferflow.model.batch import FlatBatch
+from inferflow.spec.types import HParams, NetworkSpec, Spec
+
+
+class Layer(nn.Module):
+    def __init__(
+        self,
+        net: NetworkSpec,
+        h: HParams,
+        layer: int,
+        window: int | None,
+        causal: bool = True,
+        cross: bool = False,
+    ) -> None:
+        super().__init__()
+        self.wiring = RESIDUALS.get(net.residual)
+        if cross and not self.wiring.cross:
+            allowed = ", ".join(n for n, w in RESIDUALS.items() if w.cross)
+            raise SpecError(
+                f"network.residual: {net.residual!r} has no place for cross-attention; "
+                f"an encoder_decoder network allows: {allowed}"
+            )
+        norm = NORMS.get(net.norm)
+        for name in self.wiring.norms + (("cross_norm",) if cross else ()):
+            self.add_module(name, norm(h.hidden, h.norm_eps))
+        a = net.attention
+        args = AttnArgs(
+            layer=layer,
+            hidden=h.hidden,
+            n_heads=h.n_heads,
+            n_kv_heads=h.n_kv_heads,
+            head_dim=h.head_dim,
+            bias=a.bias,
+            qkv_layout=a.qkv_layout,
+            qk_norm=NORMS.get(a.qk_norm) if a.qk_norm else None,
+            norm_eps=h.norm_eps,
+            window=window,
+            softcap=a.softcap,
+            scale=a.scale,
+            causal=causal,
+        )
+        self.self_attn = Attention(args)
+        self.cross_attn = CrossAttention(args) if cross else None
+        self.feed_forward = FFNS.get(net.ffn)(
+            h.hidden, h.ffn_hidden, ACTIVATIONS.get(net.activation), net.ffn_bias
+        )
+        self.local = window is not None
+
+    def forward(self, x: torch.Tensor, batch: FlatBatch, pos: PositionBlock) -> torch.Tensor:
+        attn = lambda t: self.self_attn(t, batch, pos)  # noqa: E731
+        cross = self.cross_attn
+        if cross is None:
+            return self.wiring.forward(self, x, attn, self.feed_forward)
+        return self.wiring.forward(self, x, attn, self.feed_forward, lambda t: cross(t, batch))
+
+
+def _scale(value: str | float | None, named: str, hidden: int) -> float | None:
+    if value is None:
+        return None
+    if value == named:
+        return math.sqrt(hidden) if named == "sqrt_hidden" else 1 / math.sqrt(hidden)
+    return float(value)
+
+
+class Stack(nn.Module):
+    """Children: tok_embed (absent when ``embed`` is shared), pos_embed, type_embed,
+    embed_norm, "0".."L-1", output_norm, and for a decoder the head ``output`` (absent when tied)
+    with ``logits_bias`` for a tied head with a bias."""
+
+    def __init__(
+        self,
+        spec: Spec,
+        n_layers: int,
+        causal: bool = True,
+        cross: bool = False,
+        head: bool = True,
+        embed: Embedding | None = None,
+    ) -> None:
+        super().__init__()
+        net, h = spec.network, spec.hparams
+        self.n_layers = n_layers
+        self.shared_embed = embed is not None
+        if embed is None:
+            self.tok_embed = Embedding(h.vocab_size, h.hidden)
+        self._shared = [embed]  # a list: not registered as this stack's child
+        pos_opts = {
+            "theta": h.rope_theta,
+            "rotary_dim": h.rotary_dim,
+            "scaling": h.rope_scaling,
+            "buckets": h.rel_buckets,
+            "max_distance": h.rel_max_distance,
+            "bidirectional": not causal,
+        }
+        pos_opts.update(net.position)
+        if "partial" in net.position:
+            pos_opts.pop("rotary_dim")
+        args = PositionArgs(h.hidden, h.n_heads, h.head_dim, h.max_positions, pos_opts)
+        pos_cls = POSITIONS.get(net.position["type"])
+        self.pos_embed = pos_cls(args)
+        # sliding-window layers may use their own rope base (Gemma 3's local_theta)
+        self.pos_local = (
+            pos_cls(args, theta_key="local_theta") if "local_theta" in net.position else None
+        )
+        if net.token_types:
+            self.type_embed = Embedding(h.type_vocab_size, h.hidden)
+        norm = NORMS.get(net.norm)
+        if net.embedding_norm:
+            self.embed_norm = norm(h.hidden, h.norm_eps)
+        windows = self._windows(net, h, n_layers)
+        for i in range(n_layers):
+            self.add_module(str(i), Layer(net, h, i, windows[i], causal, cross))
+        if net.final_norm:
+            self.output_norm = norm(h.hidden, h.norm_eps)
+        self.output: Linear | None = None
+        if head:
+            if net.tied_output:
+                if net.output_bias:  # BART / Marian: final_logits_bias beside a tied head
+                    self.logits_bias = nn.Parameter(torch.empty(h.vocab_size))
+            else:
+                self.output = Linear(h.hidden, h.vocab_size, bias=net.output_bias)
+        self.embed_scale = _scale(net.embedding_scale, "sqrt_hidden", h.hidden)
+        self.output_scale = _scale(net.output_scale, "inv_sqrt_hidden", h.hidden)
+        self.final_softcap = net.final_softcap
+
+    @staticmethod
+    def _windows(net: NetworkSpec, h: HParams, n_layers: int) -> list[int | None]:
+        sw = net.attention.sliding_window
+        if sw is False:
+            return [None] * n_layers
+        size = h.sliding_window if sw is True else int(sw)
+        if not size:
+            raise SpecError(
+                "network.attention.sliding_window: true, but the checkpoint declares no window size; give a number"
+            )
+        every = net.attention.global_every
+        return [None if every and (i + 1) % every == 0 else size for i in range(n_layers)]
+
+    @property
+    def embedding(self) -> Embedding:
+        shared = self._shared[0]
+        return shared if shared is not None else self.tok_embed
+
+    def layers(self) -> list[Layer]:
+        return [getattr(self, str(i)) for i in range(self.n_layers)]
+
+    def hidden_states(self, batch: FlatBatch) -> torch.Tensor:
+        x = self.embedding(batch.token_ids)  # (N, hidden)
+        if self.embed_scale is not None:
+            x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
+        pe = self.pos_embed.embed(batch.positions)
+        if pe is not None:
+            x = x + pe.to(x.dtype)
+        if hasattr(self, "type_embed"):
+            x = x + self.type_embed.weight[0]  # single-segment inputs: token type 0
+        if hasattr(self, "embed_norm"):
+            x = self.embed_norm(x)
+        for layer in self.layers():
+            pos = self.pos_local if layer.local and self.pos_local is not None else self.pos_embed
+            x = layer(x, batch, pos)
+        return self.output_norm(x) if hasattr(self, "output_norm") else x
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        if self.output_scale is not None:
+            h = h * torch.tensor(self.output_scale, dtype=h.dtype)
+        if self.output is not None:
+            out = self.output(h)
+        else:
+            out = nn.functional.linear(h, self.embedding.weight, getattr(self, "logits_bias", None))
+        if self.final_softcap is not None:
+            out = torch.tanh(out / self.final_softcap) * self.final_softcap
+        return out
+
+    def head(self) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """(weight, bias) of a float output layer, for a fused output layer; None when the head
+        is quantized or soft-capped (``output_scale`` is the caller's to apply)."""
+        if self.final_softcap is not None:
+            return None
+        if self.output is None:
+            return self.embedding.weight, getattr(self, "logits_bias", None)
+        if type(self.output) is Linear:
+            return self.output.weight, self.output.bias
+        return None

@@ -37,7 +37,11 @@ class Hypothesis:
 class BeamState:
     width: int
     length_penalty: float
+    # False: after W finished, go on while the best live beam, at its current length, would
+    # still beat the worst finished one (transformers' early_stopping=False heuristic)
+    early_stopping: bool = True
     finished: list[Hypothesis] = field(default_factory=list)
+    best_live: float = float("-inf")  # score of the best live beam after the last step
 
     def select(
         self,
@@ -53,9 +57,21 @@ class BeamState:
         total = torch.stack(logprobs) + torch.tensor(scores, dtype=torch.float32)[:, None]
         vocab = total.shape[1]
         values, flat = torch.topk(total.flatten(), min(2 * self.width, total.numel()))
+        ranked = [
+            (*divmod(f, vocab), v) for v, f in zip(values.tolist(), flat.tolist(), strict=True)
+        ]
+        return self.choose(ranked, outputs, end_ids, last)
+
+    def choose(
+        self,
+        ranked: list[tuple[int, int, float]],
+        outputs: list[list[int]],
+        end_ids: set[int],
+        last: bool,
+    ) -> list[tuple[int, int, float]]:
+        """``select`` from candidates already ranked best first: (parent, token, summed logprob)."""
         picks = []
-        for rank, (v, f) in enumerate(zip(values.tolist(), flat.tolist(), strict=True)):
-            parent, tok = divmod(f, vocab)
+        for rank, (parent, tok, v) in enumerate(ranked):
             ended = tok in end_ids
             if ended or last:
                 if rank < self.width:
@@ -64,6 +80,10 @@ class BeamState:
             picks.append((parent, tok, v))
             if len(picks) == self.width:
                 break
+        self.best_live = float("-inf")
+        if picks:
+            parent, _, v = picks[0]
+            self.best_live = v / (len(outputs[parent]) + 1) ** self.length_penalty
         return picks
 
     def _finish(self, h: Hypothesis) -> None:
@@ -73,4 +93,8 @@ class BeamState:
 
     @property
     def done(self) -> bool:
-        return len(self.finished) >= self.width
+        if len(self.finished) < self.width:
+            return False
+        if self.early_stopping:
+            return True
+        return self.best_live <= self.finished[-1].score(self.length_penalty)

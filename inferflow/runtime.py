@@ -7,7 +7,7 @@ print(lm.complete("The capital of France is", SamplingParams(max_new_tokens=8)).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -15,8 +15,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from inferflow.engine.embed import check_pooling, embed_batch, spec_pooling
 from inferflow.engine.generate import StepOutput, generate_tokens
 from inferflow.engine.sampling import SamplingParams
+from inferflow.engine.search import SearchParams, beam_search
 from inferflow.errors import RequestError
 from inferflow.model.build import load_model, parse_dtype
 from inferflow.quant import get_format
@@ -44,9 +46,15 @@ def tokenizer_for(spec: Spec) -> Tokenizer | None:
         from inferflow.loaders.gguf import read_gguf_metadata
 
         metadata = read_gguf_metadata(spec.source.files[0])
+    elif t.pattern is not None or t.specials:  # pickle_vocab's settings
+        metadata = {"pattern": t.pattern, "specials": dict(t.specials)}
     overrides = {
         k: v
-        for k, v in (("chat_template", t.chat_template), ("add_bos", t.add_bos))
+        for k, v in (
+            ("chat_template", t.chat_template),
+            ("add_bos", t.add_bos),
+            ("add_eos", t.add_eos),
+        )
         if v is not None
     }
     return load_tokenizer(t.kind, files, metadata, overrides)
@@ -71,16 +79,68 @@ class LanguageModel:
             return tok.encode(text, add_special_tokens=False)
         return tok.encode(prompt, add_special_tokens=True)
 
+    def encode_source(self, text: str, ids: bool = False, where: str = "input") -> list[int]:
+        """A source line as token ids (``ids``: the line is space-separated ids); an empty
+        line gives no tokens; too long a line is an error naming ``where`` and both lengths."""
+        if not text.strip():
+            return []
+        if ids:
+            try:
+                out = [int(t) for t in text.split()]
+            except ValueError:
+                raise RequestError(
+                    f"{where}: not space-separated token ids: {text[:60]!r}"
+                ) from None
+            bad = [t for t in out if not 0 <= t < self.spec.hparams.vocab_size]
+            if bad:
+                raise RequestError(
+                    f"{where}: token id {bad[0]} is outside the vocabulary 0..{self.spec.hparams.vocab_size - 1}"
+                )
+        else:
+            out = self._tok().encode(text, add_special_tokens=True)
+        limit = self.spec.hparams.max_positions
+        if len(out) > limit:
+            raise RequestError(
+                f"{where} has {len(out)} tokens; the model takes at most {limit} (max_positions)"
+            )
+        return out
+
+    def translate_ids(
+        self, sources: list[list[int]], params: SearchParams
+    ) -> list[list[list[int]]]:
+        """For each source, the ``num_return`` best outputs (token ids, end token dropped);
+        an empty source gives empty outputs."""
+        todo = [i for i, s in enumerate(sources) if s]
+        hyps = beam_search(self.model, [sources[i] for i in todo], params, self._end_ids())
+        out: list[list[list[int]]] = [[[]] * params.num_return for _ in sources]
+        for i, hs in zip(todo, hyps, strict=True):
+            out[i] = [h.tokens[:-1] if h.ended else h.tokens for h in hs]
+        return out
+
+    def translate(self, lines: list[str], params: SearchParams | None = None) -> list[str]:
+        """The best output text for each input line (an empty line gives an empty output)."""
+        p = params or SearchParams(beam_width=4, max_new_tokens=self.spec.generation.max_new_tokens)
+        ids = [self.encode_source(t, where=f"line {n}") for n, t in enumerate(lines, 1)]
+        return [self.decode_target(o[0]) for o in self.translate_ids(ids, p)]
+
+    def decode_target(self, ids: list[int], ids_only: bool = False) -> str:
+        if ids_only or self.tokenizer is None:
+            return " ".join(map(str, ids))
+        return self.tokenizer.decode(ids)
+
+    def _end_ids(self) -> tuple[int, ...]:
+        eos = tuple(self.tokenizer.eos_ids) if self.tokenizer else ()
+        if not eos and self.spec.hparams.eos_id is not None:
+            eos = (self.spec.hparams.eos_id,)
+        return eos
+
     def _tok(self) -> Tokenizer:
         if self.tokenizer is None:
             raise RequestError(f"spec {self.spec.name!r} declares no tokenizer: pass token ids")
         return self.tokenizer
 
     def stream(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[StepOutput]:
-        eos = tuple(self.tokenizer.eos_ids) if self.tokenizer else ()
-        if not eos and self.spec.hparams.eos_id is not None:
-            eos = (self.spec.hparams.eos_id,)
-        return generate_tokens(self.model, prompt_ids, params, eos)
+        return generate_tokens(self.model, prompt_ids, params, self._end_ids())
 
     def complete(
         self, prompt: str | list[int], params: SamplingParams, chat: bool = False
@@ -93,6 +153,29 @@ class LanguageModel:
         shown = out[:-1] if reason == "stop" else out
         text = self.tokenizer.decode(shown) if self.tokenizer else ""
         return Completion(text, ids, out, reason)
+
+    def embed(
+        self,
+        texts: Sequence[str | list[int]],
+        pooling: str | None = None,
+        normalize: bool | None = None,
+    ) -> torch.Tensor | list[torch.Tensor]:
+        """Embeddings of texts (or token-id lists), all in packed batches: (B, hidden), or a list
+        of (T_i, hidden) for pooling "none". Pooling and normalisation default to the spec's
+        ``embeddings:`` (an encoder-only network without one: mean, L2-normalised)."""
+        if isinstance(texts, str):
+            raise RequestError("embed takes a list of texts, got one string")
+        if pooling is None:
+            pooling, spec_norm = spec_pooling(self.spec)
+        else:
+            check_pooling(pooling)
+            spec_norm = self.spec.embedding_normalize
+        normalize = spec_norm if normalize is None else normalize
+        ids = [
+            list(t) if isinstance(t, list) else self._tok().encode(t, add_special_tokens=True)
+            for t in texts
+        ]
+        return embed_batch(self.model, ids, pooling, normalize)
 
 
 def load(

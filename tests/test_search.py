@@ -173,3 +173,57 @@ def test_bad_inputs(bart) -> None:
         beam_search(model, [[5], []], SearchParams())
     with pytest.raises(RequestError, match="source 0 has 80 tokens; the model takes at most 64"):
         beam_search(model, [[5] * 80], SearchParams())
+
+
+def test_translate_cli_ids(bart, tmp_path, capsys) -> None:
+    """One output line per input line, an empty line for an empty line, ids in and out; the
+    outputs are transformers' beam search results."""
+    from inferflow.cli.main import main
+
+    ref, model = bart
+    inputs = _inputs(3, (9, 3, 14), seed=7)
+    src = tmp_path / "src.txt"
+    src.write_text(
+        "\n".join([" ".join(map(str, inputs[0])), "", *(" ".join(map(str, x)) for x in inputs[1:])])
+        + "\n"
+    )
+    spec = str(model.spec.path)
+    rc = main(
+        [
+            "translate",
+            spec,
+            "--input",
+            str(src),
+            "--ids",
+            "--beam",
+            "4",
+            "--max-tokens",
+            "12",
+            "--batch-size",
+            "2",
+        ]
+    )
+    assert rc == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 4 and lines[1] == ""
+    p = SearchParams(beam_width=4, max_new_tokens=12)
+    for line, ids in zip([lines[0], lines[2], lines[3]], inputs, strict=True):
+        toks, _ = _reference(ref, ids, True, p)[0]
+        assert line == " ".join(map(str, toks[:-1] if toks[-1] == EOS else toks))
+
+
+def test_translate_cli_errors(bart, tmp_path, capsys) -> None:
+    from inferflow.cli.main import main
+
+    _, model = bart
+    src = tmp_path / "src.txt"
+    src.write_text("5 6\n" + " ".join(["7"] * 70) + "\n")
+    assert main(["translate", str(model.spec.path), "--input", str(src), "--ids"]) == 2
+    err = capsys.readouterr().err
+    assert "line 2 has 70 tokens; the model takes at most 64" in err
+    src.write_text("5 x\n")
+    assert main(["translate", str(model.spec.path), "--input", str(src), "--ids"]) == 2
+    assert "line 1: not space-separated token ids" in capsys.readouterr().err
+    src.write_text("5 999\n")
+    assert main(["translate", str(model.spec.path), "--input", str(src), "--ids"]) == 2
+    assert "token id 999 is outside the vocabulary 0..127" in capsys.readouterr().err

@@ -9,7 +9,17 @@ import sys
 
 from inferflow.errors import InferflowError
 
-SUBCOMMANDS = ("serve", "generate", "validate", "inspect", "ppl", "convert", "quantize")
+SUBCOMMANDS = (
+    "serve",
+    "generate",
+    "embed",
+    "translate",
+    "validate",
+    "inspect",
+    "ppl",
+    "convert",
+    "quantize",
+)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,27 +1,112 @@
-"""Sentence embeddings from a decoder's final hidden states (spec ``embeddings: {pooling}``):
-mean over the tokens or the last token's state, L2-normalised (as OpenAI's embeddings are)."""
+"""Embeddings from a network's final hidden states (spec ``embeddings: {pooling, normalize}``).
+
+Encoder-only networks (BERT, MiniLM) attend in both directions; decoder-only networks run their
+causal attention over the same packed batches. Many inputs go through in flat batches without
+padding (``inferflow.model.batch.packed``), at most ``MAX_BATCH_TOKENS`` tokens a pass, so a
+batch's results equal each input's alone. Pooling (``POOLINGS``): ``mean`` over the tokens,
+``cls`` the first token's state (BERT's [CLS]), ``last`` the last token's, ``none`` one vector
+per token. ``normalize`` L2-normalises every vector returned (each token's, under ``none``).
+Inputs are never truncated: one longer than ``hparams.max_positions`` is an error.
+"""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from inferflow.engine.generate import new_cache
 from inferflow.errors import RequestError
-from inferflow.model.batch import FlatBatch
-from inferflow.spec.types import POOLINGS
+from inferflow.model.batch import packed
+from inferflow.model.encoder import check_lengths
+from inferflow.spec.types import POOLINGS, Spec
+
+MAX_BATCH_TOKENS = 8192  # tokens per forward pass; an input longer than this runs alone
+
+# network types whose ``hidden_states`` take a packed batch of whole inputs
+EMBEDDING_NETWORKS = ("encoder_only", "decoder_only")
+
+
+def check_pooling(pooling: str) -> None:
+    if pooling not in POOLINGS:
+        raise RequestError(f"pooling: {pooling!r} is not one of: {', '.join(POOLINGS)}")
+
+
+def spec_pooling(spec: Spec) -> tuple[str, bool]:
+    """(pooling, normalize) a spec declares; an encoder-only network without an ``embeddings:``
+    section pools the mean, L2-normalised (sentence-transformers' usual head)."""
+    if spec.embedding_pooling is not None:
+        return spec.embedding_pooling, spec.embedding_normalize
+    if spec.network.type == "encoder_only":
+        return "mean", True
+    raise RequestError(
+        f"spec {spec.name!r} declares no 'embeddings: {{pooling: {'|'.join(POOLINGS)}}}'; "
+        "a decoder's embeddings need one (or give a pooling)"
+    )
+
+
+def _pool(h: torch.Tensor, pooling: str) -> torch.Tensor:
+    """One input's hidden states (T, hidden) -> (hidden,), or (T, hidden) for ``none``."""
+    if pooling == "mean":
+        return h.mean(dim=0)
+    if pooling == "cls":
+        return h[0]
+    if pooling == "last":
+        return h[-1]
+    return h
+
+
+def _passes(inputs: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """Indices of the inputs in each pass: consecutive inputs up to ``max_tokens`` tokens."""
+    out: list[list[int]] = []
+    used = max_tokens
+    for i, ids in enumerate(inputs):
+        if used + len(ids) > max_tokens:
+            out.append([])
+            used = 0
+        out[-1].append(i)
+        used += len(ids)
+    return out
 
 
 @torch.inference_mode()
-def embed(model: nn.Module, ids: list[int], pooling: str) -> torch.Tensor:
-    if pooling not in POOLINGS:
-        raise RequestError(f"pooling: {pooling!r} is not one of: {', '.join(POOLINGS)}")
-    if not ids:
-        raise RequestError("the input is empty: give at least one token")
-    ctx = model.spec.hparams.max_positions
-    if len(ids) > ctx:
-        raise RequestError(f"the input has {len(ids)} tokens; the model's context is {ctx}")
-    cache = new_cache(model, len(ids))
-    h = model.hidden_states(FlatBatch.single(torch.tensor(ids), 0, cache)).float()
-    v = h.mean(dim=0) if pooling == "mean" else h[-1]
-    return torch.nn.functional.normalize(v, dim=0)
+def embed_batch(
+    model: nn.Module,
+    inputs: list[list[int]],
+    pooling: str,
+    normalize: bool = True,
+    max_batch_tokens: int = MAX_BATCH_TOKENS,
+) -> torch.Tensor | list[torch.Tensor]:
+    """Embeddings of token-id inputs: a (B, hidden) float32 tensor, or for ``pooling="none"`` a
+    list of B tensors (T_i, hidden)."""
+    check_pooling(pooling)
+    spec: Spec = model.spec
+    if spec.network.type not in EMBEDDING_NETWORKS:
+        raise RequestError(
+            f"spec {spec.name!r} is {spec.network.type}: embeddings need one of "
+            f"{', '.join(EMBEDDING_NETWORKS)}"
+        )
+    if not inputs:
+        raise RequestError("no inputs: give at least one")
+    if max_batch_tokens < 1:
+        raise ValueError(f"max_batch_tokens must be positive, got {max_batch_tokens}")
+    check_lengths(inputs, spec.hparams.max_positions)
+    vocab = spec.hparams.vocab_size
+    for i, ids in enumerate(inputs):
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise RequestError(
+                f"input {i}: token id {bad[0]} is outside the vocabulary (0..{vocab - 1})"
+            )
+    out: list[torch.Tensor] = [torch.empty(0)] * len(inputs)
+    for idx in _passes(inputs, max_batch_tokens):
+        batch = packed([inputs[i] for i in idx])
+        h = model.hidden_states(batch).float()  # (N, hidden)
+        for i, s in zip(idx, batch.seqs, strict=True):
+            out[i] = _pool(h[s.start : s.start + s.length], pooling)
+    if normalize:
+        out = [torch.nn.functional.normalize(v, dim=-1) for v in out]
+    return out if pooling == "none" else torch.stack(out)
+
+
+def embed(model: nn.Module, ids: list[int], pooling: str, normalize: bool = True) -> torch.Tensor:
+    """One input's embedding: (hidden,), or (T, hidden) for ``pooling="none"``."""
+    return embed_batch(model, [ids], pooling, normalize)[0]

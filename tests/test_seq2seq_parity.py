@@ -165,3 +165,29 @@ def test_packed_encoder_equals_one_at_a_time(hf_models, write_spec) -> None:
         together = model.encode(sources)
         for s, t in zip(sources, together, strict=True):
             torch.testing.assert_close(t, model.encode([s])[0], rtol=1e-5, atol=1e-6)
+
+
+def test_encoder_decoder_spec_on_a_decoder_only_checkpoint(tmp_path, write_spec) -> None:
+    """A spec that declares encoder_decoder for a checkpoint without encoder tensors says so."""
+    from inferflow.errors import WeightBindingError
+
+    model = tf.LlamaForCausalLM(
+        tf.LlamaConfig(
+            hidden_size=64,
+            intermediate_size=96,
+            num_attention_heads=4,
+            vocab_size=VOCAB,
+            num_hidden_layers=2,
+        )
+    )
+    model.save_pretrained(tmp_path)
+    doc = {
+        "name": "wrong",
+        "base": "arch/llama",
+        "source": {"format": "hf", "files": [str(tmp_path)]},
+        "network": {"type": "encoder_decoder"},
+    }
+    with pytest.raises(WeightBindingError) as e:
+        load_model(load_spec(write_spec(doc)))
+    assert "no checkpoint tensor maps to the encoder (enc.*)" in str(e.value)
+    assert "network.type" in str(e.value)

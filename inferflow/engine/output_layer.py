@@ -37,8 +37,7 @@ def fused_topk(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(log-probabilities, token ids), each (R, k), best first."""
     R, V = h.shape[0], weight.shape[0]
-    run_max = torch.full((R, 1), float("-inf"))
-    run_sum = torch.zeros((R, 1))
+    norm = torch.full((R, 1), float("-inf"))  # running log-sum-exp: the normaliser so far
     best_v = torch.empty((R, 0))
     best_i = torch.empty((R, 0), dtype=torch.long)
     bans = _ban_index(banned)
@@ -47,11 +46,7 @@ def fused_topk(
         logits = torch.nn.functional.linear(
             h, weight[start:end], None if bias is None else bias[start:end]
         ).float()
-        new_max = torch.maximum(run_max, logits.amax(dim=1, keepdim=True))
-        run_sum = run_sum * torch.exp(run_max - new_max) + torch.exp(logits - new_max).sum(
-            dim=1, keepdim=True
-        )
-        run_max = new_max
+        norm = torch.logaddexp(norm, torch.logsumexp(logits, dim=1, keepdim=True))
         if bans is not None:
             here = (bans[1] >= start) & (bans[1] < end)
             if bool(here.any()):
@@ -59,9 +54,11 @@ def fused_topk(
                     (bans[0][here], bans[1][here] - start), torch.tensor(float("-inf"))
                 )
         v, i = logits.topk(min(k, end - start), dim=1)
-        best_v, pick = torch.cat((best_v, v), dim=1).topk(min(k, best_v.shape[1] + v.shape[1]), 1)
-        best_i = torch.cat((best_i, i + start), dim=1).gather(1, pick)
-    return best_v - (run_max + torch.log(run_sum)), best_i
+        if best_v.shape[1]:
+            v, pick = torch.cat((best_v, v), dim=1).topk(k, dim=1)
+            i = torch.cat((best_i, i + start), dim=1).gather(1, pick)
+        best_v, best_i = v, i
+    return best_v - norm, best_i
 
 
 @torch.inference_mode()

@@ -53,10 +53,12 @@ def output_layer_table(sources: int, repeats: int) -> None:
             h = torch.randn(sources * beam, 512, generator=g)
             k = 2 * beam
             t_naive = best_of(
-                lambda h=h, k=k: naive_topk(h, lambda x: torch.nn.functional.linear(x, w, b), k),
+                lambda h=h, k=k, w=w, b=b: naive_topk(
+                    h, lambda x: torch.nn.functional.linear(x, w, b), k
+                ),
                 repeats,
             )
-            t_fused = best_of(lambda h=h, k=k: fused_topk(h, w, b, k), repeats)
+            t_fused = best_of(lambda h=h, k=k, w=w, b=b: fused_topk(h, w, b, k), repeats)
             print(
                 f"| {vocab} | {beam} | {h.shape[0]} | {t_naive * 1e3:.2f} | {t_fused * 1e3:.2f} "
                 f"| {t_naive / t_fused:.2f} |"

@@ -67,7 +67,7 @@ def test_hparam_override(write_spec) -> None:
         ),
         (
             lambda d: d["network"]["position"].update(type="rotary"),
-            "network.position.type: 'rotary' is not one of: alibi, learned, none, rope, sinusoidal",
+            "network.position.type: 'rotary' is not one of: alibi, learned, none, relative, rope, sinusoidal",
         ),
         (
             lambda d: d["network"]["position"].update(pairing="interleaved"),

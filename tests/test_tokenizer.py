@@ -431,7 +431,9 @@ def test_overrides_bos_eos() -> None:
 
 
 def test_unknown_kind_lists_known() -> None:
-    with pytest.raises(TokenizerError, match="'spm_model'.*gguf, tokenizer_json, vocab_txt"):
+    with pytest.raises(
+        TokenizerError, match="'spm_model'.*gguf, pickle_vocab, tokenizer_json, vocab_txt"
+    ):
         load_tokenizer("spm_model", [], None, None)
 
 

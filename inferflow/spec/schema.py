@@ -54,6 +54,7 @@ def build_schema() -> dict[str, Any]:
     from inferflow.model.names import PRESETS
     from inferflow.quant import FORMATS
     from inferflow.tokenizer import TOKENIZER_KINDS
+    from inferflow.tokenizer.pickle_vocab import SPECIAL_ROLES
 
     num = {"type": "number"}
     string = {"type": "string"}
@@ -154,6 +155,10 @@ def build_schema() -> dict[str, Any]:
                     "files": files,
                     "chat_template": string,
                     "add_bos": {"type": "boolean"},
+                    "add_eos": {"type": "boolean"},
+                    # pickle_vocab: the regex cutting text into tokens, special token texts
+                    "pattern": string,
+                    "specials": _obj({k: string for k in SPECIAL_ROLES}),
                 },
                 ("from",),
             ),

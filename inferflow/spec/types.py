@@ -36,10 +36,15 @@ class SourceSpec:
 
 @dataclass(frozen=True)
 class TokenizerSpec:
-    kind: str  # gguf | tokenizer_json | vocab_txt | none
+    kind: str  # gguf | tokenizer_json | vocab_txt | pickle_vocab | none
     files: tuple[Path, ...] = ()
     chat_template: str | None = None
     add_bos: bool | None = None
+    add_eos: bool | None = None
+    # pickle_vocab only: the regex that cuts text into tokens, and role -> token text
+    # (bos / eos / pad / unk) where the vocabulary's own spellings are not the usual ones
+    pattern: str | None = None
+    specials: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True)

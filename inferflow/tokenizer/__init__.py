@@ -1,8 +1,9 @@
 """Tokenizers: text <-> token ids, streaming detokenization and chat templates.
 
 ``load_tokenizer(kind, files, metadata, overrides)`` builds one for a model spec; ``kind`` is
-``'gguf'`` (vocabulary in the GGUF metadata), ``'tokenizer_json'`` (HF ``tokenizer.json``) or
-``'vocab_txt'`` (BERT WordPiece).
+``'gguf'`` (vocabulary in the GGUF metadata), ``'tokenizer_json'`` (HF ``tokenizer.json``),
+``'vocab_txt'`` (BERT WordPiece) or ``'pickle_vocab'`` (a pickled token list / dict, text split by
+a regex: SMILES and character-level models).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from inferflow.tokenizer.gguf_vocab import (
     GGUF_TOKENIZER_MODELS,
     tokenizer_from_gguf_metadata,
 )
+from inferflow.tokenizer.pickle_vocab import read_pickle_vocab, tokenizer_from_pickle_vocab
 
 __all__ = [
     "BPE_PRE_TOKENIZER_SPLITS",
@@ -32,8 +34,10 @@ __all__ = [
     "Tokenizer",
     "apply_overrides",
     "load_tokenizer",
+    "read_pickle_vocab",
     "render_chat_template",
     "tokenizer_from_gguf_metadata",
     "tokenizer_from_json",
+    "tokenizer_from_pickle_vocab",
     "tokenizer_from_vocab_txt",
 ]

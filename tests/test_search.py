@@ -227,3 +227,11 @@ def test_translate_cli_errors(bart, tmp_path, capsys) -> None:
     src.write_text("5 999\n")
     assert main(["translate", str(model.spec.path), "--input", str(src), "--ids"]) == 2
     assert "token id 999 is outside the vocabulary 0..127" in capsys.readouterr().err
+
+
+def test_engine_refuses_encoder_decoder(bart) -> None:
+    from inferflow.engine.engine import Engine
+    from inferflow.errors import SpecError
+
+    with pytest.raises(SpecError, match="runs decoder_only networks, not encoder_decoder"):
+        Engine(bart[1])

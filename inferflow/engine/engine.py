@@ -22,7 +22,7 @@ from inferflow.engine.kv_cache import PagedKVCache
 from inferflow.engine.request import FINISHED, Request, RequestOutput, Scheduled, TokenLogprobs
 from inferflow.engine.sampling import SamplingParams, make_sampler
 from inferflow.engine.scheduler import Scheduler, SchedulerConfig
-from inferflow.errors import RequestError
+from inferflow.errors import RequestError, SpecError
 from inferflow.model.batch import FlatBatch, SeqSlice
 
 log = logging.getLogger(__name__)
@@ -44,6 +44,13 @@ class Engine:
     ) -> None:
         self.model, self.tokenizer = model, tokenizer
         self.config = config or EngineConfig()
+        kind = model.spec.network.type
+        if kind != "decoder_only":
+            raise SpecError(
+                f"spec {model.spec.name!r}: the continuous-batching engine (and inferflow serve) "
+                f"runs decoder_only networks, not {kind}; use `inferflow translate` / "
+                "`inferflow embed` or inferflow.engine.search / inferflow.engine.embed"
+            )
         h = model.spec.hparams
         dtype = next(model.parameters()).dtype
         per_block = PagedKVCache.bytes_per_block(

@@ -85,6 +85,8 @@ class RowCache:
 
     def select(self, idx: torch.Tensor) -> None:
         """Keep rows ``idx`` (in that order; a row may repeat: beams sharing a parent)."""
+        if idx.numel() == self.lens.numel() and torch.equal(idx, torch.arange(idx.numel())):
+            return  # nothing moved (greedy search, no input finished): no copy
         self.k, self.v, self.lens = self.k[:, idx], self.v[:, idx], self.lens[idx]
 
 

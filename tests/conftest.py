@@ -79,3 +79,53 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> torch.nn.Module:
     """Inferflow's model of a tiny random llama (vocab 128, no end token, sharp logits)."""
     d = tmp_path_factory.mktemp("tiny")
     return tiny_llama(d, sharpen=8.0, eos_token_id=None, bos_token_id=None)[1]
+
+
+# --- random transformers models saved as safetensors and pickles (parity tests) ---
+
+
+def randomize(model: torch.nn.Module) -> None:
+    # random init leaves norms at 1 / biases at 0: perturb everything so each tensor matters
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            if not p.requires_grad:  # fixed tables (Marian's sinusoidal positions)
+                continue
+            p.add_(torch.randn(p.shape, generator=g) * 0.05)
+        for name, b in model.named_buffers():
+            if name.endswith("final_logits_bias"):
+                b.add_(torch.randn(b.shape, generator=g))
+
+
+def save_reference(model: torch.nn.Module, d: Path) -> None:
+    model.save_pretrained(d)  # config.json + model.safetensors
+    sd = model.state_dict()
+    torch.save(sd, d / "pytorch_model.bin")
+    torch.save(sd, d / "legacy.bin", _use_new_zipfile_serialization=False)
+
+
+def save_models(
+    cases: dict, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, tuple[torch.nn.Module, Path]]:
+    """Each case's random model (perturbed), saved in its own directory: (model, directory)."""
+    torch.manual_seed(0)
+    out = {}
+    for arch, make in cases.items():
+        model = make().eval()
+        randomize(model)
+        d = tmp_path_factory.mktemp(arch)
+        save_reference(model, d)
+        out[arch] = (model, d)
+    return out
+
+
+CHECKPOINTS = ("safetensors", "pickle_zip", "pickle_legacy")
+
+
+def spec_doc(arch: str, d: Path, ckpt: str) -> dict:
+    if ckpt == "safetensors":
+        source = {"format": "hf", "files": [str(d)]}
+    else:
+        name = "pytorch_model.bin" if ckpt == "pickle_zip" else "legacy.bin"
+        source = {"format": "pickle", "files": [str(d / name)], "config": str(d / "config.json")}
+    return {"name": f"tiny-{arch}", "base": f"arch/{arch}", "source": source}

@@ -11,6 +11,7 @@ import torch
 from inferflow.model.batch import ContiguousKVCache, FlatBatch
 from inferflow.model.build import load_model
 from inferflow.spec import load_spec
+from tests.conftest import CHECKPOINTS, save_models, spec_doc
 
 tf = pytest.importorskip("transformers")
 
@@ -62,40 +63,11 @@ CASES = {
         )
     ),
 }
-CHECKPOINTS = ("safetensors", "pickle_zip", "pickle_legacy")
-
-
-def _randomize(model: torch.nn.Module) -> None:
-    # random init leaves norms at 1 / biases at 0: perturb everything so each tensor matters
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * 0.05)
 
 
 @pytest.fixture(scope="module")
 def hf_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[torch.nn.Module, Path]]:
-    torch.manual_seed(0)
-    out = {}
-    for arch, make in CASES.items():
-        model = make().eval()
-        _randomize(model)
-        d = tmp_path_factory.mktemp(arch)
-        model.save_pretrained(d)  # config.json + model.safetensors
-        sd = model.state_dict()
-        torch.save(sd, d / "pytorch_model.bin")
-        torch.save(sd, d / "legacy.bin", _use_new_zipfile_serialization=False)
-        out[arch] = (model, d)
-    return out
-
-
-def _spec_doc(arch: str, d: Path, ckpt: str) -> dict:
-    if ckpt == "safetensors":
-        source = {"format": "hf", "files": [str(d)]}
-    else:
-        name = "pytorch_model.bin" if ckpt == "pickle_zip" else "legacy.bin"
-        source = {"format": "pickle", "files": [str(d / name)], "config": str(d / "config.json")}
-    return {"name": f"tiny-{arch}", "base": f"arch/{arch}", "source": source}
+    return save_models(CASES, tmp_path_factory)
 
 
 def _all_logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
@@ -111,7 +83,7 @@ def _all_logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("arch", list(CASES))
 def test_logits_match_transformers(arch: str, ckpt: str, hf_models, write_spec) -> None:
     ref_model, d = hf_models[arch]
-    spec = load_spec(write_spec(_spec_doc(arch, d, ckpt)))
+    spec = load_spec(write_spec(spec_doc(arch, d, ckpt)))
     model = load_model(spec)
     ids = torch.randint(0, 128, (24,), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
@@ -125,7 +97,7 @@ def test_logits_match_transformers(arch: str, ckpt: str, hf_models, write_spec) 
 def test_incremental_decode_matches_full_forward(arch: str, hf_models, write_spec) -> None:
     """Prefill in chunks then one token per step: the same logits as one full forward."""
     _, d = hf_models[arch]
-    model = load_model(load_spec(write_spec(_spec_doc(arch, d, "safetensors"))))
+    model = load_model(load_spec(write_spec(spec_doc(arch, d, "safetensors"))))
     ids = torch.randint(0, 128, (20,), generator=torch.Generator().manual_seed(2))
     full = _all_logits(model, ids)
     h = model.spec.hparams
@@ -168,7 +140,7 @@ def test_binding_is_strict(
     from inferflow.errors import WeightBindingError
 
     _, d = hf_models["llama"]
-    doc = _spec_doc("llama", d, "safetensors") | {"network": network, "hparams": hparams}
+    doc = spec_doc("llama", d, "safetensors") | {"network": network, "hparams": hparams}
     with pytest.raises(WeightBindingError) as e:
         load_model(load_spec(write_spec(doc)))
     assert message in str(e.value)

@@ -11,8 +11,8 @@ from inferflow.engine.output_layer import fused_topk, naive_topk
 from inferflow.engine.search import SearchParams, beam_search, ngram_bans
 from inferflow.model.build import load_model
 from inferflow.spec import load_spec
-from tests.conftest import tiny_llama
-from tests.test_seq2seq_parity import ENC_DEC, randomize, save_reference
+from tests.conftest import randomize, save_reference, tiny_llama
+from tests.test_seq2seq_parity import ENC_DEC
 
 tf = pytest.importorskip("transformers")
 EOS = 2

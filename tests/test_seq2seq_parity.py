@@ -12,6 +12,7 @@ import torch
 from inferflow.model.batch import ContiguousKVCache, FlatBatch, packed
 from inferflow.model.build import load_model
 from inferflow.spec import load_spec
+from tests.conftest import CHECKPOINTS, save_models, spec_doc
 
 tf = pytest.importorskip("transformers")
 
@@ -62,49 +63,11 @@ CASES = {
         )
     ),
 }
-CHECKPOINTS = ("safetensors", "pickle_zip", "pickle_legacy")
-
-
-def randomize(model: torch.nn.Module) -> None:
-    # random init leaves norms at 1 / biases at 0: perturb everything so each tensor matters
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for p in model.parameters():
-            if not p.requires_grad:  # fixed tables (Marian's sinusoidal positions)
-                continue
-            p.add_(torch.randn(p.shape, generator=g) * 0.05)
-        for name, b in model.named_buffers():
-            if name.endswith("final_logits_bias"):
-                b.add_(torch.randn(b.shape, generator=g))
-
-
-def save_reference(model: torch.nn.Module, d: Path) -> None:
-    model.save_pretrained(d)  # config.json + model.safetensors
-    sd = model.state_dict()
-    torch.save(sd, d / "pytorch_model.bin")
-    torch.save(sd, d / "legacy.bin", _use_new_zipfile_serialization=False)
 
 
 @pytest.fixture(scope="module")
 def hf_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[torch.nn.Module, Path]]:
-    torch.manual_seed(0)
-    out = {}
-    for arch, make in CASES.items():
-        model = make().eval()
-        randomize(model)
-        d = tmp_path_factory.mktemp(arch)
-        save_reference(model, d)
-        out[arch] = (model, d)
-    return out
-
-
-def spec_doc(arch: str, d: Path, ckpt: str) -> dict:
-    if ckpt == "safetensors":
-        source = {"format": "hf", "files": [str(d)]}
-    else:
-        name = "pytorch_model.bin" if ckpt == "pickle_zip" else "legacy.bin"
-        source = {"format": "pickle", "files": [str(d / name)], "config": str(d / "config.json")}
-    return {"name": f"tiny-{arch}", "base": f"arch/{arch}", "source": source}
+    return save_models(CASES, tmp_path_factory)
 
 
 def ids(n: int, seed: int) -> torch.Tensor:

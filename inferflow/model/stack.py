@@ -107,7 +107,6 @@ class Stack(nn.Module):
         super().__init__()
         net, h = spec.network, spec.hparams
         self.n_layers = n_layers
-        self.shared_embed = embed is not None
         if embed is None:
             self.tok_embed = Embedding(h.vocab_size, h.hidden)
         self._shared = [embed]  # a list: not registered as this stack's child

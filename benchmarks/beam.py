@@ -24,9 +24,8 @@ from pathlib import Path
 
 import torch
 
-from inferflow.engine import search as search_mod
 from inferflow.engine.output_layer import fused_topk, naive_topk
-from inferflow.engine.search import SearchParams, beam_search
+from inferflow.engine.search import SearchParams, SearchStats, beam_search
 from inferflow.model.build import load_model
 from inferflow.spec import load_spec
 
@@ -92,28 +91,6 @@ def random_marian(d: Path) -> torch.nn.Module:
     return load_model(load_spec(d / "spec.yaml"))
 
 
-class StepCounter:
-    """Counts decoder steps and hypothesis rows by wrapping the search's forward."""
-
-    def __init__(self) -> None:
-        self.steps = self.rows = 0
-        self._orig = search_mod._Search._forward
-
-    def __enter__(self) -> StepCounter:
-        counter = self
-
-        def counted(self_, seqs, starts):  # type: ignore[no-untyped-def]
-            counter.steps += 1
-            counter.rows += len(seqs)
-            return counter._orig(self_, seqs, starts)
-
-        search_mod._Search._forward = counted  # type: ignore[method-assign]
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        search_mod._Search._forward = self._orig  # type: ignore[method-assign]
-
-
 def search_table(model: torch.nn.Module, sources: list[list[int]], repeats: int) -> None:
     print(
         f"\n## 2. Beam search on a random Marian (vocab 32000, d 256, 3+3 layers), {len(sources)} sources, 24 new tokens"
@@ -122,8 +99,8 @@ def search_table(model: torch.nn.Module, sources: list[list[int]], repeats: int)
     print("|---:|---:|---:|---:|---:|")
     for beam in (1, 4, 8):
         p = SearchParams(beam_width=beam, max_new_tokens=24)
-        with StepCounter() as c:
-            beam_search(model, sources, p)
+        c = SearchStats()
+        beam_search(model, sources, p, stats=c)
         t_naive = best_of(lambda p=p: beam_search(model, sources, p, fused=False), repeats)
         t_fused = best_of(lambda p=p: beam_search(model, sources, p, fused=True), repeats)
         print(
@@ -160,8 +137,8 @@ def drop_table(repeats: int) -> None:
         p = SearchParams(beam_width=beam, max_new_tokens=100)
         out = {}
         for drop in (False, True):
-            with StepCounter() as c:
-                beam_search(lm.model, sources, p, drop_finished=drop)
+            c = SearchStats()
+            beam_search(lm.model, sources, p, drop_finished=drop, stats=c)
             t = best_of(
                 lambda p=p, drop=drop: beam_search(lm.model, sources, p, drop_finished=drop),
                 repeats,

@@ -15,11 +15,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from inferflow.engine.embed import check_pooling, embed_batch, spec_pooling
+from inferflow.engine.embed import embed_batch, resolve_pooling
 from inferflow.engine.generate import StepOutput, generate_tokens
 from inferflow.engine.sampling import SamplingParams
 from inferflow.engine.search import SearchParams, beam_search
 from inferflow.errors import RequestError
+from inferflow.model.batch import check_input
 from inferflow.model.build import load_model, parse_dtype
 from inferflow.quant import get_format
 from inferflow.spec import Spec, load_spec
@@ -84,25 +85,17 @@ class LanguageModel:
         line gives no tokens; too long a line is an error naming ``where`` and both lengths."""
         if not text.strip():
             return []
-        if ids:
+        if not ids:
+            out = self._tok().encode(text, add_special_tokens=True)
+        else:
             try:
                 out = [int(t) for t in text.split()]
             except ValueError:
                 raise RequestError(
                     f"{where}: not space-separated token ids: {text[:60]!r}"
                 ) from None
-            bad = [t for t in out if not 0 <= t < self.spec.hparams.vocab_size]
-            if bad:
-                raise RequestError(
-                    f"{where}: token id {bad[0]} is outside the vocabulary 0..{self.spec.hparams.vocab_size - 1}"
-                )
-        else:
-            out = self._tok().encode(text, add_special_tokens=True)
-        limit = self.spec.hparams.max_positions
-        if len(out) > limit:
-            raise RequestError(
-                f"{where} has {len(out)} tokens; the model takes at most {limit} (max_positions)"
-            )
+        h = self.spec.hparams
+        check_input(out, h.vocab_size, h.max_positions, where)
         return out
 
     def translate_ids(
@@ -165,12 +158,7 @@ class LanguageModel:
         ``embeddings:`` (an encoder-only network without one: mean, L2-normalised)."""
         if isinstance(texts, str):
             raise RequestError("embed takes a list of texts, got one string")
-        if pooling is None:
-            pooling, spec_norm = spec_pooling(self.spec)
-        else:
-            check_pooling(pooling)
-            spec_norm = self.spec.embedding_normalize
-        normalize = spec_norm if normalize is None else normalize
+        pooling, normalize = resolve_pooling(self.spec, pooling, normalize)
         ids = [
             list(t) if isinstance(t, list) else self._tok().encode(t, add_special_tokens=True)
             for t in texts

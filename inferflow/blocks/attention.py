@@ -75,22 +75,22 @@ def attend(
     returns (T, H, D)."""
     T, H, _ = q.shape
     S, KVH, _ = k.shape
-    if causal:
-        visible = k_pos[None, :] <= q_pos[:, None]  # (T, S)
-    else:
-        visible = torch.ones((T, S), dtype=torch.bool, device=q.device)
+    # (T, S) visibility; None: every key is visible (an encoder without a window)
+    visible = k_pos[None, :] <= q_pos[:, None] if causal else None
     if window is not None:
-        visible &= (q_pos[:, None] - k_pos[None, :]) < window
+        near = (q_pos[:, None] - k_pos[None, :]) < window
+        visible = near if visible is None else visible & near
+    if visible is not None and T == 1 and bool(visible.all()):
+        visible = None  # decode step with every key visible: no mask work at all
     qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # (H|KVH, T|S, D)
     if softcap is None:
-        if bias is None and T == 1 and bool(visible.all()):
-            mask = None  # decode step with every key visible: no mask work at all
-        else:
+        mask = None
+        if visible is not None:
             mask = torch.zeros((T, S), dtype=q.dtype, device=q.device).masked_fill(
                 ~visible, float("-inf")
             )
-            if bias is not None:
-                mask = mask + bias.to(q.dtype)
+        if bias is not None:
+            mask = bias.to(q.dtype) if mask is None else mask + bias.to(q.dtype)
         out = F.scaled_dot_product_attention(
             qh[None], kh[None], vh[None], attn_mask=mask, scale=scale, enable_gqa=H != KVH
         )[0]
@@ -102,7 +102,8 @@ def attend(
     s = torch.tanh(s / softcap) * softcap
     if bias is not None:
         s = s + bias.to(s.dtype)
-    s = s.masked_fill(~visible, float("-inf"))
+    if visible is not None:
+        s = s.masked_fill(~visible, float("-inf"))
     p = torch.softmax(s.float(), dim=-1).to(q.dtype)
     return torch.matmul(p, vh).transpose(0, 1)
 
@@ -227,10 +228,17 @@ class CrossAttention(nn.Module):
             raise ValueError("cross-attention needs the encoder output (FlatBatch.cross)")
         q = self.wq(x).view(-1, a.n_heads, a.head_dim)
         out = torch.empty_like(q)
-        for i, s in enumerate(batch.seqs):
-            rows = slice(s.start, s.start + s.length)
-            k, v = batch.cross[i][a.layer]
+        # consecutive sequences over one source (the beams of a search) attend in one call:
+        # cross-attention reads no positions, so their queries simply stack
+        i, n = 0, len(batch.seqs)
+        while i < n:
+            memory, j = batch.cross[i], i + 1
+            while j < n and batch.cross[j] is memory:
+                j += 1
+            rows = slice(batch.seqs[i].start, batch.seqs[j - 1].start + batch.seqs[j - 1].length)
+            k, v = memory[a.layer]
             out[rows] = F.scaled_dot_product_attention(
                 q[rows].transpose(0, 1)[None], k[None], v[None], scale=self.scale
             )[0].transpose(0, 1)
+            i = j
         return self.wo(out.reshape(x.shape[0], -1))

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from typing import Any
 
-from inferflow.engine.embed import check_pooling, spec_pooling
+from inferflow.cli.common import add_dtype, read_lines
+from inferflow.engine.embed import resolve_pooling
 from inferflow.errors import RequestError
 from inferflow.runtime import load
 from inferflow.spec import load_spec
@@ -38,25 +38,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="skip the L2 normalisation the spec declares",
     )
-    p.add_argument(
-        "--dtype",
-        default="float32",
-        choices=("float32", "bfloat16"),
-        help="activation and weight dtype",
-    )
+    add_dtype(p)
     p.set_defaults(run=run)
-
-
-def _read_lines(path: str) -> list[str]:
-    if path == "-":
-        lines = sys.stdin.read().splitlines()
-    else:
-        try:
-            with open(path, encoding="utf-8") as f:
-                lines = f.read().splitlines()
-        except OSError as e:
-            raise RequestError(f"--input: cannot read {path}: {e.strerror}") from None
-    return [line for line in lines if line.strip()]
 
 
 def _short(v: list[Any]) -> list[Any]:
@@ -65,17 +48,13 @@ def _short(v: list[Any]) -> list[Any]:
 
 
 def run(args: argparse.Namespace) -> int:
-    texts = list(args.text) + (_read_lines(args.input) if args.input else [])
+    texts = list(args.text)
+    if args.input:
+        texts += [line for line in read_lines(args.input) if line.strip()]  # blank: skipped
     if not texts:
         raise RequestError("nothing to embed: give --text or --input")
     spec = load_spec(args.spec)
-    if args.pooling is None:
-        pooling, normalize = spec_pooling(spec)
-    else:
-        check_pooling(args.pooling)
-        pooling, normalize = args.pooling, spec.embedding_normalize
-    if args.normalize is not None:
-        normalize = args.normalize
+    pooling, normalize = resolve_pooling(spec, args.pooling, args.normalize)
     # after the cheap checks: bad input fails before weights load
     lm = load(spec, args.dtype)
     for v in lm.embed(texts, pooling, normalize):

@@ -7,6 +7,7 @@ import json
 import sys
 import time
 
+from inferflow.cli.common import add_dtype
 from inferflow.engine.sampling import SamplingParams
 from inferflow.engine.speculative import speculative_generate
 from inferflow.runtime import load
@@ -48,12 +49,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         choices=("exact", "relaxed"),
         help="exact: the target's distribution; relaxed: accept drafts in the target's kept set",
     )
-    p.add_argument(
-        "--dtype",
-        default="float32",
-        choices=("float32", "bfloat16"),
-        help="activation and weight dtype",
-    )
+    add_dtype(p)
     p.add_argument(
         "--quant", default=None, help="quantize weights at load time: a format name, or none"
     )

@@ -11,6 +11,7 @@ import argparse
 import json
 from pathlib import Path
 
+from inferflow.cli.common import add_dtype
 from inferflow.errors import InferflowError
 from inferflow.evaluate import perplexity
 from inferflow.runtime import load
@@ -35,7 +36,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--quant", default=None, help="quantize weights at load time (format name or none)"
     )
-    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    add_dtype(p)
     p.add_argument(
         "--kl-divergence-base",
         type=Path,

@@ -7,6 +7,7 @@ import argparse
 import os
 import re
 
+from inferflow.cli.common import add_dtype
 from inferflow.engine.engine import EngineConfig
 from inferflow.engine.scheduler import SchedulerConfig
 from inferflow.errors import InferflowError
@@ -52,9 +53,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--served-model-name", default=None, help="model id clients send (the spec's name)"
     )
-    p.add_argument(
-        "--dtype", default="float32", choices=("float32", "bfloat16"), help="activation dtype"
-    )
+    add_dtype(p)
     p.add_argument(
         "--quant", default=None, help="re-quantize weights at load: a format name, or none (float)"
     )

@@ -9,9 +9,8 @@ longer than the model's maximum is an error naming the line, before anything run
 from __future__ import annotations
 
 import argparse
-import sys
-from collections.abc import Iterator
 
+from inferflow.cli.common import add_dtype, read_lines
 from inferflow.engine.search import SearchParams
 from inferflow.errors import RequestError
 from inferflow.runtime import load
@@ -36,21 +35,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--n-best", type=int, default=1, help="hypotheses per line, tab-separated (1)")
     p.add_argument("--batch-size", type=int, default=32, help="lines searched together (32)")
     p.add_argument("--ids", action="store_true", help="lines are space-separated token ids")
-    p.add_argument(
-        "--dtype", default="float32", choices=("float32", "bfloat16"), help="weight dtype"
-    )
+    add_dtype(p)
     p.set_defaults(run=run)
-
-
-def _lines(path: str) -> Iterator[str]:
-    if path == "-":
-        yield from (line.rstrip("\n") for line in sys.stdin)
-        return
-    try:
-        with open(path, encoding="utf-8") as f:
-            yield from (line.rstrip("\n") for line in f)
-    except OSError as e:
-        raise RequestError(f"--input: cannot read {path}: {e}") from None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -66,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
         min_new_tokens=args.min_tokens,
         no_repeat_ngram=args.no_repeat_ngram,
     )
-    lines = list(_lines(args.input))
+    lines = read_lines(args.input)
     sources = [
         lm.encode_source(line, ids=args.ids, where=f"line {n}") for n, line in enumerate(lines, 1)
     ]

@@ -15,8 +15,7 @@ import torch
 from torch import nn
 
 from inferflow.errors import RequestError
-from inferflow.model.batch import packed
-from inferflow.model.encoder import check_lengths
+from inferflow.model.batch import check_inputs, packed
 from inferflow.spec.types import POOLINGS, Spec
 
 MAX_BATCH_TOKENS = 8192  # tokens per forward pass; an input longer than this runs alone
@@ -41,6 +40,18 @@ def spec_pooling(spec: Spec) -> tuple[str, bool]:
         f"spec {spec.name!r} declares no 'embeddings: {{pooling: {'|'.join(POOLINGS)}}}'; "
         "a decoder's embeddings need one (or give a pooling)"
     )
+
+
+def resolve_pooling(
+    spec: Spec, pooling: str | None = None, normalize: bool | None = None
+) -> tuple[str, bool]:
+    """(pooling, normalize): the caller's where given, else the spec's (``spec_pooling``)."""
+    if pooling is None:
+        pooling, spec_normalize = spec_pooling(spec)
+    else:
+        check_pooling(pooling)
+        spec_normalize = spec.embedding_normalize
+    return pooling, spec_normalize if normalize is None else normalize
 
 
 def _pool(h: torch.Tensor, pooling: str) -> torch.Tensor:
@@ -88,14 +99,7 @@ def embed_batch(
         raise RequestError("no inputs: give at least one")
     if max_batch_tokens < 1:
         raise ValueError(f"max_batch_tokens must be positive, got {max_batch_tokens}")
-    check_lengths(inputs, spec.hparams.max_positions)
-    vocab = spec.hparams.vocab_size
-    for i, ids in enumerate(inputs):
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise RequestError(
-                f"input {i}: token id {bad[0]} is outside the vocabulary (0..{vocab - 1})"
-            )
+    check_inputs(inputs, spec.hparams.vocab_size, spec.hparams.max_positions, "input")
     out: list[torch.Tensor] = [torch.empty(0)] * len(inputs)
     for idx in _passes(inputs, max_batch_tokens):
         batch = packed([inputs[i] for i in idx])

@@ -25,8 +25,8 @@ from torch import nn
 from inferflow.engine.beam import BeamState, Hypothesis
 from inferflow.engine.output_layer import fused_topk, naive_topk
 from inferflow.errors import RequestError
-from inferflow.model.batch import FlatBatch, SeqSlice
-from inferflow.model.encoder import EncoderDecoder, check_lengths
+from inferflow.model.batch import FlatBatch, SeqSlice, check_inputs
+from inferflow.model.encoder import EncoderDecoder
 
 
 @dataclass(frozen=True)
@@ -119,9 +119,17 @@ def ngram_bans(tokens: list[int], n: int) -> list[int]:
 @dataclass
 class _Beam:
     src: int  # which input
-    prefix: list[int]  # decoder tokens before the generated ones (start token / prompt)
+    tokens: list[int]  # decoder tokens: the prefix (start token / prompt), then generated ones
     out: list[int]  # generated tokens
     logprob: float
+
+
+@dataclass
+class SearchStats:
+    """What a search computed: decoder passes and hypothesis rows over all of them."""
+
+    steps: int = 0
+    rows: int = 0
 
 
 class _Search:
@@ -133,41 +141,40 @@ class _Search:
         end_ids: set[int],
         fused: bool,
         drop_finished: bool,
+        stats: SearchStats,
     ) -> None:
         self.model, self.params, self.end_ids = model, params, end_ids
-        self.fused, self.drop_finished = fused, drop_finished
+        self.drop_finished, self.stats = drop_finished, stats
+        kind = model.spec.network.type
+        if kind not in ("decoder_only", "encoder_decoder"):
+            raise RequestError(
+                f"spec {model.spec.name!r} is {kind}: beam search needs a decoder "
+                "(decoder_only or encoder_decoder)"
+            )
         h = model.spec.hparams
-        self.seq2seq = isinstance(model, EncoderDecoder)
-        ctx = h.max_positions
-        if self.seq2seq:
-            check_lengths(inputs, ctx, "source")
+        self.memory = None
+        if isinstance(model, EncoderDecoder):  # sources are checked and encoded once, here
+            self.memory = [model.cross_memory(e) for e in model.encode(inputs)]
             prefixes = [[model.start_id] for _ in inputs]
         else:
-            check_lengths(inputs, ctx - 1, "prompt")
+            check_inputs(inputs, h.vocab_size, h.max_positions - 1, "prompt")
             prefixes = [list(x) for x in inputs]
         longest = max(len(p) for p in prefixes)
-        self.max_new = min(params.max_new_tokens, ctx - longest)
+        self.max_new = min(params.max_new_tokens, h.max_positions - longest)
         self.states = [
             BeamState(params.beam_width, params.length_penalty, params.early_stopping)
             for _ in inputs
         ]
         self.beams = [_Beam(i, p, [], 0.0) for i, p in enumerate(prefixes)]
-        rows = len(inputs) * params.beam_width
         dtype = next(model.parameters()).dtype
         self.cache = RowCache(
-            h.n_layers, rows, longest + self.max_new, h.n_kv_heads, h.head_dim, dtype
+            h.n_layers, len(inputs), longest + self.max_new, h.n_kv_heads, h.head_dim, dtype
         )
-        self.cache.select(torch.arange(len(inputs)))
-        self.memory = None
-        if self.seq2seq:
-            enc = model.encode(inputs)
-            self.memory = [model.cross_memory(e) for e in enc]
-        head = model.dec.head() if fused else None
-        self.head = head
-        self.out_scale = model.dec.output_scale
+        self.head = model.dec.head() if fused else None
 
-    def _forward(self, seqs: list[list[int]], starts: list[int]) -> torch.Tensor:
-        """Hidden states of each row's last new token."""
+    def _forward(self, seqs: list[list[int]]) -> torch.Tensor:
+        """Hidden states of each live beam's last new token (``seqs``: its new tokens)."""
+        starts = self.cache.lens.tolist()
         ids = torch.tensor([t for s in seqs for t in s], dtype=torch.long)
         pos = torch.cat([torch.arange(a, a + len(s)) for a, s in zip(starts, seqs, strict=True)])
         slices, at = [], 0
@@ -186,69 +193,64 @@ class _Search:
             batch.cross = [self.memory[b.src] for b in self.beams]
         h = self.model.hidden_states(batch)
         self.cache.advance(torch.tensor([len(s) for s in seqs]))
+        self.stats.steps += 1
+        self.stats.rows += len(seqs)
         return h[torch.tensor([sl.start + sl.length - 1 for sl in slices])]
 
     def _candidates(self, h: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         p = self.params
         banned = []
         for b in self.beams:
-            ban = ngram_bans(b.prefix + b.out, p.no_repeat_ngram) if p.no_repeat_ngram else []
+            ban = ngram_bans(b.tokens, p.no_repeat_ngram) if p.no_repeat_ngram else []
             if len(b.out) < p.min_new_tokens:
                 ban = ban + sorted(self.end_ids)
             banned.append(ban)
         if self.head is not None:
-            if self.out_scale is not None:
-                h = h * torch.tensor(self.out_scale, dtype=h.dtype)
-            return fused_topk(h, self.head[0], self.head[1], k, banned)
+            return fused_topk(self.model.dec.head_input(h), *self.head, k, banned)
         return naive_topk(h, self.model.logits, k, banned)
 
+    def _select(
+        self, src: int, rows: list[int], logp: torch.Tensor, toks: torch.Tensor, last: bool
+    ) -> list[tuple[int, _Beam]]:
+        """Input ``src``'s next beams from its live rows' candidates: (parent row, beam)."""
+        W = self.params.beam_width
+        beams = [self.beams[r] for r in rows]
+        total = (torch.tensor([b.logprob for b in beams])[:, None] + logp[rows]).flatten()
+        values, flat = total.topk(min(2 * W, total.numel()))
+        per_row = toks.shape[1]
+        ranked = [
+            (f // per_row, int(toks[rows[f // per_row], f % per_row]), v)
+            for v, f in zip(values.tolist(), flat.tolist(), strict=True)
+        ]
+        picks = self.states[src].choose(ranked, [b.out for b in beams], self.end_ids, last)
+        return [
+            (rows[i], _Beam(src, [*beams[i].tokens, t], [*beams[i].out, t], v)) for i, t, v in picks
+        ]
+
     def run(self) -> list[list[Hypothesis]]:
-        p = self.params
-        W = p.beam_width
         with torch.inference_mode():
-            h = self._forward([b.prefix for b in self.beams], [0] * len(self.beams))
+            h = self._forward([b.tokens for b in self.beams])
             for step in range(self.max_new):
-                logp, toks = self._candidates(h, 2 * W)
-                last = step == self.max_new - 1
-                keep: list[int] = []
-                nxt: list[_Beam] = []
+                logp, toks = self._candidates(h, 2 * self.params.beam_width)
                 by_src: dict[int, list[int]] = {}
                 for r, b in enumerate(self.beams):
                     by_src.setdefault(b.src, []).append(r)
+                nxt: list[tuple[int, _Beam]] = []
                 for src, rows in by_src.items():
                     state = self.states[src]
-                    if state.done:  # kept in the batch (drop_finished off): ignored
-                        keep += rows
-                        nxt += [self.beams[r] for r in rows]
-                        continue
-                    scores = torch.tensor([self.beams[r].logprob for r in rows])[:, None]
-                    total = (scores + logp[rows]).flatten()
-                    values, flat = total.topk(min(2 * W, total.numel()))
-                    ranked = [
-                        (
-                            f // toks.shape[1],
-                            int(toks[rows[f // toks.shape[1]], f % toks.shape[1]]),
-                            v,
-                        )
-                        for v, f in zip(values.tolist(), flat.tolist(), strict=True)
-                    ]
-                    picks = state.choose(
-                        ranked, [self.beams[r].out for r in rows], self.end_ids, last
-                    )
-                    if not self.drop_finished and state.done:
-                        picks = picks or [(0, 0, 0.0)]  # a placeholder row keeps computing
-                    if state.done and self.drop_finished:
-                        continue
-                    for parent, tok, v in picks:
-                        pb = self.beams[rows[parent]]
-                        keep.append(rows[parent])
-                        nxt.append(_Beam(src, pb.prefix, [*pb.out, tok], v))
-                if not nxt or all(s.done for s in self.states):
+                    if not state.done:
+                        picks = self._select(src, rows, logp, toks, step == self.max_new - 1)
+                        if not state.done:
+                            nxt += picks
+                            continue
+                    if not self.drop_finished:  # a static batch: the rows of a finished
+                        nxt += [(r, self.beams[r]) for r in rows]  # input compute, unused
+                if all(s.done for s in self.states):
                     break
-                self.cache.select(torch.tensor(keep, dtype=torch.long))
-                self.beams = nxt
-                h = self._forward([[b.out[-1]] for b in nxt], self.cache.lens.tolist())
-        return [s.finished[: p.num_return] for s in self.states]
+                self.cache.select(torch.tensor([r for r, _ in nxt], dtype=torch.long))
+                self.beams = [b for _, b in nxt]
+                h = self._forward([b.tokens[-1:] for b in self.beams])
+        return [s.finished[: self.params.num_return] for s in self.states]
 
 
 def beam_search(
@@ -258,11 +260,16 @@ def beam_search(
     end_ids: set[int] | tuple[int, ...] = (),
     fused: bool = True,
     drop_finished: bool = True,
+    stats: SearchStats | None = None,
 ) -> list[list[Hypothesis]]:
     """For each input (an encoder-decoder's source, or a decoder-only prompt), its
-    ``num_return`` best hypotheses (generated tokens, summed log-probability)."""
+    ``num_return`` best hypotheses (generated tokens, summed log-probability). ``end_ids``
+    default to the checkpoint's end token; ``stats`` (if given) counts the work done."""
     if not inputs:
         return []
     if not end_ids and model.spec.hparams.eos_id is not None:
         end_ids = (model.spec.hparams.eos_id,)
-    return _Search(model, inputs, params, set(end_ids), fused, drop_finished).run()
+    search = _Search(
+        model, inputs, params, set(end_ids), fused, drop_finished, stats or SearchStats()
+    )
+    return search.run()

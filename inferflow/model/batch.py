@@ -13,6 +13,8 @@ from typing import Protocol
 
 import torch
 
+from inferflow.errors import RequestError
+
 
 class GroupKVView(Protocol):
     """All sequences of a pure decode step (one new token each) at once: writes the new K/V and
@@ -64,6 +66,27 @@ class NoCache:
         self, layer: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return k, v, positions
+
+
+def check_input(ids: list[int], vocab_size: int, limit: int, name: str) -> None:
+    """A token-id input a network can take whole: not empty, every id in the vocabulary, at most
+    ``limit`` tokens (never truncated). Errors name the input (``name``) and the bounds."""
+    if not ids:
+        raise RequestError(f"{name} is empty: give at least one token")
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise RequestError(
+            f"{name}: token id {bad[0]} is outside the vocabulary 0..{vocab_size - 1}"
+        )
+    if len(ids) > limit:
+        raise RequestError(
+            f"{name} has {len(ids)} tokens; the model takes at most {limit} (max_positions)"
+        )
+
+
+def check_inputs(inputs: list[list[int]], vocab_size: int, limit: int, what: str) -> None:
+    for i, ids in enumerate(inputs):
+        check_input(ids, vocab_size, limit, f"{what} {i}")
 
 
 def packed(seqs: list[list[int]]) -> FlatBatch:

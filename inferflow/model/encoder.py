@@ -12,21 +12,11 @@ import torch
 from torch import nn
 
 from inferflow.errors import RequestError
-from inferflow.model.batch import FlatBatch, packed
+from inferflow.model.batch import FlatBatch, check_inputs, packed
 from inferflow.model.stack import Stack
 from inferflow.spec.types import Spec
 
 CrossMemory = list[tuple[torch.Tensor, torch.Tensor]]  # per decoder layer: (K, V), (H, S, D)
-
-
-def check_lengths(sources: list[list[int]], limit: int, what: str = "input") -> None:
-    for i, s in enumerate(sources):
-        if not s:
-            raise RequestError(f"{what} {i} is empty: give at least one token")
-        if len(s) > limit:
-            raise RequestError(
-                f"{what} {i} has {len(s)} tokens; the model takes at most {limit} (max_positions)"
-            )
 
 
 class EncoderOnly(nn.Module):
@@ -67,7 +57,8 @@ class EncoderDecoder(nn.Module):
 
     def encode(self, sources: list[list[int]]) -> list[torch.Tensor]:
         """Each source's encoder output (S_i, hidden), all sources in one packed pass."""
-        check_lengths(sources, self.spec.hparams.max_positions, "source")
+        h = self.spec.hparams
+        check_inputs(sources, h.vocab_size, h.max_positions, "source")
         batch = packed(sources)
         out = self.enc.hidden_states(batch)
         return [out[s.start : s.start + s.length] for s in batch.seqs]

@@ -128,23 +128,20 @@ class Stack(nn.Module):
         self.pos_local = (
             pos_cls(args, theta_key="local_theta") if "local_theta" in net.position else None
         )
-        if net.token_types:
-            self.type_embed = Embedding(h.type_vocab_size, h.hidden)
+        self.type_embed = Embedding(h.type_vocab_size, h.hidden) if net.token_types else None
         norm = NORMS.get(net.norm)
-        if net.embedding_norm:
-            self.embed_norm = norm(h.hidden, h.norm_eps)
+        self.embed_norm = norm(h.hidden, h.norm_eps) if net.embedding_norm else None
         windows = self._windows(net, h, n_layers)
         for i in range(n_layers):
             self.add_module(str(i), Layer(net, h, i, windows[i], causal, cross))
-        if net.final_norm:
-            self.output_norm = norm(h.hidden, h.norm_eps)
+        self.output_norm = norm(h.hidden, h.norm_eps) if net.final_norm else None
         self.output: Linear | None = None
+        self.logits_bias: nn.Parameter | None = None
         if head:
-            if net.tied_output:
-                if net.output_bias:  # BART / Marian: final_logits_bias beside a tied head
-                    self.logits_bias = nn.Parameter(torch.empty(h.vocab_size))
-            else:
+            if not net.tied_output:
                 self.output = Linear(h.hidden, h.vocab_size, bias=net.output_bias)
+            elif net.output_bias:  # BART / Marian: final_logits_bias beside a tied head
+                self.logits_bias = nn.Parameter(torch.empty(h.vocab_size))
         self.embed_scale = _scale(net.embedding_scale, "sqrt_hidden", h.hidden)
         self.output_scale = _scale(net.output_scale, "inv_sqrt_hidden", h.hidden)
         self.final_softcap = net.final_softcap
@@ -177,33 +174,38 @@ class Stack(nn.Module):
         pe = self.pos_embed.embed(batch.positions)
         if pe is not None:
             x = x + pe.to(x.dtype)
-        if hasattr(self, "type_embed"):
+        if self.type_embed is not None:
             x = x + self.type_embed.weight[0]  # single-segment inputs: token type 0
-        if hasattr(self, "embed_norm"):
+        if self.embed_norm is not None:
             x = self.embed_norm(x)
         for layer in self.layers():
             pos = self.pos_local if layer.local and self.pos_local is not None else self.pos_embed
             x = layer(x, batch, pos)
-        return self.output_norm(x) if hasattr(self, "output_norm") else x
+        return self.output_norm(x) if self.output_norm is not None else x
+
+    def head_input(self, h: torch.Tensor) -> torch.Tensor:
+        """Final hidden states as the head reads them (scaled first where the spec says so)."""
+        if self.output_scale is None:
+            return h
+        return h * torch.tensor(self.output_scale, dtype=h.dtype)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
-        if self.output_scale is not None:
-            h = h * torch.tensor(self.output_scale, dtype=h.dtype)
+        h = self.head_input(h)
         if self.output is not None:
             out = self.output(h)
         else:
-            out = nn.functional.linear(h, self.embedding.weight, getattr(self, "logits_bias", None))
+            out = nn.functional.linear(h, self.embedding.weight, self.logits_bias)
         if self.final_softcap is not None:
             out = torch.tanh(out / self.final_softcap) * self.final_softcap
         return out
 
     def head(self) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-        """(weight, bias) of a float output layer, for a fused output layer; None when the head
-        is quantized or soft-capped (``output_scale`` is the caller's to apply)."""
+        """(weight, bias) of a float output layer, for a fused output layer that reads
+        ``head_input(h)``; None when the head is quantized or soft-capped."""
         if self.final_softcap is not None:
             return None
         if self.output is None:
-            return self.embedding.weight, getattr(self, "logits_bias", None)
+            return self.embedding.weight, self.logits_bias
         if type(self.output) is Linear:
             return self.output.weight, self.output.bias
         return None

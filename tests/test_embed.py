@@ -235,3 +235,10 @@ def test_cli_errors(capsys: pytest.CaptureFixture[str]) -> None:
     assert "nothing to embed" in capsys.readouterr().err
     assert main(["embed", MINILM, "--text", "word " * 600]) == 2
     assert "has 602 tokens; the model takes at most 512" in capsys.readouterr().err
+
+
+def test_beam_search_refuses_an_encoder_only_model(tiny_bert) -> None:  # noqa: ANN001
+    from inferflow.engine.search import SearchParams, beam_search
+
+    with pytest.raises(RequestError, match="encoder_only: beam search needs a decoder"):
+        beam_search(tiny_bert[1], [[5, 6]], SearchParams())

@@ -179,4 +179,11 @@ def load(
     elif quant is not None:
         get_format(quant)  # an unknown name fails here, listing the known ones, before loading
         q = QuantSpec(quant, spec.quant.overrides)
+    if spec.partition is not None:  # every rank loads its own share (inferflow.parallel)
+        from inferflow.parallel.layout import resolve_layout
+        from inferflow.parallel.runtime import launch
+
+        layout = resolve_layout(spec.partition, spec, q)
+        tokenizer = tokenizer_for(spec)  # a bad tokenizer fails before processes start
+        return LanguageModel(spec, launch(spec, layout, dt, q), tokenizer)
     return LanguageModel(spec, load_model(spec, dt, q), tokenizer_for(spec))

@@ -17,6 +17,7 @@ from torch.nn import functional as F
 from inferflow.blocks.linear import Linear
 from inferflow.blocks.norm import NormFactory
 from inferflow.blocks.position import PositionBlock
+from inferflow.blocks.split import WHOLE, TensorSplit
 from inferflow.model.batch import FlatBatch
 
 QKV_LAYOUTS = ("concat", "per_head", "per_group")
@@ -141,10 +142,15 @@ def attend_decode_group(
 
 
 class Attention(nn.Module):
-    def __init__(self, a: AttnArgs) -> None:
+    """With a tensor-parallel ``split`` it holds this rank's heads only (inferflow.blocks.split);
+    ``wo``'s output is then a partial sum the caller reduces across the group."""
+
+    def __init__(self, a: AttnArgs, split: TensorSplit = WHOLE) -> None:
         super().__init__()
-        self.a = a
-        H, KVH, D = a.n_heads, a.n_kv_heads, a.head_dim
+        self.a, self.split = a, split
+        self.n_heads = a.n_heads // split.size
+        self.kv_first, self.n_kv_heads = split.kv_heads(a.n_kv_heads)
+        H, KVH, D = self.n_heads, self.n_kv_heads, a.head_dim
         self.q_rows, self.kv_rows = H * D, KVH * D
         self.wqkv = Linear(a.hidden, self.q_rows + 2 * self.kv_rows, bias=a.bias != "none")
         self.wo = Linear(H * D, a.hidden, bias=a.bias == "all")
@@ -162,13 +168,29 @@ class Attention(nn.Module):
         a = self.a
         return split_fused_qkv(tensor, a.qkv_layout, a.n_heads, a.n_kv_heads, a.head_dim)
 
+    def take_slice(self, child: str, leaf: str, shard: str | None, t: torch.Tensor) -> torch.Tensor:
+        """This rank's part of a whole checkpoint tensor for ``child.leaf`` (q / k / v shard)."""
+        s, D = self.split, self.a.head_dim
+        if s.size == 1:
+            return t
+        q = slice(s.rank * self.q_rows, (s.rank + 1) * self.q_rows)
+        kv = slice(self.kv_first * D, self.kv_first * D + self.kv_rows)
+        if child == "wqkv":
+            if shard is None:  # a fused checkpoint tensor, already in [q; k; v] order
+                Q, KV = self.a.n_heads * D, self.a.n_kv_heads * D
+                return torch.cat([t[:Q][q], t[Q : Q + KV][kv], t[Q + KV :][kv]])
+            return t[q] if shard == "q" else t[kv]
+        if child == "wo":
+            return s.row_parallel(leaf, t, q)
+        return t  # q_norm / k_norm act per head_dim: the same on every rank
+
     def forward(self, x: torch.Tensor, batch: FlatBatch, pos: PositionBlock) -> torch.Tensor:
         a = self.a
         N = x.shape[0]
         qkv = self.wqkv(x)
-        q = qkv[:, : self.q_rows].view(N, a.n_heads, a.head_dim)
-        k = qkv[:, self.q_rows : self.q_rows + self.kv_rows].view(N, a.n_kv_heads, a.head_dim)
-        v = qkv[:, self.q_rows + self.kv_rows :].view(N, a.n_kv_heads, a.head_dim)
+        q = qkv[:, : self.q_rows].view(N, self.n_heads, a.head_dim)
+        k = qkv[:, self.q_rows : self.q_rows + self.kv_rows].view(N, self.n_kv_heads, a.head_dim)
+        v = qkv[:, self.q_rows + self.kv_rows :].view(N, self.n_kv_heads, a.head_dim)
         if a.qk_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = pos.rotate(q, k, batch.positions)

@@ -11,18 +11,32 @@ from torch import nn
 
 from inferflow.blocks.activation import Activation
 from inferflow.blocks.linear import Linear
+from inferflow.blocks.split import WHOLE, TensorSplit
 from inferflow.registry import Registry
 
 
 class GatedFFN(nn.Module):
-    def __init__(self, hidden: int, inner: int, act: Activation, bias: bool) -> None:
+    """With a tensor-parallel ``split``: this rank's inner units (inferflow.blocks.split)."""
+
+    def __init__(
+        self, hidden: int, inner: int, act: Activation, bias: bool, split: TensorSplit = WHOLE
+    ) -> None:
         super().__init__()
-        self.inner, self.act = inner, act
-        self.w13 = Linear(hidden, 2 * inner, bias=bias)
-        self.w2 = Linear(inner, hidden, bias=bias)
+        self.full, self.split = inner, split
+        self.inner, self.act = inner // split.size, act
+        self.w13 = Linear(hidden, 2 * self.inner, bias=bias)
+        self.w2 = Linear(self.inner, hidden, bias=bias)
 
     def shard_rows(self, shard: str) -> slice:
         return {"w1": slice(0, self.inner), "w3": slice(self.inner, 2 * self.inner)}[shard]
+
+    def take_slice(self, child: str, leaf: str, shard: str | None, t: torch.Tensor) -> torch.Tensor:
+        if self.split.size == 1:
+            return t
+        part, F = self.split.part(self.full), self.full
+        if child == "w2":
+            return self.split.row_parallel(leaf, t, part)
+        return t[part] if shard is not None else torch.cat([t[:F][part], t[F:][part]])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.w13(x)
@@ -30,11 +44,19 @@ class GatedFFN(nn.Module):
 
 
 class PlainFFN(nn.Module):
-    def __init__(self, hidden: int, inner: int, act: Activation, bias: bool) -> None:
+    def __init__(
+        self, hidden: int, inner: int, act: Activation, bias: bool, split: TensorSplit = WHOLE
+    ) -> None:
         super().__init__()
-        self.act = act
-        self.w1 = Linear(hidden, inner, bias=bias)
-        self.w2 = Linear(inner, hidden, bias=bias)
+        self.act, self.full, self.split = act, inner, split
+        self.w1 = Linear(hidden, inner // split.size, bias=bias)
+        self.w2 = Linear(inner // split.size, hidden, bias=bias)
+
+    def take_slice(self, child: str, leaf: str, shard: str | None, t: torch.Tensor) -> torch.Tensor:
+        if self.split.size == 1:
+            return t
+        part = self.split.part(self.full)
+        return self.split.row_parallel(leaf, t, part) if child == "w2" else t[part]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(self.act(self.w1(x)))

@@ -45,6 +45,9 @@ class PositionBlock(nn.Module):
     def bias(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor | None:
         return None
 
+    def keep_heads(self, heads: slice) -> None:
+        """Tensor parallelism: bias() answers for these heads only (a no-op without a bias)."""
+
 
 POSITIONS: Registry[type[PositionBlock]] = Registry("position")
 ROPE_SCALINGS: Registry[Any] = Registry("rope scaling")
@@ -214,6 +217,9 @@ class Alibi(PositionBlock):
         # slope * key position: differs from slope * (k - q) by a per-row constant (softmax-invariant)
         b = self.slopes[:, None, None] * k_pos.float()[None, None, :]
         return b.expand(-1, q_pos.shape[0], -1)
+
+    def keep_heads(self, heads: slice) -> None:
+        self.slopes = self.slopes[heads].clone()
 
 
 SINUSOIDAL_VARIANTS = ("fairseq", "paper")

@@ -23,6 +23,9 @@ class Wiring:
     norms: tuple[str, ...]
     forward: Callable[..., torch.Tensor]  # (n, x, attn, ffn, cross=None) -> x
     cross: bool = False  # takes a cross-attention branch (``cross_norm``) between attn and ffn
+    # parallel wirings: (n, x, attn, ffn) -> the update added to x; tensor parallelism sums it
+    # across ranks in one all-reduce per layer instead of one per branch
+    delta: Callable[..., torch.Tensor] | None = None
 
 
 RESIDUALS: Registry[Wiring] = Registry("residual")
@@ -47,15 +50,19 @@ def _post(
     return n.ffn_norm(h + ffn(h))
 
 
-def _parallel(n: Any, x: torch.Tensor, attn: Branch, ffn: Branch) -> torch.Tensor:
+def _parallel_delta(n: Any, x: torch.Tensor, attn: Branch, ffn: Branch) -> torch.Tensor:
     # GPT-NeoX / GPT-J: both branches read x, each through its own norm
-    return x + attn(n.attn_norm(x)) + ffn(n.ffn_norm(x))
+    return attn(n.attn_norm(x)) + ffn(n.ffn_norm(x))
 
 
-def _parallel_shared(n: Any, x: torch.Tensor, attn: Branch, ffn: Branch) -> torch.Tensor:
+def _parallel_shared_delta(n: Any, x: torch.Tensor, attn: Branch, ffn: Branch) -> torch.Tensor:
     # Phi / Falcon-7B: one norm feeds both branches
     h = n.attn_norm(x)
-    return x + attn(h) + ffn(h)
+    return attn(h) + ffn(h)
+
+
+def _adding(delta: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    return lambda n, x, attn, ffn: x + delta(n, x, attn, ffn)
 
 
 def _sandwich(n: Any, x: torch.Tensor, attn: Branch, ffn: Branch) -> torch.Tensor:
@@ -66,8 +73,14 @@ def _sandwich(n: Any, x: torch.Tensor, attn: Branch, ffn: Branch) -> torch.Tenso
 
 RESIDUALS.add("pre_norm", Wiring(("attn_norm", "ffn_norm"), _pre, cross=True))
 RESIDUALS.add("post_norm", Wiring(("attn_norm", "ffn_norm"), _post, cross=True))
-RESIDUALS.add("parallel", Wiring(("attn_norm", "ffn_norm"), _parallel))
-RESIDUALS.add("parallel_shared_norm", Wiring(("attn_norm",), _parallel_shared))
+RESIDUALS.add(
+    "parallel",
+    Wiring(("attn_norm", "ffn_norm"), _adding(_parallel_delta), delta=_parallel_delta),
+)
+RESIDUALS.add(
+    "parallel_shared_norm",
+    Wiring(("attn_norm",), _adding(_parallel_shared_delta), delta=_parallel_shared_delta),
+)
 RESIDUALS.add(
     "sandwich", Wiring(("attn_norm", "post_attn_norm", "ffn_norm", "post_ffn_norm"), _sandwich)
 )

@@ -19,6 +19,7 @@ SUBCOMMANDS = (
     "ppl",
     "convert",
     "quantize",
+    "plan",
 )
 
 

@@ -53,8 +53,10 @@ class Engine:
             )
         h = model.spec.hparams
         dtype = next(model.parameters()).dtype
+        # a partitioned model's rank 0 keeps K/V for its own layers and KV heads only
+        n_layers, n_kv, head_dim = model.kv_geometry()
         per_block = PagedKVCache.bytes_per_block(
-            h.n_layers, h.n_kv_heads, h.head_dim, self.config.block_size, dtype
+            n_layers, n_kv, head_dim, self.config.block_size, dtype
         )
         num_blocks = self.config.kv_cache_bytes // per_block
         if num_blocks < 1:
@@ -63,7 +65,7 @@ class Engine:
                 f"{self.config.block_size} tokens needs {per_block} bytes"
             )
         self.cache = PagedKVCache(
-            h.n_layers, h.n_kv_heads, h.head_dim, self.config.block_size, num_blocks, dtype
+            n_layers, n_kv, head_dim, self.config.block_size, num_blocks, dtype
         )
         sched = self.config.scheduler
         if self.config.deterministic and sched.prefix_caching:

@@ -83,6 +83,8 @@ class PagedKVCache:
         self.block_size = block_size
         self.alloc = BlockAllocator(num_blocks)
         self.prefix: dict[int, int] = {}  # prefix hash -> block
+        # (source, copy) of each copy-on-write, when a partitioned model mirrors them elsewhere
+        self.copy_log: list[tuple[int, int]] | None = None
 
     @staticmethod
     def bytes_per_block(
@@ -148,6 +150,8 @@ class PagedKVCache:
             bs = self.block_size
             self.k[:, new * bs : (new + 1) * bs] = self.k[:, block * bs : (block + 1) * bs]
             self.v[:, new * bs : (new + 1) * bs] = self.v[:, block * bs : (block + 1) * bs]
+            if self.copy_log is not None:
+                self.copy_log.append((block, new))
             self.alloc.decref(block)
             seq.blocks[index] = new
             del seq.hashes[index:]

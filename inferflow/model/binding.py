@@ -75,17 +75,29 @@ def _resolve(model: nn.Module, params: dict[str, nn.Parameter], canon: str) -> _
     return None
 
 
+def _take_slice(model: nn.Module, param: str, shard: str | None, t: torch.Tensor) -> torch.Tensor:
+    """A tensor-parallel block's part of a whole checkpoint tensor (the block knows its cut)."""
+    path = param.rsplit(".", 2)
+    if len(path) < 3:  # e.g. dec.logits_bias: not inside a block
+        return t
+    take = getattr(model.get_submodule(path[0]), "take_slice", None)
+    return t if take is None else take(path[1], path[2], shard, t)
+
+
 def bind_weights(
     model: nn.Module,
     source: WeightSource,
     name_map: NameMap,
     quantized: dict[str, dict[int, QuantTensor]] | None = None,
+    elsewhere: Callable[[str], bool] | None = None,
 ) -> set[str]:
     """Copy the checkpoint into the model's parameters; returns the checkpoint names consumed.
 
     With ``quantized``, every checkpoint tensor stored quantized that lands unchanged (no
-    transpose or reorder) in a parameter is also recorded there as ``{param: {first row:
-    QuantTensor}}``, so a caller can keep the blocks (inferflow.quant.apply.keep_checkpoint).
+    transpose, reorder or tensor-parallel slice) in a parameter is also recorded there as
+    ``{param: {first row: QuantTensor}}``, so a caller can keep the blocks
+    (inferflow.quant.apply.keep_checkpoint). ``elsewhere(canonical name)``: tensors another rank
+    of a partitioned model holds; they are neither read nor reported unused.
     """
     params = dict(model.named_parameters())
     filled: dict[str, set[str | None]] = {}
@@ -99,6 +111,9 @@ def bind_weights(
                 unused.append(name)
             continue
         canon, transpose = mapped
+        if elsewhere is not None and elsewhere(canon):
+            consumed.add(name)
+            continue
         target = _resolve(model, params, canon)
         if target is None:
             unused.append(f"{name} (as {canon})")
@@ -113,19 +128,27 @@ def bind_weights(
             t = t.t()
         param = params[target.param]
         dest = param.data if target.rows is None else param.data[target.rows]
+        if target.prepare is not None:
+            try:
+                t = target.prepare(t)
+            except RuntimeError:  # a reorder that cannot view the tensor: a wrong shape
+                errors.append(f"{name}: shape {list(t.shape)} does not fit the fused {canon}")
+                continue
+        whole = t
+        t = _take_slice(model, target.param, target.shard, t)
         if t.shape != dest.shape and t.squeeze().shape == dest.squeeze().shape:
             t = t.reshape(dest.shape)  # e.g. BART's final_logits_bias, stored (1, vocab)
         if tuple(t.shape) != tuple(dest.shape):
+            cut = "" if t is whole else f" (this rank's part of {list(whole.shape)})"
             errors.append(
-                f"{name}: shape {list(t.shape)} does not fit {canon} of shape {list(dest.shape)}"
+                f"{name}: shape {list(t.shape)}{cut} does not fit {canon} of shape "
+                f"{list(dest.shape)}"
             )
             continue
-        if target.prepare is not None:
-            t = target.prepare(t)
         with torch.no_grad():
             dest.copy_(t)
         if quantized is not None and isinstance(w, QuantTensor) and not transpose:
-            if target.prepare is None:
+            if target.prepare is None and t is whole:
                 first = 0 if target.rows is None else target.rows.start
                 quantized.setdefault(target.param, {})[first] = w
         filled.setdefault(target.param, set()).add(shard_key)

@@ -16,6 +16,7 @@ from inferflow.model.binding import bind_weights
 from inferflow.model.decoder import DecoderOnly
 from inferflow.model.encoder import EncoderDecoder, EncoderOnly
 from inferflow.model.names import NameMap
+from inferflow.model.stack import StackPart
 from inferflow.quant.tensor import QuantTensor
 from inferflow.registry import Registry
 from inferflow.spec.types import QuantSpec, Spec
@@ -52,17 +53,45 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(saved)
 
 
-def build_network(spec: Spec, dtype: torch.dtype = torch.float32) -> nn.Module:
+def build_network(
+    spec: Spec, dtype: torch.dtype = torch.float32, part: StackPart | None = None
+) -> nn.Module:
     with _default_dtype(dtype):
+        if part is not None:  # one rank's share of a partitioned decoder (inferflow.parallel)
+            return DecoderOnly(spec, part)
         return NETWORKS.get(spec.network.type)(spec)
 
 
+def held_elsewhere(part: StackPart, tied: bool) -> Callable[[str], bool]:
+    """Canonical tensor names that other ranks hold, given this rank's ``part``."""
+    embeds = ("dec.type_embed.", "dec.embed_norm.", "dec.pos_embed.")
+    heads = ("dec.output.", "dec.output_norm.", "dec.logits_bias")
+
+    def elsewhere(canon: str) -> bool:
+        layer = canon.split(".")[1] if canon.count(".") else ""
+        if layer.isdigit():
+            return not part.first <= int(layer) < part.last
+        if canon.startswith("dec.tok_embed."):
+            return not (part.embedding or (part.head and tied))
+        if canon.startswith(embeds):
+            return not part.embedding
+        return canon.startswith(heads) and not part.head
+
+    return elsewhere
+
+
 def load_model(
-    spec: Spec, dtype: torch.dtype = torch.float32, quant: QuantSpec | None = None
+    spec: Spec,
+    dtype: torch.dtype = torch.float32,
+    quant: QuantSpec | None = None,
+    part: StackPart | None = None,
 ) -> nn.Module:
-    """Network with its weights bound; quantized by ``quant`` (default: the spec's quant section)."""
+    """Network with its weights bound; quantized by ``quant`` (default: the spec's quant section).
+    With ``part``, only that share of the decoder is built and read (each tensor already cut to
+    the rank's tensor-parallel slice)."""
     t0 = time.perf_counter()
-    model = build_network(spec, dtype)
+    model = build_network(spec, dtype, part)
+    elsewhere = None if part is None else held_elsewhere(part, spec.network.tied_output)
     q = spec.quant if quant is None else quant
     # a runtime format replaces the checkpoint's own quantization everywhere
     keep: dict[str, dict[int, QuantTensor]] | None = (
@@ -71,7 +100,7 @@ def load_model(
     ties = tuple(getattr(model, "tied_outputs", ()))
     source = open_files(spec.source.format, spec.source.files)
     try:
-        bind_weights(model, source, NameMap(spec.network.tensors), keep)
+        bind_weights(model, source, NameMap(spec.network.tensors), keep, elsewhere)
         if keep:
             from inferflow.quant.apply import keep_checkpoint
 

@@ -9,17 +9,26 @@ import torch
 from torch import nn
 
 from inferflow.model.batch import FlatBatch
-from inferflow.model.stack import Stack
+from inferflow.model.stack import Stack, StackPart
 from inferflow.spec.types import Spec
 
 
 class DecoderOnly(nn.Module):
-    def __init__(self, spec: Spec) -> None:
+    """``part``: only what one rank of a partitioned model holds (inferflow.parallel)."""
+
+    def __init__(self, spec: Spec, part: StackPart | None = None) -> None:
         super().__init__()
         self.spec = spec
-        self.dec = Stack(spec, spec.hparams.n_layers)
+        self.dec = Stack(spec, spec.hparams.n_layers, part=part)
         # (head, embedding) module paths: quantization may give a tied head its own weight
-        self.tied_outputs = [("dec.output", "dec.tok_embed")] if spec.network.tied_output else []
+        tied = spec.network.tied_output and (part is None or part.head)
+        self.tied_outputs = [("dec.output", "dec.tok_embed")] if tied else []
+
+    def kv_geometry(self) -> tuple[int, int, int]:
+        """(layers, KV heads, head dim) this model keeps K/V for: the KV cache's shape."""
+        layers = self.dec.layers()
+        attn = layers[0].self_attn
+        return len(layers), attn.n_kv_heads, attn.a.head_dim
 
     def hidden_states(self, batch: FlatBatch) -> torch.Tensor:
         return self.dec.hidden_states(batch)

@@ -8,6 +8,8 @@ Module paths equal canonical tensor names (``dec.{i}.self_attn.wqkv.weight``,
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -25,6 +27,7 @@ from inferflow.blocks import (
 )
 from inferflow.blocks.linear import Embedding, Linear
 from inferflow.blocks.position import PositionBlock
+from inferflow.blocks.split import WHOLE, TensorSplit
 from inferflow.errors import SpecError
 from inferflow.model.batch import FlatBatch
 from inferflow.spec.types import HParams, NetworkSpec, Spec
@@ -39,6 +42,8 @@ class Layer(nn.Module):
         window: int | None,
         causal: bool = True,
         cross: bool = False,
+        split: TensorSplit = WHOLE,
+        cache_layer: int | None = None,
     ) -> None:
         super().__init__()
         self.wiring = RESIDUALS.get(net.residual)
@@ -53,7 +58,7 @@ class Layer(nn.Module):
             self.add_module(name, norm(h.hidden, h.norm_eps))
         a = net.attention
         args = AttnArgs(
-            layer=layer,
+            layer=layer if cache_layer is None else cache_layer,
             hidden=h.hidden,
             n_heads=h.n_heads,
             n_kv_heads=h.n_kv_heads,
@@ -67,19 +72,27 @@ class Layer(nn.Module):
             scale=a.scale,
             causal=causal,
         )
-        self.self_attn = Attention(args)
+        self.self_attn = Attention(args, split)
         self.cross_attn = CrossAttention(args) if cross else None
         self.feed_forward = FFNS.get(net.ffn)(
-            h.hidden, h.ffn_hidden, ACTIVATIONS.get(net.activation), net.ffn_bias
+            h.hidden, h.ffn_hidden, ACTIVATIONS.get(net.activation), net.ffn_bias, split
         )
         self.local = window is not None
+        # tensor parallelism: sums the branches' partial outputs across the group
+        self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor, batch: FlatBatch, pos: PositionBlock) -> torch.Tensor:
         attn = lambda t: self.self_attn(t, batch, pos)  # noqa: E731
-        cross = self.cross_attn
+        ffn: Callable[[torch.Tensor], torch.Tensor] = self.feed_forward
+        r, cross = self.reduce, self.cross_attn
+        if r is not None:
+            if self.wiring.delta is not None:  # parallel branches: one all-reduce per layer
+                return x + r(self.wiring.delta(self, x, attn, ffn))
+            attn = lambda t: r(self.self_attn(t, batch, pos))  # noqa: E731
+            ffn = lambda t: r(self.feed_forward(t))  # noqa: E731
         if cross is None:
-            return self.wiring.forward(self, x, attn, self.feed_forward)
-        return self.wiring.forward(self, x, attn, self.feed_forward, lambda t: cross(t, batch))
+            return self.wiring.forward(self, x, attn, ffn)
+        return self.wiring.forward(self, x, attn, ffn, lambda t: cross(t, batch))
 
 
 def _scale(value: str | float | None, named: str, hidden: int) -> float | None:
@@ -90,10 +103,24 @@ def _scale(value: str | float | None, named: str, hidden: int) -> float | None:
     return float(value)
 
 
+@dataclass(frozen=True)
+class StackPart:
+    """The share of a stack one rank of a partitioned model holds (inferflow.parallel): layers
+    [first, last), the embeddings (first stage), the final norm and head (last stage), and its
+    tensor-parallel split of every layer."""
+
+    first: int
+    last: int
+    embedding: bool
+    head: bool
+    split: TensorSplit = WHOLE
+
+
 class Stack(nn.Module):
     """Children: tok_embed (absent when ``embed`` is shared), pos_embed, type_embed,
     embed_norm, "0".."L-1", output_norm, and for a decoder the head ``output`` (absent when tied)
-    with ``logits_bias`` for a tied head with a bias."""
+    with ``logits_bias`` for a tied head with a bias. A ``part`` keeps only what one rank holds;
+    its layers keep their global names and use cache rows 0.. in order."""
 
     def __init__(
         self,
@@ -103,11 +130,14 @@ class Stack(nn.Module):
         cross: bool = False,
         head: bool = True,
         embed: Embedding | None = None,
+        part: StackPart | None = None,
     ) -> None:
         super().__init__()
         net, h = spec.network, spec.hparams
-        self.n_layers = n_layers
-        if embed is None:
+        part = part or StackPart(0, n_layers, True, True)
+        head = head and part.head
+        self.layer_ids = range(part.first, part.last)
+        if embed is None and (part.embedding or (head and net.tied_output)):
             self.tok_embed = Embedding(h.vocab_size, h.hidden)
         self._shared = [embed]  # a list: not registered as this stack's child
         pos_opts = {
@@ -124,17 +154,26 @@ class Stack(nn.Module):
         args = PositionArgs(h.hidden, h.n_heads, h.head_dim, h.max_positions, pos_opts)
         pos_cls = POSITIONS.get(net.position["type"])
         self.pos_embed = pos_cls(args)
+        if not part.embedding and any(True for _ in self.pos_embed.parameters()):
+            self.pos_embed = POSITIONS.get("none")(args)  # a learned table: first stage only
         # sliding-window layers may use their own rope base (Gemma 3's local_theta)
         self.pos_local = (
             pos_cls(args, theta_key="local_theta") if "local_theta" in net.position else None
         )
-        self.type_embed = Embedding(h.type_vocab_size, h.hidden) if net.token_types else None
+        for block in (self.pos_embed, self.pos_local):
+            if block is not None and part.split.size > 1:
+                block.keep_heads(part.split.part(h.n_heads))
+        first = part.embedding
+        self.type_embed = (
+            Embedding(h.type_vocab_size, h.hidden) if net.token_types and first else None
+        )
         norm = NORMS.get(net.norm)
-        self.embed_norm = norm(h.hidden, h.norm_eps) if net.embedding_norm else None
+        self.embed_norm = norm(h.hidden, h.norm_eps) if net.embedding_norm and first else None
         windows = self._windows(net, h, n_layers)
-        for i in range(n_layers):
-            self.add_module(str(i), Layer(net, h, i, windows[i], causal, cross))
-        self.output_norm = norm(h.hidden, h.norm_eps) if net.final_norm else None
+        for i in self.layer_ids:
+            layer = Layer(net, h, i, windows[i], causal, cross, part.split, i - part.first)
+            self.add_module(str(i), layer)
+        self.output_norm = norm(h.hidden, h.norm_eps) if net.final_norm and part.head else None
         self.output: Linear | None = None
         self.logits_bias: nn.Parameter | None = None
         if head:
@@ -165,10 +204,17 @@ class Stack(nn.Module):
         return shared if shared is not None else self.tok_embed
 
     def layers(self) -> list[Layer]:
-        return [getattr(self, str(i)) for i in range(self.n_layers)]
+        return [getattr(self, str(i)) for i in self.layer_ids]
 
     def hidden_states(self, batch: FlatBatch) -> torch.Tensor:
-        x = self.embedding(batch.token_ids)  # (N, hidden)
+        return self.final_norm(self.run_layers(self.embed(batch), batch))
+
+    def embed(self, batch: FlatBatch) -> torch.Tensor:
+        """The first layer's input (N, hidden): token (+ position, type) embeddings."""
+        # the table may stay in host memory (partition.embeddings: host); the batch is on the
+        # device that computes
+        ids = batch.token_ids
+        x = self.embedding(ids.to(self.embedding.weight.device)).to(ids.device)  # (N, hidden)
         if self.embed_scale is not None:
             x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
         pe = self.pos_embed.embed(batch.positions)
@@ -178,9 +224,15 @@ class Stack(nn.Module):
             x = x + self.type_embed.weight[0]  # single-segment inputs: token type 0
         if self.embed_norm is not None:
             x = self.embed_norm(x)
+        return x
+
+    def run_layers(self, x: torch.Tensor, batch: FlatBatch) -> torch.Tensor:
         for layer in self.layers():
             pos = self.pos_local if layer.local and self.pos_local is not None else self.pos_embed
             x = layer(x, batch, pos)
+        return x
+
+    def final_norm(self, x: torch.Tensor) -> torch.Tensor:
         return self.output_norm(x) if self.output_norm is not None else x
 
     def head_input(self, h: torch.Tensor) -> torch.Tensor:

@@ -23,6 +23,7 @@ from inferflow.spec.types import (
     HParams,
     MapEntry,
     NetworkSpec,
+    PartitionSpec,
     QuantSpec,
     SourceSpec,
     Spec,
@@ -59,15 +60,52 @@ def load_spec(ref: str | Path, hparam_overrides: dict[str, Any] | None = None) -
     return parse_spec(read_doc(path), path.parent, path, hparam_overrides)
 
 
+# A spec nests a handful of levels and holds a few hundred values. YAML aliases can make a
+# document recursive (``&a [*a]``) or exponentially large once expanded ("billion laughs"), and
+# the parser itself recurses per nesting level: all refused before anything walks the tree.
+MAX_YAML_DEPTH = 32
+MAX_YAML_VALUES = 100_000
+
+
 def _read_yaml(path: Path) -> Any:
     try:
-        return yaml.safe_load(path.read_text(encoding="utf-8"))
+        doc = yaml.safe_load(path.read_text(encoding="utf-8"))
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         raise SpecError(f"{path}: not valid YAML{where}: {getattr(e, 'problem', e)}") from None
     except (OSError, UnicodeDecodeError) as e:
         raise SpecError(f"{path}: cannot read: {e}") from None
+    except RecursionError:
+        raise SpecError(
+            f"{path}: YAML nested too deeply to parse; a spec nests at most {MAX_YAML_DEPTH} levels"
+        ) from None
+    _check_size(doc, path)
+    return doc
+
+
+def _check_size(doc: Any, path: Path) -> None:
+    """Refuse a document deeper than MAX_YAML_DEPTH or larger than MAX_YAML_VALUES expanded."""
+    sizes: dict[int, int] = {}  # id -> expanded size of a container seen (aliases share one)
+
+    def size(node: Any, depth: int) -> int:
+        if not isinstance(node, dict | list):
+            return 1
+        if id(node) in sizes:
+            return sizes[id(node)]
+        if depth >= MAX_YAML_DEPTH:
+            raise SpecError(
+                f"{path}: nested deeper than {MAX_YAML_DEPTH} levels (or a recursive YAML alias)"
+            )
+        n = 1 + sum(size(v, depth + 1) + 1 for v in (node.values() if isinstance(node, dict) else node))  # fmt: skip
+        if n > MAX_YAML_VALUES:
+            raise SpecError(
+                f"{path}: more than {MAX_YAML_VALUES} values once YAML aliases are expanded"
+            )
+        sizes[id(node)] = n
+        return n
+
+    size(doc, 0)
 
 
 def _merge(base: dict[str, Any], child: dict[str, Any]) -> dict[str, Any]:
@@ -164,8 +202,14 @@ def parse_spec(
         description=doc.get("description", ""),
         embedding_pooling=doc.get("embeddings", {}).get("pooling"),
         embedding_normalize=doc.get("embeddings", {}).get("normalize", True),
+        partition=partition_spec(doc["partition"]) if "partition" in doc else None,
         raw=doc,
     )
+
+
+def partition_spec(p: dict[str, Any]) -> PartitionSpec:
+    """The ``partition`` section (schema-checked): the spec's, or the CLI's --devices."""
+    return PartitionSpec(**{**p, "layers": tuple(p.get("layers", ()))})
 
 
 def _fmt(name: str | None) -> str | None:

@@ -7,7 +7,7 @@ from typing import Any
 
 import jsonschema
 
-from inferflow.spec.types import POOLINGS
+from inferflow.spec.types import EMBEDDING_PLACES, PARTITION_STRATEGIES, POOLINGS
 
 HPARAM_TYPES: dict[str, str] = {
     "vocab_size": "integer",
@@ -178,6 +178,19 @@ def build_schema() -> dict[str, Any]:
             "embeddings": _obj(
                 {"pooling": _enum(POOLINGS), "normalize": {"type": "boolean"}}, ("pooling",)
             ),
+            # optional: split the model across devices / processes (inferflow.parallel)
+            "partition": _obj(
+                {
+                    "devices": {"type": "string", "minLength": 1},
+                    "strategy": _enum(PARTITION_STRATEGIES),
+                    "layer_groups": {"type": "integer", "minimum": 1},
+                    "tensor_parallel": {"type": "integer", "minimum": 1},
+                    "device": _enum(["cpu", "cuda"]),
+                    "layers": {"type": "array", "items": {"type": "integer", "minimum": 1}},
+                    "cpu_layers": {"type": "integer", "minimum": 1},
+                    "embeddings": _enum(EMBEDDING_PLACES),
+                }
+            ),
             "generation": _obj(
                 {
                     "temperature": {"type": "number", "minimum": 0},
@@ -207,7 +220,8 @@ def format_error(err: jsonschema.ValidationError) -> str:
         )
     if v == "additionalProperties" and isinstance(err.instance, dict):
         allowed = sorted(err.schema.get("properties", {}))
-        extra = sorted(k for k in err.instance if k not in allowed)
+        # YAML keys need not be strings (``1: x``): sort by their text
+        extra = sorted((k for k in err.instance if k not in allowed), key=str)
         return f"{where}: unknown key {', '.join(map(repr, extra))}; allowed: {', '.join(allowed)}"
     if v == "required":
         missing = [k for k in err.validator_value if k not in err.instance]

@@ -160,6 +160,30 @@ class QuantSpec:
     checkpoint: str = "keep"
 
 
+PARTITION_STRATEGIES = ("layer", "tensor", "hybrid")
+EMBEDDING_PLACES = ("device", "host")
+
+
+@dataclass(frozen=True)
+class PartitionSpec:
+    """How a model is split across devices (inferflow.parallel.layout resolves it).
+
+    Either ``devices`` ("0&1;2&3": ';' separates layer groups, '&' joins the tensor-parallel
+    devices of a group) or the explicit form: ``strategy`` with ``layer_groups`` and/or
+    ``tensor_parallel`` on ``device`` (cpu | cuda). ``layers``: the layer count of each group
+    for an uneven split; ``cpu_layers``: the first N layers on the CPU, the rest on cuda:0.
+    ``embeddings: host`` keeps the embedding table in host memory."""
+
+    devices: str | None = None
+    strategy: str | None = None
+    layer_groups: int | None = None
+    tensor_parallel: int | None = None
+    device: str | None = None
+    layers: tuple[int, ...] = ()
+    cpu_layers: int | None = None
+    embeddings: str = "device"
+
+
 # how an embedding is pooled from the final hidden states: the mean over the tokens, the first
 # token's state (BERT's [CLS]), the last token's, or none (one vector per token)
 POOLINGS = ("mean", "cls", "last", "none")
@@ -178,4 +202,5 @@ class Spec:
     description: str = ""
     embedding_pooling: str | None = None  # one of POOLINGS: served on /v1/embeddings
     embedding_normalize: bool = True  # L2-normalise pooled embeddings
+    partition: PartitionSpec | None = None  # None: one process, one device
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)

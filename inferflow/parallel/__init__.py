@@ -1,0 +1,1 @@
+"""Partitioning a model across devices: layouts, the cost-model planner, torch.distributed glue."""

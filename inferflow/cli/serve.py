@@ -4,6 +4,7 @@ SmolLM2-135M-Instruct). Binds 127.0.0.1 unless --host says otherwise."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import re
 
@@ -11,8 +12,10 @@ from inferflow.cli.common import add_dtype
 from inferflow.engine.engine import EngineConfig
 from inferflow.engine.scheduler import SchedulerConfig
 from inferflow.errors import InferflowError
+from inferflow.parallel.layout import resolve_layout
 from inferflow.quant import get_format
-from inferflow.spec import load_spec
+from inferflow.spec import load_spec, partition_spec
+from inferflow.spec.types import QuantSpec
 
 DEFAULT_SPEC = "smollm2-135m-instruct"
 UNITS = {"": 1 << 30, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30}
@@ -58,6 +61,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--quant", default=None, help="re-quantize weights at load: a format name, or none (float)"
     )
     p.add_argument(
+        "--devices",
+        default=None,
+        help="split the model across devices, one process each: ';' between layer groups, '&' "
+        "between the tensor-parallel devices of a group ('cpu;cpu' by layer, 'cpu&cpu' by "
+        "tensor, '0&1;2&3' hybrid on GPUs 0-3); replaces the spec's partition section",
+    )
+    p.add_argument(
         "--max-batched-tokens", type=int, default=512, help="token budget of one engine step (512)"
     )
     p.add_argument(
@@ -98,6 +108,11 @@ def run(args: argparse.Namespace) -> int:
     spec = load_spec(args.spec)  # a bad spec fails here, before the port opens
     if args.quant not in (None, "none"):
         get_format(args.quant)
+    if args.devices is not None:
+        spec = dataclasses.replace(spec, partition=partition_spec({"devices": args.devices}))
+    if spec.partition is not None:  # a layout the model cannot take fails before loading
+        quant = QuantSpec(args.quant) if args.quant not in (None, "none") else None
+        resolve_layout(spec.partition, spec, quant)
     for flag in ("max_batched_tokens", "max_running", "max_waiting", "block_size", "port"):
         if getattr(args, flag) < 1:
             raise InferflowError(

@@ -110,7 +110,7 @@ def load_model(
     if q.weights or q.overrides:
         from inferflow.quant.apply import QuantPolicy, quantize_model
 
-        policy = QuantPolicy(default=q.weights, overrides=list(q.overrides), tie_outputs=ties)
+        policy = QuantPolicy(q.weights, list(q.overrides), ties, q.kernel)
         quantize_model(model, policy)
     model.eval()
     log.info(

@@ -38,6 +38,7 @@ from inferflow.model.decoder import DecoderOnly
 from inferflow.model.stack import StackPart
 from inferflow.parallel import wire
 from inferflow.parallel.layout import Layout
+from inferflow.quant.linear import QuantLinear
 from inferflow.spec.types import QuantSpec, Spec
 
 log = logging.getLogger(__name__)
@@ -63,6 +64,7 @@ class Partition:
         self.device = layout.device(rank)
         self.gloo = layout.backend == "gloo"
         self.store: wire.KVStore | None = None
+        self.rank_bytes: list[int] = []  # every rank's resident weight bytes (set at load)
         self.dtype = next(model.parameters()).dtype
         # every rank creates every group, in the same order (torch.distributed's rule)
         self.group = None
@@ -180,8 +182,10 @@ class PartitionedModel(nn.Module):
         store = wire.KVStore(cache.k, cache.v, cache.block_size)  # copies already made here
         return torch.cat(self._part.run(store, mbs))
 
-    def resident_bytes(self) -> int:
-        return sum(p.numel() * p.element_size() for p in self.local.parameters())
+    @property
+    def rank_bytes(self) -> list[int]:
+        """Resident weight bytes of each rank, as each measured its own share after loading."""
+        return self._part.rank_bytes
 
     def close(self) -> None:
         if self._closed:
@@ -208,7 +212,8 @@ def _free_port() -> int:
 def _load_part(
     spec: Spec, layout: Layout, rank: int, dtype: torch.dtype, quant: QuantSpec | None
 ) -> tuple[Partition | None, str]:
-    """Load this rank's share, then learn whether every rank did: (partition, first error)."""
+    """Load this rank's share, then learn whether every rank did: (partition, first error).
+    Rank 0's partition also learns every rank's resident weight bytes (``rank_bytes``)."""
     part, error = None, ""
     try:
         model = load_model(spec, dtype, quant, stack_part(layout, rank))
@@ -226,7 +231,18 @@ def _load_part(
     every = [torch.zeros(_STATUS, dtype=torch.uint8) for _ in range(layout.world_size)]
     dist.all_gather(every, mine)
     errors = [bytes(t.tolist()).rstrip(b"\0").decode(errors="replace") for t in every]
+    held = torch.tensor([0 if part is None else weight_bytes(part.model)])
+    sizes = [torch.zeros(1, dtype=torch.long) for _ in range(layout.world_size)]
+    dist.all_gather(sizes, held)
+    if part is not None:
+        part.rank_bytes = [int(t) for t in sizes]
     return part, next((e for e in errors if e), "")
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of a model's weights: its parameters plus the blocks its quantized layers keep."""
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    return params + sum(m.nbytes for m in model.modules() if isinstance(m, QuantLinear))
 
 
 def _worker(

@@ -38,6 +38,9 @@ class QuantPolicy:
     # (head path, embedding path) pairs: give a tied head a quantized copy of the embedding,
     # e.g. (("dec.output", "dec.tok_embed"),); the head's format is format_for(head path)
     tie_outputs: Sequence[tuple[str, str]] = ()
+    # None: each layer's fastest kernel; "dequant": float32 matmuls over dequantized tiles (the
+    # reference: int4pack rounds activations to bf16)
+    kernel: str | None = None
 
     def __post_init__(self) -> None:
         for name in (self.default, *(f for _, f in self.overrides)):
@@ -91,7 +94,7 @@ class QuantReport:
 
 
 def _quant_linear(
-    path: str, weight: torch.Tensor, bias: torch.Tensor | None, fmt: str
+    path: str, weight: torch.Tensor, bias: torch.Tensor | None, fmt: str, kernel: str | None
 ) -> QuantLinear:
     block = get_format(fmt).block_size
     if weight.shape[-1] % block:
@@ -101,7 +104,7 @@ def _quant_linear(
             f"a multiple of {fmt}'s block size {block}; map {path!r} to None (float) or another "
             "format in the quant policy"
         )
-    return QuantLinear(quantize(weight.detach(), fmt), bias)
+    return QuantLinear(quantize(weight.detach(), fmt), bias, kernel)
 
 
 def _set(model: nn.Module, path: str, module: nn.Module) -> None:
@@ -182,7 +185,7 @@ def quantize_model(model: nn.Module, policy: QuantPolicy) -> QuantReport:
         if fmt is None:
             layers.append(LayerReport(path, shape, None, None, before, before))
             continue
-        q = _quant_linear(path, lin.weight, lin.bias, fmt)
+        q = _quant_linear(path, lin.weight, lin.bias, fmt, policy.kernel)
         _set(model, path, q)
         layers.append(LayerReport(path, shape, fmt, q.kernel_name, before, q.nbytes))
     for head, embed in policy.tie_outputs:
@@ -192,7 +195,7 @@ def quantize_model(model: nn.Module, policy: QuantPolicy) -> QuantReport:
         weight = model.get_submodule(embed).weight
         if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
             raise QuantError(f"tie_outputs: {embed}.weight is not a 2-D tensor")
-        q = _quant_linear(head, weight, None, fmt)
+        q = _quant_linear(head, weight, None, fmt, policy.kernel)
         _set(model, head, q)
         # the embedding stays float, so the head's bytes are all extra
         shape = (weight.shape[0], weight.shape[1])

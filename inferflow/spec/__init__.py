@@ -36,7 +36,15 @@ log = logging.getLogger(__name__)
 BUILTIN_DIR = Path(__file__).resolve().parent.parent / "specs"
 DEFAULT_SPEC = "smollm2-135m-instruct"
 
-__all__ = ["BUILTIN_DIR", "DEFAULT_SPEC", "Spec", "builtin_specs", "load_spec", "parse_spec"]
+__all__ = [
+    "BUILTIN_DIR",
+    "DEFAULT_SPEC",
+    "Spec",
+    "builtin_specs",
+    "load_spec",
+    "parse_spec",
+    "partition_spec",
+]
 
 
 def builtin_specs() -> list[str]:
@@ -189,6 +197,7 @@ def parse_spec(
         tuple((pat, _fmt(f)) for pat, f in q.get("overrides", {}).items()),
         # weights: none means float everywhere, the checkpoint's own blocks included
         "dequantize" if q.get("weights") == "none" else q.get("checkpoint", "keep"),
+        None if q.get("kernel", "auto") == "auto" else q["kernel"],
     )
     return Spec(
         name=doc["name"],

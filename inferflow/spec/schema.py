@@ -168,6 +168,7 @@ def build_schema() -> dict[str, Any]:
                 {
                     "weights": _enum([*FORMATS.names(), "none"]),
                     "checkpoint": _enum(["keep", "dequantize"]),
+                    "kernel": _enum(["auto", "dequant", "int4pack"]),
                     "overrides": {
                         "type": "object",
                         "additionalProperties": _enum([*FORMATS.names(), "none"]),

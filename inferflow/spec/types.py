@@ -158,6 +158,9 @@ class QuantSpec:
     # "keep": linear weights a checkpoint already stores quantized (GGUF Q4_1, Q8_0 ...) stay in
     # their blocks where a fast kernel reads them, when ``weights`` is unset; "dequantize": float
     checkpoint: str = "keep"
+    # the matmul kernel of runtime-quantized layers: None picks the fastest; "dequant" computes
+    # in float32 (int4pack rounds activations to bf16), "int4pack" insists on the fast one
+    kernel: str | None = None
 
 
 PARTITION_STRATEGIES = ("layer", "tensor", "hybrid")

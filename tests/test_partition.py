@@ -1,0 +1,289 @@
+"""Partitioned models (inferflow.parallel) on 2 and 4 gloo CPU processes: logits of by-layer,
+by-tensor and hybrid runs equal the single-process model (fp32, 1e-5 relative) for prefill and
+decode steps, float and quantized, GQA and MQA; every rank holds only its share; bad layouts
+fail before any weight is read."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+
+from inferflow.engine.engine import Engine, EngineConfig
+from inferflow.engine.kv_cache import PagedKVCache, SeqBlocks
+from inferflow.engine.sampling import SamplingParams
+from inferflow.errors import SpecError
+from inferflow.model.batch import FlatBatch, SeqSlice
+from inferflow.model.build import build_network, load_model
+from inferflow.parallel.layout import Layout, parse_devices, resolve_layout
+from inferflow.parallel.runtime import launch, stack_part, weight_bytes
+from inferflow.spec import load_spec
+from inferflow.spec.types import PartitionSpec, QuantSpec, Spec
+from tests.conftest import tiny_llama
+
+PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], [10, 11, 12, 13, 14, 15, 16], [20, 21]]
+
+
+@torch.inference_mode()
+def drive(model: torch.nn.Module, decode_steps: int = 4) -> list[torch.Tensor]:
+    """Engine-like steps over a paged cache: one prefill of every prompt (per-sequence views),
+    then decode steps (one grouped view), with a forked sequence whose first write copies a
+    shared block (copy-on-write). Returns each step's logits."""
+    cache = PagedKVCache(*model.kv_geometry(), 4, 64, torch.float32)
+    seqs = [SeqBlocks() for _ in PROMPTS]
+    toks = [list(p) for p in PROMPTS]
+    ids, pos, slices, views, row = [], [], [], [], 0
+    for s, p in zip(seqs, PROMPTS, strict=True):
+        cache.reserve(s, len(p))
+        views.append(cache.view(s, 0, len(p)))
+        ids += p
+        pos.append(torch.arange(len(p)))
+        slices.append(SeqSlice(row, len(p)))
+        row += len(p)
+    out = [model(FlatBatch(torch.tensor(ids), torch.cat(pos), slices, views))]
+    for s, p in zip(seqs, PROMPTS, strict=True):
+        s.num_computed = len(p)
+    for t, tok in zip(toks, out[0].argmax(-1).tolist(), strict=True):
+        t.append(tok)
+    seqs.append(cache.fork(seqs[0]))  # shares seq 0's blocks until it writes
+    toks.append(toks[0][:-1] + [(toks[0][-1] + 1) % 128])
+    for _ in range(decode_steps):
+        at = [len(t) - 1 for t in toks]
+        for s, p in zip(seqs, at, strict=True):
+            cache.reserve(s, p + 1)
+        flat = FlatBatch(
+            torch.tensor([t[-1] for t in toks]),
+            torch.tensor(at),
+            [SeqSlice(i, 1) for i in range(len(toks))],
+            [],
+        )
+        flat.group = cache.group_view(seqs, at)
+        out.append(model(flat))
+        for s, p in zip(seqs, at, strict=True):
+            s.num_computed = p + 1
+        for t, tok in zip(toks, out[-1].argmax(-1).tolist(), strict=True):
+            t.append(tok)
+    return out
+
+
+def _model_dir(tmp: Path, kv_heads: int) -> Spec:
+    tiny_llama(tmp, num_hidden_layers=4, intermediate_size=128, num_key_value_heads=kv_heads)
+    return load_spec(tmp / "spec.yaml")
+
+
+@pytest.fixture(scope="module")
+def specs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Spec]:
+    return {
+        "gqa": _model_dir(tmp_path_factory.mktemp("gqa"), 2),  # 4 heads over 2 KV heads
+        "mqa": _model_dir(tmp_path_factory.mktemp("mqa"), 1),
+    }
+
+
+def _partitioned(spec: Spec, devices: str) -> Spec:
+    return dataclasses.replace(spec, partition=PartitionSpec(devices=devices))
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max())
+
+
+# the float32 kernel: int4pack rounds activations to bf16, so a different summation order
+# (a row-parallel split) would move logits by bf16 steps, not float32 ones
+Q8 = QuantSpec("Q8_0", kernel="dequant")
+CASES = [
+    ("gqa", "cpu;cpu", None),  # by layer
+    ("gqa", "cpu&cpu", None),  # by tensor
+    ("gqa", "cpu&cpu;cpu&cpu", None),  # hybrid 2 x 2
+    ("gqa", "cpu&cpu&cpu&cpu", None),  # 4 ranks over 2 KV heads: each KV head on 2 ranks
+    ("mqa", "cpu;cpu", None),
+    ("mqa", "cpu&cpu", None),  # one KV head, replicated
+    ("mqa", "cpu&cpu;cpu&cpu", None),
+    ("gqa", "cpu;cpu", Q8),
+    ("gqa", "cpu&cpu", Q8),  # slices cut on quantization-block boundaries
+    ("gqa", "cpu&cpu;cpu&cpu", Q8),
+    ("mqa", "cpu&cpu", Q8),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize(("kind", "devices", "quant"), CASES)
+def test_partitioned_logits_equal_single_process(
+    specs: dict[str, Spec], kind: str, devices: str, quant: QuantSpec | None
+) -> None:
+    spec = specs[kind]
+    want = drive(load_model(spec, quant=quant))
+    p = _partitioned(spec, devices)
+    layout = resolve_layout(p.partition, p, quant)  # type: ignore[arg-type]
+    model = launch(p, layout, quant=quant)
+    try:
+        got = drive(model)
+        bytes_per_rank = model.rank_bytes
+    finally:
+        model.close()
+    assert len(got) == len(want) == 5
+    for step, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert g.shape == w.shape
+        assert _rel(g, w) <= 1e-5, (step, _rel(g, w))
+    # each rank's resident weights are what its share builds, never the whole model
+    whole = weight_bytes(load_model(spec, quant=quant))
+    assert len(bytes_per_rank) == layout.world_size
+    assert max(bytes_per_rank) < whole
+
+
+def test_rank_shares_shrink_as_expected(specs: dict[str, Spec]) -> None:
+    """Parameter bytes of each rank's share, built on the meta device (nothing allocated):
+    layers split 1/(P*T) (KV projections replicated when KV heads < T), embeddings on the first
+    stage, final norm and head on the last."""
+    spec = specs["gqa"]
+    h = spec.hparams
+    whole = sum(p.numel() for p in build_network(spec).parameters())
+    layer = sum(p.numel() for p in build_network(spec).dec.layers()[0].parameters())
+    embed = h.vocab_size * h.hidden
+    head = h.vocab_size * h.hidden + h.hidden  # untied head + final norm
+    assert whole == 4 * layer + embed + head
+    norms = 2 * h.hidden  # replicated on every tensor-parallel rank
+
+    def share(devices: str) -> list[int]:
+        p = _partitioned(spec, devices)
+        layout = resolve_layout(p.partition, p)  # type: ignore[arg-type]
+        with torch.device("meta"):
+            parts = [build_network(spec, part=stack_part(layout, r)) for r in range(4)]
+        return [sum(x.numel() for x in m.parameters()) for m in parts[: layout.world_size]]
+
+    assert share("cpu;cpu;cpu;cpu") == [layer + embed, layer, layer, layer + head]
+    tp_layer = (layer - norms) // 2 + norms
+    assert share("cpu&cpu;cpu&cpu") == [2 * tp_layer + embed] * 2 + [2 * tp_layer + head] * 2
+    # 4 ranks over 2 KV heads: each rank keeps 1 query head and 1 (replicated) KV head
+    D = h.head_dim
+    qkv_o = h.hidden * D * 3 + D * h.hidden  # q, k, v rows of one head + wo columns
+    ffn = 3 * h.hidden * h.ffn_hidden // 4
+    assert share("cpu&cpu&cpu&cpu") == [4 * (qkv_o + ffn + norms) + embed + head] * 4
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_engine_on_partitioned_model_gives_the_same_greedy_tokens(specs: dict[str, Spec]) -> None:
+    spec = specs["gqa"]
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    cfg = EngineConfig(kv_cache_bytes=1 << 20)
+    want = [r.output_ids for r in Engine(load_model(spec), None, cfg).generate(PROMPTS, params)]
+    p = _partitioned(spec, "cpu&cpu;cpu&cpu")
+    model = launch(p, resolve_layout(p.partition, p))  # type: ignore[arg-type]
+    try:
+        engine = Engine(model, None, cfg)
+        got = [r.output_ids for r in engine.generate(PROMPTS, params)]
+        beams = engine.generate(PROMPTS[:1], SamplingParams(max_new_tokens=6, beam_width=3, n=2))
+    finally:
+        model.close()
+    assert got == want
+    single = Engine(load_model(spec), None, cfg)
+    ref = single.generate(PROMPTS[:1], SamplingParams(max_new_tokens=6, beam_width=3, n=2))
+    assert [b.output_ids for b in beams] == [b.output_ids for b in ref]
+
+
+# --- layouts: parsing and errors before loading --------------------------------------------
+
+
+def test_device_strings() -> None:
+    assert parse_devices("0;1") == (("cuda:0",), ("cuda:1",))
+    assert parse_devices("cpu&cpu:1 ; cpu&cpu") == (("cpu", "cpu"), ("cpu", "cpu"))
+    lay = Layout(parse_devices("cpu&cpu;cpu&cpu"), ((0, 2), (2, 4)))
+    assert (lay.strategy, lay.stages, lay.tensor_parallel, lay.world_size) == ("hybrid", 2, 2, 4)
+    assert [lay.stage_of(r) for r in range(4)] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert lay.backend == "gloo"
+
+
+@pytest.mark.parametrize(
+    ("partition", "message"),
+    [
+        (PartitionSpec(devices="cpu&cpu;cpu"), "groups of 1 and 2 devices"),
+        (PartitionSpec(devices="cpu;;cpu"), "empty layer group"),
+        (PartitionSpec(devices="gpu0"), "'gpu0' is not a device; use cpu, cuda:N or N"),
+        (PartitionSpec(devices="cuda:0"), "device cuda:0 does not exist"),
+        (PartitionSpec(devices="0&1"), "device cuda:0 does not exist"),
+        (PartitionSpec(devices="cpu&cpu&cpu"), "3 tensor-parallel devices cannot split 4"),
+        (PartitionSpec(devices=";".join(["cpu"] * 5)), "5 layer groups, but the model has only 4"),
+        (PartitionSpec(devices="cpu;cpu", layers=(1, 2)), "adding up to the model's 4 layers"),
+        (PartitionSpec(devices="cpu;cpu", cpu_layers=2), "give one of devices, strategy"),
+        (PartitionSpec(strategy="hybrid", layer_groups=2), "strategy hybrid needs tensor_parallel"),
+        (PartitionSpec(cpu_layers=4), "cpu_layers: 4 must be between 1 and 3"),
+        (PartitionSpec(), "give devices"),
+    ],
+)
+def test_bad_layouts_are_refused(specs: dict[str, Spec], partition: PartitionSpec, message: str):
+    with pytest.raises(SpecError, match=message.replace("(", r"\(")):
+        resolve_layout(partition, specs["gqa"])
+
+
+def test_layout_rules_against_the_model(specs: dict[str, Spec], tmp_path: Path) -> None:
+    spec = specs["gqa"]
+    lay = resolve_layout(PartitionSpec(devices="cpu;cpu;cpu"), spec)  # 4 layers over 3 groups
+    assert lay.layers == ((0, 2), (2, 3), (3, 4))  # documented: the first groups take one more
+    lay = resolve_layout(PartitionSpec(devices="cpu;cpu", layers=(1, 3)), spec)
+    assert lay.layers == ((0, 1), (1, 4))
+    lay = resolve_layout(PartitionSpec(strategy="hybrid", layer_groups=2, tensor_parallel=2), spec)
+    assert lay.groups == (("cpu", "cpu"), ("cpu", "cpu"))
+    # q4_k blocks are 256 wide: a 32-wide slice of the attention output cannot hold one
+    with pytest.raises(SpecError, match="not a multiple of the quantization block"):
+        resolve_layout(PartitionSpec(devices="cpu&cpu"), spec, QuantSpec("Q4_K"))
+    # 6 heads over 2 KV heads cannot be split 3 ways (3 neither divides nor is a multiple of 2)
+    d = tmp_path / "m"
+    d.mkdir()
+    odd = _model_dir(d, 2)
+    odd = dataclasses.replace(
+        odd, hparams=dataclasses.replace(odd.hparams, n_heads=6, head_dim=16, n_kv_heads=2)
+    )
+    with pytest.raises(SpecError, match="cannot split 2 KV heads"):
+        resolve_layout(PartitionSpec(devices="cpu&cpu&cpu"), odd)
+
+
+def test_bad_layout_fails_before_any_weight_is_read(
+    specs: dict[str, Spec], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from inferflow import runtime
+
+    def no_loading(*a: object, **k: object) -> None:
+        raise AssertionError("weights were read")
+
+    monkeypatch.setattr(runtime, "load_model", no_loading)
+    monkeypatch.setattr("inferflow.parallel.runtime.launch", no_loading)
+    bad = _partitioned(specs["gqa"], "cpu&cpu&cpu")
+    with pytest.raises(SpecError, match="cannot split 4 attention heads"):
+        runtime.load(bad)
+
+
+def test_spec_partition_section(tmp_path: Path, specs: dict[str, Spec]) -> None:
+    base = specs["gqa"].path
+    assert base is not None
+    doc = base.read_text() + "partition: {devices: 'cpu&cpu;cpu&cpu', embeddings: host}\n"
+    (tmp_path / "p.yaml").write_text(doc)
+    spec = load_spec(tmp_path / "p.yaml")
+    assert spec.partition == PartitionSpec(devices="cpu&cpu;cpu&cpu", embeddings="host")
+    (tmp_path / "bad.yaml").write_text(base.read_text() + "partition: {strategy: diagonal}\n")
+    with pytest.raises(SpecError, match="partition.strategy.*diagonal"):
+        load_spec(tmp_path / "bad.yaml")
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_served_request_through_a_partitioned_engine(tmp_path: Path) -> None:
+    """`inferflow serve --devices` (SmolLM2, 9 heads over 3 tensor-parallel ranks) answers a
+    greedy completion with the tokens the unpartitioned engine gives."""
+    httpx = pytest.importorskip("httpx")
+    from inferflow.runtime import load
+    from tests.serving import NAME, run_server
+
+    lm = load("smollm2-135m-instruct")
+    assert lm.tokenizer is not None
+    ids = lm.tokenizer.encode("The capital of France is")
+    params = SamplingParams(max_new_tokens=16, ignore_eos=True)
+    want = Engine(lm.model, lm.tokenizer).generate([ids], params)[0]
+    body = {"model": NAME, "prompt": ids, "max_tokens": 16, "temperature": 0, "ignore_eos": True}
+    with run_server(tmp_path, "--devices", "cpu&cpu&cpu") as (url, _):
+        r = httpx.post(f"{url}/v1/completions", json=body, timeout=300)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == lm.tokenizer.decode(want.output_ids)
+    assert r.json()["usage"]["completion_tokens"] == 16

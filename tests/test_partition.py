@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 from inferflow.engine.engine import Engine, EngineConfig
 from inferflow.engine.kv_cache import PagedKVCache, SeqBlocks
@@ -21,7 +22,7 @@ from inferflow.parallel.layout import Layout, parse_devices, resolve_layout
 from inferflow.parallel.runtime import launch, stack_part, weight_bytes
 from inferflow.spec import load_spec
 from inferflow.spec.types import PartitionSpec, QuantSpec, Spec
-from tests.conftest import tiny_llama
+from tests.conftest import save_models, spec_doc, tiny_llama
 
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], [10, 11, 12, 13, 14, 15, 16], [20, 21]]
 
@@ -287,3 +288,35 @@ def test_served_request_through_a_partitioned_engine(tmp_path: Path) -> None:
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["text"] == lm.tokenizer.decode(want.output_ids)
     assert r.json()["usage"]["completion_tokens"] == 16
+
+
+@pytest.fixture(scope="module")
+def other_archs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Spec]:
+    from tests.test_hf_parity import CASES
+
+    archs = ("gpt-neox", "bloom", "falcon")
+    saved = save_models({a: CASES[a] for a in archs}, tmp_path_factory)
+    out = {}
+    for arch, (_, d) in saved.items():
+        (d / "spec.yaml").write_text(yaml.safe_dump(spec_doc(arch, d, "safetensors")))
+        out[arch] = load_spec(d / "spec.yaml")
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize("arch", ["gpt-neox", "bloom", "falcon"])
+def test_hybrid_split_of_other_blocks(other_archs: dict[str, Spec], arch: str) -> None:
+    """2 x 2 over parallel residuals (one all-reduce per layer), fused per-head / per-group qkv
+    rows, biases (a row-parallel bias added once), ALiBi slopes per head (BLOOM), plain FFNs,
+    a tied head on the last stage and one KV head replicated (Falcon)."""
+    spec = other_archs[arch]
+    want = drive(load_model(spec))
+    p = _partitioned(spec, "cpu&cpu;cpu&cpu")
+    model = launch(p, resolve_layout(p.partition, p))  # type: ignore[arg-type]
+    try:
+        got = drive(model)
+    finally:
+        model.close()
+    for step, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert _rel(g, w) <= 1e-5, (step, _rel(g, w))

@@ -119,6 +119,7 @@ def attend_decode_group(
     scale: float,
     window: int | None = None,
     softcap: float | None = None,
+    bias: torch.Tensor | None = None,  # (B, H, 1, S) additive (ALiBi)
 ) -> torch.Tensor:
     """One masked attention call for a whole decode step instead of one per sequence."""
     B, H, D = q.shape
@@ -129,6 +130,8 @@ def attend_decode_group(
     mask = torch.zeros(visible.shape, dtype=q.dtype).masked_fill(~visible, float("-inf"))[
         :, None, None, :
     ]
+    if bias is not None:
+        mask = mask + bias.to(q.dtype)
     qh, kh, vh = q[:, :, None, :], k.transpose(1, 2), v.transpose(1, 2)  # (B, H|KVH, 1|S, D)
     if softcap is None:
         out = F.scaled_dot_product_attention(
@@ -194,10 +197,14 @@ class Attention(nn.Module):
         if a.qk_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = pos.rotate(q, k, batch.positions)
-        if batch.group is not None and not pos.has_bias:
+        if batch.group is not None:
             kp, vp, kpos, valid = batch.group.update(a.layer, k, v)
+            bias = None
+            if pos.has_bias:  # each sequence's (H, 1, S) bias over its own key positions
+                qp = batch.positions
+                bias = torch.stack([pos.bias(qp[b : b + 1], kpos[b]) for b in range(N)])  # type: ignore[misc]
             out = attend_decode_group(
-                q, kp, vp, batch.positions, kpos, valid, self.scale, a.window, a.softcap
+                q, kp, vp, batch.positions, kpos, valid, self.scale, a.window, a.softcap, bias
             )
             return self.wo(out.reshape(N, -1))
         out = torch.empty_like(q)

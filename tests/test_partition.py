@@ -320,3 +320,44 @@ def test_hybrid_split_of_other_blocks(other_archs: dict[str, Spec], arch: str) -
         model.close()
     for step, (g, w) in enumerate(zip(got, want, strict=True)):
         assert _rel(g, w) <= 1e-5, (step, _rel(g, w))
+
+
+TORCHRUN_SCRIPT = """
+import sys
+from inferflow.engine.engine import Engine, EngineConfig
+from inferflow.engine.sampling import SamplingParams
+from inferflow.runtime import load
+lm = load(sys.argv[1])  # the spec's partition section; ranks other than 0 end inside load
+reqs = Engine(lm.model, None, EngineConfig(kv_cache_bytes=1 << 20)).generate(
+    [[1, 2, 3, 4, 5], [7, 8, 9]], SamplingParams(max_new_tokens=6, ignore_eos=True)
+)
+print("TOKENS", [r.output_ids for r in reqs])
+lm.model.close()
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_torchrun_launch(specs: dict[str, Spec], tmp_path: Path) -> None:
+    """Under torchrun the ranks exist already: each runs the same program, rank 0 drives."""
+    import shutil
+    import subprocess
+    import sys
+
+    torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent))
+    if torchrun is None:
+        pytest.skip("torchrun is not installed next to this interpreter")
+    spec = specs["gqa"]
+    assert spec.path is not None
+    doc = spec.path.read_text() + "partition: {devices: 'cpu&cpu'}\n"
+    (tmp_path / "p.yaml").write_text(doc)
+    (tmp_path / "run.py").write_text(TORCHRUN_SCRIPT)
+    cmd = [torchrun, "--standalone", "--nproc-per-node", "2", str(tmp_path / "run.py")]
+    out = subprocess.run(
+        [*cmd, str(tmp_path / "p.yaml")], capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    params = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    engine = Engine(load_model(spec), None, EngineConfig(kv_cache_bytes=1 << 20))
+    want = [r.output_ids for r in engine.generate([[1, 2, 3, 4, 5], [7, 8, 9]], params)]
+    assert f"TOKENS {want}" in out.stdout

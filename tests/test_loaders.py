@@ -250,7 +250,9 @@ def test_pickle_truncated(tmp_path: Path, container: str, fraction: float) -> No
 def test_pickle_truncated_last_byte(tmp_path: Path) -> None:
     data = save(reference_state(), tmp_path / "sd.pt", "legacy").read_bytes()
     (tmp_path / "cut.pt").write_bytes(data[:-1])
-    with pytest.raises(CheckpointError, match=r"truncated: storage '\d+' ends at byte"):
+    # the cut lands in the last storage's data, or in its count when that storage is empty
+    # (legacy keys are memory addresses, so which storage comes last varies from run to run)
+    with pytest.raises(CheckpointError, match=r"truncated(: storage '\d+' ends at byte| before storage)"):  # fmt: skip
         PickleSource([tmp_path / "cut.pt"])
 
 

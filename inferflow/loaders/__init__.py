@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import os
 import struct
 import zipfile
 from collections.abc import Sequence
@@ -30,7 +31,7 @@ def open_files(format: str, paths: Sequence[str | Path]) -> WeightSource:
     if not files:
         raise CheckpointError(f"no checkpoint files given for format {format!r}")
     for f in files:
-        if not f.exists():
+        if not os.path.exists(f):  # False, not OSError, for a name too long etc.
             raise CheckpointError(f"checkpoint file not found: {f}")
     return wrap_if_quantized(opener(files))  # our quantized safetensors hand over transparently
 
@@ -49,9 +50,9 @@ def _is_legacy_torch(head: bytes, path: Path) -> bool:
 def detect_format(path: str | Path) -> str:
     """The ``LOADERS`` name for a checkpoint file or model directory, from its content."""
     path = Path(path)
-    if path.is_dir():
+    if os.path.isdir(path):
         return "hf"
-    if not path.is_file():
+    if not os.path.isfile(path):
         raise CheckpointError(f"checkpoint not found: {path}")
     size = path.stat().st_size
     with open(path, "rb") as f:
@@ -61,9 +62,10 @@ def detect_format(path: str | Path) -> str:
     if head[:4] == pickle_safe.ZIP_MAGIC:
         try:
             with zipfile.ZipFile(path) as zf:
-                names = zf.namelist()
+                infos = zf.infolist()
         except pickle_safe.ZIP_ERRORS as e:
             raise CheckpointError(f"{path}: zip archive that cannot be read: {e}") from e
+        names = list(pickle_safe.check_entries(infos, path, size))  # refuses lying archives
         if any(n.count("/") == 1 and n.endswith("/data.pkl") for n in names):
             return "pickle"
         raise CheckpointError(f"{path}: zip archive without a '<prefix>/data.pkl' (not torch.save)")

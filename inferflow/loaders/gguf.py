@@ -349,10 +349,18 @@ def _tensor_infos(
                 f"supported: {_supported_types()}"
             )
         type_name, block, per_block = layout
-        if ne and ne[0] % block:
+        row = ne[0] if ne else 1  # GGML: dims not given are 1, so a 0-d tensor is one weight
+        if row % block:
             raise CheckpointError(
-                f"{path}: tensor {name!r} of type {type_name} has a row of {ne[0]} weights, "
+                f"{path}: tensor {name!r} of type {type_name} has a row of {row} weights, "
                 f"not a multiple of the block size {block}"
+            )
+        nonzero = math.prod(d for d in ne if d)  # a zero dim empties the tensor, not its rows
+        if max(nonzero, row // block * per_block) >= 1 << 63:
+            # ggml counts in int64 (gguf.c refuses these too); torch and numpy shapes as well
+            raise CheckpointError(
+                f"{path}: tensor {name!r} ({type_name}, ne={ne}) has more weights or row bytes "
+                "than an int64 can count"
             )
         if offset % align:
             raise CheckpointError(

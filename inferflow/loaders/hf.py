@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -59,17 +60,17 @@ def find_checkpoint_files(directory: str | Path) -> tuple[str, list[Path]]:
 
 def _locate(directory: Path) -> tuple[str, list[Path], Path | None]:
     """Format, weight files and, for a sharded checkpoint, its index."""
-    if not directory.is_dir():
+    if not os.path.isdir(directory):
         raise CheckpointError(f"model directory not found: {directory}")
     for name, fmt, sharded in CHECKPOINT_FILES:
         path = directory / name
-        if not path.is_file():
+        if not os.path.isfile(path):
             continue
         if not sharded:
             return fmt, [path], None
         shards = list(dict.fromkeys(read_index(path).values()))  # unique, in first-use order
         files = [directory / s for s in shards]
-        missing = [str(f) for f in files if not f.is_file()]
+        missing = [str(f) for f in files if not os.path.isfile(f)]
         if missing:
             raise CheckpointError(f"{path}: missing shard files: {', '.join(missing)}")
         return fmt, files, path

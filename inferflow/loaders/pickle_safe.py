@@ -16,7 +16,6 @@ import mmap
 import os
 import struct
 import zipfile
-import zlib
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -38,18 +37,11 @@ from inferflow.loaders.torch_pickle import (
     resolve_global,
     short_repr,
 )
+from inferflow.loaders.zip_safe import ZIP_ERRORS, ZIP_MAGIC, check_entries, data_offset
 
 log = logging.getLogger(__name__)
 
-ZIP_MAGIC = b"PK\x03\x04"
 MAX_PICKLE_BYTES = 1 << 29  # data.pkl of a state dict is kilobytes; refuse to inflate a bomb
-# what zipfile raises on a corrupt archive (unsupported versions and methods, encryption, bad
-# deflate data, fields that do not fit), all reported as CheckpointError
-ZIP_ERRORS = (
-    zipfile.BadZipFile, OSError, ValueError, EOFError, struct.error, NotImplementedError,
-    RuntimeError, UnicodeDecodeError, zlib.error, OverflowError,
-)  # fmt: skip
-_LOCAL_HEADER = struct.Struct("<4s22xHH")  # signature, (skipped fields), name length, extra length
 
 
 def _load(buf: Any, pos: int, storages: dict[str, StorageRef] | None = None) -> tuple[Any, int]:
@@ -70,13 +62,6 @@ def _map(path: Path) -> tuple[BinaryIO, mmap.mmap | None, int]:
         f.close()
         raise CheckpointError(f"cannot map checkpoint {path}: {e}") from e
     return f, mm, size
-
-
-def _entry_name_problem(name: str) -> str | None:
-    parts = name.split("/")
-    if name.startswith("/") or "\\" in name or "\0" in name or ".." in parts or "" in parts:
-        return "unsafe entry name"
-    return None
 
 
 class _Checkpoint:
@@ -179,18 +164,7 @@ class _ZipCheckpoint(_Checkpoint):
             infos = self.zf.infolist()
         except ZIP_ERRORS as e:
             raise CheckpointError(f"{self.path}: malformed zip archive: {e}") from e
-        self.entries: dict[str, zipfile.ZipInfo] = {}
-        for info in infos:
-            problem = _entry_name_problem(info.filename)
-            if info.filename in self.entries:
-                problem = "duplicate entry"
-            if not 0 <= info.header_offset <= self.size - 30 - info.compress_size:
-                problem = "truncated or corrupt archive: out-of-file entry"
-            if problem:
-                raise CheckpointError(
-                    f"{self.path}: {problem} {info.filename!r} in the zip archive"
-                )
-            self.entries[info.filename] = info
+        self.entries = check_entries(infos, self.path, self.size)
         pickles = [n for n in self.entries if n.count("/") == 1 and n.endswith("/data.pkl")]
         if len(pickles) != 1:
             listed = ", ".join(list(self.entries)[:8])
@@ -210,6 +184,7 @@ class _ZipCheckpoint(_Checkpoint):
             )
         self.byteswap = order.decode() != "little"
         storages: dict[str, StorageRef] = {}
+        self.offsets: dict[str, int] = {}  # storage key -> data offset of a stored entry
         data = self._read_small(pickles[0], MAX_PICKLE_BYTES)
         obj, end = _load(data, 0, storages)
         if end != len(data):
@@ -225,6 +200,15 @@ class _ZipCheckpoint(_Checkpoint):
                     f"{self.path}: storage {ref.key!r} needs {ref.nbytes} bytes, its entry holds "
                     f"{entry.file_size}"
                 )
+            if entry.compress_type == zipfile.ZIP_STORED:
+                # the local header is read now, so that a lying one fails the open, not a get
+                self.offsets[ref.key] = data_offset(self.mm, entry, self.path, self.size)
+            elif entry.file_size != ref.nbytes:
+                # a compressed entry is inflated into memory: never more than the storage needs
+                raise CheckpointError(
+                    f"{self.path}: compressed storage {ref.key!r} inflates to {entry.file_size} "
+                    f"bytes, the pickle declares {ref.nbytes}"
+                )
         self._set_state_dict(obj)
 
     def _read_small(self, name: str, limit: int) -> bytes:
@@ -238,27 +222,10 @@ class _ZipCheckpoint(_Checkpoint):
         except ZIP_ERRORS as e:
             raise CheckpointError(f"{self.path}: cannot read zip entry {name!r}: {e}") from e
 
-    def _data_offset(self, info: zipfile.ZipInfo) -> int:
-        # the local header repeats the name and may carry a different extra field than the
-        # central directory, so the data offset is only known after reading it
-        head = self.mm[info.header_offset : info.header_offset + 30] if self.mm else b""
-        if len(head) < 30:
-            raise CheckpointError(f"{self.path}: truncated zip: local header of {info.filename!r}")
-        sig, name_len, extra_len = _LOCAL_HEADER.unpack(head)
-        if sig != ZIP_MAGIC:
-            raise CheckpointError(f"{self.path}: bad local header for zip entry {info.filename!r}")
-        start = info.header_offset + 30 + name_len + extra_len
-        if start + info.compress_size > self.size:
-            raise CheckpointError(
-                f"{self.path}: zip entry {info.filename!r} of {info.compress_size} bytes at offset "
-                f"{start} lies past the end of the {self.size}-byte file (truncated?)"
-            )
-        return start
-
     def _root(self, key: str) -> torch.Tensor:
         info = self.entries[f"{self.prefix}data/{key}"]
         if info.compress_type == zipfile.ZIP_STORED:
-            return self._view(self._data_offset(info), info.file_size)
+            return self._view(self.offsets[key], info.file_size)
         # torch never compresses storages, but a re-zipped archive may: inflate this one entry
         raw = bytearray(self._read_small(info.filename, info.file_size))
         return (
@@ -328,9 +295,9 @@ class _LegacyCheckpoint(_Checkpoint):
 
 def open_checkpoint(path: str | Path) -> _Checkpoint:
     path = Path(path)
-    if path.is_dir():
+    if os.path.isdir(path):
         raise CheckpointError(f"{path} is a directory; a model directory is format 'hf'")
-    if not path.is_file():
+    if not os.path.isfile(path):
         raise CheckpointError(f"checkpoint file not found: {path}")
     with open(path, "rb") as f:
         head = f.read(4)

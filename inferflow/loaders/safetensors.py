@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import reprlib
 import struct
 from collections.abc import Iterator, Sequence
@@ -83,8 +84,8 @@ def _entry(path: Path, name: str, info: Any) -> TensorEntry:
     if not isinstance(info, dict):
         raise bad(f"header entry is a {type(info).__name__}, expected an object")
     dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
-    if dtype not in DTYPE_BITS:
-        raise bad(f"unknown dtype {dtype!r}; known: {', '.join(DTYPE_BITS)}")
+    if not isinstance(dtype, str) or dtype not in DTYPE_BITS:
+        raise bad(f"unknown dtype {reprlib.repr(dtype)}; known: {', '.join(DTYPE_BITS)}")
     if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
         raise bad(f"shape {reprlib.repr(shape)} is not a list of non-negative integers")
     if (
@@ -95,9 +96,13 @@ def _entry(path: Path, name: str, info: Any) -> TensorEntry:
     ):
         raise bad(f"data_offsets {reprlib.repr(offsets)} are not [begin, end]")
     bits = math.prod(shape) * DTYPE_BITS[dtype]
+    if bits >= 1 << 67:  # the reference implementation's checked usize arithmetic overflows
+        raise bad(f"{dtype} of shape {reprlib.repr(shape)} has more bytes than 64 bits can count")
     if bits % 8 or bits // 8 != offsets[1] - offsets[0]:
+        # integer arithmetic only: a hostile shape makes ``bits`` too large for a float
+        need = f"{bits // 8} bytes" if bits % 8 == 0 else f"{bits} bits (not whole bytes)"
         raise bad(
-            f"{dtype} of shape {shape} needs {bits / 8:g} bytes, data_offsets span "
+            f"{dtype} of shape {reprlib.repr(shape)} needs {need}, data_offsets span "
             f"{offsets[1] - offsets[0]}"
         )
     return TensorEntry(dtype, tuple(shape), offsets[0], offsets[1])
@@ -165,7 +170,7 @@ class SafetensorsSource:
         self._owner: dict[str, tuple[Path, TensorEntry]] = {}
         self._handles: dict[Path, Any] = {}
         for p in map(Path, paths):
-            if not p.is_file():
+            if not os.path.isfile(p):
                 raise CheckpointError(f"safetensors file not found: {p}")
             header = read_header(p)
             for name, entry in header.tensors.items():

@@ -54,6 +54,8 @@ class QuantTensor:
         return math.prod(self.shape)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        if self.numel() == 0:  # e.g. a GGUF tensor with a zero dim: codecs need whole blocks
+            return torch.zeros(self.shape, dtype=dtype)
         fmt = self.qformat
         blocks = self.data.reshape(-1, fmt.bytes_per_block)
         out = fmt.dequantize_blocks(blocks)

@@ -7,6 +7,7 @@ checkpoint (GGUF metadata or HF config.json) and are overridden by the spec's ``
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import fields
 from pathlib import Path
 from typing import Any
@@ -14,7 +15,7 @@ from typing import Any
 import yaml
 
 from inferflow.errors import InferflowError, SpecError
-from inferflow.paths import resolve_ref
+from inferflow.paths import expand_user, resolve_ref
 from inferflow.spec import hparams as hp
 from inferflow.spec.schema import validate
 from inferflow.spec.types import (
@@ -52,11 +53,12 @@ def builtin_specs() -> list[str]:
 
 
 def find_spec_file(ref: str | Path) -> Path:
-    p = Path(ref).expanduser()
-    if p.is_file():
+    p = expand_user(ref, "spec")
+    # os.path: False for any path that cannot be checked (too long, under a file, ...)
+    if os.path.isfile(p):
         return p
     builtin = BUILTIN_DIR / f"{ref}.yaml"  # also templates such as "arch/llama"
-    if builtin.is_file():
+    if os.path.isfile(builtin):
         return builtin
     raise SpecError(
         f"no spec file {str(ref)!r} and no built-in spec of that name; built-in: {', '.join(builtin_specs())}"
@@ -73,21 +75,28 @@ def load_spec(ref: str | Path, hparam_overrides: dict[str, Any] | None = None) -
 # the parser itself recurses per nesting level: all refused before anything walks the tree.
 MAX_YAML_DEPTH = 32
 MAX_YAML_VALUES = 100_000
+# libyaml where installed: PyYAML's pure-Python scanner is quadratic in flow nesting
+_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
 
 def _read_yaml(path: Path) -> Any:
     try:
-        doc = yaml.safe_load(path.read_text(encoding="utf-8"))
+        text = path.read_text(encoding="utf-8")
+        depth = 0  # the events first: the nesting is known before anything recurses over it
+        for event in yaml.parse(text, Loader=_LOADER):
+            if isinstance(event, yaml.CollectionStartEvent):
+                depth += 1
+                if depth > MAX_YAML_DEPTH:
+                    raise SpecError(f"{path}: YAML nested deeper than {MAX_YAML_DEPTH} levels")
+            elif isinstance(event, yaml.CollectionEndEvent):
+                depth -= 1
+        doc = yaml.load(text, Loader=_LOADER)  # a safe loader, C or Python
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         raise SpecError(f"{path}: not valid YAML{where}: {getattr(e, 'problem', e)}") from None
     except (OSError, UnicodeDecodeError) as e:
         raise SpecError(f"{path}: cannot read: {e}") from None
-    except RecursionError:
-        raise SpecError(
-            f"{path}: YAML nested too deeply to parse; a spec nests at most {MAX_YAML_DEPTH} levels"
-        ) from None
     _check_size(doc, path)
     return doc
 
@@ -131,10 +140,10 @@ def read_doc(path: Path, _seen: tuple[Path, ...] = ()) -> Any:
     ref = doc.pop("base")
     if not isinstance(ref, str):
         raise SpecError(f"{path}: base: must be a spec path or built-in name, got {ref!r}")
-    rel = (
-        (path.parent / ref).with_suffix(".yaml") if not ref.endswith(".yaml") else path.parent / ref
-    )
-    base_path = rel if rel.is_file() else find_spec_file(ref)
+    rel = path.parent / expand_user(ref, "base")
+    if not ref.endswith(".yaml") and rel.name:  # '', '.', '/': no name to give a suffix
+        rel = rel.with_suffix(".yaml")
+    base_path = rel if os.path.isfile(rel) else find_spec_file(ref)
     if base_path.resolve() in _seen:
         raise SpecError(f"{path}: base: {ref!r} makes a cycle")
     base = read_doc(base_path, (*_seen, path.resolve()))
@@ -159,7 +168,7 @@ def parse_spec(
     src = doc["source"]
     files = tuple(resolve_ref(f, base_dir, what="source.files") for f in src["files"])
     for ref, f in zip(src["files"], files, strict=True):
-        if not f.exists():
+        if not os.path.exists(f):
             raise SpecError(f"source.files: {ref!r} resolves to {f}, which does not exist")
     config = resolve_ref(src["config"], base_dir, what="source.config") if "config" in src else None
     source = SourceSpec(src["format"], files, config)
@@ -169,7 +178,7 @@ def parse_spec(
         resolve_ref(f, base_dir, what="tokenizer.files") for f in tok.get("files", ())
     )
     for f in tok_files:
-        if not f.exists():
+        if not os.path.exists(f):
             raise SpecError(f"tokenizer.files: {f} does not exist")
     if tok["from"] != "pickle_vocab" and ("pattern" in tok or "specials" in tok):
         raise SpecError(

@@ -145,6 +145,8 @@ def read_hf_config(path: Path) -> dict[str, Any]:
             config = json.load(f)
     except FileNotFoundError:
         raise SpecError(f"config file {path} does not exist") from None
+    except OSError as e:  # a directory, a path through a file, a name too long, no permission
+        raise SpecError(f"cannot read config file {path}: {e.strerror}") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise SpecError(f"config file {path} is not valid JSON: {e}") from None
     if not isinstance(config, dict):

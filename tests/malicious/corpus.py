@@ -121,6 +121,14 @@ def _subprocess(fn: str) -> Callable[[Asm, str], object]:
     return lambda a, c: a.call("subprocess", fn, lambda a: a.list_(["touch", c]), 1)
 
 
+def _open_write(a: Asm, c: str) -> None:
+    a.call("builtins", "open", lambda a: a.str_(c).str_("w"), 2)  # creates (truncates) a file
+
+
+def _popen(a: Asm, c: str) -> None:
+    a.call("os", "popen", lambda a: a.str_(f"touch {shlex.quote(c)}"), 1)
+
+
 def _eval(a: Asm, c: str) -> None:
     a.call("builtins", "eval", lambda a: a.str_(f"__import__('os').system('touch {c}')"), 1)
 
@@ -201,6 +209,8 @@ SPECS: list[tuple[str, str, bool, int, Callable[[Asm, str], object]]] = [
     ("nt_system", "nt.system", False, 0, _os_like("nt")),  # Windows only
     ("subprocess_popen", "subprocess.Popen", True, 0, _subprocess("Popen")),
     ("subprocess_check_output", "subprocess.check_output", True, 0, _subprocess("check_output")),
+    ("os_popen", "os.popen", True, 0, _popen),
+    ("builtins_open", "builtins.open", True, 0, _open_write),
     ("builtins_eval", "builtins.eval", True, 0, _eval),
     ("builtins_exec", "builtins.exec", True, 0, _exec),
     ("builtins_getattr", "builtins.getattr", True, 0, _getattr),

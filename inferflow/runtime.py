@@ -19,6 +19,7 @@ from inferflow.engine.embed import embed_batch, resolve_pooling
 from inferflow.engine.generate import StepOutput, generate_tokens
 from inferflow.engine.sampling import SamplingParams
 from inferflow.engine.search import SearchParams, beam_search
+from inferflow.engine.var_stream import stream_search
 from inferflow.errors import RequestError
 from inferflow.model.batch import check_input
 from inferflow.model.build import load_model, parse_dtype
@@ -99,22 +100,50 @@ class LanguageModel:
         return out
 
     def translate_ids(
-        self, sources: list[list[int]], params: SearchParams
+        self,
+        sources: list[list[int]],
+        params: SearchParams,
+        refill: float | None = None,
+        batch_size: int | None = None,
     ) -> list[list[list[int]]]:
-        """For each source, the ``num_return`` best outputs (token ids, end token dropped);
-        an empty source gives empty outputs."""
+        """For each source, its best outputs (at most ``num_return``; token ids, end token
+        dropped); an empty source gives empty outputs. ``batch_size``: sources searched together
+        (default: all at once). ``refill``: search streaming (VAR-STREAM,
+        inferflow.engine.var_stream), at most ``batch_size`` (default 32) x beam width beams a
+        step, refilled with waiting sources when the live beams drop to ``refill`` x that;
+        the outputs are the same, only the speed differs."""
         todo = [i for i, s in enumerate(sources) if s]
-        hyps = beam_search(self.model, [sources[i] for i in todo], params, self._end_ids())
+        todo_ids = [sources[i] for i in todo]
+        if batch_size is not None and batch_size < 1:
+            raise RequestError(f"batch_size: must be at least 1, got {batch_size}")
+        if refill is not None:
+            hyps = stream_search(
+                self.model, todo_ids, params, self._end_ids(), refill, batch_size or 32
+            )
+        else:
+            step = batch_size or max(1, len(todo_ids))
+            hyps = [
+                h
+                for at in range(0, len(todo_ids), step)
+                for h in beam_search(self.model, todo_ids[at : at + step], params, self._end_ids())
+            ]
         out: list[list[list[int]]] = [[[]] * params.num_return for _ in sources]
         for i, hs in zip(todo, hyps, strict=True):
             out[i] = [h.tokens[:-1] if h.ended else h.tokens for h in hs]
         return out
 
-    def translate(self, lines: list[str], params: SearchParams | None = None) -> list[str]:
-        """The best output text for each input line (an empty line gives an empty output)."""
+    def translate(
+        self,
+        lines: list[str],
+        params: SearchParams | None = None,
+        refill: float | None = None,
+        batch_size: int | None = None,
+    ) -> list[str]:
+        """The best output text for each input line (an empty line gives an empty output);
+        ``refill`` and ``batch_size`` as in ``translate_ids``."""
         p = params or SearchParams(beam_width=4, max_new_tokens=self.spec.generation.max_new_tokens)
         ids = [self.encode_source(t, where=f"line {n}") for n, t in enumerate(lines, 1)]
-        return [self.decode_target(o[0]) for o in self.translate_ids(ids, p)]
+        return [self.decode_target(o[0]) for o in self.translate_ids(ids, p, refill, batch_size)]
 
     def decode_target(self, ids: list[int], ids_only: bool = False) -> str:
         if ids_only or self.tokenizer is None:

@@ -4,11 +4,19 @@ Lines are searched in batches (``--batch-size``) with beam search (greedy at ``-
 each source is encoded once. An empty input line gives an empty output line. With ``--ids``
 input and output lines are space-separated token ids (models without a tokenizer). A line
 longer than the model's maximum is an error naming the line, before anything runs.
+
+Variable width: ``--prune-delta D`` drops candidates more than D (log-probability) below the
+line's best candidate of each step, ``--max-per-parent M`` keeps at most M live children per
+beam. ``--refill EPS`` streams (VAR-STREAM): the batch holds up to --batch-size x --beam beams
+and takes in waiting lines whenever the live beams drop to EPS x that, each step expanding the
+shortest beams only; outputs are those of the same search without --refill, printed at the end.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
+from collections.abc import Iterable
 
 from inferflow.cli.common import add_dtype, read_lines
 from inferflow.engine.search import SearchParams
@@ -34,14 +42,50 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-repeat-ngram", type=int, default=0, help="ban repeated n-grams (0 = off)")
     p.add_argument("--n-best", type=int, default=1, help="hypotheses per line, tab-separated (1)")
     p.add_argument("--batch-size", type=int, default=32, help="lines searched together (32)")
+    p.add_argument(
+        "--prune-delta",
+        type=float,
+        default=None,
+        metavar="D",
+        help="variable width: drop candidates more than D below the line's best (>= 0; off)",
+    )
+    p.add_argument(
+        "--max-per-parent",
+        type=int,
+        default=None,
+        metavar="M",
+        help="variable width: live children of one beam at most (1 .. --beam; default --beam)",
+    )
+    p.add_argument(
+        "--refill",
+        type=float,
+        default=None,
+        metavar="EPS",
+        help="stream: refill the batch (--batch-size x --beam beams) with waiting lines when the "
+        "live beams drop to EPS x that (0 .. 1); same outputs, off by default",
+    )
     p.add_argument("--ids", action="store_true", help="lines are space-separated token ids")
     add_dtype(p)
     p.set_defaults(run=run)
 
 
-def run(args: argparse.Namespace) -> int:
+def check_args(args: argparse.Namespace) -> None:
+    """Flag values a user can get wrong, named as flags, before the model loads."""
     if args.batch_size < 1:
         raise RequestError(f"--batch-size: must be at least 1, got {args.batch_size}")
+    if args.beam < 1:
+        raise RequestError(f"--beam: must be at least 1, got {args.beam}")
+    if args.prune_delta is not None and not args.prune_delta >= 0:
+        raise RequestError(f"--prune-delta: must be >= 0, got {args.prune_delta}")
+    m = args.max_per_parent
+    if m is not None and not 1 <= m <= args.beam:
+        raise RequestError(f"--max-per-parent: must be in [1, --beam = {args.beam}], got {m}")
+    if args.refill is not None and not 0 <= args.refill <= 1:
+        raise RequestError(f"--refill: must be in [0, 1], got {args.refill}")
+
+
+def run(args: argparse.Namespace) -> int:
+    check_args(args)
     lm = load(args.spec, dtype=args.dtype)
     params = SearchParams(
         beam_width=args.beam,
@@ -51,13 +95,22 @@ def run(args: argparse.Namespace) -> int:
         max_new_tokens=args.max_tokens or lm.spec.generation.max_new_tokens,
         min_new_tokens=args.min_tokens,
         no_repeat_ngram=args.no_repeat_ngram,
+        prune_delta=math.inf if args.prune_delta is None else args.prune_delta,
+        max_per_parent=args.max_per_parent,
     )
     lines = read_lines(args.input)
     sources = [
         lm.encode_source(line, ids=args.ids, where=f"line {n}") for n, line in enumerate(lines, 1)
     ]
-    for start in range(0, len(sources), args.batch_size):
-        for outs in lm.translate_ids(sources[start : start + args.batch_size], params):
-            texts = [lm.decode_target(o, ids_only=args.ids) for o in outs]
-            print("\t".join(texts), flush=True)
+    chunks: Iterable[list[list[list[int]]]]
+    if args.refill is not None:  # one stream over all lines
+        chunks = [lm.translate_ids(sources, params, args.refill, args.batch_size)]
+    else:  # batch by batch, each printed when done
+        chunks = (
+            lm.translate_ids(sources[at : at + args.batch_size], params)
+            for at in range(0, len(sources), args.batch_size)
+        )
+    for chunk in chunks:
+        for outs in chunk:
+            print("\t".join(lm.decode_target(o, ids_only=args.ids) for o in outs), flush=True)
     return 0

@@ -13,10 +13,17 @@ search is done leaves the batch at once (Amun's mini-batching), unless ``drop_fi
 Scores follow transformers' ``generate(num_beams=W)``: log-probabilities after the logits
 processors (end tokens banned below ``min_new_tokens``, ``no_repeat_ngram``), hypotheses
 ranked by ``logprob / len ** length_penalty`` (generated tokens, end token included).
+
+Variable width (Yang et al. 2020, "A Streaming Approach For Efficient Batched Beam Search"):
+``prune_delta`` drops candidates more than δ below the input's best candidate of the step,
+``max_per_parent`` caps the live children of one beam; an input with no live beam left is
+done. With neither set the search is the fixed-width one. Every decision of an input depends on
+that input alone, which is what lets ``inferflow.engine.var_stream`` regroup inputs freely.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +31,7 @@ from torch import nn
 
 from inferflow.engine.beam import BeamState, Hypothesis
 from inferflow.engine.output_layer import fused_topk, naive_topk
+from inferflow.engine.row_cache import RowCache, RowWindow
 from inferflow.errors import RequestError
 from inferflow.model.batch import FlatBatch, SeqSlice, check_inputs
 from inferflow.model.encoder import EncoderDecoder
@@ -34,10 +42,12 @@ class SearchParams:
     beam_width: int = 1
     length_penalty: float = 1.0
     early_stopping: bool = True  # done at W finished; False: also while a live beam may win
-    num_return: int = 1  # hypotheses returned per input, best first
+    num_return: int = 1  # hypotheses returned per input (at most), best first
     max_new_tokens: int = 128
     min_new_tokens: int = 0
     no_repeat_ngram: int = 0  # 0: off; n: no n-gram occurs twice in a hypothesis
+    prune_delta: float = math.inf  # drop candidates this far below the input's best (inf: off)
+    max_per_parent: int | None = None  # live children of one beam at most (None: beam_width)
 
     def __post_init__(self) -> None:
         for name, low in (("beam_width", 1), ("num_return", 1), ("max_new_tokens", 1)):
@@ -54,54 +64,21 @@ class SearchParams:
             raise RequestError(
                 f"min_new_tokens ({self.min_new_tokens}) exceeds max_new_tokens ({self.max_new_tokens})"
             )
+        if not self.prune_delta >= 0:  # NaN too
+            raise RequestError(f"prune_delta: must be >= 0 (inf = off), got {self.prune_delta}")
+        m = self.max_per_parent
+        if m is not None and not 1 <= m <= self.beam_width:
+            raise RequestError(
+                f"max_per_parent: must be in [1, beam_width = {self.beam_width}], got {m}"
+            )
 
+    @property
+    def per_parent(self) -> int:
+        return self.beam_width if self.max_per_parent is None else self.max_per_parent
 
-class RowCache:
-    """Keys and values of R rows (hypotheses) in (layers, R, T, KVH, D) tensors, each row
-    filled up to its own length. As a ``GroupKVView`` it serves a step with one new token
-    per row; ``row(i)`` is row i's ``KVView`` (prompts, and blocks with an attention bias)."""
-
-    def __init__(self, layers: int, rows: int, max_len: int, kvh: int, d: int, dtype: torch.dtype):
-        self.k = torch.zeros((layers, rows, max_len, kvh, d), dtype=dtype)
-        self.v = torch.zeros_like(self.k)
-        self.lens = torch.zeros(rows, dtype=torch.long)
-        self._pos = torch.arange(max_len, dtype=torch.long)
-
-    def update(
-        self, layer: int, k: torch.Tensor, v: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        rows = torch.arange(k.shape[0])
-        self.k[layer, rows, self.lens] = k
-        self.v[layer, rows, self.lens] = v
-        end = int(self.lens.max()) + 1
-        pos = self._pos[:end].expand(k.shape[0], end)
-        return self.k[layer, :, :end], self.v[layer, :, :end], pos, pos <= self.lens[:, None]
-
-    def row(self, i: int) -> _Row:
-        return _Row(self, i)
-
-    def advance(self, n: torch.Tensor | int = 1) -> None:
-        self.lens += n
-
-    def select(self, idx: torch.Tensor) -> None:
-        """Keep rows ``idx`` (in that order; a row may repeat: beams sharing a parent)."""
-        if idx.numel() == self.lens.numel() and torch.equal(idx, torch.arange(idx.numel())):
-            return  # nothing moved (greedy search, no input finished): no copy
-        self.k, self.v, self.lens = self.k[:, idx], self.v[:, idx], self.lens[idx]
-
-
-class _Row:
-    def __init__(self, cache: RowCache, i: int) -> None:
-        self.cache, self.i = cache, i
-
-    def update(
-        self, layer: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        c = self.cache
-        start, end = int(positions[0]), int(positions[-1]) + 1
-        c.k[layer, self.i, start:end] = k
-        c.v[layer, self.i, start:end] = v
-        return c.k[layer, self.i, :end], c.v[layer, self.i, :end], c._pos[:end]
+    @property
+    def variable_width(self) -> bool:
+        return self.prune_delta < math.inf or self.per_parent < self.beam_width
 
 
 def ngram_bans(tokens: list[int], n: int) -> list[int]:
@@ -117,7 +94,7 @@ def ngram_bans(tokens: list[int], n: int) -> list[int]:
 
 
 @dataclass
-class _Beam:
+class Beam:
     src: int  # which input
     tokens: list[int]  # decoder tokens: the prefix (start token / prompt), then generated ones
     out: list[int]  # generated tokens
@@ -126,10 +103,161 @@ class _Beam:
 
 @dataclass
 class SearchStats:
-    """What a search computed: decoder passes and hypothesis rows over all of them."""
+    """What a search computed: decoder passes, hypothesis rows (beams expanded) over all of
+    them, and (streaming) how often the batch was refilled."""
 
     steps: int = 0
     rows: int = 0
+    refills: int = 0
+
+
+def prune_mask(
+    total: torch.Tensor,  # (R, C) summed log-probabilities, each row best first
+    toks: torch.Tensor,  # (R, C)
+    ends: torch.Tensor,  # end token ids
+    params: SearchParams,
+    last: bool,
+) -> torch.Tensor | None:
+    """The candidates of one input that variable-width search drops (None: none): those more
+    than ``prune_delta`` below the best, and live children past the ``max_per_parent``-th of
+    one beam (not at the ``last`` step, where every candidate finishes instead of living on)."""
+    mask = None
+    if params.prune_delta < math.inf:
+        mask = total < total.max() - params.prune_delta
+    if params.per_parent < toks.shape[1] and not last:
+        live = ~torch.isin(toks, ends)
+        extra = live & (live.cumsum(dim=1) > params.per_parent)
+        mask = extra if mask is None else mask | extra
+    return mask
+
+
+class Decoding:
+    """What the static and the streaming search share: new inputs' first beams, one decoder
+    pass over some rows of the cache, their candidates, and one input's next beams."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        params: SearchParams,
+        end_ids: set[int],
+        fused: bool,
+        stats: SearchStats,
+    ) -> None:
+        kind = model.spec.network.type
+        if kind not in ("decoder_only", "encoder_decoder"):
+            raise RequestError(
+                f"spec {model.spec.name!r} is {kind}: beam search needs a decoder "
+                "(decoder_only or encoder_decoder)"
+            )
+        self.model, self.params, self.end_ids, self.stats = model, params, end_ids, stats
+        self.enc_dec = isinstance(model, EncoderDecoder)
+        self.memory: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        self.head = model.dec.head() if fused else None
+        self.ends = torch.tensor(sorted(end_ids), dtype=torch.long)
+
+    def limits(self, inputs: list[list[int]]) -> list[int]:
+        """Each input's new tokens at most (checking every input first): an input's own limit,
+        whatever else is searched with it."""
+        h = self.model.spec.hparams
+        if self.enc_dec:
+            check_inputs(inputs, h.vocab_size, h.max_positions, "source")
+            return [min(self.params.max_new_tokens, h.max_positions - 1)] * len(inputs)
+        check_inputs(inputs, h.vocab_size, h.max_positions - 1, "prompt")
+        return [min(self.params.max_new_tokens, h.max_positions - len(x)) for x in inputs]
+
+    def start(self, srcs: list[int], inputs: list[list[int]]) -> list[Beam]:
+        """The first beam of each input in ``srcs`` (encoder-decoder: sources encoded in one
+        packed pass, cross-attention memory kept until ``release``)."""
+        if not self.enc_dec:
+            return [Beam(s, list(inputs[s]), [], 0.0) for s in srcs]
+        for s, e in zip(srcs, self.model.encode([inputs[s] for s in srcs]), strict=True):
+            self.memory[s] = self.model.cross_memory(e)
+        return [Beam(s, [self.model.start_id], [], 0.0) for s in srcs]
+
+    def release(self, src: int) -> None:
+        self.memory.pop(src, None)
+
+    def forward(self, rows: RowWindow, beams: list[Beam], seqs: list[list[int]]) -> torch.Tensor:
+        """Hidden states of each beam's last new token; ``beams`` are the rows of ``rows``,
+        ``seqs`` their new tokens."""
+        starts = rows.lens[: len(seqs)].tolist()
+        ids = torch.tensor([t for s in seqs for t in s], dtype=torch.long)
+        pos = torch.cat([torch.arange(a, a + len(s)) for a, s in zip(starts, seqs, strict=True)])
+        slices, at = [], 0
+        for s in seqs:
+            slices.append(SeqSlice(at, len(s)))
+            at += len(s)
+        one_each = all(len(s) == 1 for s in seqs)
+        batch = FlatBatch(
+            ids,
+            pos,
+            slices,
+            [rows.row(i) for i in range(len(seqs))],
+            group=rows if one_each else None,
+        )
+        if self.enc_dec:
+            batch.cross = [self.memory[b.src] for b in beams]
+        h = self.model.hidden_states(batch)
+        rows.advance(torch.tensor([len(s) for s in seqs]))
+        self.stats.steps += 1
+        self.stats.rows += len(seqs)
+        return h[torch.tensor([sl.start + sl.length - 1 for sl in slices])]
+
+    def candidates(self, beams: list[Beam], h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each beam's 2W best next tokens: (log-probabilities, ids), each (R, 2W)."""
+        p = self.params
+        k = 2 * p.beam_width
+        banned = []
+        for b in beams:
+            ban = ngram_bans(b.tokens, p.no_repeat_ngram) if p.no_repeat_ngram else []
+            if len(b.out) < p.min_new_tokens:
+                ban = ban + sorted(self.end_ids)
+            banned.append(ban)
+        if self.head is not None:
+            return fused_topk(self.model.dec.head_input(h), *self.head, k, banned)
+        return naive_topk(h, self.model.logits, k, banned)
+
+    def select(
+        self,
+        state: BeamState,
+        beams: list[Beam],
+        logp: torch.Tensor,
+        toks: torch.Tensor,
+        last: bool,
+    ) -> list[tuple[int, Beam]]:
+        """One input's next beams from its live beams' candidates (``logp``, ``toks``: those
+        beams' rows): (index of the parent in ``beams``, child)."""
+        W = self.params.beam_width
+        total = torch.tensor([b.logprob for b in beams])[:, None] + logp
+        pruned = None
+        if self.params.variable_width:
+            pruned = prune_mask(total, toks, self.ends, self.params, last)
+        if pruned is not None:
+            total = total.masked_fill(pruned, float("-inf"))
+        values, flat = total.flatten().topk(min(2 * W, total.numel()))
+        per_row, tok_ids = toks.shape[1], toks.flatten().tolist()
+        dropped = pruned.flatten().tolist() if pruned is not None else None
+        ranked = [
+            (f // per_row, tok_ids[f], v)
+            for v, f in zip(values.tolist(), flat.tolist(), strict=True)
+            if dropped is None or not dropped[f]
+        ]
+        picks = state.choose(ranked, [b.out for b in beams], self.end_ids, last)
+        return [
+            (i, Beam(beams[i].src, [*beams[i].tokens, t], [*beams[i].out, t], v))
+            for i, t, v in picks
+        ]
+
+
+def input_runs(beams: list[Beam]) -> list[tuple[int, list[int]]]:
+    """(input, its rows) for each run of consecutive beams of one input."""
+    runs: list[tuple[int, list[int]]] = []
+    for r, b in enumerate(beams):
+        if runs and runs[-1][0] == b.src:
+            runs[-1][1].append(r)
+        else:
+            runs.append((b.src, [r]))
+    return runs
 
 
 class _Search:
@@ -143,114 +271,67 @@ class _Search:
         drop_finished: bool,
         stats: SearchStats,
     ) -> None:
-        self.model, self.params, self.end_ids = model, params, end_ids
-        self.drop_finished, self.stats = drop_finished, stats
-        kind = model.spec.network.type
-        if kind not in ("decoder_only", "encoder_decoder"):
-            raise RequestError(
-                f"spec {model.spec.name!r} is {kind}: beam search needs a decoder "
-                "(decoder_only or encoder_decoder)"
-            )
-        h = model.spec.hparams
-        self.memory = None
-        if isinstance(model, EncoderDecoder):  # sources are checked and encoded once, here
-            self.memory = [model.cross_memory(e) for e in model.encode(inputs)]
-            prefixes = [[model.start_id] for _ in inputs]
-        else:
-            check_inputs(inputs, h.vocab_size, h.max_positions - 1, "prompt")
-            prefixes = [list(x) for x in inputs]
-        longest = max(len(p) for p in prefixes)
-        self.max_new = min(params.max_new_tokens, h.max_positions - longest)
+        self.params, self.drop_finished = params, drop_finished
+        self.core = Decoding(model, params, end_ids, fused, stats)
+        self.limits = self.core.limits(inputs)
+        if not drop_finished:  # rows of finished inputs go on: one limit for all
+            self.limits = [min(self.limits)] * len(inputs)
+        self.beams = self.core.start(list(range(len(inputs))), inputs)
         self.states = [
             BeamState(params.beam_width, params.length_penalty, params.early_stopping)
             for _ in inputs
         ]
-        self.beams = [_Beam(i, p, [], 0.0) for i, p in enumerate(prefixes)]
+        self.over = [False] * len(inputs)  # done, or no live beam left (variable width)
+        h = model.spec.hparams
+        longest = max(len(b.tokens) for b in self.beams) + max(self.limits)
         dtype = next(model.parameters()).dtype
         self.cache = RowCache(
-            h.n_layers, len(inputs), longest + self.max_new, h.n_kv_heads, h.head_dim, dtype
+            h.n_layers,
+            len(inputs),
+            longest,
+            h.n_kv_heads,
+            h.head_dim,
+            dtype,
+            capacity=len(inputs) * params.beam_width,
         )
-        self.head = model.dec.head() if fused else None
 
-    def _forward(self, seqs: list[list[int]]) -> torch.Tensor:
-        """Hidden states of each live beam's last new token (``seqs``: its new tokens)."""
-        starts = self.cache.lens.tolist()
-        ids = torch.tensor([t for s in seqs for t in s], dtype=torch.long)
-        pos = torch.cat([torch.arange(a, a + len(s)) for a, s in zip(starts, seqs, strict=True)])
-        slices, at = [], 0
-        for s in seqs:
-            slices.append(SeqSlice(at, len(s)))
-            at += len(s)
-        one_each = all(len(s) == 1 for s in seqs)
-        batch = FlatBatch(
-            ids,
-            pos,
-            slices,
-            [self.cache.row(i) for i in range(len(seqs))],
-            group=self.cache if one_each else None,
-        )
-        if self.memory is not None:
-            batch.cross = [self.memory[b.src] for b in self.beams]
-        h = self.model.hidden_states(batch)
-        self.cache.advance(torch.tensor([len(s) for s in seqs]))
-        self.stats.steps += 1
-        self.stats.rows += len(seqs)
-        return h[torch.tensor([sl.start + sl.length - 1 for sl in slices])]
-
-    def _candidates(self, h: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        p = self.params
-        banned = []
-        for b in self.beams:
-            ban = ngram_bans(b.tokens, p.no_repeat_ngram) if p.no_repeat_ngram else []
-            if len(b.out) < p.min_new_tokens:
-                ban = ban + sorted(self.end_ids)
-            banned.append(ban)
-        if self.head is not None:
-            return fused_topk(self.model.dec.head_input(h), *self.head, k, banned)
-        return naive_topk(h, self.model.logits, k, banned)
-
-    def _select(
-        self, src: int, rows: list[int], logp: torch.Tensor, toks: torch.Tensor, last: bool
-    ) -> list[tuple[int, _Beam]]:
-        """Input ``src``'s next beams from its live rows' candidates: (parent row, beam)."""
-        W = self.params.beam_width
-        beams = [self.beams[r] for r in rows]
-        total = (torch.tensor([b.logprob for b in beams])[:, None] + logp[rows]).flatten()
-        values, flat = total.topk(min(2 * W, total.numel()))
-        per_row = toks.shape[1]
-        ranked = [
-            (f // per_row, int(toks[rows[f // per_row], f % per_row]), v)
-            for v, f in zip(values.tolist(), flat.tolist(), strict=True)
-        ]
-        picks = self.states[src].choose(ranked, [b.out for b in beams], self.end_ids, last)
-        return [
-            (rows[i], _Beam(src, [*beams[i].tokens, t], [*beams[i].out, t], v)) for i, t, v in picks
-        ]
+    def _step(self, logp: torch.Tensor, toks: torch.Tensor) -> list[tuple[int, Beam]]:
+        """Every unfinished input's next beams: (parent row, child)."""
+        nxt: list[tuple[int, Beam]] = []
+        for src, rows in input_runs(self.beams):
+            if not self.over[src]:
+                last = len(self.beams[rows[0]].out) == self.limits[src] - 1
+                state = self.states[src]
+                picks = self.core.select(
+                    state, [self.beams[r] for r in rows], logp[rows], toks[rows], last
+                )
+                self.over[src] = state.done or not picks
+                if not self.over[src]:
+                    nxt += [(rows[i], b) for i, b in picks]
+                    continue
+            if not self.drop_finished:  # a static batch: the rows of a finished
+                nxt += [(r, self.beams[r]) for r in rows]  # input compute, unused
+        return nxt
 
     def run(self) -> list[list[Hypothesis]]:
         with torch.inference_mode():
-            h = self._forward([b.tokens for b in self.beams])
-            for step in range(self.max_new):
-                logp, toks = self._candidates(h, 2 * self.params.beam_width)
-                by_src: dict[int, list[int]] = {}
-                for r, b in enumerate(self.beams):
-                    by_src.setdefault(b.src, []).append(r)
-                nxt: list[tuple[int, _Beam]] = []
-                for src, rows in by_src.items():
-                    state = self.states[src]
-                    if not state.done:
-                        picks = self._select(src, rows, logp, toks, step == self.max_new - 1)
-                        if not state.done:
-                            nxt += picks
-                            continue
-                    if not self.drop_finished:  # a static batch: the rows of a finished
-                        nxt += [(r, self.beams[r]) for r in rows]  # input compute, unused
-                if all(s.done for s in self.states):
+            window = self.cache.window(0)
+            h = self.core.forward(window, self.beams, [b.tokens for b in self.beams])
+            while True:
+                logp, toks = self.core.candidates(self.beams, h)
+                nxt = self._step(logp, toks)
+                if all(self.over):
                     break
                 self.cache.select(torch.tensor([r for r, _ in nxt], dtype=torch.long))
                 self.beams = [b for _, b in nxt]
-                h = self._forward([b.tokens[-1:] for b in self.beams])
+                h = self.core.forward(window, self.beams, [b.tokens[-1:] for b in self.beams])
         return [s.finished[: self.params.num_return] for s in self.states]
+
+
+def default_end_ids(model: nn.Module, end_ids: set[int] | tuple[int, ...]) -> set[int]:
+    if not end_ids and model.spec.hparams.eos_id is not None:
+        return {model.spec.hparams.eos_id}
+    return set(end_ids)
 
 
 def beam_search(
@@ -263,13 +344,18 @@ def beam_search(
     stats: SearchStats | None = None,
 ) -> list[list[Hypothesis]]:
     """For each input (an encoder-decoder's source, or a decoder-only prompt), its
-    ``num_return`` best hypotheses (generated tokens, summed log-probability). ``end_ids``
-    default to the checkpoint's end token; ``stats`` (if given) counts the work done."""
+    ``num_return`` best hypotheses (generated tokens, summed log-probability; fewer where
+    variable-width pruning finished fewer). ``end_ids`` default to the checkpoint's end token;
+    ``stats`` (if given) counts the work done."""
     if not inputs:
         return []
-    if not end_ids and model.spec.hparams.eos_id is not None:
-        end_ids = (model.spec.hparams.eos_id,)
     search = _Search(
-        model, inputs, params, set(end_ids), fused, drop_finished, stats or SearchStats()
+        model,
+        inputs,
+        params,
+        default_end_ids(model, end_ids),
+        fused,
+        drop_finished,
+        stats or SearchStats(),
     )
     return search.run()

@@ -1,0 +1,184 @@
+"""VAR-STREAM: streaming variable-width beam search over an offline batch of inputs (Yang et al.
+2020, "A Streaming Approach For Efficient Batched Beam Search"): ``stream_search(model, inputs,
+params, refill=EPS, batch_size=B)``.
+
+The batch holds up to n = B x W beams (W = beam width). Inputs wait in a queue; whenever the
+live beams drop to at most EPS x n, new inputs join (their sources encoded in one pass), as many
+as fit at full width. Each step expands only the beams of the smallest hypothesis length, so a
+step batches beams of one length; longer inputs wait until the newcomers catch up. A static
+batch instead runs until its slowest input is done, its last steps nearly empty.
+
+Every decision of an input (candidates, pruning, finished hypotheses, its length limit) depends
+on that input alone (``inferflow.engine.search.Decoding``), so the hypotheses are those of
+``beam_search`` with the same parameters on the same inputs; only the grouping of rows into
+steps differs. Floating point can still see the grouping: a GEMM may round a row differently
+with another number of rows, which could only flip an exact near-tie (see tests/test_var_stream.py).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from inferflow.engine.beam import BeamState, Hypothesis
+from inferflow.engine.search import (
+    Beam,
+    Decoding,
+    RowCache,
+    SearchParams,
+    SearchStats,
+    default_end_ids,
+    input_runs,
+)
+from inferflow.errors import RequestError
+
+log = logging.getLogger(__name__)
+
+
+def check_stream_args(refill: float, batch_size: int) -> None:
+    if not 0.0 <= refill <= 1.0:  # NaN too
+        raise RequestError(f"refill: must be in [0, 1], got {refill}")
+    if batch_size < 1:
+        raise RequestError(f"batch_size: must be at least 1, got {batch_size}")
+
+
+class _Stream:
+    def __init__(
+        self,
+        model: nn.Module,
+        inputs: list[list[int]],
+        params: SearchParams,
+        end_ids: set[int],
+        refill: float,
+        batch_size: int,
+        fused: bool,
+        stats: SearchStats,
+    ) -> None:
+        self.inputs, self.params, self.stats = inputs, params, stats
+        self.core = Decoding(model, params, end_ids, fused, stats)
+        self.limits = self.core.limits(inputs)  # every input checked before anything runs
+        self.queue = deque(range(len(inputs)))
+        self.capacity = batch_size * params.beam_width  # n, in beams
+        self.low = refill * self.capacity
+        self.beams: list[Beam] = []  # one per cache row, longest first
+        self.states: dict[int, BeamState] = {}
+        h = model.spec.hparams
+        prefix = 1 if self.core.enc_dec else max(len(x) for x in inputs)
+        dtype = next(model.parameters()).dtype
+        self.cache = RowCache(
+            h.n_layers,
+            0,
+            prefix + max(self.limits),
+            h.n_kv_heads,
+            h.head_dim,
+            dtype,
+            capacity=self.capacity + params.beam_width,
+        )
+
+    def _admit(self) -> None:
+        """Refill: new inputs at full width into the room left, once few beams are live."""
+        live = len(self.beams)
+        if not self.queue or (live > self.low and live > 0):
+            return
+        W = self.params.beam_width
+        n = min(len(self.queue), max(1, (self.capacity - live) // W))
+        srcs = [self.queue.popleft() for _ in range(n)]
+        self.beams += self.core.start(srcs, self.inputs)
+        for s in srcs:
+            p = self.params
+            self.states[s] = BeamState(p.beam_width, p.length_penalty, p.early_stopping)
+        self.cache.add_rows(n)
+        self.stats.refills += 1
+        log.debug("refill: %d inputs join %d live beams", n, live)
+
+    def _group(self) -> int:
+        """First row of the beams of the smallest hypothesis length. Rows are kept in order of
+        decreasing length (an input's beams together), so these are the last rows."""
+        shortest, start = len(self.beams[-1].out), len(self.beams) - 1
+        while start > 0 and len(self.beams[start - 1].out) == shortest:
+            start -= 1
+        return start
+
+    def _expand(self, start: int) -> list[tuple[int, list[Hypothesis]]]:
+        """One step over the rows from ``start`` on: the inputs that are over, with their
+        hypotheses."""
+        group = self.beams[start:]
+        fresh = len(group[0].out) == 0  # no token computed yet: the whole prefix
+        seqs = [b.tokens if fresh else b.tokens[-1:] for b in group]
+        h = self.core.forward(self.cache.window(start), group, seqs)
+        logp, toks = self.core.candidates(group, h)
+        nxt: list[tuple[int, Beam]] = []
+        over: list[tuple[int, list[Hypothesis]]] = []
+        for src, rows in input_runs(group):
+            state = self.states[src]
+            last = len(group[rows[0]].out) == self.limits[src] - 1
+            picks = self.core.select(state, [group[r] for r in rows], logp[rows], toks[rows], last)
+            if state.done or not picks:
+                del self.states[src]
+                self.core.release(src)
+                over.append((src, state.finished[: self.params.num_return]))
+            else:
+                nxt += [(start + rows[i], b) for i, b in picks]
+        keep = list(range(start)) + [r for r, _ in nxt]  # the waiting rows stay where they are
+        self.cache.select(torch.tensor(keep, dtype=torch.long))
+        self.beams = self.beams[:start] + [b for _, b in nxt]
+        return over
+
+    def run(self) -> Iterator[tuple[int, list[Hypothesis]]]:
+        while self.queue or self.beams:
+            with torch.inference_mode():  # not held across a yield: the caller's code runs outside
+                self._admit()
+                over = self._expand(self._group())
+            yield from over
+
+
+def iter_stream_search(
+    model: nn.Module,
+    inputs: list[list[int]],
+    params: SearchParams,
+    end_ids: set[int] | tuple[int, ...] = (),
+    refill: float = 0.5,
+    batch_size: int = 32,
+    fused: bool = True,
+    stats: SearchStats | None = None,
+) -> Iterator[tuple[int, list[Hypothesis]]]:
+    """(input index, its best hypotheses) as each input finishes, in finishing order."""
+    check_stream_args(refill, batch_size)
+    if not inputs:
+        return iter(())
+    stream = _Stream(
+        model,
+        inputs,
+        params,
+        default_end_ids(model, end_ids),
+        refill,
+        batch_size,
+        fused,
+        stats or SearchStats(),
+    )
+    return stream.run()
+
+
+def stream_search(
+    model: nn.Module,
+    inputs: list[list[int]],
+    params: SearchParams,
+    end_ids: set[int] | tuple[int, ...] = (),
+    refill: float = 0.5,
+    batch_size: int = 32,
+    fused: bool = True,
+    stats: SearchStats | None = None,
+) -> list[list[Hypothesis]]:
+    """``beam_search``'s result (same hypotheses, same order) computed streaming: at most
+    ``batch_size`` x beam width beams in a step, refilled with waiting inputs when the live
+    beams drop to ``refill`` x that capacity (0 <= refill <= 1)."""
+    out: list[list[Hypothesis]] = [[] for _ in inputs]
+    for i, hyps in iter_stream_search(
+        model, inputs, params, end_ids, refill, batch_size, fused, stats
+    ):
+        out[i] = hyps
+    return out

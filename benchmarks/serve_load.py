@@ -6,6 +6,16 @@ count of failed, truncated or garbled responses (a 429 is counted apart: admissi
 
 Without --url it starts the server itself (on a free port, the default model) and stops it at
 the end; it also measures start-to-first-token: process start until the first streamed token.
+
+Resource limits (``--limits``, needs the server started here): the server's resident memory is
+sampled during the run and checked against a bound computed from the spec and the serve flags
+(inferflow.server.memory: weights + KV budget + activations + runtime), and after the run every
+KV block must be free again. With ``--requests-per-client 1`` every client sends one request
+and a 429 is final; ``--kill-fraction`` of the streams are closed by their client mid-way:
+
+    python benchmarks/serve_load.py --limits --clients 128 --requests-per-client 1 \\
+        --prompt-words 100-250 --max-tokens 32-96 --kill-fraction 0.25 \\
+        --server-args "--kv-cache-memory 32MiB --max-waiting 16"
 """
 
 from __future__ import annotations
@@ -20,6 +30,7 @@ import statistics
 import subprocess
 import sys
 import time
+from dataclasses import dataclass, field
 
 import httpx
 
@@ -33,27 +44,58 @@ def pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
 
 
+@dataclass
+class Load:
+    """What each request looks like (from the command line)."""
+
+    words: tuple[int, int] = (8, 200)
+    tokens: tuple[int, int] = (8, 128)
+    kill: float = 0.0  # probability that the client closes the stream mid-way
+    max_model_len: int = 0  # the server's (context or KV capacity): a legitimate "length" end
+
+
+@dataclass
 class Tally:
-    def __init__(self) -> None:
-        self.ok = self.failed = self.truncated = self.garbled = self.refused = 0
-        self.tokens = 0
-        self.ttft: list[float] = []
-        self.itl: list[float] = []
+    ok: int = 0
+    failed: int = 0
+    truncated: int = 0
+    garbled: int = 0
+    refused: int = 0
+    killed: int = 0
+    sent: int = 0
+    tokens: int = 0
+    ttft: list[float] = field(default_factory=list)
+    itl: list[float] = field(default_factory=list)
+    reasons: dict[str, int] = field(default_factory=dict)
+    errors: dict[str, int] = field(default_factory=dict)  # what the failed ones got
+
+    def fail(self, why: str) -> None:
+        self.failed += 1
+        self.errors[why] = self.errors.get(why, 0) + 1
+
+    @property
+    def ended(self) -> int:  # requests with an outcome; sent - ended were lost
+        return self.ok + self.failed + self.truncated + self.garbled + self.refused + self.killed
 
 
-async def one(client: httpx.AsyncClient, url: str, rng: random.Random, t: Tally) -> None:
-    prompt = " ".join(rng.choice(WORDS) for _ in range(rng.randint(8, 200)))
-    want = rng.randint(8, 128)
+async def one(
+    client: httpx.AsyncClient, url: str, rng: random.Random, t: Tally, load: Load
+) -> None:
+    prompt = " ".join(rng.choice(WORDS) for _ in range(rng.randint(*load.words)))
+    want = rng.randint(*load.tokens)
+    kill_after = rng.randint(1, max(1, want - 1)) if rng.random() < load.kill else None
     body = {
         "prompt": prompt,
         "max_tokens": want,
         "temperature": 0.8,
         "stream": True,
+        "stream_options": {"include_usage": True},
         "ignore_eos": True,
     }
+    t.sent += 1
     t0 = time.perf_counter()
     last = None
-    got, done, text = 0, False, ""
+    got, done, text, reason, usage = 0, False, "", None, None
     try:
         async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
             if r.status_code == 429:  # a well-behaved client waits as Retry-After says
@@ -62,7 +104,7 @@ async def one(client: httpx.AsyncClient, url: str, rng: random.Random, t: Tally)
                 await asyncio.sleep(float(r.headers.get("retry-after", "1")))
                 return
             if r.status_code != 200:
-                t.failed += 1
+                t.fail(f"HTTP {r.status_code}: {(await r.aread())[:200]!r}")
                 return
             async for line in r.aiter_lines():
                 if not line:
@@ -75,8 +117,12 @@ async def one(client: httpx.AsyncClient, url: str, rng: random.Random, t: Tally)
                     break
                 chunk = json.loads(line[6:])
                 if "error" in chunk:
-                    t.failed += 1
+                    t.fail(f"error event: {chunk['error'].get('message')}")
                     return
+                if chunk.get("usage"):
+                    usage = chunk["usage"]
+                if not chunk["choices"]:
+                    continue
                 now = time.perf_counter()
                 if chunk["choices"][0]["text"]:
                     got += 1
@@ -86,32 +132,43 @@ async def one(client: httpx.AsyncClient, url: str, rng: random.Random, t: Tally)
                     else:
                         t.itl.append(now - last)
                     last = now
-                reason = chunk["choices"][0]["finish_reason"]
-                if reason and reason != "length":
-                    t.failed += 1
+                reason = chunk["choices"][0]["finish_reason"] or reason
+                if kill_after is not None and got >= kill_after and reason is None:
+                    t.killed += 1  # leaving the block closes the connection mid-stream
                     return
-    except (httpx.HTTPError, json.JSONDecodeError):
-        t.failed += 1
+    except (httpx.HTTPError, json.JSONDecodeError) as e:
+        t.fail(type(e).__name__)
         return
-    if not done:
+    t.reasons[str(reason)] = t.reasons.get(str(reason), 0) + 1
+    if not done or usage is None or reason not in ("length", "stop"):
         t.truncated += 1
     elif not text:
         t.garbled += 1
+    elif (
+        reason == "length"
+        and usage["completion_tokens"] != want
+        and (usage["prompt_tokens"] + usage["completion_tokens"] != load.max_model_len)
+    ):  # "length" before max_tokens is only right at the end of the context
+        t.truncated += 1
     else:
         t.ok += 1
         t.tokens += got
 
 
-async def run(url: str, clients: int, duration: float) -> tuple[Tally, float]:
+async def run(
+    url: str, clients: int, duration: float, per_client: int, load: Load
+) -> tuple[Tally, float]:
     t = Tally()
     end = time.perf_counter() + duration
     limits = httpx.Limits(max_connections=clients + 4)
 
     async def worker(i: int) -> None:
         rng = random.Random(i)
-        async with httpx.AsyncClient(timeout=120, limits=limits) as c:
-            while time.perf_counter() < end:
-                await one(c, url, rng, t)
+        async with httpx.AsyncClient(timeout=300, limits=limits) as c:
+            n = 0
+            while (n < per_client) if per_client else (time.perf_counter() < end):
+                await one(c, url, rng, t, load)
+                n += 1
 
     t0 = time.perf_counter()
     await asyncio.gather(*(worker(i) for i in range(clients)))
@@ -155,40 +212,154 @@ def start_server(spec: str | None, extra: list[str]) -> tuple[subprocess.Popen, 
         time.sleep(0.05)
 
 
+async def sample_rss(pid: int, peak: list[int], stop: asyncio.Event) -> None:
+    import psutil
+
+    proc = psutil.Process(pid)
+    while not stop.is_set():
+        peak[0] = max(peak[0], proc.memory_info().rss)
+        await asyncio.sleep(0.02)
+
+
+def gauges(url: str) -> dict[str, float]:
+    out = {}
+    for ln in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
+        if ln.startswith("inferflow_") and not ln.startswith("#") and "{" not in ln:
+            name, value = ln.split()
+            out[name] = float(value)
+    return out
+
+
+def settle(url: str, timeout: float = 30.0) -> dict[str, float]:
+    """The server's gauges once nothing runs or waits (aborts land within an engine step)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        g = gauges(url)
+        idle = not g["inferflow_requests_running"] and not g["inferflow_requests_waiting"]
+        if (idle and g["inferflow_kv_cache_usage_ratio"] == 0) or time.monotonic() > deadline:
+            return g
+        time.sleep(0.1)
+
+
+def bound_for(spec: str | None, server_args: list[str]):  # noqa: ANN201
+    """The memory bound for the server these flags start (parsed by `inferflow serve`'s own
+    parser, so the defaults are the server's)."""
+    import torch  # (after the run: the client stays light while it measures)
+
+    from inferflow.cli import serve
+    from inferflow.engine.engine import EngineConfig
+    from inferflow.engine.scheduler import SchedulerConfig
+    from inferflow.model.build import parse_dtype
+    from inferflow.server.memory import kv_geometry, memory_bound, runtime_rss
+    from inferflow.spec import load_spec
+
+    ap = argparse.ArgumentParser()
+    serve.add_parser(ap.add_subparsers())
+    a = ap.parse_args(["serve", *([spec] if spec else []), *server_args])
+    cfg = EngineConfig(
+        SchedulerConfig(a.max_batched_tokens, a.max_running, a.max_waiting),
+        block_size=a.block_size,
+        kv_cache_bytes=serve.memory_bytes(a.kv_cache_memory),
+    )
+    dtype_bytes = torch.empty((), dtype=parse_dtype(a.dtype)).element_size()
+    s = load_spec(a.spec)
+    _, blocks, _ = kv_geometry(s, cfg, dtype_bytes)
+    return memory_bound(s, cfg, runtime_rss(a.spec), dtype_bytes), blocks
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--clients", type=int, default=64)
     ap.add_argument("--duration", type=float, default=60.0)
+    ap.add_argument("--requests-per-client", type=int, default=0, help="0: until --duration")
+    ap.add_argument("--prompt-words", default="8-200", help="prompt length range, words")
+    ap.add_argument("--max-tokens", default="8-128", help="max_tokens range")
+    ap.add_argument("--kill-fraction", type=float, default=0.0, help="streams closed mid-way")
+    ap.add_argument("--limits", action="store_true", help="check RSS bound and KV blocks free")
+    ap.add_argument("--json", default=None, help="also write the results to this file")
     ap.add_argument("--url", default=None, help="a running server (default: start one)")
     ap.add_argument("--spec", default=None)
     ap.add_argument("--server-args", default="", help="extra `inferflow serve` flags")
     args = ap.parse_args()
+    if args.limits and args.url:
+        ap.error("--limits samples the server process: leave out --url")
+    span = lambda s: tuple(int(x) for x in s.split("-"))  # noqa: E731
+    load = Load(span(args.prompt_words), span(args.max_tokens), args.kill_fraction)
     proc, startup = None, float("nan")
     url = args.url
+    server_args = shlex.split(args.server_args)
     if url is None:
-        proc, url, startup = start_server(args.spec, shlex.split(args.server_args))
+        proc, url, startup = start_server(args.spec, server_args)
+    peak, after = [0], {}
     try:
-        t, wall = asyncio.run(run(url, args.clients, args.duration))
+        load.max_model_len = httpx.get(f"{url}/v1/models").json()["data"][0]["max_model_len"]
+
+        async def measured() -> tuple[Tally, float]:
+            stop = asyncio.Event()
+            sampler = asyncio.ensure_future(sample_rss(proc.pid, peak, stop)) if proc else None
+            try:
+                return await run(url, args.clients, args.duration, args.requests_per_client, load)
+            finally:
+                stop.set()
+                if sampler is not None:
+                    await sampler
+
+        t, wall = asyncio.run(measured())
+        after = settle(url) if args.limits else {}
     finally:
         if proc is not None:
             proc.terminate()
             proc.wait(30)
     print(f"command: python {' '.join(shlex.quote(a) for a in sys.argv)}")
+    length = (
+        f"{args.requests_per_client} request(s) each"
+        if args.requests_per_client
+        else (f"for {args.duration:.0f}s")
+    )
     print(
-        f"{args.clients} streaming clients for {args.duration:.0f}s; prompts 8-200 words, 8-128 tokens each"
+        f"{args.clients} streaming clients {length}; prompts {args.prompt_words} words, "
+        f"{args.max_tokens} tokens each, {args.kill_fraction:.0%} closed mid-stream"
     )
     print(f"{'start->first token':<22} {startup:8.2f} s")
     print(f"{'requests ok':<22} {t.ok:8d}   ({t.ok / wall:.2f} req/s)")
     print(f"{'generated tokens/s':<22} {t.tokens / wall:8.1f}")
+    ttft_mean = statistics.mean(t.ttft) if t.ttft else float("nan")
     print(
-        f"{'TTFT p50 / p99':<22} {pct(t.ttft, 0.5):8.3f} / {pct(t.ttft, 0.99):.3f} s (mean {statistics.mean(t.ttft) if t.ttft else float('nan'):.3f})"
+        f"{'TTFT p50 / p99':<22} {pct(t.ttft, 0.5):8.3f} / {pct(t.ttft, 0.99):.3f} s "
+        f"(mean {ttft_mean:.3f})"
     )
     print(f"{'ITL p50 / p99':<22} {1000 * pct(t.itl, 0.5):8.1f} / {1000 * pct(t.itl, 0.99):.1f} ms")
-    print(f"{'failed':<22} {t.failed:8d}")
-    print(f"{'truncated':<22} {t.truncated:8d}")
-    print(f"{'garbled':<22} {t.garbled:8d}")
-    print(f"{'refused (429)':<22} {t.refused:8d}")
-    return 1 if t.failed or t.truncated or t.garbled else 0
+    for name in ("failed", "truncated", "garbled", "refused", "killed"):
+        label = {"refused": "refused (429)", "killed": "closed by client"}.get(name, name)
+        print(f"{label:<22} {getattr(t, name):8d}")
+    print(f"{'lost':<22} {t.sent - t.ended:8d}   (of {t.sent} sent; finish reasons {t.reasons})")
+    if t.errors:
+        print(f"{'failures':<22} {t.errors}")
+    bad = t.failed or t.truncated or t.garbled or t.sent != t.ended
+    result = {"clients": args.clients, "sent": t.sent, "ok": t.ok, "failed": t.failed}
+    result |= {"truncated": t.truncated, "garbled": t.garbled, "refused": t.refused}
+    result |= {"killed": t.killed, "lost": t.sent - t.ended, "reasons": t.reasons}
+    result |= {"errors": t.errors}
+    if args.limits:
+        bound, blocks = bound_for(args.spec, server_args)
+        print(
+            f"\nresident memory bound (inferflow.server.memory), max_model_len {load.max_model_len}"
+        )
+        for name, value in bound.rows():
+            print(f"  {name:<20} {value / 2**20:9.1f} MiB")
+        print(
+            f"{'server RSS peak':<22} {peak[0] / 2**20:8.1f} MiB  (bound {bound.total / 2**20:.1f})"
+        )
+        free = int(after["inferflow_kv_cache_free_blocks"])
+        print(f"{'KV blocks free after':<22} {free:8d} / {blocks}")
+        print(f"{'preemptions':<22} {int(after.get('inferflow_preemptions', 0)):8d}")
+        bad = bad or peak[0] > bound.total or free != blocks
+        result |= {"rss_peak": peak[0], "bound": dict(bound.rows()), "kv_free": free}
+        result |= {"kv_blocks": blocks, "gauges_after": after}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    return 1 if bad else 0
 
 
 if __name__ == "__main__":

@@ -75,7 +75,8 @@ class Engine:
         self.eos_ids = set(
             getattr(tokenizer, "eos_ids", None) or ([h.eos_id] if h.eos_id is not None else [])
         )
-        self.max_len = h.max_positions
+        # a sequence never holds more tokens than the KV cache: past that it would wait forever
+        self.max_len = min(h.max_positions, num_blocks * self.config.block_size)
         self._ids = itertools.count()
         self._aborted: list[Request] = []
         self.beams: dict[str, BeamState] = {}  # request id -> its beam search
@@ -123,14 +124,24 @@ class Engine:
                 f"prompt token ids {bad[:5]} are outside the vocabulary 0..{vocab - 1}"
             )
         if len(ids) >= self.max_len:
-            raise RequestError(
-                f"the prompt has {len(ids)} tokens; the model's context is {self.max_len}"
+            where = (
+                "the model's context is"
+                if self.max_len == self.model.spec.hparams.max_positions
+                else "the KV cache (--kv-cache-memory) holds"
             )
-        capacity = self.cache.alloc.num_blocks * self.cache.block_size
-        if len(ids) + 1 > capacity:
-            raise RequestError(
-                f"the prompt has {len(ids)} tokens; the KV cache holds {capacity} in all"
-            )
+            raise RequestError(f"the prompt has {len(ids)} tokens; {where} {self.max_len}")
+        if params.beam_width > 1:
+            # every beam must fit at once, each with blocks of its own (a preempted beam is
+            # recomputed alone while its siblings wait for it, holding theirs)
+            bs, total = self.cache.block_size, self.cache.alloc.num_blocks
+            longest = min(len(ids) + params.max_new_tokens, self.max_len)
+            need = params.beam_width * -(-longest // bs)
+            if need > total:
+                raise RequestError(
+                    f"beam_width: {params.beam_width} beams of up to {longest} tokens need "
+                    f"{need} KV-cache blocks; the cache has {total} (lower beam_width or "
+                    "max_tokens, or give the KV cache more memory)"
+                )
         most = self.scheduler.cfg.max_running
         if params.n > most or params.beam_width > most:
             what = (

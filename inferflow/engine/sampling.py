@@ -28,6 +28,8 @@ from inferflow.engine.fsd import NGramAntiLM, fsd_choose
 from inferflow.errors import RequestError
 
 MAX_N = 64
+# a seed is an int64 (sample i of n draws with seed + i, inside torch.Generator's range)
+SEED_RANGE = (-(2**63), 2**63 - 1)
 
 
 @dataclass(frozen=True)
@@ -78,8 +80,11 @@ class SamplingParams:
             raise bad("min_p", "in [0, 1) (0 turns it off)")
         if self.mirostat not in (0, 1, 2):
             raise bad("mirostat", "one of 0 (off), 1, 2")
-        if self.mirostat_tau <= 0 or self.mirostat_eta <= 0:
-            raise RequestError("mirostat_tau and mirostat_eta: must be > 0")
+        for name in ("mirostat_tau", "mirostat_eta"):
+            if not math.isfinite(getattr(self, name)) or getattr(self, name) <= 0:
+                raise bad(name, "a finite number > 0")
+        if not math.isfinite(self.length_penalty):
+            raise bad("length_penalty", "a finite number")
         if not 0 <= self.fsd_alpha < 1:
             raise bad("fsd_alpha", "in [0, 1) (0 turns FSD off)")
         if self.fsd_k < 1 or self.fsd_n < 1:
@@ -97,6 +102,8 @@ class SamplingParams:
             )
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise bad("logprobs", "in [0, 20]")
+        if self.seed is not None and not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]:
+            raise bad("seed", f"an integer in [{SEED_RANGE[0]}, {SEED_RANGE[1]}]")
         if not 1 <= self.n <= MAX_N:
             raise bad("n", f"in [1, {MAX_N}]")
         if not 1 <= self.beam_width <= MAX_N:
@@ -151,13 +158,13 @@ class Sampler:
     def __call__(
         self, logits: torch.Tensor, prompt: Sequence[int] = (), output: Sequence[int] = ()
     ) -> int:
-        x = self.process(logits, prompt, output)
+        x = finite(self.process(logits, prompt, output))
         p = self.params
         if self.anti is not None and len(output) >= p.fsd_random_steps:
             return fsd_choose(x, self.anti, [*prompt, *output], p.fsd_alpha, p.fsd_k)
         if p.temperature == 0:
             return int(torch.argmax(x))
-        x = x / p.temperature
+        x = scaled(x, p.temperature)
         if p.mirostat:
             return self._mirostat(x)
         return self._draw(torch.softmax(truncate(x, p), dim=-1))
@@ -184,6 +191,22 @@ class Sampler:
         j = self._draw(kept)
         self.mu -= p.mirostat_eta * (-math.log2(float(kept[j])) - p.mirostat_tau)
         return int(idx[j])
+
+
+def finite(x: torch.Tensor) -> torch.Tensor:
+    """Logits an extreme (valid) penalty or temperature pushed past the float range: +inf
+    becomes the largest float, so those tokens share the probability instead of making it NaN;
+    a NaN logit is never drawn. -inf (a banned token) stays."""
+    return torch.nan_to_num(x, nan=-math.inf, posinf=torch.finfo(x.dtype).max, neginf=-math.inf)
+
+
+def scaled(x: torch.Tensor, temperature: float) -> torch.Tensor:
+    """Logits (last dim) / temperature, shifted first so the largest is 0: a tiny temperature
+    sends the others to -inf (greedy in the limit) instead of overflowing to +inf and NaN. The
+    shift changes no probability and no filter (all of them are shift-invariant)."""
+    x = finite(x)
+    # (0 / 0 at the largest when the temperature underflows the dtype: those stay at 0)
+    return torch.nan_to_num((x - x.amax(-1, keepdim=True)) / temperature, nan=0.0)
 
 
 def truncate(x: torch.Tensor, p: SamplingParams) -> torch.Tensor:

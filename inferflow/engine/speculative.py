@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from inferflow.engine.generate import new_cache
-from inferflow.engine.sampling import SamplingParams, truncate
+from inferflow.engine.sampling import SamplingParams, scaled, truncate
 from inferflow.errors import RequestError
 from inferflow.model.batch import ContiguousKVCache, FlatBatch
 
@@ -62,7 +62,7 @@ def distribution(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """The probabilities the sampling parameters define over float32 logits (..., V)."""
     if params.temperature == 0:
         return nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
-    rows = logits.reshape(-1, logits.shape[-1]).float() / params.temperature
+    rows = scaled(logits.reshape(-1, logits.shape[-1]).float(), params.temperature)
     probs = [torch.softmax(truncate(row, params), dim=-1) for row in rows]
     return torch.stack(probs).reshape(logits.shape)
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import hmac
-import json
 import logging
 import threading
 import time
@@ -21,7 +20,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -33,12 +32,15 @@ from inferflow.errors import InferflowError
 from inferflow.runtime import LanguageModel, load
 from inferflow.server.generation import Generation, GenerationFailed
 from inferflow.server.metrics import Metrics
+from inferflow.server.openapi import responses, trim_schema
 from inferflow.server.protocol import (
     ChatBody,
     CompletionBody,
     DetokenizeBody,
     EmbeddingBody,
     TokenizeBody,
+    TokenizeChat,
+    describe_invalid,
     error_body,
     prompt_list,
 )
@@ -139,6 +141,8 @@ def create_app(cfg: ServerConfig) -> FastAPI:
 
     app = FastAPI(title="Inferflow", lifespan=lifespan)
     app.state.inferflow = state
+    auth = cfg.api_key is not None
+    trim_schema(app, auth)
     _errors(app)
     app.add_middleware(Guard, api_key=cfg.api_key, limit=cfg.max_body_bytes)
     if cfg.cors_origins:
@@ -149,7 +153,7 @@ def create_app(cfg: ServerConfig) -> FastAPI:
             allow_headers=["*"],
         )
 
-    @app.get("/health")
+    @app.get("/health", responses=responses(health=True))
     async def health() -> JSONResponse:
         if state.load_error:
             return JSONResponse({"status": "failed", "error": state.load_error}, 500)
@@ -157,23 +161,23 @@ def create_app(cfg: ServerConfig) -> FastAPI:
             return JSONResponse({"status": "loading"}, 503, headers={"Retry-After": "1"})
         return JSONResponse({"status": "ok"})
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse, responses=responses(auth, metrics=True))
     async def metrics() -> Response:
         return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=responses(auth))
     async def models() -> dict[str, Any]:
-        lm, _ = state.ready()
+        _, runner = state.ready()
         card = {
             "id": state.name,
             "object": "model",
             "created": int(state.started),
             "owned_by": "inferflow",
-            "max_model_len": lm.spec.hparams.max_positions,
+            "max_model_len": runner.engine.max_len,  # (the KV cache may hold less than the context)
         }
         return {"object": "list", "data": [card]}
 
-    @app.post("/v1/completions", response_model=None)
+    @app.post("/v1/completions", response_model=None, responses=responses(auth, generate=True))
     async def completions(body: CompletionBody, request: Request) -> Any:
         lm, runner = state.ready(body.model)
         prompts = [
@@ -185,13 +189,13 @@ def create_app(cfg: ServerConfig) -> FastAPI:
         gen = Generation(runner, lm.tokenizer, state.name, False, prompts, params)
         return await _respond(gen, request, body.stream, body.stream_options)
 
-    @app.post("/v1/chat/completions", response_model=None)
+    @app.post("/v1/chat/completions", response_model=None, responses=responses(auth, generate=True))
     async def chat(body: ChatBody, request: Request) -> Any:
         lm, runner = state.ready(body.model)
         ids = _chat_ids(state, body.messages)
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "top_logprobs: needs logprobs set to true", param="top_logprobs")
-        room = lm.spec.hparams.max_positions - len(ids)
+        room = runner.engine.max_len - len(ids)
         max_tokens = (
             body.max_completion_tokens
             or body.max_tokens
@@ -202,7 +206,7 @@ def create_app(cfg: ServerConfig) -> FastAPI:
         gen = Generation(runner, lm.tokenizer, state.name, True, [ids], params)
         return await _respond(gen, request, body.stream, body.stream_options)
 
-    @app.post("/v1/embeddings")
+    @app.post("/v1/embeddings", responses=responses(auth, body=True))
     async def embeddings(body: EmbeddingBody) -> dict[str, Any]:
         lm, runner = state.ready(body.model)
         pooling = lm.spec.embedding_pooling
@@ -237,20 +241,16 @@ def create_app(cfg: ServerConfig) -> FastAPI:
             "usage": {"prompt_tokens": used, "total_tokens": used},
         }
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", responses=responses(auth, body=True))
     async def tokenize(body: TokenizeBody) -> dict[str, Any]:
-        lm, _ = state.ready(body.model)
-        if (body.prompt is None) == (body.messages is None):
-            raise APIError(400, "give exactly one of prompt, messages", param="prompt")
-        if body.messages is not None:
+        _, runner = state.ready(body.model)
+        if isinstance(body, TokenizeChat):
             ids = _chat_ids(state, body.messages)
         else:
-            ids = state.tokenizer().encode(
-                body.prompt or "", add_special_tokens=body.add_special_tokens
-            )
-        return {"tokens": ids, "count": len(ids), "max_model_len": lm.spec.hparams.max_positions}
+            ids = state.tokenizer().encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        return {"tokens": ids, "count": len(ids), "max_model_len": runner.engine.max_len}
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", responses=responses(auth, body=True))
     async def detokenize(body: DetokenizeBody) -> dict[str, Any]:
         lm, _ = state.ready(body.model)
         vocab = lm.spec.hparams.vocab_size
@@ -304,15 +304,7 @@ def _errors(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def invalid(_: Request, e: RequestValidationError) -> JSONResponse:
-        first = e.errors()[0] if e.errors() else {}
-        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
-        param = ".".join(loc) or None
-        msg = first.get("msg", "invalid request")
-        if first.get("type") == "extra_forbidden":
-            msg = "unknown field; see the API reference for the allowed fields"
-        text = f"{param}: {msg}" if param else msg
-        if "input" in first and first.get("type") not in ("missing", "extra_forbidden"):
-            text += f" (got {json.dumps(first['input'], default=str)[:80]})"
+        param, text = describe_invalid(list(e.errors()))
         return JSONResponse(error_body(text, "invalid_request_error", param), 400)
 
     @app.exception_handler(QueueFull)

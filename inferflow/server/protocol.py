@@ -4,11 +4,12 @@ accepted as extra body fields, as vLLM does."""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+import json
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
-from inferflow.engine.sampling import MAX_N, SamplingParams
+from inferflow.engine.sampling import MAX_N, SEED_RANGE, SamplingParams
 from inferflow.errors import RequestError
 from inferflow.spec.types import GenerationDefaults
 
@@ -20,8 +21,32 @@ def error_body(
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
+class ErrorObject(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    """Every error response (the OpenAPI schema's 4xx / 5xx bodies)."""
+
+    error: ErrorObject
+
+
 class Body(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # strict: JSON types as the schema states them ("5" is not an integer, 1 not a boolean);
+    # NaN / Infinity (which Python's JSON parser accepts) are refused for every number
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+
+Text = Annotated[str, Field(min_length=1)]
+TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+# OpenAI's four prompt shapes: a text, texts, token ids, lists of token ids
+Prompt = (
+    Text | Annotated[list[Text], Field(min_length=1)] | TokenIds
+    | Annotated[list[TokenIds], Field(min_length=1)]
+)  # fmt: skip
 
 
 class StreamOptions(Body):
@@ -44,11 +69,11 @@ class SamplingBody(Body):
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
     n: int = Field(1, ge=1, le=MAX_N)
-    stop: str | list[str] | None = None
-    seed: int | None = None
+    stop: Text | list[Text] | None = None
+    seed: int | None = Field(None, ge=SEED_RANGE[0], le=SEED_RANGE[1])
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -57,7 +82,7 @@ class SamplingBody(Body):
     min_p: float = Field(0.0, ge=0, lt=1)
     typical_p: float = Field(1.0, gt=0, le=1)
     tfs_z: float = Field(1.0, gt=0, le=1)
-    mirostat: Literal[0, 1, 2] = 0
+    mirostat: int = Field(0, ge=0, le=2)  # (not Literal: that takes false for 0)
     mirostat_tau: float = Field(5.0, gt=0)
     mirostat_eta: float = Field(0.1, gt=0)
     fsd_alpha: float = Field(0.0, ge=0, lt=1)
@@ -67,7 +92,7 @@ class SamplingBody(Body):
     repetition_penalty: float = Field(1.0, gt=0)
     min_tokens: int = Field(0, ge=0)
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
     beam_width: int = Field(1, ge=1, le=MAX_N)  # > 1: beam search, the n best beams returned
     length_penalty: float = 1.0
 
@@ -97,7 +122,7 @@ class SamplingBody(Body):
 
 
 class CompletionBody(SamplingBody):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: Prompt
     max_tokens: int | None = Field(16, ge=1)  # OpenAI's default for completions
     logprobs: int | None = Field(None, ge=0, le=20)
 
@@ -129,18 +154,33 @@ class ChatBody(SamplingBody):
 
 
 class EmbeddingBody(Body):
-    input: str | list[str] | list[int] | list[list[int]]
+    input: Prompt
     model: str | None = None
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = None
     user: str | None = None
 
 
-class TokenizeBody(Body):
+class TokenizeText(Body):
     model: str | None = None
-    prompt: str | None = None
-    messages: list[Message] | None = None
+    prompt: str
     add_special_tokens: bool = True
+
+
+class TokenizeChat(Body):
+    model: str | None = None
+    messages: list[Message] = Field(min_length=1)
+
+
+def _tokenize_form(body: Any) -> str:
+    return "TokenizeChat" if isinstance(body, dict) and "messages" in body else "TokenizeText"
+
+
+# exactly one of prompt, messages (the tags are the class names, which no field is called)
+TokenizeBody = Annotated[
+    Annotated[TokenizeText, Tag("TokenizeText")] | Annotated[TokenizeChat, Tag("TokenizeChat")],
+    Discriminator(_tokenize_form),
+]
 
 
 class DetokenizeBody(Body):
@@ -157,3 +197,54 @@ def prompt_list(p: str | list[str] | list[int] | list[list[int]]) -> list[str | 
     if all(isinstance(x, int) for x in p):
         return [list(p)]  # type: ignore[arg-type]
     return list(p)  # type: ignore[arg-type]
+
+
+MODELS: tuple[type[BaseModel], ...] = (
+    CompletionBody, ChatBody, EmbeddingBody, TokenizeText, TokenizeChat, DetokenizeBody,
+    Message, TextPart, StreamOptions,
+)  # fmt: skip
+FIELDS = {name for m in MODELS for name in m.model_fields}
+
+
+def describe_invalid(errors: list[dict[str, Any]]) -> tuple[str | None, str]:
+    """(param, message) for pydantic's errors of a request body: the first error, with the
+    union members pydantic names in its path ('str', 'list[int]', ...) left out. When no member
+    of a union matched, the message lists the members; when one matched in type but broke a
+    constraint (a prompt token id < 0), that constraint is the message."""
+    if not errors:
+        return None, "invalid request"
+    if errors[0].get("type") == "json_invalid":  # (its loc is the character position)
+        why = (errors[0].get("ctx") or {}).get("error", "")
+        return None, f"the body is not valid JSON: {why} (at character {errors[0]['loc'][-1]})"
+
+    def split(e: dict[str, Any]) -> tuple[str, list[str]]:
+        loc = list(e.get("loc", ()))
+        loc = loc[1:] if loc[:1] == ["body"] else loc
+        unknown = e.get("type") == "extra_forbidden"  # (its last element names the field)
+        kept, tags = [], []
+        for i, x in enumerate(loc):
+            if isinstance(x, int) or x in FIELDS or (unknown and i == len(loc) - 1):
+                kept.append(str(x))
+            else:
+                tags.append(str(x))
+        return ".".join(kept), tags
+
+    first = errors[0]
+    param, tags = split(first)
+    if tags and len(errors) > 1:  # a union: the members' errors come one after another
+        members = [e for e in errors if split(e)[0].startswith(param) and split(e)[1]]
+        shaped = [e for e in members if not str(e.get("type", "")).endswith("_type")]
+        if shaped:
+            first = shaped[0]
+            param = split(first)[0]
+        else:
+            forms = dict.fromkeys(split(e)[1][0].replace("constrained-", "") for e in members)
+            got = json.dumps(first.get("input"), default=str)[:80]
+            return param or None, f"{param}: expected one of {', '.join(forms)} (got {got})"
+    msg = str(first.get("msg", "invalid request"))
+    if first.get("type") == "extra_forbidden":
+        msg = "unknown field; see the API reference for the allowed fields"
+    text = f"{param}: {msg}" if param else msg
+    if "input" in first and first.get("type") not in ("missing", "extra_forbidden"):
+        text += f" (got {json.dumps(first['input'], default=str)[:80]})"
+    return param or None, text

@@ -1,0 +1,55 @@
+"""Schemathesis hooks for fuzzing `inferflow serve` (SCHEMATHESIS_HOOKS=tests.http_fuzz_hooks;
+tests/test_server_fuzz.py sets it): one extra check and two hooks.
+
+- ``openai_error_body``: every 4xx / 5xx answer but /health's is OpenAI's error object.
+- ``before_call``: schema-valid token counts are capped at FUZZ_MAX_TOKENS (default 4), and a
+  completion without max_tokens gets it, so a case takes milliseconds on CPU; a value of the
+  wrong type or range is sent as generated.
+- ``after_call``: appends "METHOD PATH<TAB>STATUS<TAB>SECONDS" per request to
+  $INFERFLOW_FUZZ_LOG (if set), from which the test counts the cases each operation ran.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import schemathesis
+
+MAX_TOKENS = int(os.environ.get("FUZZ_MAX_TOKENS", "4"))
+
+
+@schemathesis.check
+def openai_error_body(ctx: Any, response: Any, case: Any) -> bool | None:
+    if response.status_code < 400 or case.operation.path == "/health":
+        return None
+    body = response.json()
+    err = body.get("error") if isinstance(body, dict) else None
+    assert isinstance(err, dict) and set(body) == {"error"}, f"not an OpenAI error: {body!r}"
+    assert set(err) == {"message", "type", "param", "code"}, f"error fields: {sorted(err)}"
+    assert isinstance(err["message"], str) and err["message"], f"no message: {err!r}"
+    assert isinstance(err["type"], str) and err["type"], f"no type: {err!r}"
+    assert err["param"] is None or isinstance(err["param"], str), f"param: {err!r}"
+    return True
+
+
+@schemathesis.hook
+def before_call(context: Any, case: Any, kwargs: dict[str, Any]) -> None:
+    body = case.body
+    if not isinstance(body, dict):
+        return
+    v = body.get("max_tokens")
+    if v is None and "prompt" in body:  # completions' default (16) times n times the prompts
+        body["max_tokens"] = MAX_TOKENS
+    for k in ("max_tokens", "max_completion_tokens"):
+        v = body.get(k)
+        if type(v) is int and v > MAX_TOKENS:
+            body[k] = MAX_TOKENS
+
+
+@schemathesis.hook
+def after_call(context: Any, case: Any, response: Any) -> None:
+    path = os.environ.get("INFERFLOW_FUZZ_LOG")
+    if path:
+        with open(path, "a") as f:
+            f.write(f"{case.operation.label}\t{response.status_code}\t{response.elapsed:.3f}\n")

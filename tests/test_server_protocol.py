@@ -1,0 +1,132 @@
+"""Request validation and the OpenAPI schema, in process (no model is loaded: a valid body
+reaches the route and gets 503 "loading"). Regression tests for what the schemathesis run
+(tests/test_server_fuzz.py) found."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import tiny_llama
+
+pytest.importorskip("fastapi")
+from fastapi.testclient import TestClient  # noqa: E402
+
+from inferflow.server.app import ServerConfig, create_app  # noqa: E402
+from inferflow.spec import load_spec  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def client(tmp_path_factory: pytest.TempPathFactory) -> TestClient:
+    d: Path = tmp_path_factory.mktemp("tiny-serve")
+    tiny_llama(d)
+    return TestClient(create_app(ServerConfig(load_spec(d / "spec.yaml"), api_key="k")))
+
+
+AUTH = {"Authorization": "Bearer k"}
+
+
+def _bad(client: TestClient, path: str, body: object, param: str | None, *needles: str) -> None:
+    r = client.post(path, json=body, headers=AUTH)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["type"] == "invalid_request_error" and err["param"] == param, err
+    for n in needles:
+        assert n in err["message"], err
+
+
+def test_types_are_strict(client: TestClient) -> None:
+    """Pydantic's lax mode took "3" for max_tokens, "yes" for stream, false for mirostat 0 and
+    "2" for a logit bias: schema-violating requests that ran."""
+    base = {"prompt": "hi"}
+    _bad(client, "/v1/completions", {**base, "max_tokens": "3"}, "max_tokens", "integer")
+    _bad(client, "/v1/completions", {**base, "stream": "yes"}, "stream", "boolean")
+    _bad(client, "/v1/completions", {**base, "mirostat": False}, "mirostat", "integer")
+    _bad(client, "/v1/completions", {**base, "logit_bias": {"5": "2"}}, "logit_bias", "number")
+    _bad(client, "/v1/completions", {**base, "n": 2.0}, "n", "integer")
+    ok = client.post("/v1/completions", json={**base, "temperature": 1}, headers=AUTH)
+    assert ok.status_code == 503  # (an integer is a number: valid, and the model is loading)
+
+
+def test_non_finite_numbers_are_refused(client: TestClient) -> None:
+    """Python's JSON parser reads NaN / Infinity; unconstrained floats (length_penalty,
+    mirostat_tau) took them."""
+    for field in ("length_penalty", "mirostat_tau", "temperature"):
+        r = client.post(
+            "/v1/completions",
+            content=f'{{"prompt": "hi", "{field}": NaN}}'.encode(),
+            headers={**AUTH, "content-type": "application/json"},
+        )
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+        assert "finite" in r.json()["error"]["message"]
+
+
+def test_unknown_fields_are_named(client: TestClient) -> None:
+    _bad(client, "/v1/completions", {"prompt": "a", "frobnicate": 1}, "frobnicate", "unknown")
+    chat = {"messages": [{"role": "user", "content": "x", "tool_calls": []}]}
+    _bad(client, "/v1/chat/completions", chat, "messages.0.tool_calls", "unknown field")
+
+
+def test_malformed_json_names_no_field(client: TestClient) -> None:
+    """The character position of a JSON syntax error came back as the param ("1")."""
+    r = client.post(
+        "/v1/completions",
+        content=b"{not json",
+        headers={**AUTH, "content-type": "application/json"},
+    )
+    assert r.status_code == 400 and r.json()["error"]["param"] is None, r.text
+    assert "not valid JSON" in r.json()["error"]["message"] and "character 1" in r.text
+
+
+def test_seed_range(client: TestClient) -> None:
+    """A seed past int64 used to fail inside torch.Generator.manual_seed: a 500."""
+    _bad(client, "/v1/completions", {"prompt": "hi", "seed": 10**26}, "seed", "less than")
+    _bad(client, "/v1/completions", {"prompt": "hi", "seed": -(10**26)}, "seed", "greater than")
+
+
+def test_union_errors_name_the_field_not_the_member(client: TestClient) -> None:
+    """Errors in a union field were reported as param "prompt.str" with the first member's
+    message, whatever the value's shape."""
+    _bad(client, "/v1/completions", {"prompt": 5}, "prompt", "expected one of str, list[str]")
+    _bad(
+        client, "/v1/completions", {"prompt": [-1]}, "prompt.0", "greater than or equal to 0", "-1"
+    )
+    _bad(client, "/v1/completions", {"prompt": ""}, "prompt", "at least 1 character")
+    _bad(client, "/v1/completions", {"prompt": [[]]}, "prompt.0", "at least 1 item")
+    _bad(client, "/v1/completions", {"prompt": "a", "stop": [1]}, "stop", "expected one of")
+    _bad(client, "/v1/embeddings", {"input": []}, "input", "at least 1 item")
+    chat = {"messages": [{"role": "user", "content": 5}]}
+    _bad(client, "/v1/chat/completions", chat, "messages.0.content", "expected one of")
+
+
+def test_tokenize_takes_exactly_one_of_prompt_and_messages(client: TestClient) -> None:
+    """The schema said neither was required, so an empty body was schema-valid and refused."""
+    _bad(client, "/tokenize", {}, "prompt", "Field required")
+    both = {"prompt": "a", "messages": [{"role": "user", "content": "b"}]}
+    _bad(client, "/tokenize", both, "prompt", "unknown field")
+    msgs = {"messages": [{"role": "user", "content": "b"}]}
+    assert client.post("/tokenize", json=msgs, headers=AUTH).status_code == 503
+
+
+def test_openapi_schema_is_what_the_server_answers(client: TestClient) -> None:
+    s = client.get("/openapi.json", headers=AUTH).json()
+    assert "HTTPValidationError" not in s["components"]["schemas"]
+    error_ref = {"$ref": "#/components/schemas/ErrorResponse"}
+    for path, ops in s["paths"].items():
+        for op in ops.values():
+            codes = op["responses"]
+            assert "422" not in codes, path
+            for code, resp in codes.items():
+                if code != "200" and path != "/health":
+                    assert resp["content"]["application/json"]["schema"] == error_ref
+    comp = s["paths"]["/v1/completions"]["post"]
+    assert set(comp["responses"]) == {"200", "400", "401", "404", "413", "429", "500", "503"}
+    assert set(comp["responses"]["200"]["content"]) == {"application/json", "text/event-stream"}
+    assert comp["requestBody"]["content"]["application/json"]["schema"] == {
+        "$ref": "#/components/schemas/CompletionBody"
+    }
+    assert set(s["paths"]["/metrics"]["get"]["responses"]["200"]["content"]) == {"text/plain"}
+    body = s["components"]["schemas"]["CompletionBody"]
+    assert body["additionalProperties"] is False and body["required"] == ["prompt"]

@@ -244,8 +244,6 @@ def settle(url: str, timeout: float = 30.0) -> dict[str, float]:
 def bound_for(spec: str | None, server_args: list[str]):  # noqa: ANN201
     """The memory bound for the server these flags start (parsed by `inferflow serve`'s own
     parser, so the defaults are the server's)."""
-    import torch  # (after the run: the client stays light while it measures)
-
     from inferflow.cli import serve
     from inferflow.engine.engine import EngineConfig
     from inferflow.engine.scheduler import SchedulerConfig
@@ -261,10 +259,10 @@ def bound_for(spec: str | None, server_args: list[str]):  # noqa: ANN201
         block_size=a.block_size,
         kv_cache_bytes=serve.memory_bytes(a.kv_cache_memory),
     )
-    dtype_bytes = torch.empty((), dtype=parse_dtype(a.dtype)).element_size()
+    dtype = parse_dtype(a.dtype)
     s = load_spec(a.spec)
-    _, blocks, _ = kv_geometry(s, cfg, dtype_bytes)
-    return memory_bound(s, cfg, runtime_rss(a.spec), dtype_bytes), blocks
+    _, blocks, _ = kv_geometry(s, cfg, dtype)
+    return memory_bound(s, cfg, runtime_rss(a.spec), dtype), blocks
 
 
 def main() -> int:

@@ -125,7 +125,7 @@ def test_memory_bound_terms_match_the_engine(model) -> None:  # noqa: ANN001
     cfg = eng.config
     bound = memory_bound(model.spec, cfg, runtime=0)
     assert bound.kv_cache == eng.cache.k.nbytes + eng.cache.v.nbytes
-    assert kv_geometry(model.spec, cfg, 4)[1:] == (7, eng.max_len)
+    assert kv_geometry(model.spec, cfg, torch.float32)[1:] == (7, eng.max_len)
     held = sum(p.numel() * p.element_size() for p in model.parameters())
     assert held <= bound.weights
     assert bound.total == sum(v for k, v in bound.rows() if k != "total")

@@ -199,10 +199,7 @@ class Attention(nn.Module):
         q, k = pos.rotate(q, k, batch.positions)
         if batch.group is not None:
             kp, vp, kpos, valid = batch.group.update(a.layer, k, v)
-            bias = None
-            if pos.has_bias:  # each sequence's (H, 1, S) bias over its own key positions
-                qp = batch.positions
-                bias = torch.stack([pos.bias(qp[b : b + 1], kpos[b]) for b in range(N)])  # type: ignore[misc]
+            bias = pos.group_bias(batch.positions, kpos)
             out = attend_decode_group(
                 q, kp, vp, batch.positions, kpos, valid, self.scale, a.window, a.softcap, bias
             )

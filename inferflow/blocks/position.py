@@ -45,6 +45,14 @@ class PositionBlock(nn.Module):
     def bias(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor | None:
         return None
 
+    def group_bias(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor | None:
+        """bias() of a decode step's sequences at once: q_pos (B,), k_pos (B, S) ->
+        (B, H, 1, S); a block may answer in one op instead of one call per sequence."""
+        if not self.has_bias:
+            return None
+        rows = [self.bias(q_pos[b : b + 1], k_pos[b]) for b in range(q_pos.shape[0])]
+        return torch.stack(rows)  # type: ignore[arg-type]
+
     def keep_heads(self, heads: slice) -> None:
         """Tensor parallelism: bias() answers for these heads only (a no-op without a bias)."""
 
@@ -217,6 +225,9 @@ class Alibi(PositionBlock):
         # slope * key position: differs from slope * (k - q) by a per-row constant (softmax-invariant)
         b = self.slopes[:, None, None] * k_pos.float()[None, None, :]
         return b.expand(-1, q_pos.shape[0], -1)
+
+    def group_bias(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor | None:
+        return self.slopes[None, :, None, None] * k_pos.float()[:, None, None, :]
 
     def keep_heads(self, heads: slice) -> None:
         self.slopes = self.slopes[heads].clone()

@@ -54,6 +54,13 @@ class BlockAllocator:
             self.free[block] = None
 
 
+def copy_block(k: torch.Tensor, v: torch.Tensor, block_size: int, src: int, dst: int) -> None:
+    """Copy one block's K and V in every layer of a (layers, slots, KV heads, D) pool."""
+    a, b = src * block_size, dst * block_size
+    k[:, b : b + block_size] = k[:, a : a + block_size]
+    v[:, b : b + block_size] = v[:, a : a + block_size]
+
+
 @dataclass
 class SeqBlocks:
     """One sequence's block table and how many of its positions hold computed K/V."""
@@ -147,9 +154,7 @@ class PagedKVCache:
         if self.alloc.refs[block] > 1:  # copy-on-write
             new = self.alloc.allocate()
             self._forget(new)
-            bs = self.block_size
-            self.k[:, new * bs : (new + 1) * bs] = self.k[:, block * bs : (block + 1) * bs]
-            self.v[:, new * bs : (new + 1) * bs] = self.v[:, block * bs : (block + 1) * bs]
+            copy_block(self.k, self.v, self.block_size, block, new)
             if self.copy_log is not None:
                 self.copy_log.append((block, new))
             self.alloc.decref(block)

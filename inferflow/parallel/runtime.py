@@ -172,7 +172,7 @@ class PartitionedModel(nn.Module):
                 "a partitioned model runs under the continuous-batching engine (inferflow "
                 "serve, inferflow.engine.Engine), which gives it paged KV views"
             )
-        if cache.copy_log is None:
+        if cache.copy_log is None:  # first step: no block can be shared (and copied) before it
             cache.copy_log = []
         copies, cache.copy_log = cache.copy_log, []
         mbs = wire.split(flat, self.micro_batches if self.layout.stages > 1 else 1)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from inferflow.engine.kv_cache import PagedGroupView, PagedView
+from inferflow.engine.kv_cache import PagedGroupView, PagedView, copy_block
 from inferflow.model.batch import FlatBatch, SeqSlice
 
 HEADER = 6  # ints: kind, payload length, micro-batches, copies, blocks, block size
@@ -49,10 +49,8 @@ class KVStore:
         return self.k.shape[1] // self.block_size
 
     def copy_blocks(self, copies: torch.Tensor) -> None:
-        bs = self.block_size
         for src, dst in copies.view(-1, 2).tolist():
-            self.k[:, dst * bs : (dst + 1) * bs] = self.k[:, src * bs : (src + 1) * bs]
-            self.v[:, dst * bs : (dst + 1) * bs] = self.v[:, src * bs : (src + 1) * bs]
+            copy_block(self.k, self.v, self.block_size, src, dst)
 
 
 @dataclass

@@ -23,7 +23,10 @@ from dataclasses import dataclass, fields
 from math import prod
 from pathlib import Path
 
+import torch
+
 from inferflow.engine.engine import EngineConfig
+from inferflow.engine.kv_cache import PagedKVCache
 from inferflow.spec import Spec
 
 F32 = 4
@@ -46,10 +49,12 @@ class MemoryBound:
         return [(f.name, getattr(self, f.name)) for f in fields(self)] + [("total", self.total)]
 
 
-def kv_geometry(spec: Spec, cfg: EngineConfig, dtype_bytes: int) -> tuple[int, int, int]:
+def kv_geometry(spec: Spec, cfg: EngineConfig, dtype: torch.dtype) -> tuple[int, int, int]:
     """(bytes per block, blocks, longest sequence in tokens) as the engine computes them."""
     h = spec.hparams
-    per_block = 2 * h.n_layers * cfg.block_size * h.n_kv_heads * h.head_dim * dtype_bytes
+    per_block = PagedKVCache.bytes_per_block(
+        h.n_layers, h.n_kv_heads, h.head_dim, cfg.block_size, dtype
+    )
     blocks = cfg.kv_cache_bytes // per_block
     return per_block, blocks, min(h.max_positions, blocks * cfg.block_size)
 
@@ -65,10 +70,10 @@ def weight_elements(spec: Spec) -> int:
 
 
 def memory_bound(
-    spec: Spec, cfg: EngineConfig, runtime: int, dtype_bytes: int = F32
+    spec: Spec, cfg: EngineConfig, runtime: int, dtype: torch.dtype = torch.float32
 ) -> MemoryBound:
     h = spec.hparams
-    per_block, blocks, longest = kv_geometry(spec, cfg, dtype_bytes)
+    per_block, blocks, longest = kv_geometry(spec, cfg, dtype)
     running, chunk = cfg.scheduler.max_running, cfg.scheduler.max_batched_tokens
     # K and V of every running sequence padded to the longest: gathered (KV heads), then
     # repeated per query head (SDPA's GQA path on CPU)

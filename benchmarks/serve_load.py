@@ -11,7 +11,8 @@ Resource limits (``--limits``, needs the server started here): the server's resi
 sampled during the run and checked against a bound computed from the spec and the serve flags
 (inferflow.server.memory: weights + KV budget + activations + runtime), and after the run every
 KV block must be free again. With ``--requests-per-client 1`` every client sends one request
-and a 429 is final; ``--kill-fraction`` of the streams are closed by their client mid-way:
+and a 429 is final; ``--kill-fraction`` of the admitted streams are closed by their client
+mid-way (the first one and then every 1/fraction-th, so the share is exact):
 
     python benchmarks/serve_load.py --limits --clients 128 --requests-per-client 1 \\
         --prompt-words 100-250 --max-tokens 32-96 --kill-fraction 0.25 \\
@@ -23,6 +24,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import random
 import shlex
 import socket
@@ -50,7 +52,7 @@ class Load:
 
     words: tuple[int, int] = (8, 200)
     tokens: tuple[int, int] = (8, 128)
-    kill: float = 0.0  # probability that the client closes the stream mid-way
+    kill: float = 0.0  # fraction of admitted streams that the client closes mid-way
     max_model_len: int = 0  # the server's (context or KV capacity): a legitimate "length" end
 
 
@@ -63,6 +65,7 @@ class Tally:
     refused: int = 0
     killed: int = 0
     sent: int = 0
+    admitted: int = 0  # streams that got a 200 (the kill fraction counts these)
     tokens: int = 0
     ttft: list[float] = field(default_factory=list)
     itl: list[float] = field(default_factory=list)
@@ -83,7 +86,7 @@ async def one(
 ) -> None:
     prompt = " ".join(rng.choice(WORDS) for _ in range(rng.randint(*load.words)))
     want = rng.randint(*load.tokens)
-    kill_after = rng.randint(1, max(1, want - 1)) if rng.random() < load.kill else None
+    kill_after = rng.randint(1, max(1, want - 1))
     body = {
         "prompt": prompt,
         "max_tokens": want,
@@ -106,6 +109,11 @@ async def one(
             if r.status_code != 200:
                 t.fail(f"HTTP {r.status_code}: {(await r.aread())[:200]!r}")
                 return
+            # the first admitted stream and then every 1/kill-th is closed mid-way: a fixed
+            # share of what the server took on, however many the admission limit refused
+            n, t.admitted = t.admitted, t.admitted + 1
+            if math.ceil((n + 1) * load.kill) == math.ceil(n * load.kill):
+                kill_after = None
             async for line in r.aiter_lines():
                 if not line:
                     continue
@@ -272,7 +280,9 @@ def main() -> int:
     ap.add_argument("--requests-per-client", type=int, default=0, help="0: until --duration")
     ap.add_argument("--prompt-words", default="8-200", help="prompt length range, words")
     ap.add_argument("--max-tokens", default="8-128", help="max_tokens range")
-    ap.add_argument("--kill-fraction", type=float, default=0.0, help="streams closed mid-way")
+    ap.add_argument(
+        "--kill-fraction", type=float, default=0.0, help="share of admitted streams closed mid-way"
+    )
     ap.add_argument("--limits", action="store_true", help="check RSS bound and KV blocks free")
     ap.add_argument("--json", default=None, help="also write the results to this file")
     ap.add_argument("--url", default=None, help="a running server (default: start one)")

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from inferflow.engine.beam import Hypothesis
 from inferflow.engine.embed import embed_batch, resolve_pooling
 from inferflow.engine.generate import StepOutput, generate_tokens
 from inferflow.engine.sampling import SamplingParams
@@ -99,19 +100,19 @@ class LanguageModel:
         check_input(out, h.vocab_size, h.max_positions, where)
         return out
 
-    def translate_ids(
+    def search(
         self,
         sources: list[list[int]],
         params: SearchParams,
         refill: float | None = None,
         batch_size: int | None = None,
-    ) -> list[list[list[int]]]:
-        """For each source, its best outputs (at most ``num_return``; token ids, end token
-        dropped); an empty source gives empty outputs. ``batch_size``: sources searched together
-        (default: all at once). ``refill``: search streaming (VAR-STREAM,
+    ) -> list[list[Hypothesis]]:
+        """For each source, its best hypotheses (at most ``num_return``, best first; generated
+        ids with the end token, if it ended); an empty source gets none. ``batch_size``: sources
+        searched together (default: all at once). ``refill``: search streaming (VAR-STREAM,
         inferflow.engine.var_stream), at most ``batch_size`` (default 32) x beam width beams a
         step, refilled with waiting sources when the live beams drop to ``refill`` x that;
-        the outputs are the same, only the speed differs."""
+        the hypotheses are the same, only the speed differs."""
         todo = [i for i, s in enumerate(sources) if s]
         todo_ids = [sources[i] for i in todo]
         if batch_size is not None and batch_size < 1:
@@ -127,10 +128,25 @@ class LanguageModel:
                 for at in range(0, len(todo_ids), step)
                 for h in beam_search(self.model, todo_ids[at : at + step], params, self._end_ids())
             ]
-        out: list[list[list[int]]] = [[[]] * params.num_return for _ in sources]
+        out: list[list[Hypothesis]] = [[] for _ in sources]
         for i, hs in zip(todo, hyps, strict=True):
-            out[i] = [h.tokens[:-1] if h.ended else h.tokens for h in hs]
+            out[i] = hs
         return out
+
+    def translate_ids(
+        self,
+        sources: list[list[int]],
+        params: SearchParams,
+        refill: float | None = None,
+        batch_size: int | None = None,
+    ) -> list[list[list[int]]]:
+        """For each source, its best outputs (at most ``num_return``; token ids, end token
+        dropped); an empty source gives ``num_return`` empty outputs. The arguments are
+        ``search``'s."""
+        return [
+            [h.tokens[:-1] if h.ended else h.tokens for h in hs] or [[]] * params.num_return
+            for hs in self.search(sources, params, refill, batch_size)
+        ]
 
     def translate(
         self,

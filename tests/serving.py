@@ -25,19 +25,23 @@ def free_port() -> int:
 
 @contextlib.contextmanager
 def run_server(
-    tmp: Path, *args: str, spec_extra: str = ""
+    tmp: Path, *args: str, spec_extra: str = "", spec: str | None = None
 ) -> Iterator[tuple[str, subprocess.Popen]]:
-    """Serve the default model (as NAME, with mean-pooled embeddings, plus ``spec_extra`` YAML
-    lines) with the extra CLI ``args``; yields (base URL, process) once /health says ok and
-    stops the process (SIGINT, then kill) at the end."""
-    spec = tmp / "embed.yaml"
-    spec.write_text(
-        f"name: {NAME}\nbase: smollm2-135m-instruct\nembeddings: {{pooling: mean}}\n{spec_extra}"
-    )
+    """Serve ``spec`` (a built-in name or a path; default: the default model as NAME, with
+    mean-pooled embeddings, plus ``spec_extra`` YAML lines) with the extra CLI ``args``; yields
+    (base URL, process) once /health says ok and stops the process (SIGINT, then kill) at the
+    end."""
+    if spec is None:
+        path = tmp / "embed.yaml"
+        path.write_text(
+            f"name: {NAME}\nbase: smollm2-135m-instruct\nembeddings: {{pooling: mean}}\n"
+            + spec_extra
+        )
+        spec = str(path)
     port = free_port()
     log_path = tmp / f"server-{port}.log"
     log = open(log_path, "w")  # noqa: SIM115
-    cmd = [sys.executable, "-m", "inferflow.cli.main", "serve", str(spec), "--port", str(port)]
+    cmd = [sys.executable, "-m", "inferflow.cli.main", "serve", spec, "--port", str(port)]
     proc = subprocess.Popen([*cmd, *args], stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:

@@ -56,6 +56,10 @@ TOKENIZER_EXTRA = [
 
 @pytest.fixture(scope="module")
 def package() -> dict[str, Any]:
+    return load_package()
+
+
+def load_package() -> dict[str, Any]:
     """The package's model handler (its model, fields and vocabulary) and tokenizer class."""
     stubs: dict[str, types.ModuleType] = {}
     if importlib.util.find_spec("rdkit") is None:

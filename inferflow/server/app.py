@@ -1,7 +1,10 @@
 """The FastAPI application: OpenAI-compatible routes over one EngineRunner.
 
 The port opens at once; the weights load in a background thread while ``/health`` answers 503
-and the other routes say the model is loading.
+and the other routes say the model is loading. What a model serves follows its network type:
+decoder-only models generate (completions, chat; embeddings if the spec declares them),
+encoder-decoder models complete a source with its target (``inferflow.server.seq2seq``),
+encoder-only models embed; every model tokenizes.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
@@ -25,10 +29,11 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from inferflow.engine.embed import embed
+from inferflow.engine.embed import embed_batch, resolve_pooling
 from inferflow.engine.engine import Engine, EngineConfig
 from inferflow.engine.scheduler import QueueFull
 from inferflow.errors import InferflowError
+from inferflow.model.batch import check_inputs
 from inferflow.runtime import LanguageModel, load
 from inferflow.server.generation import Generation, GenerationFailed
 from inferflow.server.metrics import Metrics
@@ -44,11 +49,19 @@ from inferflow.server.protocol import (
     error_body,
     prompt_list,
 )
-from inferflow.server.runner import EngineRunner
+from inferflow.server.runner import EngineRunner, until_disconnect
+from inferflow.server.seq2seq import complete as seq2seq_complete
 from inferflow.spec import Spec
 from inferflow.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
+
+# what networks the engine does not run serve instead of chat (encoder-only: of completions)
+SERVES = {
+    "encoder_only": "/v1/embeddings, /tokenize and /detokenize",
+    "encoder_decoder": "/v1/completions (source text in, target text out), /tokenize and "
+    "/detokenize (it has no chat template)",
+}
 
 
 @dataclass
@@ -92,7 +105,9 @@ class ServerState:
         try:
             t0 = time.perf_counter()
             lm = load(self.cfg.spec, self.cfg.dtype, self.cfg.quant)
-            runner = EngineRunner(Engine(lm.model, lm.tokenizer, self.cfg.engine), self.metrics)
+            decoder = lm.spec.network.type == "decoder_only"
+            engine = Engine(lm.model, lm.tokenizer, self.cfg.engine) if decoder else None
+            runner = EngineRunner(engine, self.metrics, self.cfg.engine.scheduler.max_waiting)
             runner.start(loop)
             self.lm, self.runner = lm, runner
             log.info("model %s loaded in %.1fs", self.name, time.perf_counter() - t0)
@@ -118,6 +133,25 @@ class ServerState:
                 code="model_not_found",
             )
         return self.lm, self.runner
+
+    def max_len(self) -> int:
+        """Tokens a sequence may hold: the engine's (the KV cache may hold less than the
+        context), else the network's positions."""
+        lm, runner = self.ready()
+        return int(runner.engine.max_len if runner.engine else lm.spec.hparams.max_positions)
+
+    def generating(self, model: str | None, chat: bool) -> tuple[LanguageModel, EngineRunner]:
+        """The model and its runner, for a completions (``chat``: chat) request; 400 for a
+        network type that does not serve it."""
+        lm, runner = self.ready(model)
+        kind = lm.spec.network.type
+        serves = SERVES.get(kind)
+        if serves is not None and (chat or kind == "encoder_only"):
+            what = "chat completions" if chat else "completions"
+            raise APIError(
+                400, f"model {self.name!r} is {kind}: it serves {serves}, not {what}", param="model"
+            )
+        return lm, runner
 
     def tokenizer(self) -> Tokenizer:
         lm = self.lm
@@ -167,22 +201,24 @@ def create_app(cfg: ServerConfig) -> FastAPI:
 
     @app.get("/v1/models", responses=responses(auth))
     async def models() -> dict[str, Any]:
-        _, runner = state.ready()
+        state.ready()
         card = {
             "id": state.name,
             "object": "model",
             "created": int(state.started),
             "owned_by": "inferflow",
-            "max_model_len": runner.engine.max_len,  # (the KV cache may hold less than the context)
+            "max_model_len": state.max_len(),
         }
         return {"object": "list", "data": [card]}
 
     @app.post("/v1/completions", response_model=None, responses=responses(auth, generate=True))
     async def completions(body: CompletionBody, request: Request) -> Any:
-        lm, runner = state.ready(body.model)
+        lm, runner = state.generating(body.model, chat=False)
         prompts = [
             p if isinstance(p, list) else _encode(state, p) for p in prompt_list(body.prompt)
         ]
+        if lm.spec.network.type == "encoder_decoder":
+            return await seq2seq_complete(lm, runner, state.name, body, prompts, request)
         params = body.sampling(
             body.max_tokens or 16, body.logprobs, lm.spec.hparams.vocab_size, lm.spec.generation
         )
@@ -191,11 +227,11 @@ def create_app(cfg: ServerConfig) -> FastAPI:
 
     @app.post("/v1/chat/completions", response_model=None, responses=responses(auth, generate=True))
     async def chat(body: ChatBody, request: Request) -> Any:
-        lm, runner = state.ready(body.model)
+        lm, runner = state.generating(body.model, chat=True)
         ids = _chat_ids(state, body.messages)
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "top_logprobs: needs logprobs set to true", param="top_logprobs")
-        room = runner.engine.max_len - len(ids)
+        room = state.max_len() - len(ids)
         max_tokens = (
             body.max_completion_tokens
             or body.max_tokens
@@ -207,13 +243,14 @@ def create_app(cfg: ServerConfig) -> FastAPI:
         return await _respond(gen, request, body.stream, body.stream_options)
 
     @app.post("/v1/embeddings", responses=responses(auth, body=True))
-    async def embeddings(body: EmbeddingBody) -> dict[str, Any]:
+    async def embeddings(body: EmbeddingBody, request: Request) -> dict[str, Any]:
         lm, runner = state.ready(body.model)
-        pooling = lm.spec.embedding_pooling
-        if pooling is None:
+        pooling, normalize = resolve_pooling(lm.spec)  # 400 where the spec declares none
+        if pooling == "none":
             raise APIError(
                 400,
-                f"model {state.name!r} does not serve embeddings: its spec declares no 'embeddings: {{pooling: mean|last}}'",
+                f"model {state.name!r} pools 'none' (a vector per token): /v1/embeddings "
+                "returns one vector per input; use `inferflow embed` for per-token vectors",
                 param="model",
             )
         dim = lm.spec.hparams.hidden
@@ -224,16 +261,25 @@ def create_app(cfg: ServerConfig) -> FastAPI:
                 param="dimensions",
             )
         inputs = [p if isinstance(p, list) else _encode(state, p) for p in prompt_list(body.input)]
-        data, used = [], 0
-        for i, ids in enumerate(inputs):
-            vec = await runner.call(lambda ids=ids: embed(lm.model, ids, pooling).numpy())
-            used += len(ids)
+        h = lm.spec.hparams
+        check_inputs(inputs, h.vocab_size, h.max_positions, "input")
+
+        def run(batch: list[list[int]]) -> Any:
+            vectors = embed_batch(lm.model, batch, pooling, normalize)
+            assert isinstance(vectors, torch.Tensor)  # (pooling "none" was refused)
+            return vectors.numpy()
+
+        job = runner.batch(("embed", pooling, normalize), inputs, run)
+        vectors = await until_disconnect(job, request.is_disconnected)
+        data = []
+        for i, vec in enumerate(vectors):
             value: Any = (
                 vec.tolist()
                 if body.encoding_format == "float"
                 else base64.b64encode(vec.astype("<f4").tobytes()).decode()
             )
             data.append({"object": "embedding", "index": i, "embedding": value})
+        used = sum(map(len, inputs))
         return {
             "object": "list",
             "data": data,
@@ -243,12 +289,12 @@ def create_app(cfg: ServerConfig) -> FastAPI:
 
     @app.post("/tokenize", responses=responses(auth, body=True))
     async def tokenize(body: TokenizeBody) -> dict[str, Any]:
-        _, runner = state.ready(body.model)
+        state.ready(body.model)
         if isinstance(body, TokenizeChat):
             ids = _chat_ids(state, body.messages)
         else:
             ids = state.tokenizer().encode(body.prompt, add_special_tokens=body.add_special_tokens)
-        return {"tokens": ids, "count": len(ids), "max_model_len": runner.engine.max_len}
+        return {"tokens": ids, "count": len(ids), "max_model_len": state.max_len()}
 
     @app.post("/detokenize", responses=responses(auth, body=True))
     async def detokenize(body: DetokenizeBody) -> dict[str, Any]:

@@ -15,7 +15,7 @@ from typing import Any
 from inferflow.engine.request import RequestOutput
 from inferflow.engine.sampling import SamplingParams
 from inferflow.server.protocol import error_body
-from inferflow.server.runner import EngineRunner, Stream
+from inferflow.server.runner import EngineRunner, Stream, until_disconnect
 from inferflow.tokenizer import Tokenizer
 
 
@@ -139,21 +139,11 @@ class Generation:
                 if lp is not None:
                     c.logprobs.append(lp)
 
-        async def watch() -> None:
-            while not await disconnected():
-                await asyncio.sleep(0.1)
-
-        work, watcher = asyncio.ensure_future(consume()), asyncio.ensure_future(watch())
         try:
-            await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            watcher.cancel()
-            if not work.done():
-                work.cancel()
-                self.abort()
-        if work.cancelled():
-            raise asyncio.CancelledError("the client disconnected")
-        work.result()
+            await until_disconnect(consume(), disconnected)
+        except asyncio.CancelledError:
+            self.abort()  # (at once: the cancelled task's own cleanup runs later)
+            raise
         if any(c.finish_reason == "error" for c in self.choices):
             raise GenerationFailed(GenerationFailed.MESSAGE)
         return {

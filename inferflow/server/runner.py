@@ -1,8 +1,12 @@
 """The engine in its own thread, fed by HTTP handlers on the event loop.
 
-Handlers never touch the engine: they post ``add`` / ``abort`` / ``call`` messages to an inbox
-the engine thread drains before every step, and read outputs from a per-request asyncio queue.
-An abort posted between two steps therefore frees the request's KV blocks before the next one.
+Handlers never touch the engine: they post ``add`` / ``abort`` messages to an inbox the engine
+thread drains before every step, and read outputs from a per-request asyncio queue. An abort
+posted between two steps therefore frees the request's KV blocks before the next one. Model
+calls that are not engine requests (embeddings, encoder-decoder search) go through the
+runner's ``Batcher``, which the same thread runs between steps. A network the engine does not
+run (encoder-only, encoder-decoder) gets a runner without an engine: the thread then serves the
+batcher alone.
 """
 
 from __future__ import annotations
@@ -13,8 +17,7 @@ import queue
 import threading
 import time
 import uuid
-from collections.abc import Callable
-from concurrent.futures import Future
+from collections.abc import Awaitable, Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,6 +25,7 @@ from inferflow.engine.engine import Engine
 from inferflow.engine.request import RequestOutput
 from inferflow.engine.sampling import SamplingParams
 from inferflow.engine.scheduler import QueueFull
+from inferflow.server.batcher import Batcher, GroupCall
 from inferflow.server.metrics import Metrics
 
 log = logging.getLogger(__name__)
@@ -39,11 +43,12 @@ class Stream:
 
 
 class EngineRunner:
-    def __init__(self, engine: Engine, metrics: Metrics) -> None:
+    def __init__(self, engine: Engine | None, metrics: Metrics, max_waiting: int) -> None:
         self.engine, self.metrics = engine, metrics
         self.inbox: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
         self.streams: dict[str, Stream] = {}
         self.wake = threading.Event()
+        self.batcher = Batcher(max_waiting, self.wake.set)
         self.stopping = False
         self.loop: asyncio.AbstractEventLoop | None = None
         self.thread = threading.Thread(target=self._run, name="inferflow-engine", daemon=True)
@@ -66,6 +71,7 @@ class EngineRunner:
     ) -> Stream:
         """Queue a request (validated first) whose outputs go to ``out``; QueueFull when the
         waiting queue is at its bound."""
+        assert self.engine is not None, "generation requests need an engine"
         self.engine.check(ids, params)
         bound = self.engine.scheduler.cfg.max_waiting
         if len(self.engine.scheduler.waiting) + self.inbox.qsize() >= bound:
@@ -78,11 +84,11 @@ class EngineRunner:
     def abort(self, rid: str) -> None:
         self._post("abort", rid)
 
-    async def call(self, fn: Callable[[], Any]) -> Any:
-        """Run ``fn`` on the engine thread between two steps (model use that is not a request)."""
-        fut: Future[Any] = Future()
-        self._post("call", fn, fut)
-        return await asyncio.wrap_future(fut)
+    async def batch(self, key: Hashable, inputs: list[list[int]], call: GroupCall) -> list[Any]:
+        """``call``'s results for ``inputs``, batched with other jobs of the same ``key``
+        (``Batcher``); QueueFull when its queue is at the bound. Cancelled (the client went
+        away) before the model thread took it, the job is dropped."""
+        return await asyncio.wrap_future(self.batcher.submit(key, inputs, call))
 
     def _post(self, *msg: Any) -> None:
         self.inbox.put(msg)
@@ -93,18 +99,23 @@ class EngineRunner:
     def _run(self) -> None:
         while True:
             self._drain()
-            self.metrics.engine_state(self.engine)
-            if self.stopping and not self.engine.has_unfinished():
+            self.batcher.run_pending()
+            engine = self.engine
+            busy = engine is not None and engine.has_unfinished()
+            if engine is not None:
+                self.metrics.engine_state(engine)
+            if self.stopping and not busy:
                 return
-            if not self.engine.has_unfinished():
-                self.wake.wait(0.5)
-                self.wake.clear()
+            if engine is None or not busy:
+                if not self.batcher.pending():
+                    self.wake.wait(0.5)
+                    self.wake.clear()
                 continue
             try:
-                outs = self.engine.step()
+                outs = engine.step()
             except Exception:  # a failed forward pass: its requests end with "error"
                 log.exception("engine step failed; ending the requests in flight")
-                outs = self.engine.fail_all()
+                outs = engine.fail_all()
             self._deliver(outs)  # (the gauges update after the next drain)
 
     def _drain(self) -> None:
@@ -115,6 +126,7 @@ class EngineRunner:
                 return
             kind = msg[0]
             if kind == "add":
+                assert self.engine is not None
                 _, rid, ids, params = msg
                 try:
                     self.engine.add_request(ids, params, request_id=rid)
@@ -127,17 +139,11 @@ class EngineRunner:
                             for i in range(params.n)
                         ]
                     )
-            elif kind == "abort":
+            elif kind == "abort" and self.engine is not None:
                 self.engine.abort(msg[1])
-            elif kind == "abort_all":
+            elif kind == "abort_all" and self.engine is not None:
                 for rid in list(self.engine.requests):
                     self.engine.abort(rid)
-            elif kind == "call":
-                _, fn, fut = msg
-                try:
-                    fut.set_result(fn())
-                except Exception as e:
-                    fut.set_exception(e)
 
     def _deliver(self, outs: list[RequestOutput]) -> None:
         now = time.monotonic()
@@ -164,3 +170,25 @@ class EngineRunner:
             self.loop.call_soon_threadsafe(s.queue.put_nowait, o)
         for rid in done:
             self.streams.pop(rid, None)
+
+
+async def until_disconnect(work: Awaitable[Any], gone: Callable[[], Awaitable[bool]]) -> Any:
+    """``work``'s result; if ``gone()`` turns true first (the client disconnected), ``work`` is
+    cancelled (whatever it holds is released in its own cleanup: engine requests aborted,
+    a batched job not yet taken dropped) and so is the caller."""
+    task = asyncio.ensure_future(work)
+
+    async def watch() -> None:
+        while not await gone():
+            await asyncio.sleep(0.1)
+
+    watcher = asyncio.ensure_future(watch())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+    if task.cancelled() or not task.done():
+        raise asyncio.CancelledError("the client disconnected")
+    return task.result()

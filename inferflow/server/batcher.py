@@ -1,0 +1,83 @@
+"""Batched model calls that are not engine requests: embeddings (encoder-only and declared
+decoder networks) and encoder-decoder search (completions of a seq2seq model).
+
+Handlers ``submit`` a job (its inputs and the call that serves a group of them) and await its
+future. The model thread runs ``run_pending`` between engine steps (or alone, for networks the
+engine does not run): every job waiting then whose key is equal runs in one call over all their
+inputs, so concurrent requests share forward passes. The queue is bounded in inputs (the
+server's ``--max-waiting``): past it ``submit`` raises QueueFull (HTTP 429). A job whose future
+was cancelled before it ran (its client went away) is dropped unrun.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Hashable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+from inferflow.engine.scheduler import QueueFull
+
+log = logging.getLogger(__name__)
+
+# one call over a group's inputs, returning one result per input, in order
+GroupCall = Callable[[list[list[int]]], Sequence[Any]]
+
+
+@dataclass
+class Job:
+    key: Hashable  # jobs with equal keys run in one call
+    inputs: list[list[int]]
+    call: GroupCall
+    future: Future[list[Any]]
+
+
+class Batcher:
+    def __init__(self, max_waiting: int, wake: Callable[[], None] = lambda: None) -> None:
+        self.max_waiting, self.wake = max_waiting, wake
+        self.jobs: list[Job] = []
+        self.lock = threading.Lock()
+        self.waiting = 0  # inputs in the queue
+
+    def submit(self, key: Hashable, inputs: list[list[int]], call: GroupCall) -> Future[list[Any]]:
+        """Queue ``inputs`` (validated by the caller); the future gets one result per input."""
+        fut: Future[list[Any]] = Future()
+        with self.lock:
+            if self.waiting and self.waiting + len(inputs) > self.max_waiting:
+                raise QueueFull(
+                    f"the waiting queue is full ({self.waiting} of {self.max_waiting} inputs "
+                    "queued); retry later"
+                )  # (one request larger than the bound still runs when the queue is empty)
+            self.jobs.append(Job(key, inputs, call, fut))
+            self.waiting += len(inputs)
+        self.wake()
+        return fut
+
+    def pending(self) -> bool:
+        return bool(self.jobs)
+
+    def run_pending(self) -> None:
+        """On the model thread: run every queued job, one call per key."""
+        with self.lock:
+            jobs, self.jobs, self.waiting = self.jobs, [], 0
+        groups: dict[Hashable, list[Job]] = {}
+        for job in jobs:
+            if job.future.set_running_or_notify_cancel():  # False: cancelled, drop it
+                groups.setdefault(job.key, []).append(job)
+        for group in groups.values():
+            inputs = [ids for job in group for ids in job.inputs]
+            try:
+                results = list(group[0].call(inputs))
+                if len(results) != len(inputs):
+                    raise RuntimeError(f"{len(results)} results for {len(inputs)} inputs")
+            except Exception as e:  # the group's requests fail; the server goes on
+                log.exception("a batched call over %d inputs failed", len(inputs))
+                for job in group:
+                    job.future.set_exception(e)
+                continue
+            at = 0
+            for job in group:
+                job.future.set_result(results[at : at + len(job.inputs)])
+                at += len(job.inputs)

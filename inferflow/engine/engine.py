@@ -20,7 +20,7 @@ from torch import nn
 from inferflow.engine.beam import BeamState
 from inferflow.engine.kv_cache import PagedKVCache
 from inferflow.engine.request import FINISHED, Request, RequestOutput, Scheduled, TokenLogprobs
-from inferflow.engine.sampling import SamplingParams, make_sampler
+from inferflow.engine.sampling import SamplingParams, make_sampler, sample_batch
 from inferflow.engine.scheduler import Scheduler, SchedulerConfig
 from inferflow.errors import RequestError, SpecError
 from inferflow.model.batch import FlatBatch, SeqSlice
@@ -254,22 +254,46 @@ class Engine:
         return logits
 
     def _update(self, batch: list[Scheduled], logits: torch.Tensor) -> list[RequestOutput]:
-        outputs = []
         sampled = [s.req for s in batch if s.sample]
+        draws: list[tuple[Request, int]] = []  # (request, its row of logits)
         beams: dict[str, None] = {}
-        for req, row in zip(sampled, logits, strict=True):
+        for i, req in enumerate(sampled):
             if req.group in self.beams:
-                req.pending = row
+                req.pending = logits[i]
                 beams[req.group] = None
                 continue
             forks, req.forks = req.forks, []
             for f in forks:  # the prompt is computed: the other samples share its blocks
                 f.kv = self.cache.fork(req.kv)
                 self.scheduler.join(f)
-            outputs += [self._sample(r, row) for r in (req, *forks)]
+            draws += [(r, i) for r in (req, *forks)]
+        outputs = self._sample_all(draws, logits)
         for gid in beams:
             outputs += self._beam_step(gid)
         return outputs
+
+    def _sample_all(
+        self, draws: list[tuple[Request, int]], logits: torch.Tensor
+    ) -> list[RequestOutput]:
+        """Every sampling request's next token in one vectorized call; if that call fails, each
+        request alone, so that a bad request ends only itself."""
+        if not draws:
+            return []
+        reqs, rows = [r for r, _ in draws], [i for _, i in draws]
+        x = logits if rows == list(range(len(logits))) else logits[rows]  # (forks share a row)
+        try:
+            toks: list[int | None] = list(
+                sample_batch(
+                    [r.sampler for r in reqs],
+                    x,
+                    [r.prompt_ids for r in reqs],
+                    [r.output_ids for r in reqs],
+                )
+            )
+        except Exception:
+            log.warning("batched sampling failed; sampling each request alone", exc_info=True)
+            toks = [None] * len(draws)
+        return [self._sample(r, logits[i], t) for (r, i), t in zip(draws, toks, strict=True)]
 
     def _beam_step(self, gid: str) -> list[RequestOutput]:
         """Once every live beam of the group has logits: choose the next beams (reusing or
@@ -357,9 +381,11 @@ class Engine:
         group[:] = results  # what generate() returns for this prompt
         return outs
 
-    def _sample(self, req: Request, row: torch.Tensor) -> RequestOutput:
+    def _sample(self, req: Request, row: torch.Tensor, tok: int | None = None) -> RequestOutput:
+        """Append ``tok`` (drawn now by the request's sampler when None) and emit it."""
         try:
-            tok = req.sampler(row, req.prompt_ids, req.output_ids)
+            if tok is None:
+                tok = req.sampler(row, req.prompt_ids, req.output_ids)
             req.output_ids.append(tok)
             out = self._emit(req, tok)
             if req.params.logprobs is not None:

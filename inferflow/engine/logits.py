@@ -81,7 +81,8 @@ def top_k(logits: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def _sorted_probs(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    s, idx = torch.sort(logits, descending=True)
+    # stable: tied logits stay in id order, as inferflow.engine.batch_sampling orders them
+    s, idx = torch.sort(logits, descending=True, stable=True)
     return torch.softmax(s, dim=-1), idx
 
 

@@ -11,8 +11,13 @@ tokens banned below min_new_tokens) -> strategy:
   learning rate, mu starts at 2 tau; v1 estimates Zipf's exponent from the top 100 tokens);
 - otherwise temperature, then top-k, top-p, min-p, typical, tail-free, then a draw.
 
-Each request owns its torch.Generator (seeded), so a seed gives the same tokens whatever else is
-in the batch.
+``sample_batch`` draws a token for every row of a step at once: processors only on the rows that
+have them, one argmax over the greedy rows, and temperature / top-k / top-p / min-p vectorized
+over the plain sampling rows (inferflow.engine.batch_sampling); mirostat, FSD, typical and
+tail-free rows run their own strategy. A sampler called alone is a batch of one, the same code.
+
+Each request owns its torch.Generator (seeded) and a draw takes one uniform from it (inverse
+CDF), so a seed gives the same tokens whatever else is in the batch.
 """
 
 from __future__ import annotations
@@ -23,11 +28,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+from inferflow.engine import batch_sampling as B
 from inferflow.engine import logits as L
 from inferflow.engine.fsd import NGramAntiLM, fsd_choose
 from inferflow.errors import RequestError
 
 MAX_N = 64
+GREEDY, VECTOR, OWN = "greedy", "vector", "own"  # how a row is drawn (Sampler.kind)
 # a seed is an int64 (sample i of n draws with seed + i, inside torch.Generator's range)
 SEED_RANGE = (-(2**63), 2**63 - 1)
 
@@ -158,19 +165,40 @@ class Sampler:
     def __call__(
         self, logits: torch.Tensor, prompt: Sequence[int] = (), output: Sequence[int] = ()
     ) -> int:
-        x = finite(self.process(logits, prompt, output))
+        return sample_batch([self], logits.unsqueeze(0), [prompt], [output])[0]
+
+    def kind(self, output: Sequence[int]) -> str:
+        """How this step's token is drawn: GREEDY (argmax), VECTOR (temperature, top-k / top-p
+        / min-p: vectorized across the batch) or OWN (FSD, mirostat, typical, tail-free:
+        ``own``, one request at a time)."""
+        p = self.params
+        if self.anti is not None and len(output) >= p.fsd_random_steps:
+            return OWN
+        if p.temperature == 0:
+            return GREEDY
+        if p.mirostat or p.typical_p < 1 or p.tfs_z < 1:
+            return OWN
+        return VECTOR
+
+    def own(self, x: torch.Tensor, prompt: Sequence[int], output: Sequence[int]) -> int:
+        """The strategies drawn one request at a time, on processed finite logits (V,)."""
         p = self.params
         if self.anti is not None and len(output) >= p.fsd_random_steps:
             return fsd_choose(x, self.anti, [*prompt, *output], p.fsd_alpha, p.fsd_k)
-        if p.temperature == 0:
-            return int(torch.argmax(x))
         x = scaled(x, p.temperature)
         if p.mirostat:
             return self._mirostat(x)
         return self._draw(torch.softmax(truncate(x, p), dim=-1))
 
+    def uniform(self) -> float:
+        """The next draw's u in [0, 1), from this request's generator (53 random bits)."""
+        return float(torch.rand((), generator=self.gen, dtype=torch.float64))
+
     def _draw(self, probs: torch.Tensor) -> int:
-        return int(torch.multinomial(probs, 1, generator=self.gen))
+        """Inverse CDF over ``probs`` (V,), the rule of the vectorized rows."""
+        c = B.cdf(probs.unsqueeze(0))
+        u = torch.tensor([self.uniform()], dtype=torch.float64)
+        return int(B.inverse_cdf(c, u)[0])
 
     def _mirostat(self, x: torch.Tensor) -> int:
         p = self.params
@@ -200,13 +228,18 @@ def finite(x: torch.Tensor) -> torch.Tensor:
     return torch.nan_to_num(x, nan=-math.inf, posinf=torch.finfo(x.dtype).max, neginf=-math.inf)
 
 
-def scaled(x: torch.Tensor, temperature: float) -> torch.Tensor:
-    """Logits (last dim) / temperature, shifted first so the largest is 0: a tiny temperature
-    sends the others to -inf (greedy in the limit) instead of overflowing to +inf and NaN. The
-    shift changes no probability and no filter (all of them are shift-invariant)."""
-    x = finite(x)
+def scaled(x: torch.Tensor, temperature: float | torch.Tensor) -> torch.Tensor:
+    """Logits (last dim) / temperature (a number, or a (B, 1) tensor: one per row), shifted
+    first so the largest is 0: a tiny temperature sends the others to -inf (greedy in the limit)
+    instead of overflowing to +inf and NaN. The shift changes no probability and no filter (all
+    of them are shift-invariant)."""
+    return scale_(finite(x), temperature)
+
+
+def scale_(x: torch.Tensor, temperature: float | torch.Tensor) -> torch.Tensor:
+    """``scaled`` in place, on logits already finite (a batch of them is megabytes per pass)."""
     # (0 / 0 at the largest when the temperature underflows the dtype: those stay at 0)
-    return torch.nan_to_num((x - x.amax(-1, keepdim=True)) / temperature, nan=0.0)
+    return x.sub_(x.amax(-1, keepdim=True)).div_(temperature).nan_to_num_(nan=0.0)
 
 
 def truncate(x: torch.Tensor, p: SamplingParams) -> torch.Tensor:
@@ -217,3 +250,51 @@ def truncate(x: torch.Tensor, p: SamplingParams) -> torch.Tensor:
 
 def make_sampler(params: SamplingParams, end_ids: Sequence[int] = ()) -> Sampler:
     return Sampler(params, end_ids)
+
+
+def sample_batch(
+    samplers: Sequence[Sampler],
+    logits: torch.Tensor,
+    prompts: Sequence[Sequence[int]],
+    outputs: Sequence[Sequence[int]],
+) -> list[int]:
+    """One token per row of ``logits`` (B, V), row i drawn by ``samplers[i]`` after
+    ``prompts[i]`` + ``outputs[i]``: exactly the token that sampler draws alone (each row uses
+    only its own values and its own generator).
+
+    What can fail on one request's input (its processors, its own strategy, a vectorized row
+    with no token left to draw) runs before any vectorized row takes its uniform: a caller that
+    retries row by row after an exception gets the same tokens for the greedy and vectorized
+    rows (an own-strategy row drawn before the failing one has moved its generator on)."""
+    x = finite(logits.float())  # (B, V), a new tensor: the rows below are written in place
+    for i, s in enumerate(samplers):
+        if s.processors:
+            x[i] = finite(s.process(logits[i], prompts[i], outputs[i]))
+    kinds = [s.kind(out) for s, out in zip(samplers, outputs, strict=True)]
+    toks = [0] * len(samplers)
+    greedy = [i for i, k in enumerate(kinds) if k == GREEDY]
+    if greedy:
+        for i, t in zip(greedy, _rows(x, greedy).argmax(-1).tolist(), strict=True):
+            toks[i] = t
+    vec = [i for i, k in enumerate(kinds) if k == VECTOR]
+    # (overwrites x when every row is vectorized: nothing reads x after that)
+    dists = _distributions(_rows(x, vec), [samplers[i].params for i in vec]) if vec else []
+    for i, k in enumerate(kinds):
+        if k == OWN:
+            toks[i] = samplers[i].own(x[i], prompts[i], outputs[i])
+    if vec:
+        u = torch.tensor([samplers[i].uniform() for i in vec], dtype=torch.float64)
+        for i, t in zip(vec, B.draw(dists, u), strict=True):
+            toks[i] = t
+    return toks
+
+
+def _distributions(x: torch.Tensor, ps: list[SamplingParams]) -> list[B.Dist]:
+    """The vectorized rows x (b, V), finite, overwritten: temperature, then top-k, top-p, min-p."""
+    temp = torch.tensor([p.temperature for p in ps], dtype=x.dtype, device=x.device)
+    z = scale_(x, temp.unsqueeze(1))
+    return B.distributions(z, [p.top_k for p in ps], [p.top_p for p in ps], [p.min_p for p in ps])
+
+
+def _rows(x: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    return x if len(rows) == x.shape[0] else x[rows]

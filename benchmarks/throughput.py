@@ -2,7 +2,7 @@
 mix of prompt lengths, for Inferflow's continuous-batching engine and for transformers' static
 batching (one padded batch), side by side in one run.
 
-    python benchmarks/throughput.py [--concurrency 1,8,32,64] [--output-len 64] [--dtype float32] [--quant Q4_B32]
+    python benchmarks/throughput.py [--concurrency 1,8,32,64] [--output-len 64] [--dtype float32] [--quant Q4_B32] [--dense-batch 16]
 
 Reports total generated tokens/s (wall clock, prefill included), TTFT and inter-token latency
 (mean / p50 / p99). transformers runs in bfloat16 (its fastest CPU mode here) unless --hf-dtype.
@@ -16,6 +16,7 @@ import shlex
 import statistics
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -26,6 +27,7 @@ from inferflow.engine.engine import Engine, EngineConfig  # noqa: E402
 from inferflow.engine.sampling import SamplingParams  # noqa: E402
 from inferflow.engine.scheduler import SchedulerConfig  # noqa: E402
 from inferflow.runtime import load  # noqa: E402
+from inferflow.spec import load_spec  # noqa: E402
 
 SPEC = "smollm2-135m-instruct"
 
@@ -101,11 +103,24 @@ def main() -> int:
     ap.add_argument(
         "--deterministic", action="store_true", help="add a row for the batch-invariant mode"
     )
+    ap.add_argument(
+        "--dense-batch",
+        type=int,
+        default=None,
+        metavar="ROWS",
+        help="add a row with quant.dense_batch ROWS (int4pack layers use a dense bf16 copy for "
+        "steps of at least ROWS tokens)",
+    )
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 2)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     lo, hi = map(int, args.prompt_len.split(","))
     lm = load(SPEC, args.dtype, args.quant)
+    dense = None
+    if args.dense_batch is not None:
+        spec = load_spec(SPEC)
+        spec = replace(spec, quant=replace(spec.quant, dense_batch=args.dense_batch))
+        dense = load(spec, args.dtype, args.quant)
     hf = None
     if not args.no_transformers:
         import transformers
@@ -121,6 +136,9 @@ def main() -> int:
         r = run_inferflow(lm, prompts, args.output_len, args.max_batched_tokens)
         name = f"inferflow {args.dtype}" + (f" {args.quant}" if args.quant else "")
         rows.append((n, name, r))
+        if dense is not None:
+            r = run_inferflow(dense, prompts, args.output_len, args.max_batched_tokens)
+            rows.append((n, f"{name} dense_batch {args.dense_batch}", r))
         if args.deterministic:
             r = run_inferflow(lm, prompts, args.output_len, args.max_batched_tokens, True)
             rows.append((n, f"{name} deterministic", r))

@@ -223,7 +223,7 @@ def load(
         q = QuantSpec(None, (), "dequantize")
     elif quant is not None:
         get_format(quant)  # an unknown name fails here, listing the known ones, before loading
-        q = QuantSpec(quant, spec.quant.overrides)
+        q = QuantSpec(quant, spec.quant.overrides, dense_batch=spec.quant.dense_batch)
     if spec.partition is not None:  # every rank loads its own share (inferflow.parallel)
         from inferflow.parallel.layout import resolve_layout
         from inferflow.parallel.runtime import launch

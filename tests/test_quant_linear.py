@@ -290,3 +290,55 @@ def test_policy_errors(tiny_llama, write_spec) -> None:
         quantize_model(model, QuantPolicy(default="Q4_K"))
     p = QuantPolicy(default="Q8", overrides=[("dec.*", "Q2"), ("dec.output", None)])
     assert [p.format_for(s) for s in ("x", "dec.0.wq", "dec.output")] == ["Q8", "Q2", None]
+
+
+@pytest.mark.parametrize("name", ["Q4_1", "Q8_0", "Q3H", "Q4_B64"])
+def test_dense_batch_copy(name: str) -> None:
+    """``attach_dense(rows)``: calls below ``rows`` rows are int4pack's, bit for bit; from
+    ``rows`` on a bf16 GEMM with int4pack's own effective weights, each rounded once more to bf16
+    (2**-9 of |w| <= A), so within 6 * 2**-9 * (|x| @ A^T) of the exact product (one rounding
+    more than int4pack's bound in the module docstring); 8-bit codes (two nibble planes) too."""
+    qt = quantize(_weight(200, 576, seed=3), name)  # 200 rows: int4pack pads them to 208
+    plain, ql = QuantLinear(qt), QuantLinear(qt)
+    before = ql.nbytes
+    ql.attach_dense(16)
+    assert ql.dense_rows == 16 and ql.nbytes == before + 200 * 576 * 2
+    assert "dense_rows=16" in repr(ql)
+    g = torch.Generator().manual_seed(4)
+    small = torch.randn(15, 576, generator=g)
+    assert torch.equal(ql(small), plain(small))
+    for n in (16, 64):
+        x = torch.randn(n, 576, generator=g)
+        y = ql(x)
+        ref = x @ qt.dequantize().t()
+        bound = 6 * EPS_BF16 * (x.abs() @ _block_max(qt).t())
+        assert ((y - ref).abs() - bound).max().item() <= 1e-6
+        # and it is the same product as int4pack's, up to the extra weight rounding
+        assert ((y - plain(x)).abs() - 2 * EPS_BF16 * (x.abs() @ _block_max(qt).t())).max() <= 1e-6
+    ql.attach_dense(8)  # a second call changes nothing
+    assert ql.dense_rows == 16
+    with pytest.raises(QuantError, match="at least 1 row"):
+        QuantLinear(qt).attach_dense(0)
+    dq = QuantLinear(qt, kernel="dequant")
+    dq.attach_dense(16)  # only int4pack layers get a copy
+    assert dq.dense_rows is None
+
+
+def test_dense_batch_from_the_spec(tiny_llama, write_spec) -> None:
+    """``quant: {dense_batch: N}`` gives every int4pack layer its copy; logits of a prefill (rows
+    >= N) stay within bf16 rounding of the model without it; bad values are spec errors."""
+
+    def spec(**quant: object) -> Path:
+        doc = {"name": "tiny", "base": "arch/llama", "quant": {"weights": "Q4_B32", **quant}}
+        doc["source"] = {"format": "hf", "files": [str(tiny_llama["untied"])]}
+        return write_spec(doc, f"spec{len(quant)}{quant.get('dense_batch')}.yaml")
+
+    a, b = load_model(load_spec(spec())), load_model(load_spec(spec(dense_batch=4)))
+    qls = [m for m in b.modules() if isinstance(m, QuantLinear)]
+    assert qls and all(m.dense_rows == 4 for m in qls)
+    la, lb = _logits(a, torch.float32), _logits(b, torch.float32)
+    assert (la - lb).abs().max() / la.abs().max() < 2e-2
+    assert not torch.equal(la, lb)  # the prefill really took the dense path
+    for bad in (0, "x"):
+        with pytest.raises(InferflowError, match="dense_batch"):
+            load_spec(spec(dense_batch=bad))

@@ -221,6 +221,13 @@ class PagedKVCache:
         return PagedGroupView(self, write, slots, pos.expand(len(seqs), S), valid)
 
 
+def gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """``cache[slots]`` for a (slots, KVH, D) layer and any shape of slot ids: index_select on
+    the flat ids is 4-5x faster on CPU than advanced indexing (a decode step of 32 sequences
+    gathers every layer's K and V this way)."""
+    return cache.index_select(0, slots.reshape(-1)).view(*slots.shape, *cache.shape[1:])
+
+
 class PagedGroupView:
     def __init__(
         self,
@@ -238,7 +245,7 @@ class PagedGroupView:
         ck, cv = self.cache.k[layer], self.cache.v[layer]
         ck[self.write] = k
         cv[self.write] = v
-        return ck[self.read], cv[self.read], self.pos, self.valid
+        return gather(ck, self.read), gather(cv, self.read), self.pos, self.valid
 
 
 class PagedView:
@@ -253,4 +260,4 @@ class PagedView:
         ck, cv = self.cache.k[layer], self.cache.v[layer]
         ck[self.write] = k
         cv[self.write] = v
-        return ck[self.read], cv[self.read], self.pos
+        return gather(ck, self.read), gather(cv, self.read), self.pos

@@ -112,6 +112,12 @@ def load_model(
 
         policy = QuantPolicy(q.weights, list(q.overrides), ties, q.kernel)
         quantize_model(model, policy)
+    if q.dense_batch is not None:
+        from inferflow.quant.linear import QuantLinear
+
+        for m in model.modules():
+            if isinstance(m, QuantLinear):
+                m.attach_dense(q.dense_batch)
     model.eval()
     log.info(
         "loaded %s (%s) in %.2f s",

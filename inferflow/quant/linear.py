@@ -9,6 +9,12 @@ Kernels (timings from ``benchmarks/quant_kernels.py`` on this project's 2-core A
   along K (``[x, x] @ [W_hi | W_lo]^T``), so one call sums both. 2-6x faster than any dense or
   dequantizing path at decode sizes, but only with bf16 activations (fp32 and fp16 inputs are
   20-50x slower), so activations are cast to bf16 and back.
+- ``dense_rows`` (optional, on top of int4pack; spec ``quant.dense_batch``): int4pack's cost
+  grows linearly with the rows M of x (a 576x1536 weight: 16 us at M=1, 184 us at M=32,
+  721 us at M=128), while a dense bf16 GEMM costs about the same up to M=16 (45-68 us) and 2.5x
+  less at M=128. ``attach_dense`` gives such a layer a bf16 copy of int4pack's own effective
+  weights (2 more bytes per weight) and calls of at least ``dense_rows`` rows use it: batched
+  decode steps and prefill chunks; single-sequence decode stays on int4pack.
 - ``dequant``: everything else (k-quants with 16-weight groups, IQ/TQ/MXFP4, float formats):
   dequantize a bounded tile of rows (``TILE_BYTES`` of float32) at a time from the raw blocks and
   multiply in float32 (float32 GEMM is no slower than bf16 on this CPU, and the codecs emit
@@ -253,6 +259,29 @@ def int4pack_kernel(p: Int4Pack) -> Kernel:
     return run
 
 
+def int4pack_dense(p: Int4Pack, in_features: int, chunk: int = 1024) -> torch.Tensor:
+    """int4pack's effective weights as a dense bf16 (out, in) matrix: the op applied to rows of
+    the identity (both planes summed), so the dense path multiplies by exactly the weights
+    int4pack dequantizes, each rounded once to bf16."""
+    run = int4pack_kernel(p)
+    cols = [
+        run(torch.eye(in_features, dtype=torch.bfloat16)[a : a + chunk])  # (rows, out)
+        for a in range(0, in_features, chunk)
+    ]
+    return torch.cat(cols).t().contiguous()
+
+
+def rows_switch(small: Kernel, dense: torch.Tensor, rows: int) -> Kernel:
+    """``small`` below ``rows`` rows of x, a bf16 GEMM with ``dense`` from there on."""
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] < rows:
+            return small(x)
+        return nn.functional.linear(x.to(torch.bfloat16), dense).to(x.dtype)
+
+    return run
+
+
 def dequant_kernel(w: QuantTensor, tile_bytes: int = TILE_BYTES) -> Kernel:
     fmt = w.qformat
     rows, cols = w.shape
@@ -305,13 +334,26 @@ class QuantLinear(nn.Module):
         self.kernel_name = name
         self.nbytes: int  # resident weight bytes (bias excluded)
         self.kernel: Kernel
+        self.int4: Int4Pack | None = None
+        self.dense_rows: int | None = None
         if name == "int4pack":
-            p = pack_int4(weight)
+            p = self.int4 = pack_int4(weight)
             self.kernel, self.nbytes = int4pack_kernel(p), p.nbytes
         elif name == "dequant":
             self.kernel, self.nbytes = dequant_kernel(weight), weight.data.nbytes
         else:
             raise QuantError(f"unknown QuantLinear kernel {name!r}; known: dequant, int4pack")
+
+    def attach_dense(self, rows: int) -> None:
+        """Calls of ``rows`` rows or more multiply by a dense bf16 copy of the int4pack
+        weights (a no-op for other kernels)."""
+        if self.int4 is None or self.dense_rows is not None:
+            return
+        if rows < 1:
+            raise QuantError(f"dense_batch: must be at least 1 row, got {rows}")
+        dense = int4pack_dense(self.int4, self.in_features)
+        self.kernel = rows_switch(int4pack_kernel(self.int4), dense, rows)
+        self.dense_rows, self.nbytes = rows, self.nbytes + dense.nbytes
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.kernel(x.reshape(-1, self.in_features))
@@ -323,4 +365,5 @@ class QuantLinear(nn.Module):
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, "
             f"format={self.format}, kernel={self.kernel_name}, bias={self.bias is not None}"
+            + (f", dense_rows={self.dense_rows}" if self.dense_rows else "")
         )

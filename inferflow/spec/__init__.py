@@ -207,6 +207,7 @@ def parse_spec(
         # weights: none means float everywhere, the checkpoint's own blocks included
         "dequantize" if q.get("weights") == "none" else q.get("checkpoint", "keep"),
         None if q.get("kernel", "auto") == "auto" else q["kernel"],
+        q.get("dense_batch"),
     )
     return Spec(
         name=doc["name"],

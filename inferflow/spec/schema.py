@@ -169,6 +169,7 @@ def build_schema() -> dict[str, Any]:
                     "weights": _enum([*FORMATS.names(), "none"]),
                     "checkpoint": _enum(["keep", "dequantize"]),
                     "kernel": _enum(["auto", "dequant", "int4pack"]),
+                    "dense_batch": {"type": ["integer", "null"], "minimum": 1},
                     "overrides": {
                         "type": "object",
                         "additionalProperties": _enum([*FORMATS.names(), "none"]),

@@ -161,6 +161,9 @@ class QuantSpec:
     # the matmul kernel of runtime-quantized layers: None picks the fastest; "dequant" computes
     # in float32 (int4pack rounds activations to bf16), "int4pack" insists on the fast one
     kernel: str | None = None
+    # int4pack layers also keep a dense bf16 copy, used by calls of at least this many rows
+    # (batched decode, prefill): faster from ~16 rows, 2 more bytes per weight. None: off
+    dense_batch: int | None = None
 
 
 PARTITION_STRATEGIES = ("layer", "tensor", "hybrid")

@@ -342,3 +342,13 @@ def test_dense_batch_from_the_spec(tiny_llama, write_spec) -> None:
     for bad in (0, "x"):
         with pytest.raises(InferflowError, match="dense_batch"):
             load_spec(spec(dense_batch=bad))
+
+
+def test_serve_dense_batch_flag_is_checked(capsys: pytest.CaptureFixture[str]) -> None:
+    """``inferflow serve --dense-batch 0`` fails before loading or opening a port."""
+    from inferflow.cli.main import main
+    from tests.conftest import smollm2_path
+
+    smollm2_path()  # (the built-in spec names the model package's file)
+    assert main(["serve", "smollm2-135m-instruct", "--dense-batch", "0"]) == 2
+    assert "--dense-batch: must be >= 1, got 0" in capsys.readouterr().err

@@ -56,7 +56,7 @@ from inferflow.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
-# what networks the engine does not run serve instead of chat (encoder-only: of completions)
+# what the networks the engine does not run serve (neither chats; encoder-only: no completions)
 SERVES = {
     "encoder_only": "/v1/embeddings, /tokenize and /detokenize",
     "encoder_decoder": "/v1/completions (source text in, target text out), /tokenize and "

@@ -45,14 +45,14 @@ def distributions(
     v = z.shape[-1]
     k = [t if 0 < t < v else v for t in top_k]  # v: off
     plain = [i for i in range(len(k)) if k[i] == v and top_p[i] >= 1]
-    out = [_plain(_take(z, plain), [min_p[i] for i in plain], plain)] if plain else []
+    out = [_plain(take_rows(z, plain), [min_p[i] for i in plain], plain)] if plain else []
     pending = [i for i in range(len(k)) if k[i] < v or top_p[i] < 1]
     for width in (*(w for w in CANDIDATE_WIDTHS if w < v), v):
         rows = [i for i in pending if k[i] <= width or k[i] == v]  # (a larger top-k cannot fit)
         if not rows:
             continue
         kk, pp, mm = [k[i] for i in rows], [top_p[i] for i in rows], [min_p[i] for i in rows]
-        probs, ids, exact = _truncate_sorted(_take(z, rows), kk, pp, mm, width)
+        probs, ids, exact = _truncate_sorted(take_rows(z, rows), kk, pp, mm, width)
         done = [i for i, e in zip(rows, exact.tolist(), strict=True) if e]
         if len(done) < len(rows):
             probs, ids = probs[exact], ids[exact]
@@ -127,7 +127,9 @@ def _logsumexp(s: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
     return torch.logsumexp(s.masked_fill(~keep, NEG_INF), dim=-1, keepdim=True)
 
 
-def _take(z: torch.Tensor, rows: list[int]) -> torch.Tensor:
+def take_rows(z: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """``z[rows]``, without the copy when ``rows`` are all of z's rows in order (then it is z
+    itself: writing to the result writes to z)."""
     return z if rows == list(range(z.shape[0])) else z[rows]
 
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from inferflow.engine.batch_sampling import take_rows
 from inferflow.engine.beam import BeamState
 from inferflow.engine.kv_cache import PagedKVCache
 from inferflow.engine.request import FINISHED, Request, RequestOutput, Scheduled, TokenLogprobs
@@ -280,7 +281,7 @@ class Engine:
         if not draws:
             return []
         reqs, rows = [r for r, _ in draws], [i for _, i in draws]
-        x = logits if rows == list(range(len(logits))) else logits[rows]  # (forks share a row)
+        x = take_rows(logits, rows)  # (forks share their parent's row)
         try:
             toks: list[int | None] = list(
                 sample_batch(

@@ -274,11 +274,11 @@ def sample_batch(
     toks = [0] * len(samplers)
     greedy = [i for i, k in enumerate(kinds) if k == GREEDY]
     if greedy:
-        for i, t in zip(greedy, _rows(x, greedy).argmax(-1).tolist(), strict=True):
+        for i, t in zip(greedy, B.take_rows(x, greedy).argmax(-1).tolist(), strict=True):
             toks[i] = t
     vec = [i for i, k in enumerate(kinds) if k == VECTOR]
     # (overwrites x when every row is vectorized: nothing reads x after that)
-    dists = _distributions(_rows(x, vec), [samplers[i].params for i in vec]) if vec else []
+    dists = _distributions(B.take_rows(x, vec), [samplers[i].params for i in vec]) if vec else []
     for i, k in enumerate(kinds):
         if k == OWN:
             toks[i] = samplers[i].own(x[i], prompts[i], outputs[i])
@@ -294,7 +294,3 @@ def _distributions(x: torch.Tensor, ps: list[SamplingParams]) -> list[B.Dist]:
     temp = torch.tensor([p.temperature for p in ps], dtype=x.dtype, device=x.device)
     z = scale_(x, temp.unsqueeze(1))
     return B.distributions(z, [p.top_k for p in ps], [p.top_p for p in ps], [p.min_p for p in ps])
-
-
-def _rows(x: torch.Tensor, rows: list[int]) -> torch.Tensor:
-    return x if len(rows) == x.shape[0] else x[rows]

@@ -201,7 +201,6 @@ def create_app(cfg: ServerConfig) -> FastAPI:
 
     @app.get("/v1/models", responses=responses(auth))
     async def models() -> dict[str, Any]:
-        state.ready()
         card = {
             "id": state.name,
             "object": "model",

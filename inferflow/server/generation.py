@@ -5,7 +5,6 @@ sample still running is aborted, so its KV blocks return to the pool within one 
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -14,7 +13,7 @@ from typing import Any
 
 from inferflow.engine.request import RequestOutput
 from inferflow.engine.sampling import SamplingParams
-from inferflow.server.protocol import error_body
+from inferflow.server.protocol import error_body, sse_event
 from inferflow.server.runner import EngineRunner, Stream, until_disconnect
 from inferflow.tokenizer import Tokenizer
 
@@ -166,11 +165,8 @@ class Generation:
     async def sse(self, include_usage: bool) -> AsyncIterator[str]:
         """Server-sent events: one chunk per new piece of text, ending with ``data: [DONE]``."""
 
-        def data(obj: Any) -> str:
-            return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
-
         if self.chat:  # the role comes first, in a chunk of its own
-            yield data(
+            yield sse_event(
                 self._envelope(
                     [
                         {
@@ -186,7 +182,7 @@ class Generation:
             )
         async for c, out in self.events():
             if out.finish_reason == "error":
-                yield data(error_body(GenerationFailed.MESSAGE, "server_error"))
+                yield sse_event(error_body(GenerationFailed.MESSAGE, "server_error"))
                 continue
             if not out.text and not out.finished and not out.logprobs:
                 continue  # (text held back: a stop string may be starting)
@@ -197,11 +193,11 @@ class Generation:
                 if self.chat
                 else {"text": out.text}
             )
-            yield data(
+            yield sse_event(
                 self._envelope(
                     [{"index": c.index, **part, "logprobs": lp, "finish_reason": reason}], True
                 )
             )
         if include_usage:
-            yield data({**self._envelope([], True), "usage": self.usage()})
+            yield sse_event({**self._envelope([], True), "usage": self.usage()})
         yield "data: [DONE]\n\n"

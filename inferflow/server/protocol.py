@@ -14,6 +14,11 @@ from inferflow.errors import RequestError
 from inferflow.spec.types import GenerationDefaults
 
 
+def sse_event(obj: Any) -> str:
+    """One server-sent event carrying ``obj`` as JSON (``data: {...}`` and a blank line)."""
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
 def error_body(
     message: str, kind: str, param: str | None = None, code: str | None = None
 ) -> dict[str, Any]:

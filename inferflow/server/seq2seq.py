@@ -15,7 +15,6 @@ Streaming sends each choice's whole text in one chunk once the search is done, t
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -29,7 +28,7 @@ from inferflow.engine.search import SearchParams
 from inferflow.errors import RequestError
 from inferflow.model.batch import check_inputs
 from inferflow.runtime import LanguageModel
-from inferflow.server.protocol import CompletionBody
+from inferflow.server.protocol import CompletionBody, sse_event
 from inferflow.server.runner import EngineRunner, until_disconnect
 
 SEARCH_BATCH = 32  # sources searched together at most
@@ -63,9 +62,11 @@ def search_params(body: CompletionBody, lm: LanguageModel) -> SearchParams:
                 f"(greedy, or beam search with beam_width > 1), not by sampling; leave {name} "
                 f"unset. Supported: {SUPPORTED}"
             )
-    unset = "max_tokens" not in body.model_fields_set or body.max_tokens is None
-    max_new = lm.spec.generation.max_new_tokens if unset else body.max_tokens
-    assert max_new is not None
+    max_new = (
+        body.max_tokens
+        if "max_tokens" in body.model_fields_set and body.max_tokens is not None
+        else lm.spec.generation.max_new_tokens
+    )
     return SearchParams(
         beam_width=max(body.beam_width, body.n),
         length_penalty=body.length_penalty,
@@ -116,9 +117,9 @@ async def complete(
 
     async def sse() -> AsyncIterator[str]:
         for c in choices:
-            yield _data({**head, "choices": [{**c, "logprobs": None}]})
+            yield sse_event({**head, "choices": [{**c, "logprobs": None}]})
         if include_usage:
-            yield _data({**head, "choices": [], "usage": usage})
+            yield sse_event({**head, "choices": [], "usage": usage})
         yield "data: [DONE]\n\n"
 
     return StreamingResponse(
@@ -134,7 +135,3 @@ def _text(lm: LanguageModel, hyp: Hypothesis, stop: list[str]) -> tuple[str, str
     if cuts:
         return text[: min(cuts)], "stop"
     return text, "stop" if hyp.ended else "length"
-
-
-def _data(obj: Any) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"

@@ -17,11 +17,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from torch import nn
 
 from inferflow.engine.generate import new_cache
 from inferflow.errors import InferflowError, RequestError
 from inferflow.model.batch import FlatBatch
+from inferflow.model.network import Network
 
 
 @dataclass
@@ -56,7 +56,7 @@ def windows(ids: list[int], ctx: int, max_chunks: int | None) -> list[list[int]]
 
 @torch.inference_mode()
 def scored_logprobs(
-    model: nn.Module, chunks: list[list[int]]
+    model: Network, chunks: list[list[int]]
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """Per window: log-probs (ctx - ctx//2 - 1, vocab) float32 and the tokens they predict."""
     for chunk in chunks:
@@ -69,7 +69,7 @@ def scored_logprobs(
 
 
 def perplexity(
-    model: nn.Module,
+    model: Network,
     ids: list[int],
     ctx: int = 512,
     max_chunks: int | None = None,

@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
 
 from inferflow.engine.beam import Hypothesis
 from inferflow.engine.embed import embed_batch, resolve_pooling
@@ -24,6 +23,7 @@ from inferflow.engine.var_stream import stream_search
 from inferflow.errors import RequestError
 from inferflow.model.batch import check_input
 from inferflow.model.build import load_model, parse_dtype
+from inferflow.model.network import Network
 from inferflow.quant import get_format
 from inferflow.spec import Spec, load_spec
 from inferflow.spec.types import QuantSpec
@@ -66,7 +66,7 @@ def tokenizer_for(spec: Spec) -> Tokenizer | None:
 @dataclass
 class LanguageModel:
     spec: Spec
-    model: nn.Module
+    model: Network
     tokenizer: Tokenizer | None
 
     def encode_prompt(

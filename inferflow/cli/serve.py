@@ -125,8 +125,8 @@ def run(args: argparse.Namespace) -> int:
     if args.devices is not None:
         spec = dataclasses.replace(spec, partition=partition_spec({"devices": args.devices}))
     if spec.partition is not None:  # a layout the model cannot take fails before loading
-        quant = QuantSpec(args.quant) if args.quant not in (None, "none") else None
-        resolve_layout(spec.partition, spec, quant)
+        requant = QuantSpec(args.quant) if args.quant not in (None, "none") else None
+        resolve_layout(spec.partition, spec, requant)
         if int(os.environ.get("RANK", "0")) != 0:  # under torchrun: execute rank 0's steps
             from inferflow.runtime import load
 

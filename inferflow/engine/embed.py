@@ -12,10 +12,12 @@ Inputs are never truncated: one longer than ``hparams.max_positions`` is an erro
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from inferflow.errors import RequestError
 from inferflow.model.batch import check_inputs, packed
+from inferflow.model.decoder import DecoderOnly
+from inferflow.model.encoder import EncoderOnly
+from inferflow.model.network import Network
 from inferflow.spec.types import POOLINGS, Spec
 
 MAX_BATCH_TOKENS = 8192  # tokens per forward pass; an input longer than this runs alone
@@ -80,7 +82,7 @@ def _passes(inputs: list[list[int]], max_tokens: int) -> list[list[int]]:
 
 @torch.inference_mode()
 def embed_batch(
-    model: nn.Module,
+    model: Network,
     inputs: list[list[int]],
     pooling: str,
     normalize: bool = True,
@@ -94,6 +96,11 @@ def embed_batch(
         raise RequestError(
             f"spec {spec.name!r} is {spec.network.type}: embeddings need one of "
             f"{', '.join(EMBEDDING_NETWORKS)}"
+        )
+    if not isinstance(model, (DecoderOnly, EncoderOnly)):  # a PartitionedModel
+        raise RequestError(
+            f"spec {spec.name!r}: embeddings need a model loaded whole, not one partitioned "
+            "across devices (the spec's partition section)"
         )
     if not inputs:
         raise RequestError("no inputs: give at least one")
@@ -111,6 +118,6 @@ def embed_batch(
     return out if pooling == "none" else torch.stack(out)
 
 
-def embed(model: nn.Module, ids: list[int], pooling: str, normalize: bool = True) -> torch.Tensor:
+def embed(model: Network, ids: list[int], pooling: str, normalize: bool = True) -> torch.Tensor:
     """One input's embedding: (hidden,), or (T, hidden) for ``pooling="none"``."""
     return embed_batch(model, [ids], pooling, normalize)[0]

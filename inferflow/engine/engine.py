@@ -15,7 +15,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
-from torch import nn
 
 from inferflow.engine.batch_sampling import take_rows
 from inferflow.engine.beam import BeamState
@@ -24,7 +23,8 @@ from inferflow.engine.request import FINISHED, Request, RequestOutput, Scheduled
 from inferflow.engine.sampling import SamplingParams, make_sampler, sample_batch
 from inferflow.engine.scheduler import Scheduler, SchedulerConfig
 from inferflow.errors import RequestError, SpecError
-from inferflow.model.batch import FlatBatch, SeqSlice
+from inferflow.model.batch import FlatBatch, KVView, SeqSlice
+from inferflow.model.network import Network, PagedDecoder
 
 log = logging.getLogger(__name__)
 
@@ -41,17 +41,19 @@ class EngineConfig:
 
 class Engine:
     def __init__(
-        self, model: nn.Module, tokenizer: object | None = None, config: EngineConfig | None = None
+        self, model: Network, tokenizer: object | None = None, config: EngineConfig | None = None
     ) -> None:
-        self.model, self.tokenizer = model, tokenizer
-        self.config = config or EngineConfig()
         kind = model.spec.network.type
-        if kind != "decoder_only":
+        # every decoder_only network, whole or partitioned, is a PagedDecoder
+        if kind != "decoder_only" or not isinstance(model, PagedDecoder):
             raise SpecError(
                 f"spec {model.spec.name!r}: the continuous-batching engine (and inferflow serve) "
                 f"runs decoder_only networks, not {kind}; use `inferflow translate` / "
                 "`inferflow embed` or inferflow.engine.search / inferflow.engine.embed"
             )
+        self.model: PagedDecoder = model
+        self.tokenizer = tokenizer
+        self.config = config or EngineConfig()
         h = model.spec.hparams
         dtype = next(model.parameters()).dtype
         # a partitioned model's rank 0 keeps K/V for its own layers and KV heads only
@@ -229,7 +231,8 @@ class Engine:
 
     def _forward(self, batch: list[Scheduled]) -> torch.Tensor:
         ids: list[int] = []
-        pos, seqs, views, rows = [], [], [], []
+        views: list[KVView] = []
+        pos, seqs, rows = [], [], []
         # a pure decode step of several sequences attends in one grouped call
         grouped = len(batch) > 1 and all(s.length == 1 for s in batch)
         row = 0

@@ -10,11 +10,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
-from torch import nn
 
 from inferflow.engine.sampling import SamplingParams, make_sampler
 from inferflow.errors import RequestError
 from inferflow.model.batch import ContiguousKVCache, FlatBatch
+from inferflow.model.network import Network
 
 
 @dataclass(frozen=True)
@@ -23,7 +23,7 @@ class StepOutput:
     finish_reason: str | None  # None while running; "stop" (end token) or "length"
 
 
-def new_cache(model: nn.Module, max_len: int) -> ContiguousKVCache:
+def new_cache(model: Network, max_len: int) -> ContiguousKVCache:
     h = model.spec.hparams
     dtype = next(model.parameters()).dtype
     return ContiguousKVCache(h.n_layers, h.n_kv_heads, h.head_dim, max_len, dtype)
@@ -31,14 +31,14 @@ def new_cache(model: nn.Module, max_len: int) -> ContiguousKVCache:
 
 @torch.inference_mode()
 def prefill(
-    model: nn.Module, ids: list[int], cache: ContiguousKVCache, start: int = 0
+    model: Network, ids: list[int], cache: ContiguousKVCache, start: int = 0
 ) -> torch.Tensor:
     """Run ``ids`` at positions start.. and return the logits of the last one (float32)."""
     return model(FlatBatch.single(torch.tensor(ids), start, cache))[-1].float()
 
 
 def generate_tokens(
-    model: nn.Module, prompt_ids: list[int], params: SamplingParams, eos_ids: tuple[int, ...] = ()
+    model: Network, prompt_ids: list[int], params: SamplingParams, eos_ids: tuple[int, ...] = ()
 ) -> Iterator[StepOutput]:
     if not prompt_ids:
         raise RequestError("the prompt is empty: give at least one token")

@@ -215,9 +215,9 @@ class PagedKVCache:
             n = -(-(positions[i] + 1) // bs)
             tables[i, :n] = torch.tensor(seq.blocks[:n], dtype=torch.long)
         slots = tables[:, pos // bs] * bs + pos % bs  # (B, S); padding reads block 0, masked out
-        p = torch.tensor(positions, dtype=torch.long)
-        valid = pos[None, :] <= p[:, None]
-        write = slots.gather(1, p[:, None]).squeeze(1)
+        at = torch.tensor(positions, dtype=torch.long)
+        valid = pos[None, :] <= at[:, None]
+        write = slots.gather(1, at[:, None]).squeeze(1)
         return PagedGroupView(self, write, slots, pos.expand(len(seqs), S), valid)
 
 

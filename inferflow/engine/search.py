@@ -27,14 +27,15 @@ import math
 from dataclasses import dataclass
 
 import torch
-from torch import nn
 
 from inferflow.engine.beam import BeamState, Hypothesis
 from inferflow.engine.output_layer import fused_topk, naive_topk
 from inferflow.engine.row_cache import RowCache, RowWindow
 from inferflow.errors import RequestError
 from inferflow.model.batch import FlatBatch, SeqSlice, check_inputs
+from inferflow.model.decoder import DecoderOnly
 from inferflow.model.encoder import EncoderDecoder
+from inferflow.model.network import Network
 
 
 @dataclass(frozen=True)
@@ -137,7 +138,7 @@ class Decoding:
 
     def __init__(
         self,
-        model: nn.Module,
+        model: Network,
         params: SearchParams,
         end_ids: set[int],
         fused: bool,
@@ -148,6 +149,11 @@ class Decoding:
             raise RequestError(
                 f"spec {model.spec.name!r} is {kind}: beam search needs a decoder "
                 "(decoder_only or encoder_decoder)"
+            )
+        if not isinstance(model, (DecoderOnly, EncoderDecoder)):  # a PartitionedModel
+            raise RequestError(
+                f"spec {model.spec.name!r}: beam search runs on a model loaded whole, "
+                "not on one partitioned across devices (the spec's partition section)"
             )
         self.model, self.params, self.end_ids, self.stats = model, params, end_ids, stats
         self.enc_dec = isinstance(model, EncoderDecoder)
@@ -168,7 +174,7 @@ class Decoding:
     def start(self, srcs: list[int], inputs: list[list[int]]) -> list[Beam]:
         """The first beam of each input in ``srcs`` (encoder-decoder: sources encoded in one
         packed pass, cross-attention memory kept until ``release``)."""
-        if not self.enc_dec:
+        if not isinstance(self.model, EncoderDecoder):
             return [Beam(s, list(inputs[s]), [], 0.0) for s in srcs]
         for s, e in zip(srcs, self.model.encode([inputs[s] for s in srcs]), strict=True):
             self.memory[s] = self.model.cross_memory(e)
@@ -263,7 +269,7 @@ def input_runs(beams: list[Beam]) -> list[tuple[int, list[int]]]:
 class _Search:
     def __init__(
         self,
-        model: nn.Module,
+        model: Network,
         inputs: list[list[int]],
         params: SearchParams,
         end_ids: set[int],
@@ -328,14 +334,14 @@ class _Search:
         return [s.finished[: self.params.num_return] for s in self.states]
 
 
-def default_end_ids(model: nn.Module, end_ids: set[int] | tuple[int, ...]) -> set[int]:
+def default_end_ids(model: Network, end_ids: set[int] | tuple[int, ...]) -> set[int]:
     if not end_ids and model.spec.hparams.eos_id is not None:
         return {model.spec.hparams.eos_id}
     return set(end_ids)
 
 
 def beam_search(
-    model: nn.Module,
+    model: Network,
     inputs: list[list[int]],
     params: SearchParams,
     end_ids: set[int] | tuple[int, ...] = (),

@@ -28,6 +28,7 @@ from inferflow.engine.generate import new_cache
 from inferflow.engine.sampling import SamplingParams, scaled, truncate
 from inferflow.errors import RequestError
 from inferflow.model.batch import ContiguousKVCache, FlatBatch
+from inferflow.model.network import Network
 
 RULES = ("exact", "relaxed")
 # sampling settings that depend on the sequence or on sampler state: not in the verified p / q
@@ -96,7 +97,7 @@ def verify(
 class _Runner:
     """One model over one sequence: feeds the tokens its cache lacks, returns their logits."""
 
-    def __init__(self, model: nn.Module, max_len: int) -> None:
+    def __init__(self, model: Network, max_len: int) -> None:
         self.model = model
         self.cache: ContiguousKVCache = new_cache(model, max_len)
         self.valid = 0  # leading tokens whose K/V in the cache are correct
@@ -112,8 +113,8 @@ class _Runner:
 
 
 def speculative_generate(
-    target: nn.Module,
-    draft: nn.Module,
+    target: Network,
+    draft: Network,
     prompt_ids: list[int],
     params: SamplingParams,
     lookahead: int = 4,

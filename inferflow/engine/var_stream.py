@@ -22,7 +22,6 @@ from collections import deque
 from collections.abc import Iterator
 
 import torch
-from torch import nn
 
 from inferflow.engine.beam import BeamState, Hypothesis
 from inferflow.engine.search import (
@@ -35,6 +34,7 @@ from inferflow.engine.search import (
     input_runs,
 )
 from inferflow.errors import RequestError
+from inferflow.model.network import Network
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +49,7 @@ def check_stream_args(refill: float, batch_size: int) -> None:
 class _Stream:
     def __init__(
         self,
-        model: nn.Module,
+        model: Network,
         inputs: list[list[int]],
         params: SearchParams,
         end_ids: set[int],
@@ -137,7 +137,7 @@ class _Stream:
 
 
 def iter_stream_search(
-    model: nn.Module,
+    model: Network,
     inputs: list[list[int]],
     params: SearchParams,
     end_ids: set[int] | tuple[int, ...] = (),
@@ -164,7 +164,7 @@ def iter_stream_search(
 
 
 def stream_search(
-    model: nn.Module,
+    model: Network,
     inputs: list[list[int]],
     params: SearchParams,
     end_ids: set[int] | tuple[int, ...] = (),

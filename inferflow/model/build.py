@@ -8,7 +8,6 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
-from torch import nn
 
 from inferflow.errors import SpecError
 from inferflow.loaders import open_files
@@ -23,7 +22,9 @@ from inferflow.spec.types import QuantSpec, Spec
 
 log = logging.getLogger(__name__)
 
-NETWORKS: Registry[Callable[[Spec], nn.Module]] = Registry("network type")
+# what a spec builds, by network.type
+BuiltNetwork = DecoderOnly | EncoderOnly | EncoderDecoder
+NETWORKS: Registry[Callable[[Spec], BuiltNetwork]] = Registry("network type")
 NETWORKS.add("decoder_only", DecoderOnly)
 NETWORKS.add("encoder_only", EncoderOnly)
 NETWORKS.add("encoder_decoder", EncoderDecoder)
@@ -55,7 +56,7 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 def build_network(
     spec: Spec, dtype: torch.dtype = torch.float32, part: StackPart | None = None
-) -> nn.Module:
+) -> BuiltNetwork:
     with _default_dtype(dtype):
         if part is not None:  # one rank's share of a partitioned decoder (inferflow.parallel)
             return DecoderOnly(spec, part)
@@ -85,7 +86,7 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     quant: QuantSpec | None = None,
     part: StackPart | None = None,
-) -> nn.Module:
+) -> BuiltNetwork:
     """Network with its weights bound; quantized by ``quant`` (default: the spec's quant section).
     With ``part``, only that share of the decoder is built and read (each tensor already cut to
     the rank's tensor-parallel slice)."""

@@ -123,6 +123,7 @@ class Partition:
             elif self.tp == 0:
                 sends.append(dist.isend(self._wire(out), 0, tag=m))
         for s in sends:
+            assert s is not None  # isend returns None only to a rank outside the group
             s.wait()
         if self.rank == 0 and last > 0:
             vocab = self.model.spec.hparams.vocab_size

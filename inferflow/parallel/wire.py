@@ -129,7 +129,8 @@ def encode(
         width = mb.reads.shape[1] if isinstance(mb.reads, torch.Tensor) else 0
         head = [mb.token_ids.shape[0], len(mb.lengths), mb.rows.shape[0], int(grouped), width]
         parts += [torch.tensor(head + mb.lengths, dtype=torch.long), mb.token_ids, mb.positions]
-        parts += [mb.rows, mb.reads.reshape(-1) if grouped else torch.cat(list(mb.reads))]  # type: ignore[arg-type]
+        reads = mb.reads.reshape(-1) if isinstance(mb.reads, torch.Tensor) else torch.cat(mb.reads)
+        parts += [mb.rows, reads]
     payload = torch.cat([p.long() for p in parts])
     header = torch.tensor(
         [STEP, payload.shape[0], len(mbs), len(copies), blocks, block_size], dtype=torch.long

@@ -1,8 +1,9 @@
 """Serving throughput on SmolLM2-135M: N concurrent requests (all submitted at t=0) with a fixed
-mix of prompt lengths, for Inferflow's continuous-batching engine and for transformers' static
-batching (one padded batch), side by side in one run.
+mix of prompt lengths, for Inferflow's continuous-batching engine, transformers' static batching
+(one padded batch) and llama.cpp's server (``-np N -cb`` on the same Q4_1 GGUF, when a
+``llama-server`` binary is given or on PATH), side by side in one run.
 
-    python benchmarks/throughput.py [--concurrency 1,8,32,64] [--output-len 64] [--dtype float32] [--quant Q4_B32] [--dense-batch 16]
+    python benchmarks/throughput.py [--concurrency 1,8,32,64] [--output-len 64] [--dtype float32] [--quant Q4_B32] [--dense-batch 16] [--llama-server PATH]
 
 Reports total generated tokens/s (wall clock, prefill included), TTFT and inter-token latency
 (mean / p50 / p99). transformers runs in bfloat16 (its fastest CPU mode here) unless --hf-dtype.
@@ -22,6 +23,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from llama_server import find_binary, run_llama_server  # noqa: E402
 
 from inferflow.engine.engine import Engine, EngineConfig  # noqa: E402
 from inferflow.engine.sampling import SamplingParams  # noqa: E402
@@ -111,8 +114,15 @@ def main() -> int:
         help="add a row with quant.dense_batch ROWS (int4pack layers use a dense bf16 copy for "
         "steps of at least ROWS tokens)",
     )
+    ap.add_argument(
+        "--llama-server",
+        default=None,
+        metavar="PATH",
+        help="llama.cpp's llama-server binary (default: llama-server on PATH; skipped when none)",
+    )
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 2)
     args = ap.parse_args()
+    server = find_binary(args.llama_server)
     torch.set_num_threads(args.threads)
     lo, hi = map(int, args.prompt_len.split(","))
     lm = load(SPEC, args.dtype, args.quant)
@@ -132,6 +142,11 @@ def main() -> int:
         ).eval()
     rows = []
     for n in map(int, args.concurrency.split(",")):
+        if server is not None:  # first: busy torch threads would slow it
+            gguf = lm.spec.source.files[0]
+            prompts = prompts_for(n, lo, hi, lm.spec.hparams.vocab_size)
+            r = run_llama_server(server, gguf, prompts, args.output_len, args.threads)
+            rows.append((n, f"llama-server -np {n} -cb (Q4_1 GGUF)", r))
         prompts = prompts_for(n, lo, hi, lm.spec.hparams.vocab_size)
         r = run_inferflow(lm, prompts, args.output_len, args.max_batched_tokens)
         name = f"inferflow {args.dtype}" + (f" {args.quant}" if args.quant else "")
@@ -154,15 +169,22 @@ def main() -> int:
     print(
         f"model: {SPEC}; prompts {lo}-{hi} tokens, {args.output_len} generated each, all submitted at t=0; threads={args.threads}"
     )
-    hdr = f"{'N':>3} {'engine':<34} {'gen tok/s':>9} {'TTFT mean':>9} {'TTFT p99':>8} {'ITL mean':>8} {'ITL p50':>8} {'ITL p99':>8} {'vs transformers':>15}"
+    if server is None:
+        print("llama-server: none given or on PATH (--llama-server PATH); its rows are skipped")
+    hdr = f"{'N':>3} {'engine':<40} {'gen tok/s':>9} {'TTFT mean':>9} {'TTFT p99':>8} {'ITL mean':>8} {'ITL p50':>8} {'ITL p99':>8} {'vs transformers':>15} {'vs llama-server':>15}"
     print(hdr)
-    base: dict[int, float] = {n: r["tps"] for n, name, r in rows if name.startswith("transformers")}
+    hf_tps = {n: r["tps"] for n, name, r in rows if name.startswith("transformers")}
+    srv_tps = {n: r["tps"] for n, name, r in rows if name.startswith("llama-server")}
+
+    def ratio(base: dict[int, float], n: int, tps: float) -> str:
+        return f"{tps / base[n]:.2f}x" if n in base else "-"
+
     for n, name, r in rows:
-        ratio = f"{r['tps'] / base[n]:.2f}x" if n in base else "-"
         print(
-            f"{n:>3} {name:<34} {r['tps']:>9.1f} {statistics.mean(r['ttft']):>8.2f}s {pct(r['ttft'], 0.99):>7.2f}s "
+            f"{n:>3} {name:<40} {r['tps']:>9.1f} {statistics.mean(r['ttft']):>8.2f}s {pct(r['ttft'], 0.99):>7.2f}s "
             f"{1000 * statistics.mean(r['itl']) if r['itl'] else float('nan'):>6.1f}ms {1000 * pct(r['itl'], 0.5):>6.1f}ms "
-            f"{1000 * pct(r['itl'], 0.99):>6.1f}ms {ratio:>15}"
+            f"{1000 * pct(r['itl'], 0.99):>6.1f}ms {ratio(hf_tps, n, r['tps']):>15} "
+            f"{ratio(srv_tps, n, r['tps']):>15}"
         )
     return 0
 

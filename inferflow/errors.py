@@ -36,3 +36,8 @@ class QuantError(InferflowError):
 
 class RequestError(InferflowError):
     """A generation request is invalid (parameters out of range, prompt too long, ...)."""
+
+
+class Stopped(InferflowError):
+    """Work stopped on request before it finished (e.g. every client that asked for a search
+    went away); no partial result is returned."""

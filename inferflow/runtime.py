@@ -18,7 +18,7 @@ from inferflow.engine.beam import Hypothesis
 from inferflow.engine.embed import embed_batch, resolve_pooling
 from inferflow.engine.generate import StepOutput, generate_tokens
 from inferflow.engine.sampling import SamplingParams
-from inferflow.engine.search import SearchParams, beam_search
+from inferflow.engine.search import SearchParams, StopCheck, beam_search
 from inferflow.engine.var_stream import stream_search
 from inferflow.errors import RequestError
 from inferflow.model.batch import check_input
@@ -106,27 +106,31 @@ class LanguageModel:
         params: SearchParams,
         refill: float | None = None,
         batch_size: int | None = None,
+        stop: StopCheck | None = None,
     ) -> list[list[Hypothesis]]:
         """For each source, its best hypotheses (at most ``num_return``, best first; generated
         ids with the end token, if it ended); an empty source gets none. ``batch_size``: sources
         searched together (default: all at once). ``refill``: search streaming (VAR-STREAM,
         inferflow.engine.var_stream), at most ``batch_size`` (default 32) x beam width beams a
         step, refilled with waiting sources when the live beams drop to ``refill`` x that;
-        the hypotheses are the same, only the speed differs."""
+        the hypotheses are the same, only the speed differs. ``stop``: asked before every step;
+        True ends the search with ``Stopped``."""
         todo = [i for i, s in enumerate(sources) if s]
         todo_ids = [sources[i] for i in todo]
         if batch_size is not None and batch_size < 1:
             raise RequestError(f"batch_size: must be at least 1, got {batch_size}")
         if refill is not None:
             hyps = stream_search(
-                self.model, todo_ids, params, self._end_ids(), refill, batch_size or 32
+                self.model, todo_ids, params, self._end_ids(), refill, batch_size or 32, stop=stop
             )
         else:
             step = batch_size or max(1, len(todo_ids))
             hyps = [
                 h
                 for at in range(0, len(todo_ids), step)
-                for h in beam_search(self.model, todo_ids[at : at + step], params, self._end_ids())
+                for h in beam_search(
+                    self.model, todo_ids[at : at + step], params, self._end_ids(), stop=stop
+                )
             ]
         out: list[list[Hypothesis]] = [[] for _ in sources]
         for i, hs in zip(todo, hyps, strict=True):

@@ -9,6 +9,8 @@ import torch
 
 from inferflow.engine.output_layer import fused_topk, naive_topk
 from inferflow.engine.search import SearchParams, beam_search, ngram_bans
+from inferflow.engine.var_stream import stream_search
+from inferflow.errors import Stopped
 from inferflow.model.build import load_model
 from inferflow.spec import load_spec
 from tests.conftest import randomize, save_reference, tiny_llama
@@ -128,6 +130,29 @@ def test_dropping_finished_inputs_changes_nothing(bart) -> None:
     p = SearchParams(beam_width=4, max_new_tokens=12)
     inputs = _inputs(4, (9, 3, 14, 6), seed=5)
     assert beam_search(model, inputs, p) == beam_search(model, inputs, p, drop_finished=False)
+
+
+def test_stop_ends_a_search_between_steps(bart) -> None:
+    """``stop`` is asked before every step: plain and streaming searches end with Stopped at
+    the step it first answers True (the server's abort of a search every client left), and
+    one that never answers True changes nothing."""
+    _, model = bart
+    p = SearchParams(beam_width=3, max_new_tokens=12)
+    inputs = _inputs(4, (9, 3, 14, 6), seed=5)
+    for run in (
+        lambda stop: beam_search(model, inputs, p, stop=stop),
+        lambda stop: stream_search(model, inputs, p, refill=0.5, batch_size=2, stop=stop),
+    ):
+        asked: list[int] = []
+
+        def stop_at_third(asked: list[int] = asked) -> bool:
+            asked.append(1)
+            return len(asked) == 3
+
+        with pytest.raises(Stopped, match="stopped before it finished"):
+            run(stop_at_third)
+        assert len(asked) == 3  # no step ran after the answer
+        assert run(lambda: False) == beam_search(model, inputs, p)
 
 
 def test_fused_output_layer_equals_naive() -> None:

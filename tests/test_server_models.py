@@ -26,6 +26,7 @@ import pytest
 import torch
 
 from inferflow.engine.scheduler import QueueFull
+from inferflow.errors import Stopped
 from inferflow.server.batcher import Batcher
 from tests.serving import check_error, run_server
 
@@ -41,7 +42,7 @@ def test_batcher_groups_by_key_and_keeps_order() -> None:
     calls: list[tuple[str, list[list[int]]]] = []
 
     def call(tag: str):  # noqa: ANN202
-        def run(inputs: list[list[int]]) -> list[int]:
+        def run(inputs: list[list[int]], stop: object) -> list[int]:
             calls.append((tag, inputs))
             return [sum(x) for x in inputs]
 
@@ -61,28 +62,95 @@ def test_batcher_groups_by_key_and_keeps_order() -> None:
 def test_batcher_bound_cancel_and_failure() -> None:
     woken = []
     b = Batcher(max_waiting=3, wake=lambda: woken.append(1))
-    ok = b.submit("k", [[1], [2]], lambda xs: [len(x) for x in xs])
+    ok = b.submit("k", [[1], [2]], lambda xs, stop: [len(x) for x in xs])
     with pytest.raises(QueueFull, match="2 of 3 inputs"):
-        b.submit("k", [[1], [2]], lambda xs: xs)
-    gone = b.submit("k", [[3]], lambda xs: [len(x) for x in xs])
+        b.submit("k", [[1], [2]], lambda xs, stop: xs)
+    gone = b.submit("k", [[3]], lambda xs, stop: [len(x) for x in xs])
     assert gone.cancel()  # its client went away before the model thread took it
     b.run_pending()
     assert ok.result() == [1, 1] and gone.cancelled() and len(woken) == 2
     # a request larger than the bound still runs when nothing else waits
-    big = b.submit("k", [[1]] * 5, lambda xs: [0] * len(xs))
+    big = b.submit("k", [[1]] * 5, lambda xs, stop: [0] * len(xs))
 
     b.run_pending()
     assert big.result() == [0] * 5
 
-    def boom(xs: list[list[int]]) -> list[int]:
+    def boom(xs: list[list[int]], stop: object) -> list[int]:
         raise ValueError("bad group")
 
     bad = b.submit("x", [[1]], boom)
-    fine = b.submit("y", [[1]], lambda xs: [7])
+    fine = b.submit("y", [[1]], lambda xs, stop: [7])
     b.run_pending()
     with pytest.raises(ValueError, match="bad group"):
         bad.result()
     assert fine.result() == [7]  # another key's group is not affected
+
+
+def test_batcher_stops_a_running_call_once_every_client_left() -> None:
+    """A running call's stop check turns True only when every job it serves is abandoned; the
+    call then ends with Stopped and the futures carry it."""
+    b = Batcher(max_waiting=100)
+    seen: list[bool] = []
+    futures: list = []
+
+    def call(xs: list[list[int]], stop) -> list[int]:  # noqa: ANN001
+        seen.append(stop())
+        b.abandon(futures[0])  # the first client leaves while its job runs
+        seen.append(stop())
+        b.abandon(futures[1])  # and the second
+        seen.append(stop())
+        if stop():
+            raise Stopped("stopped")
+        return [0] * len(xs)
+
+    futures += [b.submit("s", [[1]], call), b.submit("s", [[2]], call)]
+    b.run_pending()
+    assert seen == [False, False, True]
+    for f in futures:
+        with pytest.raises(Stopped):
+            f.result()
+    assert not b.abandoned  # nothing kept for finished jobs
+    kept = b.submit("s", [[3]], lambda xs, stop: [int(stop())])
+    b.run_pending()
+    b.abandon(kept)  # after it finished: no effect
+    assert kept.result() == [0] and not b.abandoned
+
+
+def test_runner_stops_a_running_batch_when_its_client_disconnects() -> None:
+    """The server path: a batched call already running on the model thread sees its stop check
+    turn True once the request's client is gone (until_disconnect cancels the request, and
+    EngineRunner.batch abandons the job), so it ends early instead of running on."""
+    import asyncio
+    import threading
+
+    from inferflow.server.metrics import Metrics
+    from inferflow.server.runner import EngineRunner, until_disconnect
+
+    started, stopped = threading.Event(), threading.Event()
+
+    def long_call(xs: list[list[int]], stop) -> list[int]:  # noqa: ANN001
+        started.set()
+        for _ in range(500):  # at most 10 s
+            if stop():
+                stopped.set()
+                raise Stopped("stopped")
+            threading.Event().wait(0.02)
+        return [0] * len(xs)
+
+    async def scenario() -> None:
+        runner = EngineRunner(None, Metrics(), max_waiting=8)
+        runner.start(asyncio.get_running_loop())
+
+        async def gone() -> bool:
+            return started.is_set()  # the client leaves once its call runs
+
+        with pytest.raises(asyncio.CancelledError):
+            await until_disconnect(runner.batch("k", [[1]], long_call), gone)
+        await asyncio.get_running_loop().run_in_executor(None, stopped.wait, 5)
+        runner.stop()
+
+    asyncio.run(scenario())
+    assert stopped.is_set()
 
 
 # --- an encoder-only model ----------------------------------------------------------------------

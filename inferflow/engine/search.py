@@ -24,6 +24,7 @@ that input alone, which is what lets ``inferflow.engine.var_stream`` regroup inp
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -31,7 +32,7 @@ import torch
 from inferflow.engine.beam import BeamState, Hypothesis
 from inferflow.engine.output_layer import fused_topk, naive_topk
 from inferflow.engine.row_cache import RowCache, RowWindow
-from inferflow.errors import RequestError
+from inferflow.errors import RequestError, Stopped
 from inferflow.model.batch import FlatBatch, SeqSlice, check_inputs
 from inferflow.model.decoder import DecoderOnly
 from inferflow.model.encoder import EncoderDecoder
@@ -266,6 +267,14 @@ def input_runs(beams: list[Beam]) -> list[tuple[int, list[int]]]:
     return runs
 
 
+StopCheck = Callable[[], bool]  # asked before every step: True stops the search (Stopped)
+
+
+def check_stop(stop: StopCheck | None) -> None:
+    if stop is not None and stop():
+        raise Stopped("the search was stopped before it finished")
+
+
 class _Search:
     def __init__(
         self,
@@ -276,8 +285,9 @@ class _Search:
         fused: bool,
         drop_finished: bool,
         stats: SearchStats,
+        stop: StopCheck | None = None,
     ) -> None:
-        self.params, self.drop_finished = params, drop_finished
+        self.params, self.drop_finished, self.stop = params, drop_finished, stop
         self.core = Decoding(model, params, end_ids, fused, stats)
         self.limits = self.core.limits(inputs)
         if not drop_finished:  # rows of finished inputs go on: one limit for all
@@ -324,6 +334,7 @@ class _Search:
             window = self.cache.window(0)
             h = self.core.forward(window, self.beams, [b.tokens for b in self.beams])
             while True:
+                check_stop(self.stop)
                 logp, toks = self.core.candidates(self.beams, h)
                 nxt = self._step(logp, toks)
                 if all(self.over):
@@ -348,11 +359,13 @@ def beam_search(
     fused: bool = True,
     drop_finished: bool = True,
     stats: SearchStats | None = None,
+    stop: StopCheck | None = None,
 ) -> list[list[Hypothesis]]:
     """For each input (an encoder-decoder's source, or a decoder-only prompt), its
     ``num_return`` best hypotheses (generated tokens, summed log-probability; fewer where
     variable-width pruning finished fewer). ``end_ids`` default to the checkpoint's end token;
-    ``stats`` (if given) counts the work done."""
+    ``stats`` (if given) counts the work done; ``stop`` (if given) is asked before every step
+    and ends the search with ``Stopped`` when it answers True."""
     if not inputs:
         return []
     search = _Search(
@@ -363,5 +376,6 @@ def beam_search(
         fused,
         drop_finished,
         stats or SearchStats(),
+        stop,
     )
     return search.run()

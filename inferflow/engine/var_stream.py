@@ -30,6 +30,8 @@ from inferflow.engine.search import (
     RowCache,
     SearchParams,
     SearchStats,
+    StopCheck,
+    check_stop,
     default_end_ids,
     input_runs,
 )
@@ -57,8 +59,9 @@ class _Stream:
         batch_size: int,
         fused: bool,
         stats: SearchStats,
+        stop: StopCheck | None = None,
     ) -> None:
-        self.inputs, self.params, self.stats = inputs, params, stats
+        self.inputs, self.params, self.stats, self.stop = inputs, params, stats, stop
         self.core = Decoding(model, params, end_ids, fused, stats)
         self.limits = self.core.limits(inputs)  # every input checked before anything runs
         self.queue = deque(range(len(inputs)))
@@ -130,6 +133,7 @@ class _Stream:
 
     def run(self) -> Iterator[tuple[int, list[Hypothesis]]]:
         while self.queue or self.beams:
+            check_stop(self.stop)
             with torch.inference_mode():  # not held across a yield: the caller's code runs outside
                 self._admit()
                 over = self._expand(self._group())
@@ -145,8 +149,10 @@ def iter_stream_search(
     batch_size: int = 32,
     fused: bool = True,
     stats: SearchStats | None = None,
+    stop: StopCheck | None = None,
 ) -> Iterator[tuple[int, list[Hypothesis]]]:
-    """(input index, its best hypotheses) as each input finishes, in finishing order."""
+    """(input index, its best hypotheses) as each input finishes, in finishing order;
+    ``stop`` as in ``beam_search``."""
     check_stream_args(refill, batch_size)
     if not inputs:
         return iter(())
@@ -159,6 +165,7 @@ def iter_stream_search(
         batch_size,
         fused,
         stats or SearchStats(),
+        stop,
     )
     return stream.run()
 
@@ -172,13 +179,14 @@ def stream_search(
     batch_size: int = 32,
     fused: bool = True,
     stats: SearchStats | None = None,
+    stop: StopCheck | None = None,
 ) -> list[list[Hypothesis]]:
     """``beam_search``'s result (same hypotheses, same order) computed streaming: at most
     ``batch_size`` x beam width beams in a step, refilled with waiting inputs when the live
     beams drop to ``refill`` x that capacity (0 <= refill <= 1)."""
     out: list[list[Hypothesis]] = [[] for _ in inputs]
     for i, hyps in iter_stream_search(
-        model, inputs, params, end_ids, refill, batch_size, fused, stats
+        model, inputs, params, end_ids, refill, batch_size, fused, stats, stop
     ):
         out[i] = hyps
     return out

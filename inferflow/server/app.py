@@ -15,7 +15,7 @@ import hmac
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -263,7 +263,7 @@ def create_app(cfg: ServerConfig) -> FastAPI:
         h = lm.spec.hparams
         check_inputs(inputs, h.vocab_size, h.max_positions, "input")
 
-        def run(batch: list[list[int]]) -> Any:
+        def run(batch: list[list[int]], stop: Callable[[], bool]) -> Any:  # one pass: no stop
             vectors = embed_batch(lm.model, batch, pooling, normalize)
             assert isinstance(vectors, torch.Tensor)  # (pooling "none" was refused)
             return vectors.numpy()

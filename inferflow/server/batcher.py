@@ -6,7 +6,9 @@ future. The model thread runs ``run_pending`` between engine steps (or alone, fo
 engine does not run): every job waiting then whose key is equal runs in one call over all their
 inputs, so concurrent requests share forward passes. The queue is bounded in inputs (the
 server's ``--max-waiting``): past it ``submit`` raises QueueFull (HTTP 429). A job whose future
-was cancelled before it ran (its client went away) is dropped unrun.
+was cancelled before it ran (its client went away) is dropped unrun; a job ``abandon``ed while it
+runs keeps its place, and once every job of its group is abandoned the call's ``stop`` check
+answers True, so a long call (a search) can end early (``Stopped``).
 """
 
 from __future__ import annotations
@@ -19,11 +21,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from inferflow.engine.scheduler import QueueFull
+from inferflow.errors import Stopped
 
 log = logging.getLogger(__name__)
 
-# one call over a group's inputs, returning one result per input, in order
-GroupCall = Callable[[list[list[int]]], Sequence[Any]]
+# one call over a group's inputs, returning one result per input, in order; the second argument
+# answers True once nobody waits for the results any more (a call may check it and stop early)
+GroupCall = Callable[[list[list[int]], Callable[[], bool]], Sequence[Any]]
 
 
 @dataclass
@@ -40,6 +44,7 @@ class Batcher:
         self.jobs: list[Job] = []
         self.lock = threading.Lock()
         self.waiting = 0  # inputs in the queue
+        self.abandoned: set[Future[list[Any]]] = set()  # running jobs nobody waits for
 
     def submit(self, key: Hashable, inputs: list[list[int]], call: GroupCall) -> Future[list[Any]]:
         """Queue ``inputs`` (validated by the caller); the future gets one result per input."""
@@ -58,6 +63,13 @@ class Batcher:
     def pending(self) -> bool:
         return bool(self.jobs)
 
+    def abandon(self, future: Future[list[Any]]) -> None:
+        """Nobody waits for ``future``'s job any more (its client went away): dropped if it has
+        not started, and counted towards stopping its group's call if it is running."""
+        with self.lock:
+            if not future.cancel() and not future.done():
+                self.abandoned.add(future)
+
     def run_pending(self) -> None:
         """On the model thread: run every queued job, one call per key."""
         with self.lock:
@@ -67,17 +79,37 @@ class Batcher:
             if job.future.set_running_or_notify_cancel():  # False: cancelled, drop it
                 groups.setdefault(job.key, []).append(job)
         for group in groups.values():
-            inputs = [ids for job in group for ids in job.inputs]
-            try:
-                results = list(group[0].call(inputs))
-                if len(results) != len(inputs):
-                    raise RuntimeError(f"{len(results)} results for {len(inputs)} inputs")
-            except Exception as e:  # the group's requests fail; the server goes on
-                log.exception("a batched call over %d inputs failed", len(inputs))
-                for job in group:
-                    job.future.set_exception(e)
-                continue
-            at = 0
+            self._run_group(group)
+
+    def _run_group(self, group: list[Job]) -> None:
+        inputs = [ids for job in group for ids in job.inputs]
+
+        def stop() -> bool:
+            with self.lock:
+                return all(job.future in self.abandoned for job in group)
+
+        try:
+            results = list(group[0].call(inputs, stop))
+            if len(results) != len(inputs):
+                raise RuntimeError(f"{len(results)} results for {len(inputs)} inputs")
+        except Stopped as e:  # every client of the group went away
+            log.info("a batched call over %d inputs stopped: %s", len(inputs), e)
+            self._finish(group, error=e)
+        except Exception as e:  # the group's requests fail; the server goes on
+            log.exception("a batched call over %d inputs failed", len(inputs))
+            self._finish(group, error=e)
+        else:
+            self._finish(group, results=results)
+
+    def _finish(
+        self, group: list[Job], results: list[Any] | None = None, error: Exception | None = None
+    ) -> None:
+        at = 0
+        with self.lock:
             for job in group:
-                job.future.set_result(results[at : at + len(job.inputs)])
+                if results is None:
+                    job.future.set_exception(error or RuntimeError("no result"))
+                else:
+                    job.future.set_result(results[at : at + len(job.inputs)])
                 at += len(job.inputs)
+                self.abandoned.discard(job.future)

@@ -87,8 +87,14 @@ class EngineRunner:
     async def batch(self, key: Hashable, inputs: list[list[int]], call: GroupCall) -> list[Any]:
         """``call``'s results for ``inputs``, batched with other jobs of the same ``key``
         (``Batcher``); QueueFull when its queue is at the bound. Cancelled (the client went
-        away) before the model thread took it, the job is dropped."""
-        return await asyncio.wrap_future(self.batcher.submit(key, inputs, call))
+        away), the job is dropped if it has not started, and a running call over it may stop
+        once every job it serves is gone (``Batcher.abandon``)."""
+        future = self.batcher.submit(key, inputs, call)
+        try:
+            return await asyncio.wrap_future(future)
+        except asyncio.CancelledError:
+            self.batcher.abandon(future)
+            raise
 
     def _post(self, *msg: Any) -> None:
         self.inbox.put(msg)

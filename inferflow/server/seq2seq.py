@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import Request
@@ -88,8 +88,8 @@ async def complete(
     h = lm.spec.hparams
     check_inputs(sources, h.vocab_size, h.max_positions, "prompt")
 
-    def search(inputs: list[list[int]]) -> list[list[Hypothesis]]:
-        return lm.search(inputs, params, batch_size=SEARCH_BATCH)
+    def search(inputs: list[list[int]], stop: Callable[[], bool]) -> list[list[Hypothesis]]:
+        return lm.search(inputs, params, batch_size=SEARCH_BATCH, stop=stop)
 
     hyps = await until_disconnect(
         runner.batch(("search", params), sources, search), request.is_disconnected

@@ -140,6 +140,9 @@ def main() -> int:
         hf = transformers.AutoModelForCausalLM.from_pretrained(
             str(path.parent), gguf_file=path.name, dtype=hf_dtype
         ).eval()
+    for model in (lm, dense):  # warm-up: the first engine run of a process pays one-off costs
+        if model is not None:
+            run_inferflow(model, prompts_for(2, lo, hi, lm.spec.hparams.vocab_size), 8, 512)
     rows = []
     for n in map(int, args.concurrency.split(",")):
         if server is not None:  # first: busy torch threads would slow it

@@ -88,28 +88,23 @@ class Batcher:
             with self.lock:
                 return all(job.future in self.abandoned for job in group)
 
+        outcome: list[Any] | Exception
         try:
-            results = list(group[0].call(inputs, stop))
-            if len(results) != len(inputs):
-                raise RuntimeError(f"{len(results)} results for {len(inputs)} inputs")
+            outcome = list(group[0].call(inputs, stop))
+            if len(outcome) != len(inputs):
+                raise RuntimeError(f"{len(outcome)} results for {len(inputs)} inputs")
         except Stopped as e:  # every client of the group went away
             log.info("a batched call over %d inputs stopped: %s", len(inputs), e)
-            self._finish(group, error=e)
+            outcome = e
         except Exception as e:  # the group's requests fail; the server goes on
             log.exception("a batched call over %d inputs failed", len(inputs))
-            self._finish(group, error=e)
-        else:
-            self._finish(group, results=results)
-
-    def _finish(
-        self, group: list[Job], results: list[Any] | None = None, error: Exception | None = None
-    ) -> None:
+            outcome = e
         at = 0
         with self.lock:
             for job in group:
-                if results is None:
-                    job.future.set_exception(error or RuntimeError("no result"))
+                if isinstance(outcome, Exception):
+                    job.future.set_exception(outcome)
                 else:
-                    job.future.set_result(results[at : at + len(job.inputs)])
+                    job.future.set_result(outcome[at : at + len(job.inputs)])
                 at += len(job.inputs)
                 self.abandoned.discard(job.future)

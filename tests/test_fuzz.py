@@ -5,15 +5,24 @@ once broke a loader (tests/fuzz_regressions/) now ends in a clean error."""
 from __future__ import annotations
 
 import importlib.util
+import io
 import json
+import random
 import shutil
+import subprocess
+import sys
+from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import torch
 
 from inferflow.errors import InferflowError
-from inferflow.fuzz import PUBLIC_TARGETS, TARGETS, Campaign
-from inferflow.fuzz.harness import make_input
+from inferflow.fuzz import PUBLIC_TARGETS, TARGETS, Campaign, TargetReport
+from inferflow.fuzz.harness import input_rng, make_input
+from inferflow.fuzz.mut_spec import mutate_tree
+from inferflow.fuzz.seeds import _state_dicts, legacy_save
 from inferflow.fuzz.targets import SELFTEST_KINDS
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -87,14 +96,94 @@ def test_seeds_load(tmp_path: Path, name: str) -> None:
         target.run(path)
 
 
+# prints {target: [[seed name the input was made from, sha1 of the input], ...]} for inputs 1..N
+_HASH_INPUTS = """
+import hashlib, json
+from inferflow.fuzz import PUBLIC_TARGETS, TARGETS
+from inferflow.fuzz.harness import input_rng, make_input
+out = {}
+for name in PUBLIC_TARGETS:
+    names, seeds = zip(*TARGETS[name].seeds())
+    rows = out[name] = []
+    for i in range(1, len(seeds) + 30):
+        # the index rng.choice(seeds) takes in make_input: the same draw over the same length
+        base = i if i < len(seeds) else input_rng(5, name, i).choice(range(len(seeds)))
+        rows.append([names[base], hashlib.sha1(make_input(name, seeds, 5, i)).hexdigest()])
+print(json.dumps(out))
+"""
+
+
+def _input_hashes() -> dict[str, list[list[str]]]:
+    proc = subprocess.run(
+        [sys.executable, "-c", _HASH_INPUTS], cwd=ROOT, capture_output=True, text=True, check=True
+    )
+    return json.loads(proc.stdout)  # type: ignore[no-any-return]
+
+
 def test_inputs_are_reproducible() -> None:
+    # input i depends on (seed, target, i) alone: the same bytes in another process (seeds made
+    # from memory addresses, set or dict order, or hash randomization would break this)
+    first, second = _input_hashes(), _input_hashes()
+    assert first == second
+    # the legacy seeds themselves and mutants made from them
+    assert sum(seed.endswith(".legacy.pt") for seed, _ in first["pickle"]) >= 6
     for name in PUBLIC_TARGETS:
         seeds = [d for _, d in TARGETS[name].seeds()]
-        for i in (0, len(seeds), len(seeds) + 7):
-            assert make_input(name, seeds, 5, i) == make_input(name, seeds, 5, i)
         assert make_input(name, seeds, 5, 1000) != make_input(name, seeds, 6, 1000)
 
 
+def _same(a: object, b: object) -> bool:
+    if isinstance(a, dict):
+        return (
+            isinstance(b, dict)
+            and type(a) is type(b)
+            and list(a) == list(b)
+            and all(_same(a[k], b[k]) for k in a)
+        )
+    if isinstance(a, torch.Tensor):
+        return (
+            isinstance(b, torch.Tensor)
+            and type(a) is type(b)
+            and (a.dtype, a.shape, a.stride(), a.storage_offset())
+            == (b.dtype, b.shape, b.stride(), b.storage_offset())
+            and torch.equal(a, b)
+        )
+    return a == b
+
+
+def test_legacy_seeds_load_in_torch() -> None:
+    # the legacy seeds come from our own writer (torch's names storages by memory address, so its
+    # bytes change between runs): torch must read back what was saved, shared storages shared
+    for name, obj in _state_dicts().items():
+        back = torch.load(io.BytesIO(legacy_save(obj)), weights_only=True)
+        assert _same(back, obj), name
+        if name == "mixed":
+            assert len({back[k].untyped_storage().data_ptr() for k in ("w", "view", "tied")}) == 1
+
+
+def test_mutators_run_without_error() -> None:
+    # make_input falls back to blind havoc when a mutator raises (and counts it); here a mutator
+    # error fails the test with its traceback. The GGUF mutator once failed on every seed.
+    for name in PUBLIC_TARGETS:
+        seeds = [d for _, d in TARGETS[name].seeds()]
+        for i in range(200):
+            rng = input_rng(1, name, i)
+            TARGETS[name].mutate(rng, rng.choice(seeds), seeds)
+    for i in range(200):  # a root that an earlier round made a list or a scalar
+        mutate_tree(random.Random(i), [{"name": "x"}, 1] if i % 2 else "x")
+
+
+def test_mutator_errors_are_counted(monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(rng: random.Random, seed: bytes, seeds: Sequence[bytes]) -> bytes:
+        raise KeyError("a bug in the mutator")
+
+    monkeypatch.setitem(TARGETS, "selftest", replace(TARGETS["selftest"], mutate=broken))
+    report = TargetReport("selftest")
+    assert make_input("selftest", [b"o"], 0, 5, report)  # made by havoc instead
+    assert report.mutator_errors == 1
+
+
+@pytest.mark.slow
 def test_targets_run_clean() -> None:
     with Campaign(PUBLIC_TARGETS, seed=20260601) as campaign:
         for name in PUBLIC_TARGETS:
@@ -104,6 +193,7 @@ def test_targets_run_clean() -> None:
             assert report.outcomes["ok"] > 0, report.outcomes
             assert any(k.startswith("error:") for k in report.outcomes), report.outcomes
             assert report.worker_restarts == 0  # nothing killed or hung the worker
+            assert report.mutator_errors == 0
 
 
 def _cli() -> object:

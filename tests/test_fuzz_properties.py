@@ -57,13 +57,18 @@ def gguf_file(draw: st.DrawFn) -> bytes:
     kvs = draw(st.lists(st.tuples(text, gguf_value()), max_size=5))
     tensors = draw(st.lists(st.tuples(text, st.lists(u64, max_size=5), st.sampled_from(GGML_TYPE_IDS), u64), max_size=4))  # fmt: skip
     out = b"GGUF" + struct.pack("<I", draw(st.sampled_from([3, 3, 3, 3, 2, 1, 4])))
-    out += struct.pack("<QQ", draw(lie(u64)) or len(tensors), draw(lie(u64)) or len(kvs))
+    n_tensors, n_kvs = draw(lie(u64)), draw(lie(u64))
+    out += struct.pack(
+        "<QQ",
+        len(tensors) if n_tensors is None else n_tensors,
+        len(kvs) if n_kvs is None else n_kvs,
+    )
     for key, (vtype, value) in kvs:
-        out += _string(key, None) + struct.pack("<I", vtype % 2**32) + value
+        out += _string(key, None) + struct.pack("<I", vtype) + value
     for name, dims, ggml_type, offset in tensors:
         out += _string(name, None) + struct.pack("<I", len(dims))
         out += b"".join(struct.pack("<Q", d) for d in dims)
-        out += struct.pack("<IQ", ggml_type % 2**32, offset * 32 % 2**64)
+        out += struct.pack("<IQ", ggml_type, offset * 32 % 2**64)
     out += b"\0" * (-len(out) % 32)
     return out + draw(st.binary(max_size=512))
 

@@ -16,7 +16,15 @@ import shlex
 import sys
 from pathlib import Path
 
-from inferflow.fuzz import PUBLIC_TARGETS, TARGETS, Campaign, TargetReport, write_report
+from inferflow.fuzz import (
+    MEMORY_BOUND,
+    PUBLIC_TARGETS,
+    TARGETS,
+    TIME_LIMIT,
+    Campaign,
+    TargetReport,
+    write_report,
+)
 
 
 def _show(r: TargetReport, final: bool = False) -> None:
@@ -27,6 +35,11 @@ def _show(r: TargetReport, final: bool = False) -> None:
     )
     if final:
         print(f"  slowest input {r.slowest:.3f} s; worker restarted {r.worker_restarts} time(s)")
+        if r.mutator_errors:
+            print(
+                f"  mutator failed on {r.mutator_errors} input(s), made by havoc instead "
+                "(see the warnings)"
+            )
         for bug in r.bugs.values():
             print(f"  BUG {bug.outcome} at {bug.site} x{bug.count}: {bug.message[:200]}")
             if bug.input_file:
@@ -43,8 +56,10 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--count", type=int, default=1000, help="inputs per target")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--start", type=int, default=0, help="index of the first input")
-    ap.add_argument("--time-limit", type=float, default=2.0, help="seconds per input")
-    ap.add_argument("--memory-mb", type=int, default=1024, help="address space one input may add")
+    ap.add_argument("--time-limit", type=float, default=TIME_LIMIT, help="seconds per input")
+    ap.add_argument(
+        "--memory-mb", type=int, default=MEMORY_BOUND >> 20, help="address space one input may add"
+    )
     ap.add_argument("--max-seconds", type=float, default=None, help="stop each target after this")
     ap.add_argument("--out", type=Path, default=Path("fuzz-out"), help="crashing inputs, report")
     args = ap.parse_args(argv)

@@ -7,7 +7,23 @@ writes; ``tools/fuzz.py`` is its command line.
 
 from __future__ import annotations
 
-from inferflow.fuzz.harness import Bug, Campaign, TargetReport, write_report
+from inferflow.fuzz.harness import (
+    MEMORY_BOUND,
+    TIME_LIMIT,
+    Bug,
+    Campaign,
+    TargetReport,
+    write_report,
+)
 from inferflow.fuzz.targets import PUBLIC_TARGETS, TARGETS
 
-__all__ = ["PUBLIC_TARGETS", "TARGETS", "Bug", "Campaign", "TargetReport", "write_report"]
+__all__ = [
+    "MEMORY_BOUND",
+    "PUBLIC_TARGETS",
+    "TARGETS",
+    "TIME_LIMIT",
+    "Bug",
+    "Campaign",
+    "TargetReport",
+    "write_report",
+]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import random
 import select
@@ -31,6 +32,8 @@ from typing import Any
 from inferflow.fuzz.mutate import havoc
 from inferflow.fuzz.targets import TARGETS
 from inferflow.fuzz.worker import HEAD
+
+log = logging.getLogger(__name__)
 
 MEMORY_BOUND = 1 << 30  # bytes a single input may add to the worker's address space
 TIME_LIMIT = 2.0  # seconds per input
@@ -136,6 +139,7 @@ class TargetReport:
     bugs: dict[str, Bug] = field(default_factory=dict)
     slowest: float = 0.0
     worker_restarts: int = 0  # after a hang, a crash or an allocation failure
+    mutator_errors: int = 0  # inputs made by blind havoc because the target's mutator raised
 
     @property
     def rate(self) -> float:
@@ -153,7 +157,13 @@ def input_rng(seed: int, target: str, index: int) -> random.Random:
     return random.Random(f"{seed}/{target}/{index}")
 
 
-def make_input(target: str, seeds: Sequence[bytes], seed: int, index: int) -> bytes:
+def make_input(
+    target: str,
+    seeds: Sequence[bytes],
+    seed: int,
+    index: int,
+    report: TargetReport | None = None,
+) -> bytes:
     """Input ``index`` of a campaign: the seeds themselves first, then mutants."""
     if index < len(seeds):
         return seeds[index]
@@ -161,7 +171,11 @@ def make_input(target: str, seeds: Sequence[bytes], seed: int, index: int) -> by
     base = rng.choice(seeds)
     try:
         return TARGETS[target].mutate(rng, base, seeds)
-    except Exception:  # a mutator that trips over its own seed: fall back to blind havoc
+    except Exception as e:
+        # a bug in the mutator, not in a loader: logged and counted, the input made by havoc
+        log.warning("fuzz %s input %d: mutator failed: %s: %s", target, index, type(e).__name__, e)
+        if report is not None:
+            report.mutator_errors += 1
         return havoc(rng, base, seeds)
 
 
@@ -176,11 +190,9 @@ class Campaign:
         time_limit: float = TIME_LIMIT,
         memory_bound: int = MEMORY_BOUND,
         out_dir: Path | None = None,
-        confirm: bool = True,
     ) -> None:
         self.seed = seed
         self.time_limit = time_limit
-        self.confirm = confirm
         self.out_dir = out_dir
         self.seeds = {t: [data for _, data in TARGETS[t].seeds()] for t in targets}
         self.own_dir = tempfile.mkdtemp(prefix="inferflow-fuzz-log-")
@@ -216,7 +228,7 @@ class Campaign:
 
     def run_input(self, target: str, data: bytes) -> dict[str, Any]:
         reply = self._attempt(target, data)
-        if self.confirm and reply["outcome"] in ("bug:hang", "bug:crash"):
+        if reply["outcome"] in ("bug:hang", "bug:crash"):
             again = self._attempt(target, data)  # a loaded machine, or an OOM kill from outside?
             if again["outcome"] != reply["outcome"]:
                 return {"outcome": "slow" if reply["outcome"] == "bug:hang" else "flaky-crash"}
@@ -235,7 +247,7 @@ class Campaign:
         starts = self.worker.starts
         t0 = last = time.monotonic()
         for index in range(start, start + count):
-            data = make_input(target, seeds, self.seed, index)
+            data = make_input(target, seeds, self.seed, index, report)
             reply = self.run_input(target, data)
             report.inputs += 1
             report.outcomes[reply["outcome"]] += 1

@@ -29,7 +29,6 @@ VALUE_TYPE_IDS = (*range(14), 255, 2**32 - 1)
 class Field:
     offset: int
     width: int
-    value: int
     kind: str  # count | strlen | vtype | itype | ndims | dim | ggml_type | data_offset | scalar
 
 
@@ -41,13 +40,14 @@ def walk_gguf(data: bytes) -> tuple[list[Field], int]:
     def take(width: int, kind: str) -> int:
         nonlocal pos
         value = int.from_bytes(data[pos : pos + width], "little")
-        fields.append(Field(pos, width, value, kind))
+        fields.append(Field(pos, width, kind))
         pos += width
         return value
 
     def string() -> None:
         nonlocal pos
-        pos += take(8, "strlen")
+        n = take(8, "strlen")  # not ``pos += take(...)``: that adds to pos as it was before take
+        pos += n
 
     def value(vtype: int) -> None:
         nonlocal pos
@@ -81,7 +81,7 @@ def _gguf_field(rng: random.Random, data: bytes, fields: Sequence[Field]) -> byt
         return data[: f.offset] + pack_uint(rng.choice(GGML_TYPE_IDS), 4) + data[f.offset + 4 :]
     if f.kind in ("vtype", "itype") and rng.random() < 0.7:
         return data[: f.offset] + pack_uint(rng.choice(VALUE_TYPE_IDS), 4) + data[f.offset + 4 :]
-    return set_field(rng, data, f.offset, f.width, f.value)
+    return set_field(rng, data, f.offset, f.width)
 
 
 def mutate_gguf(rng: random.Random, seed: bytes, seeds: Sequence[bytes]) -> bytes:
@@ -129,7 +129,8 @@ def _mutate_entry(rng: random.Random, entry: dict[str, Any]) -> None:
     elif key == "dtype":
         entry["dtype"] = rng.choice((*ST_DTYPES, "f32", "Q4_0", "F32 ", "complex"))
     elif key == "shape":
-        shape = list(entry.get("shape") or [])
+        # an earlier round may have left any JSON value here
+        shape = list(entry["shape"]) if isinstance(entry.get("shape"), list) else []
         op = rng.random()
         if op < 0.4 and shape:
             i = rng.randrange(len(shape))
@@ -142,7 +143,8 @@ def _mutate_entry(rng: random.Random, entry: dict[str, Any]) -> None:
             shape = [rng.choice((1, 2, 2**31, 2**40))] * rng.choice((1, 8, 64, 1000))
         entry["shape"] = shape
     else:
-        offs = list(entry.get("data_offsets") or [0, 0])
+        offs = entry.get("data_offsets")
+        offs = list(offs) if isinstance(offs, list) else [0, 0]
         if offs and rng.random() < 0.8:
             i = rng.randrange(len(offs))
             offs[i] = interesting(rng, offs[i] if isinstance(offs[i], int) else 0)
@@ -155,7 +157,7 @@ def _dumps(header: dict[str, Any], rng: random.Random) -> bytes:
     text = json.dumps(
         header, separators=(",", ":"), allow_nan=True, ensure_ascii=rng.random() < 0.5
     )
-    return text.encode("utf-8")
+    return text.encode("utf-8", "surrogatepass")  # a lone surrogate in a name: bad UTF-8
 
 
 def mutate_safetensors_header(rng: random.Random, header: dict[str, Any]) -> bytes:

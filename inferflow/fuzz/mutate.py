@@ -104,8 +104,10 @@ def havoc(rng: random.Random, data: bytes, seeds: Sequence[bytes] = (), rounds: 
     return bytes(out)
 
 
-def set_field(rng: random.Random, data: bytes, offset: int, width: int, value: int) -> bytes:
-    """``data`` with the ``width``-byte little-endian field at ``offset`` set near/at odd values."""
+def set_field(rng: random.Random, data: bytes, offset: int, width: int) -> bytes:
+    """``data`` with the ``width``-byte little-endian field at ``offset`` set to an odd value or
+    one near its current value."""
+    value = int.from_bytes(data[offset : offset + width], "little")
     out = bytearray(data)
     out[offset : offset + width] = pack_uint(interesting(rng, value), width)
     return bytes(out)

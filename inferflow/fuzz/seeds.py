@@ -7,8 +7,9 @@
   shrunk to a few real elements each; a file from ``safetensors.torch.save_file`` with every common
   dtype; an Inferflow quantized file.
 - pickle: ``torch.save`` of small state dicts (zip and legacy, protocols 2 and 4, OrderedDict
-  metadata, Parameters, views and shared storages, a nested training checkpoint), the data.pkl of
-  the real ANNalog checkpoint and its pickled vocabulary (bare pickles).
+  metadata, Parameters, views and shared storages, a nested training checkpoint; the legacy ones
+  with storage keys that do not change between runs), the data.pkl of the real ANNalog
+  checkpoint and its pickled vocabulary (bare pickles).
 - spec: the built-in specs and architecture templates.
 
 A missing model package drops its seeds with a warning; the synthetic ones are always there.
@@ -21,7 +22,9 @@ import io
 import json
 import logging
 import math
+import pickle
 import struct
+import sys
 import zipfile
 from pathlib import Path
 
@@ -134,6 +137,17 @@ def shrink_safetensors(path: Path, keep: int = 4) -> bytes:
     return struct.pack("<Q", len(text)) + text + bytes(body)
 
 
+def _sort_metadata(data: bytes) -> bytes:
+    """A safetensors file with its ``__metadata__`` in key order: the safetensors writer emits it
+    in hash-map order, which changes from one process to the next."""
+    (n,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8 : 8 + n])
+    header["__metadata__"] = dict(sorted(header["__metadata__"].items()))
+    text = json.dumps(header, separators=(",", ":")).encode().ljust(n)  # the same padding
+    assert len(text) == n, "re-serialised safetensors header changed length"
+    return data[:8] + text + data[8 + n :]
+
+
 def safetensors_seeds() -> Seeds:
     from safetensors.torch import save
 
@@ -162,7 +176,8 @@ def safetensors_seeds() -> Seeds:
         "f64": torch.tensor(1.5, dtype=torch.float64),  # 0-d
         "empty": torch.zeros(0, 3),
     }
-    out.append(("dtypes.safetensors", save(tensors, metadata={"format": "pt", "note": "x"})))
+    st = save(tensors, metadata={"format": "pt", "note": "x"})
+    out.append(("dtypes.safetensors", _sort_metadata(st)))
     q = quantize(torch.randn(2, 64, generator=g), "Q8_0")
     plans = [StoredTensor("q", "U8", tuple(q.data.shape)), StoredTensor("n", "F32", (4,))]
     data = {"q": q.data, "n": torch.ones(4)}
@@ -202,11 +217,60 @@ def _save(obj: object, **kw: object) -> bytes:
     return buf.getvalue()
 
 
+def legacy_save(obj: object, protocol: int = 2) -> bytes:
+    """``torch.save(obj, _use_new_zipfile_serialization=False)``, but with storage keys numbered
+    in pickling order ("0", "1", ...) as the zip format numbers them.
+
+    torch's legacy writer names each storage by its memory address and writes the storages in the
+    order of those names, so its bytes change from one process to the next, and fuzz inputs must
+    depend on (seed, target, index) alone. Otherwise this follows ``_legacy_save`` in
+    torch/serialization.py: magic number, protocol version, sys info, the object with
+    ``("storage", type, key, location, numel, None)`` persistent ids, the key list, then each
+    storage as an int64 element count and its bytes.
+    """
+    from torch.serialization import (
+        INT_SIZE,
+        LONG_SIZE,
+        MAGIC_NUMBER,
+        PROTOCOL_VERSION,
+        SHORT_SIZE,
+        location_tag,
+    )
+
+    keys: dict[int, str] = {}  # storage address -> key
+    stored: list[tuple[torch.UntypedStorage, int]] = []  # (storage, element size) in key order
+
+    class Pickler(pickle.Pickler):
+        def persistent_id(self, obj: object) -> tuple[object, ...] | None:
+            if not isinstance(obj, torch.storage.TypedStorage):
+                return None
+            storage = obj._untyped_storage
+            if storage._cdata not in keys:
+                keys[storage._cdata] = str(len(keys))
+                stored.append((storage, obj.dtype.itemsize))
+            kind = getattr(torch, obj._pickle_storage_type())
+            return ("storage", kind, keys[storage._cdata], location_tag(storage), obj._size(), None)
+
+    sys_info = {
+        "protocol_version": PROTOCOL_VERSION,
+        "little_endian": sys.byteorder == "little",
+        "type_sizes": {"short": SHORT_SIZE, "int": INT_SIZE, "long": LONG_SIZE},
+    }
+    buf = io.BytesIO()
+    for head in (MAGIC_NUMBER, PROTOCOL_VERSION, sys_info):
+        pickle.dump(head, buf, protocol=protocol)
+    Pickler(buf, protocol=protocol).dump(obj)
+    pickle.dump(list(keys.values()), buf, protocol=protocol)
+    for storage, element_size in stored:
+        storage._write_file(buf, False, True, element_size)
+    return buf.getvalue()
+
+
 def pickle_seeds() -> Seeds:
     out: Seeds = []
     for name, sd in _state_dicts().items():
         out.append((f"{name}.zip.pt", _save(sd)))
-        out.append((f"{name}.legacy.pt", _save(sd, _use_new_zipfile_serialization=False)))
+        out.append((f"{name}.legacy.pt", legacy_save(sd)))
     out.append(("mixed.p4.zip.pt", _save(_state_dicts()["mixed"], pickle_protocol=4)))
     ckpt = package_file("annalog", "ckpt_and_vocab/Lev_extended.pt")
     vocab = package_file("annalog", "ckpt_and_vocab/stereo_experiment_vocab_ttf.pkl")

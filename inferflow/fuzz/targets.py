@@ -98,13 +98,13 @@ def run_safetensors(path: Path) -> None:
 
 def run_pickle(path: Path) -> None:
     from inferflow.errors import InferflowError
-    from inferflow.loaders.pickle_safe import ZIP_MAGIC
     from inferflow.loaders.pickle_vm import load_one, loads_plain
     from inferflow.loaders.torch_pickle import (
         describe_allowed,
         make_persistent_load,
         resolve_global,
     )
+    from inferflow.loaders.zip_safe import ZIP_MAGIC
     from inferflow.tokenizer.pickle_vocab import read_pickle_vocab
 
     _detect(path)

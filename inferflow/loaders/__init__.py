@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import struct
-import zipfile
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -20,6 +19,7 @@ from inferflow.loaders.base import LOADERS, Weight, WeightSource
 from inferflow.loaders.pickle_vm import load_one
 from inferflow.loaders.quantized import wrap_if_quantized  # also registers "inferflow_quant"
 from inferflow.loaders.torch_pickle import MAGIC_NUMBER, describe_allowed, resolve_global
+from inferflow.loaders.zip_safe import ZIP_MAGIC, torch_archive
 
 __all__ = ["LOADERS", "Weight", "WeightSource", "detect_format", "open_files"]
 
@@ -59,14 +59,10 @@ def detect_format(path: str | Path) -> str:
         head = f.read(256)
     if head[:4] == gguf.GGUF_MAGIC:
         return "gguf"
-    if head[:4] == pickle_safe.ZIP_MAGIC:
-        try:
-            with zipfile.ZipFile(path) as zf:
-                infos = zf.infolist()
-        except pickle_safe.ZIP_ERRORS as e:
-            raise CheckpointError(f"{path}: zip archive that cannot be read: {e}") from e
-        names = list(pickle_safe.check_entries(infos, path, size))  # refuses lying archives
-        if any(n.count("/") == 1 and n.endswith("/data.pkl") for n in names):
+    if head[:4] == ZIP_MAGIC:
+        zf, _, pickles = torch_archive(path, path, size)  # refuses lying archives
+        zf.close()
+        if pickles:
             return "pickle"
         raise CheckpointError(f"{path}: zip archive without a '<prefix>/data.pkl' (not torch.save)")
     if head[:1] == b"\x80" and _is_legacy_torch(head, path):

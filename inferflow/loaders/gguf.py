@@ -448,7 +448,8 @@ class GGUFSource:
                     t = t.view(torch.bfloat16)
                 return t if dtype is None else t.to(dtype)
             fmt = get_format(info.type_name)
-            per_row = info.shape[-1] // fmt.block_size * fmt.bytes_per_block if info.shape else 0
+            # never 0-d: _tensor_infos refuses one (a single weight, less than a block)
+            per_row = info.shape[-1] // fmt.block_size * fmt.bytes_per_block
             data = torch.from_numpy(raw.reshape(-1, per_row) if per_row else raw)
         qt = QuantTensor(data, info.type_name, info.shape)
         return qt if dtype is None else qt.dequantize(dtype)

@@ -37,7 +37,7 @@ from inferflow.loaders.torch_pickle import (
     resolve_global,
     short_repr,
 )
-from inferflow.loaders.zip_safe import ZIP_ERRORS, ZIP_MAGIC, check_entries, data_offset
+from inferflow.loaders.zip_safe import ZIP_ERRORS, ZIP_MAGIC, data_offset, torch_archive
 
 log = logging.getLogger(__name__)
 
@@ -159,13 +159,7 @@ class _ZipCheckpoint(_Checkpoint):
             raise
 
     def _open(self) -> None:
-        try:
-            self.zf = zipfile.ZipFile(self.file)
-            infos = self.zf.infolist()
-        except ZIP_ERRORS as e:
-            raise CheckpointError(f"{self.path}: malformed zip archive: {e}") from e
-        self.entries = check_entries(infos, self.path, self.size)
-        pickles = [n for n in self.entries if n.count("/") == 1 and n.endswith("/data.pkl")]
+        self.zf, self.entries, pickles = torch_archive(self.file, self.path, self.size)
         if len(pickles) != 1:
             listed = ", ".join(list(self.entries)[:8])
             raise CheckpointError(
@@ -217,17 +211,23 @@ class _ZipCheckpoint(_Checkpoint):
             raise CheckpointError(
                 f"{self.path}: entry {name!r} of {info.file_size} bytes exceeds {limit}"
             )
+        return self._read(info)
+
+    def _read(self, info: zipfile.ZipInfo) -> bytes:
         try:
             return self.zf.read(info)  # checks the CRC, so a corrupt pickle is caught here
         except ZIP_ERRORS as e:
-            raise CheckpointError(f"{self.path}: cannot read zip entry {name!r}: {e}") from e
+            raise CheckpointError(
+                f"{self.path}: cannot read zip entry {info.filename!r}: {e}"
+            ) from e
 
     def _root(self, key: str) -> torch.Tensor:
         info = self.entries[f"{self.prefix}data/{key}"]
         if info.compress_type == zipfile.ZIP_STORED:
             return self._view(self.offsets[key], info.file_size)
         # torch never compresses storages, but a re-zipped archive may: inflate this one entry
-        raw = bytearray(self._read_small(info.filename, info.file_size))
+        # no size bound needed: _open refused an entry that inflates to more than its storage
+        raw = bytearray(self._read(info))
         return (
             torch.frombuffer(raw, dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
         )

@@ -21,7 +21,7 @@ import zipfile
 import zlib
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from inferflow.errors import CheckpointError
 
@@ -98,6 +98,25 @@ def check_entries(
                 "bytes of data (an overlapping-entries zip bomb or a corrupt archive)"
             )
     return entries
+
+
+def torch_archive(
+    file: Path | BinaryIO, path: Path, file_size: int
+) -> tuple[zipfile.ZipFile, dict[str, zipfile.ZipInfo], list[str]]:
+    """The zip archive ``file`` (``path`` names it in errors) opened and checked: the open
+    ``ZipFile``, its entries by name (``check_entries``) and the names of its
+    ``<prefix>/data.pkl`` entries (``torch.save`` writes exactly one)."""
+    try:
+        zf = zipfile.ZipFile(file)
+    except ZIP_ERRORS as e:
+        raise CheckpointError(f"{path}: malformed zip archive: {e}") from e
+    try:
+        entries = check_entries(zf.infolist(), path, file_size)
+    except BaseException:
+        zf.close()
+        raise
+    pickles = [n for n in entries if n.count("/") == 1 and n.endswith("/data.pkl")]
+    return zf, entries, pickles
 
 
 def data_offset(buf: Any, info: zipfile.ZipInfo, path: Path, file_size: int) -> int:

@@ -245,14 +245,21 @@ def test_no_token_to_draw_is_a_request_error() -> None:
         B.cdf(probs)
 
 
+def _broken(x: torch.Tensor, prompt: object, output: object) -> torch.Tensor:
+    """A processor that fails (injected: the engine refuses up front every bad input it can
+    see, such as a logit-bias token outside the vocabulary)."""
+    raise RuntimeError("a processor failed")
+
+
 def test_a_failing_row_fails_before_any_generator_moves() -> None:
-    """A processor that fails (a logit-bias token outside the vocabulary) raises before the
-    vectorized rows take their uniforms, so a retry row by row draws the same tokens."""
+    """A processor that fails raises before the vectorized rows take their uniforms, so a
+    retry row by row draws the same tokens."""
     x = _step_logits(0)[:3]
     ok = [make_sampler(SamplingParams(temperature=1.0, top_p=0.9, seed=s)) for s in (1, 2)]
-    bad = make_sampler(SamplingParams(temperature=1.0, logit_bias={V + 5: 1.0}, seed=3))
+    bad = make_sampler(SamplingParams(temperature=1.0, seed=3))
+    bad.processors.append(_broken)
     states = [s.gen.get_state() for s in ok]
-    with pytest.raises(IndexError):
+    with pytest.raises(RuntimeError, match="a processor failed"):
         sample_batch([ok[0], bad, ok[1]], x, [[]] * 3, [[]] * 3)
     assert all(torch.equal(s.gen.get_state(), st) for s, st in zip(ok, states, strict=True))
 
@@ -301,7 +308,8 @@ def test_draws_follow_the_probabilities(kw: dict) -> None:
 
 def test_engine_mixed_batch_equals_alone_and_isolates_a_bad_request(tiny_model) -> None:  # noqa: ANN001
     """Requests of every strategy in one engine batch draw what each draws alone; one whose
-    processor fails (a logit-bias token outside the vocabulary) ends with "error" alone."""
+    processor fails ends with "error" alone (the batched draw fails, each request is drawn
+    alone)."""
     from inferflow.engine.engine import Engine, EngineConfig
     from inferflow.engine.generate import generate_tokens
 
@@ -316,12 +324,15 @@ def test_engine_mixed_batch_equals_alone_and_isolates_a_bad_request(tiny_model) 
         dict(temperature=2.0, n=2, seed=6),
     ]
     params = [SamplingParams(**base, **kw) for kw in kinds]
-    bad = SamplingParams(**base, temperature=1.0, logit_bias={10_000: 1.0}, seed=7)
+    bad = SamplingParams(**base, temperature=1.0, seed=7)
     g = torch.Generator().manual_seed(4)
     prompts = [torch.randint(0, 128, (5 + 3 * i,), generator=g).tolist() for i in range(8)]
     eng = Engine(tiny_model, None, EngineConfig())
+    with pytest.raises(RequestError, match="logit_bias: token id 10000 is outside"):  # up front
+        eng.add_request(prompts[0], dataclasses.replace(bad, logit_bias={10_000: 1.0}))
     rids = [eng.add_request(p, sp) for p, sp in zip(prompts, [*params, bad], strict=True)]
     groups = [eng.requests[r] for r in rids]
+    groups[-1][0].sampler.processors.append(_broken)
     while eng.has_unfinished():
         eng.step()
     assert groups[-1][0].finish_reason == "error"

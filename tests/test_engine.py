@@ -140,6 +140,11 @@ def test_bad_requests(model) -> None:
         eng.add_request([1, VOCAB + 5])
     with pytest.raises(RequestError, match="context is 256"):
         eng.add_request([1] * 300)
+    for tok in (VOCAB, -1):  # refused up front, not when a step samples
+        with pytest.raises(
+            RequestError, match=rf"logit_bias: token id {tok} is outside .*{VOCAB - 1}"
+        ):
+            eng.add_request([1], SamplingParams(logit_bias={5: 1.0, tok: 2.0}))
     eng.add_request([1])
     eng.add_request([2])
     with pytest.raises(QueueFull):

@@ -117,15 +117,16 @@ def test_seed_and_non_finite_parameters_are_refused() -> None:
 
 
 def test_memory_bound_terms_match_the_engine(model) -> None:  # noqa: ANN001
-    """inferflow.server.memory's KV term is what the engine allocates, and its weights term
+    """inferflow.server.memory's KV term is what the engine allocates (both plan the cache with
+    kv_cache.plan_cache: the spec's geometry there, the model's here), and its weights term
     covers every parameter the model holds."""
-    from inferflow.server.memory import kv_geometry, memory_bound
+    from inferflow.server.memory import kv_plan, memory_bound
 
     eng = _engine(model, blocks=7)
     cfg = eng.config
     bound = memory_bound(model.spec, cfg, runtime=0)
     assert bound.kv_cache == eng.cache.k.nbytes + eng.cache.v.nbytes
-    assert kv_geometry(model.spec, cfg, torch.float32)[1:] == (7, eng.max_len)
+    plan = kv_plan(model.spec, cfg, torch.float32)
+    assert (plan.num_blocks, plan.max_len) == (7, eng.max_len)
     held = sum(p.numel() * p.element_size() for p in model.parameters())
     assert held <= bound.weights
-    assert bound.total == sum(v for k, v in bound.rows() if k != "total")

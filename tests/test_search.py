@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from inferflow.engine.output_layer import fused_topk, naive_topk
-from inferflow.engine.search import SearchParams, beam_search, ngram_bans
+from inferflow.engine.search import SearchParams, beam_search, ngram_bans, prune_mask
 from inferflow.engine.var_stream import stream_search
 from inferflow.errors import Stopped
 from inferflow.model.build import load_model
@@ -172,6 +172,31 @@ def test_ngram_bans() -> None:
     assert ngram_bans([1, 2, 3, 1, 2], 3) == [3]
     assert ngram_bans([1, 2], 3) == []
     assert sorted(ngram_bans([4, 4, 9], 1)) == [4, 4, 9]
+
+
+def test_prune_mask_by_hand() -> None:
+    """Two beams (W = 2) with their 2W candidates, best first; token 2 ends a hypothesis."""
+    total = torch.tensor([[-0.5, -1.0, -1.25, -3.0], [-0.75, -1.25, -1.5, -2.0]])
+    toks = torch.tensor([[5, 2, 7, 8], [2, 9, 6, 2]])
+    ends = torch.tensor([2])
+    F, T = False, True
+
+    def mask(last: bool = False, **kw: float) -> list[list[bool]] | None:
+        m = prune_mask(total, toks, ends, SearchParams(beam_width=2, **kw), last)
+        return None if m is None else m.tolist()
+
+    # more than delta = 1 below the best (-0.5): under -1.5; -1.5 itself stays
+    assert mask(prune_delta=1.0) == [[F, F, F, T], [F, F, F, T]]
+    # one live child per beam: an end token is none (row 0: 7 is the second live child, row 1:
+    # 9 the first), so the ending candidates stay
+    assert mask(max_per_parent=1) == [[F, F, T, T], [F, F, T, F]]
+    assert mask(prune_delta=1.0, max_per_parent=1) == [[F, F, T, T], [F, F, T, T]]
+    # at the last step every candidate finishes: no cap, delta still applies
+    assert mask(last=True, prune_delta=1.0, max_per_parent=1) == [[F, F, F, T], [F, F, F, T]]
+    assert mask(last=True, max_per_parent=1) is None
+    # fixed width: a cap of W never binds, so nothing is computed
+    assert mask() is None
+    assert mask(max_per_parent=2) is None
 
 
 @pytest.mark.parametrize(

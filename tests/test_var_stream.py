@@ -4,8 +4,8 @@ over 240 sources of 2..40 tokens whose searches end at every length up to the li
 - Streaming gives the hypotheses of the non-streaming search (token ids, end flags, order of the
   n best; scores to float rounding) and expands exactly the same beams, for several pruning
   settings, refill thresholds and batch capacities.
-- Fixed width: prune_delta = inf with max_per_parent = K is the existing search; so is a finite
-  delta too large to prune, which runs the pruning code.
+- Fixed width: a finite delta too large to prune (with max_per_parent = K) runs the pruning code
+  and is the existing search.
 - Pruning prunes: delta = 0 is greedy search; smaller settings expand fewer beams.
 - The Python API and `inferflow translate --refill` give the same lines as without --refill.
 
@@ -146,9 +146,6 @@ def test_fixed_width_is_the_existing_search(bart) -> None:
     fixed, fixed_stats = static(
         bart, SearchParams(beam_width=K, num_return=2, max_new_tokens=MAX_NEW)
     )
-    explicit = _params(math.inf, K)
-    assert not explicit.variable_width
-    assert static(bart, explicit)[0] == fixed
     # a finite delta too large to prune runs the pruning code and changes nothing, floats included
     stats = SearchStats()
     assert beam_search(bart, SOURCES, _params(1e9, K), stats=stats) == fixed
@@ -257,17 +254,24 @@ def test_cli_refill_round_trip(bart, tmp_path: Path, capsys) -> None:
     [
         (["--refill", "1.5"], "--refill: must be in [0, 1], got 1.5"),
         (["--refill", "-0.1"], "--refill: must be in [0, 1], got -0.1"),
-        (["--prune-delta", "-2"], "--prune-delta: must be >= 0, got -2.0"),
+        (["--prune-delta", "-2"], "--prune-delta: must be >= 0 (inf = off), got -2.0"),
         (["--max-per-parent", "5"], "--max-per-parent: must be in [1, --beam = 4], got 5"),
         (["--max-per-parent", "0"], "--max-per-parent: must be in [1, --beam = 4], got 0"),
         (["--batch-size", "0"], "--batch-size: must be at least 1, got 0"),
+        (["--n-best", "5"], "--n-best (5) exceeds --beam (4)"),
+        (["--max-tokens", "0"], "--max-tokens: must be at least 1, got 0"),
     ],
 )
-def test_cli_bad_values(flags: list[str], message: str, capsys) -> None:
+def test_cli_bad_values(bart, flags: list[str], message: str, capsys, monkeypatch) -> None:
+    """The library's checks, named as flags, before the weights load."""
+    from inferflow.cli import translate
     from inferflow.cli.main import main
 
-    # checked before the spec is even loaded: a missing spec file is never reached
-    assert main(["translate", "no-such-spec", "--beam", "4", *flags]) == 2
+    def no_load(*args: object, **kw: object) -> None:
+        raise AssertionError("the weights were loaded")
+
+    monkeypatch.setattr(translate, "load", no_load)
+    assert main(["translate", str(bart.spec.path), "--beam", "4", *flags]) == 2
     assert message in capsys.readouterr().err
 
 

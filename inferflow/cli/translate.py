@@ -16,12 +16,29 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
 from collections.abc import Iterable
 
 from inferflow.cli.common import add_dtype, read_lines
 from inferflow.engine.search import SearchParams
+from inferflow.engine.var_stream import check_stream_args
 from inferflow.errors import RequestError
 from inferflow.runtime import load
+from inferflow.spec import load_spec
+
+# the search's parameter names -> the flags that set them (its errors are shown naming the flags)
+FLAGS = {
+    "beam_width": "--beam",
+    "length_penalty": "--length-penalty",
+    "num_return": "--n-best",
+    "max_new_tokens": "--max-tokens",
+    "min_new_tokens": "--min-tokens",
+    "no_repeat_ngram": "--no-repeat-ngram",
+    "prune_delta": "--prune-delta",
+    "max_per_parent": "--max-per-parent",
+    "refill": "--refill",
+    "batch_size": "--batch-size",
+}
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -69,35 +86,31 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(run=run)
 
 
-def check_args(args: argparse.Namespace) -> None:
-    """Flag values a user can get wrong, named as flags, before the model loads."""
-    if args.batch_size < 1:
-        raise RequestError(f"--batch-size: must be at least 1, got {args.batch_size}")
-    if args.beam < 1:
-        raise RequestError(f"--beam: must be at least 1, got {args.beam}")
-    if args.prune_delta is not None and not args.prune_delta >= 0:
-        raise RequestError(f"--prune-delta: must be >= 0, got {args.prune_delta}")
-    m = args.max_per_parent
-    if m is not None and not 1 <= m <= args.beam:
-        raise RequestError(f"--max-per-parent: must be in [1, --beam = {args.beam}], got {m}")
-    if args.refill is not None and not 0 <= args.refill <= 1:
-        raise RequestError(f"--refill: must be in [0, 1], got {args.refill}")
+def search_params(args: argparse.Namespace, default_max_tokens: int) -> SearchParams:
+    """The search the flags ask for, checked by the library (refill and batch size too); an
+    error names the flags."""
+    try:
+        check_stream_args(args.refill, args.batch_size)
+        return SearchParams(
+            beam_width=args.beam,
+            length_penalty=args.length_penalty,
+            early_stopping=not args.no_early_stopping,
+            num_return=args.n_best,
+            max_new_tokens=default_max_tokens if args.max_tokens is None else args.max_tokens,
+            min_new_tokens=args.min_tokens,
+            no_repeat_ngram=args.no_repeat_ngram,
+            prune_delta=math.inf if args.prune_delta is None else args.prune_delta,
+            max_per_parent=args.max_per_parent,
+        )
+    except RequestError as e:
+        names = re.compile(r"\b(" + "|".join(FLAGS) + r")\b")
+        raise RequestError(names.sub(lambda m: FLAGS[m[1]], str(e))) from None
 
 
 def run(args: argparse.Namespace) -> int:
-    check_args(args)
-    lm = load(args.spec, dtype=args.dtype)
-    params = SearchParams(
-        beam_width=args.beam,
-        length_penalty=args.length_penalty,
-        early_stopping=not args.no_early_stopping,
-        num_return=args.n_best,
-        max_new_tokens=args.max_tokens or lm.spec.generation.max_new_tokens,
-        min_new_tokens=args.min_tokens,
-        no_repeat_ngram=args.no_repeat_ngram,
-        prune_delta=math.inf if args.prune_delta is None else args.prune_delta,
-        max_per_parent=args.max_per_parent,
-    )
+    spec = load_spec(args.spec)
+    params = search_params(args, spec.generation.max_new_tokens)  # before the weights load
+    lm = load(spec, dtype=args.dtype)
     lines = read_lines(args.input)
     sources = [
         lm.encode_source(line, ids=args.ids, where=f"line {n}") for n, line in enumerate(lines, 1)

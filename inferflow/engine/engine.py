@@ -18,7 +18,7 @@ import torch
 
 from inferflow.engine.batch_sampling import take_rows
 from inferflow.engine.beam import BeamState
-from inferflow.engine.kv_cache import PagedKVCache
+from inferflow.engine.kv_cache import PagedKVCache, plan_cache
 from inferflow.engine.request import FINISHED, Request, RequestOutput, Scheduled, TokenLogprobs
 from inferflow.engine.sampling import SamplingParams, make_sampler, sample_batch
 from inferflow.engine.scheduler import Scheduler, SchedulerConfig
@@ -57,19 +57,11 @@ class Engine:
         h = model.spec.hparams
         dtype = next(model.parameters()).dtype
         # a partitioned model's rank 0 keeps K/V for its own layers and KV heads only
-        n_layers, n_kv, head_dim = model.kv_geometry()
-        per_block = PagedKVCache.bytes_per_block(
-            n_layers, n_kv, head_dim, self.config.block_size, dtype
+        geometry = model.kv_geometry()
+        plan = plan_cache(
+            geometry, self.config.block_size, self.config.kv_cache_bytes, dtype, h.max_positions
         )
-        num_blocks = self.config.kv_cache_bytes // per_block
-        if num_blocks < 1:
-            raise RequestError(
-                f"kv_cache_bytes {self.config.kv_cache_bytes} holds no block; one block of "
-                f"{self.config.block_size} tokens needs {per_block} bytes"
-            )
-        self.cache = PagedKVCache(
-            n_layers, n_kv, head_dim, self.config.block_size, num_blocks, dtype
-        )
+        self.cache = PagedKVCache(*geometry, self.config.block_size, plan.num_blocks, dtype)
         sched = self.config.scheduler
         if self.config.deterministic and sched.prefix_caching:
             sched = dataclasses.replace(sched, prefix_caching=False)
@@ -78,8 +70,7 @@ class Engine:
         self.eos_ids = set(
             getattr(tokenizer, "eos_ids", None) or ([h.eos_id] if h.eos_id is not None else [])
         )
-        # a sequence never holds more tokens than the KV cache: past that it would wait forever
-        self.max_len = min(h.max_positions, num_blocks * self.config.block_size)
+        self.max_len = plan.max_len
         self._ids = itertools.count()
         self._aborted: list[Request] = []
         self.beams: dict[str, BeamState] = {}  # request id -> its beam search
@@ -118,9 +109,12 @@ class Engine:
     def check(self, ids: list[int], params: SamplingParams) -> None:
         """Raise RequestError if the request cannot run; reads only the engine's configuration,
         so another thread may call it (the server validates before queueing)."""
+        # (not model.batch.check_input: a prompt here leaves a position for the first new
+        # token, and the KV cache may hold less than the model's context)
         if not ids:
             raise RequestError("the prompt is empty: give at least one token")
-        vocab = self.model.spec.hparams.vocab_size
+        h = self.model.spec.hparams
+        vocab = h.vocab_size
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
             raise RequestError(
@@ -129,10 +123,15 @@ class Engine:
         if len(ids) >= self.max_len:
             where = (
                 "the model's context is"
-                if self.max_len == self.model.spec.hparams.max_positions
+                if self.max_len == h.max_positions
                 else "the KV cache (--kv-cache-memory) holds"
             )
             raise RequestError(f"the prompt has {len(ids)} tokens; {where} {self.max_len}")
+        bad = sorted(t for t in params.logit_bias if not 0 <= t < vocab)
+        if bad:  # (sampling would fail mid-decode)
+            raise RequestError(
+                f"logit_bias: token id {bad[0]} is outside the vocabulary 0..{vocab - 1}"
+            )
         if params.beam_width > 1:
             # every beam must fit at once, each with blocks of its own (a preempted beam is
             # recomputed alone while its siblings wait for it, holding theirs)

@@ -11,10 +11,11 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
-from inferflow.errors import InferflowError
+from inferflow.errors import InferflowError, RequestError
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +53,32 @@ class BlockAllocator:
         self.refs[block] -= 1
         if self.refs[block] == 0:
             self.free[block] = None
+
+
+class CachePlan(NamedTuple):
+    bytes_per_block: int
+    num_blocks: int
+    max_len: int  # tokens of the longest sequence: the model's context, or what the cache holds
+
+
+def plan_cache(
+    geometry: tuple[int, int, int],
+    block_size: int,
+    cache_bytes: int,
+    dtype: torch.dtype,
+    max_positions: int,
+) -> CachePlan:
+    """The paged cache a byte budget buys for (layers, KV heads, head_dim) ``geometry``: the
+    engine allocates it, inferflow.server.memory bounds a server's memory with it."""
+    per_block = PagedKVCache.bytes_per_block(*geometry, block_size, dtype)
+    num_blocks = cache_bytes // per_block
+    if num_blocks < 1:
+        raise RequestError(
+            f"kv_cache_bytes {cache_bytes} holds no block; one block of {block_size} tokens "
+            f"needs {per_block} bytes"
+        )
+    # a sequence never holds more tokens than the cache: past that it would wait forever
+    return CachePlan(per_block, num_blocks, min(max_positions, num_blocks * block_size))
 
 
 def copy_block(k: torch.Tensor, v: torch.Tensor, block_size: int, src: int, dst: int) -> None:

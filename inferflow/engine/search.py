@@ -78,10 +78,6 @@ class SearchParams:
     def per_parent(self) -> int:
         return self.beam_width if self.max_per_parent is None else self.max_per_parent
 
-    @property
-    def variable_width(self) -> bool:
-        return self.prune_delta < math.inf or self.per_parent < self.beam_width
-
 
 def ngram_bans(tokens: list[int], n: int) -> list[int]:
     """Tokens that would repeat an n-gram of ``tokens`` (transformers' NoRepeatNGram)."""
@@ -98,9 +94,18 @@ def ngram_bans(tokens: list[int], n: int) -> list[int]:
 @dataclass
 class Beam:
     src: int  # which input
-    tokens: list[int]  # decoder tokens: the prefix (start token / prompt), then generated ones
+    prefix: list[int]  # decoder tokens before the generated ones (start token / prompt), shared
     out: list[int]  # generated tokens
     logprob: float
+
+    @property
+    def tokens(self) -> list[int]:
+        """Every decoder token: the prefix, then the generated ones."""
+        return [*self.prefix, *self.out]
+
+    @property
+    def last_token(self) -> int:
+        return self.out[-1] if self.out else self.prefix[-1]
 
 
 @dataclass
@@ -120,13 +125,15 @@ def prune_mask(
     params: SearchParams,
     last: bool,
 ) -> torch.Tensor | None:
-    """The candidates of one input that variable-width search drops (None: none): those more
-    than ``prune_delta`` below the best, and live children past the ``max_per_parent``-th of
-    one beam (not at the ``last`` step, where every candidate finishes instead of living on)."""
+    """The candidates of one input that variable-width search drops (None: none, the
+    fixed-width search): those more than ``prune_delta`` below the best, and live children
+    past the ``max_per_parent``-th of one beam (a candidate ending in an end token is no live
+    child; none at the ``last`` step, where every candidate finishes instead of living on)."""
     mask = None
     if params.prune_delta < math.inf:
         mask = total < total.max() - params.prune_delta
-    if params.per_parent < toks.shape[1] and not last:
+    # (a cap of beam_width never binds: the W best candidates of one beam come first)
+    if params.per_parent < params.beam_width and not last:
         live = ~torch.isin(toks, ends)
         extra = live & (live.cumsum(dim=1) > params.per_parent)
         mask = extra if mask is None else mask | extra
@@ -177,16 +184,41 @@ class Decoding:
         packed pass, cross-attention memory kept until ``release``)."""
         if not isinstance(self.model, EncoderDecoder):
             return [Beam(s, list(inputs[s]), [], 0.0) for s in srcs]
+        start = [self.model.start_id]
         for s, e in zip(srcs, self.model.encode([inputs[s] for s in srcs]), strict=True):
             self.memory[s] = self.model.cross_memory(e)
-        return [Beam(s, [self.model.start_id], [], 0.0) for s in srcs]
+        return [Beam(s, start, [], 0.0) for s in srcs]
 
     def release(self, src: int) -> None:
         self.memory.pop(src, None)
 
-    def forward(self, rows: RowWindow, beams: list[Beam], seqs: list[list[int]]) -> torch.Tensor:
-        """Hidden states of each beam's last new token; ``beams`` are the rows of ``rows``,
-        ``seqs`` their new tokens."""
+    def new_state(self) -> BeamState:
+        p = self.params
+        return BeamState(p.beam_width, p.length_penalty, p.early_stopping)
+
+    def new_cache(
+        self, inputs: list[list[int]], limits: list[int], rows: int, capacity: int
+    ) -> RowCache:
+        """``rows`` rows (room for ``capacity``), each as long as any beam of ``inputs`` can
+        grow: the longest prefix (prompt, or the start token), then the most new tokens."""
+        h = self.model.spec.hparams
+        prefix = 1 if self.enc_dec else max(map(len, inputs))
+        dtype = next(self.model.parameters()).dtype
+        return RowCache(
+            h.n_layers,
+            rows,
+            prefix + max(limits),
+            h.n_kv_heads,
+            h.head_dim,
+            dtype,
+            capacity=capacity,
+        )
+
+    def forward(self, rows: RowWindow, beams: list[Beam], first: bool) -> torch.Tensor:
+        """Hidden states of each beam's last new token; ``beams`` are the rows of ``rows``, each
+        computing its prefix (``first``) or its last token (a finished input's beams kept in a
+        static batch compute theirs again)."""
+        seqs = [b.prefix if first else [b.last_token] for b in beams]
         starts = rows.lens[: len(seqs)].tolist()
         ids = torch.tensor([t for s in seqs for t in s], dtype=torch.long)
         pos = torch.cat([torch.arange(a, a + len(s)) for a, s in zip(starts, seqs, strict=True)])
@@ -230,15 +262,16 @@ class Decoding:
         beams: list[Beam],
         logp: torch.Tensor,
         toks: torch.Tensor,
-        last: bool,
+        limit: int,
     ) -> list[tuple[int, Beam]]:
         """One input's next beams from its live beams' candidates (``logp``, ``toks``: those
-        beams' rows): (index of the parent in ``beams``, child)."""
+        beams' rows; ``limit``: the input's new tokens at most): (index of the parent in
+        ``beams``, child); none once the input's search is over: done, or no live beam left
+        (variable width)."""
         W = self.params.beam_width
+        last = len(beams[0].out) == limit - 1  # (an input's live beams have one length)
         total = torch.tensor([b.logprob for b in beams])[:, None] + logp
-        pruned = None
-        if self.params.variable_width:
-            pruned = prune_mask(total, toks, self.ends, self.params, last)
+        pruned = prune_mask(total, toks, self.ends, self.params, last)
         if pruned is not None:
             total = total.masked_fill(pruned, float("-inf"))
         values, flat = total.flatten().topk(min(2 * W, total.numel()))
@@ -250,9 +283,10 @@ class Decoding:
             if dropped is None or not dropped[f]
         ]
         picks = state.choose(ranked, [b.out for b in beams], self.end_ids, last)
+        if state.done:
+            return []
         return [
-            (i, Beam(beams[i].src, [*beams[i].tokens, t], [*beams[i].out, t], v))
-            for i, t, v in picks
+            (i, Beam(beams[i].src, beams[i].prefix, [*beams[i].out, t], v)) for i, t, v in picks
         ]
 
 
@@ -293,22 +327,10 @@ class _Search:
         if not drop_finished:  # rows of finished inputs go on: one limit for all
             self.limits = [min(self.limits)] * len(inputs)
         self.beams = self.core.start(list(range(len(inputs))), inputs)
-        self.states = [
-            BeamState(params.beam_width, params.length_penalty, params.early_stopping)
-            for _ in inputs
-        ]
+        self.states = [self.core.new_state() for _ in inputs]
         self.over = [False] * len(inputs)  # done, or no live beam left (variable width)
-        h = model.spec.hparams
-        longest = max(len(b.tokens) for b in self.beams) + max(self.limits)
-        dtype = next(model.parameters()).dtype
-        self.cache = RowCache(
-            h.n_layers,
-            len(inputs),
-            longest,
-            h.n_kv_heads,
-            h.head_dim,
-            dtype,
-            capacity=len(inputs) * params.beam_width,
+        self.cache = self.core.new_cache(
+            inputs, self.limits, len(inputs), capacity=len(inputs) * params.beam_width
         )
 
     def _step(self, logp: torch.Tensor, toks: torch.Tensor) -> list[tuple[int, Beam]]:
@@ -316,13 +338,15 @@ class _Search:
         nxt: list[tuple[int, Beam]] = []
         for src, rows in input_runs(self.beams):
             if not self.over[src]:
-                last = len(self.beams[rows[0]].out) == self.limits[src] - 1
-                state = self.states[src]
                 picks = self.core.select(
-                    state, [self.beams[r] for r in rows], logp[rows], toks[rows], last
+                    self.states[src],
+                    [self.beams[r] for r in rows],
+                    logp[rows],
+                    toks[rows],
+                    self.limits[src],
                 )
-                self.over[src] = state.done or not picks
-                if not self.over[src]:
+                self.over[src] = not picks
+                if picks:
                     nxt += [(rows[i], b) for i, b in picks]
                     continue
             if not self.drop_finished:  # a static batch: the rows of a finished
@@ -332,7 +356,7 @@ class _Search:
     def run(self) -> list[list[Hypothesis]]:
         with torch.inference_mode():
             window = self.cache.window(0)
-            h = self.core.forward(window, self.beams, [b.tokens for b in self.beams])
+            h = self.core.forward(window, self.beams, first=True)
             while True:
                 check_stop(self.stop)
                 logp, toks = self.core.candidates(self.beams, h)
@@ -341,7 +365,7 @@ class _Search:
                     break
                 self.cache.select(torch.tensor([r for r, _ in nxt], dtype=torch.long))
                 self.beams = [b for _, b in nxt]
-                h = self.core.forward(window, self.beams, [b.tokens[-1:] for b in self.beams])
+                h = self.core.forward(window, self.beams, first=False)
         return [s.finished[: self.params.num_return] for s in self.states]
 
 

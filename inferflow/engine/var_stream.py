@@ -27,7 +27,6 @@ from inferflow.engine.beam import BeamState, Hypothesis
 from inferflow.engine.search import (
     Beam,
     Decoding,
-    RowCache,
     SearchParams,
     SearchStats,
     StopCheck,
@@ -41,8 +40,9 @@ from inferflow.model.network import Network
 log = logging.getLogger(__name__)
 
 
-def check_stream_args(refill: float, batch_size: int) -> None:
-    if not 0.0 <= refill <= 1.0:  # NaN too
+def check_stream_args(refill: float | None, batch_size: int) -> None:
+    """A search's ``refill`` (None: not streaming) and ``batch_size``."""
+    if refill is not None and not 0.0 <= refill <= 1.0:  # NaN too
         raise RequestError(f"refill: must be in [0, 1], got {refill}")
     if batch_size < 1:
         raise RequestError(f"batch_size: must be at least 1, got {batch_size}")
@@ -69,17 +69,8 @@ class _Stream:
         self.low = refill * self.capacity
         self.beams: list[Beam] = []  # one per cache row, longest first
         self.states: dict[int, BeamState] = {}
-        h = model.spec.hparams
-        prefix = 1 if self.core.enc_dec else max(len(x) for x in inputs)
-        dtype = next(model.parameters()).dtype
-        self.cache = RowCache(
-            h.n_layers,
-            0,
-            prefix + max(self.limits),
-            h.n_kv_heads,
-            h.head_dim,
-            dtype,
-            capacity=self.capacity + params.beam_width,
+        self.cache = self.core.new_cache(
+            inputs, self.limits, 0, capacity=self.capacity + params.beam_width
         )
 
     def _admit(self) -> None:
@@ -92,8 +83,7 @@ class _Stream:
         srcs = [self.queue.popleft() for _ in range(n)]
         self.beams += self.core.start(srcs, self.inputs)
         for s in srcs:
-            p = self.params
-            self.states[s] = BeamState(p.beam_width, p.length_penalty, p.early_stopping)
+            self.states[s] = self.core.new_state()
         self.cache.add_rows(n)
         self.stats.refills += 1
         log.debug("refill: %d inputs join %d live beams", n, live)
@@ -110,17 +100,16 @@ class _Stream:
         """One step over the rows from ``start`` on: the inputs that are over, with their
         hypotheses."""
         group = self.beams[start:]
-        fresh = len(group[0].out) == 0  # no token computed yet: the whole prefix
-        seqs = [b.tokens if fresh else b.tokens[-1:] for b in group]
-        h = self.core.forward(self.cache.window(start), group, seqs)
+        first = not group[0].out  # a group's beams have one length
+        h = self.core.forward(self.cache.window(start), group, first)
         logp, toks = self.core.candidates(group, h)
         nxt: list[tuple[int, Beam]] = []
         over: list[tuple[int, list[Hypothesis]]] = []
         for src, rows in input_runs(group):
             state = self.states[src]
-            last = len(group[rows[0]].out) == self.limits[src] - 1
-            picks = self.core.select(state, [group[r] for r in rows], logp[rows], toks[rows], last)
-            if state.done or not picks:
+            beams = [group[r] for r in rows]
+            picks = self.core.select(state, beams, logp[rows], toks[rows], self.limits[src])
+            if not picks:
                 del self.states[src]
                 self.core.release(src)
                 over.append((src, state.finished[: self.params.num_return]))

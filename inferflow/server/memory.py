@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from inferflow.engine.engine import EngineConfig
-from inferflow.engine.kv_cache import PagedKVCache
+from inferflow.engine.kv_cache import CachePlan, plan_cache
 from inferflow.spec import Spec
 
 F32 = 4
@@ -49,14 +49,11 @@ class MemoryBound:
         return [(f.name, getattr(self, f.name)) for f in fields(self)] + [("total", self.total)]
 
 
-def kv_geometry(spec: Spec, cfg: EngineConfig, dtype: torch.dtype) -> tuple[int, int, int]:
-    """(bytes per block, blocks, longest sequence in tokens) as the engine computes them."""
+def kv_plan(spec: Spec, cfg: EngineConfig, dtype: torch.dtype) -> CachePlan:
+    """The KV cache the engine allocates for the spec's model loaded whole."""
     h = spec.hparams
-    per_block = PagedKVCache.bytes_per_block(
-        h.n_layers, h.n_kv_heads, h.head_dim, cfg.block_size, dtype
-    )
-    blocks = cfg.kv_cache_bytes // per_block
-    return per_block, blocks, min(h.max_positions, blocks * cfg.block_size)
+    geometry = (h.n_layers, h.n_kv_heads, h.head_dim)
+    return plan_cache(geometry, cfg.block_size, cfg.kv_cache_bytes, dtype, h.max_positions)
 
 
 def weight_elements(spec: Spec) -> int:
@@ -73,7 +70,7 @@ def memory_bound(
     spec: Spec, cfg: EngineConfig, runtime: int, dtype: torch.dtype = torch.float32
 ) -> MemoryBound:
     h = spec.hparams
-    per_block, blocks, longest = kv_geometry(spec, cfg, dtype)
+    per_block, blocks, longest = kv_plan(spec, cfg, dtype)
     running, chunk = cfg.scheduler.max_running, cfg.scheduler.max_batched_tokens
     # K and V of every running sequence padded to the longest: gathered (KV heads), then
     # repeated per query head (SDPA's GQA path on CPU)

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import json
 import shutil
-import socket
 import subprocess
 import threading
 import time
 from pathlib import Path
 
 import httpx
+
+from inferflow.parallel import free_port
 
 
 def find_binary(given: str | None) -> Path | None:
@@ -28,12 +29,6 @@ def find_binary(given: str | None) -> Path | None:
         return p
     found = shutil.which("llama-server")
     return Path(found) if found else None
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _wait_ready(url: str, proc: subprocess.Popen, timeout: float = 120.0) -> None:
@@ -82,7 +77,7 @@ def run_llama_server(
     counted)."""
     n = len(prompts)
     ctx = n * (max(map(len, prompts)) + out_len + 16)  # -c is shared by the -np slots
-    port = _free_port()
+    port = free_port()
     cmd = [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port)]
     cmd += ["-np", str(n), "-cb", "-c", str(ctx), "-t", str(threads), "-tb", str(threads)]
     cmd += ["-b", "512", "--no-webui"]

@@ -36,6 +36,7 @@ from inferflow.engine.engine import Engine, EngineConfig  # noqa: E402
 from inferflow.engine.sampling import SamplingParams  # noqa: E402
 from inferflow.engine.scheduler import SchedulerConfig  # noqa: E402
 from inferflow.model.build import load_model  # noqa: E402
+from inferflow.parallel import free_port  # noqa: E402
 from inferflow.parallel.cost import Hardware, estimate  # noqa: E402
 from inferflow.parallel.layout import resolve_layout  # noqa: E402
 from inferflow.parallel.runtime import launch, weight_bytes  # noqa: E402
@@ -104,11 +105,9 @@ def _link_rank(rank: int, address: str, out: dict) -> None:  # type: ignore[type
 
 def link_rates() -> tuple[float, float]:
     """(seconds per small gloo all-reduce, bytes/s of a large one) between two processes."""
-    from inferflow.parallel.runtime import _free_port
-
     ctx = mp.get_context("spawn")
     out = ctx.Manager().dict()
-    address = f"tcp://127.0.0.1:{_free_port()}"
+    address = f"tcp://127.0.0.1:{free_port()}"
     procs = [ctx.Process(target=_link_rank, args=(r, address, out)) for r in range(2)]
     for p in procs:
         p.start()

@@ -27,7 +27,6 @@ import json
 import math
 import random
 import shlex
-import socket
 import statistics
 import subprocess
 import sys
@@ -35,6 +34,8 @@ import time
 from dataclasses import dataclass, field
 
 import httpx
+
+from inferflow.parallel import free_port  # no torch: the client stays light
 
 WORDS = "the sea river mountain light storm ship keeper lamp night wind stone bird road".split()
 
@@ -185,9 +186,7 @@ async def run(
 
 def start_server(spec: str | None, extra: list[str]) -> tuple[subprocess.Popen, str, float]:
     """Start `inferflow serve` and time process start -> first streamed token."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     cmd = [
         sys.executable,
@@ -251,26 +250,19 @@ def settle(url: str, timeout: float = 30.0) -> dict[str, float]:
 
 def bound_for(spec: str | None, server_args: list[str]):  # noqa: ANN201
     """The memory bound for the server these flags start (parsed by `inferflow serve`'s own
-    parser, so the defaults are the server's)."""
+    parser into its own engine settings, so the defaults are the server's)."""
     from inferflow.cli import serve
-    from inferflow.engine.engine import EngineConfig
-    from inferflow.engine.scheduler import SchedulerConfig
     from inferflow.model.build import parse_dtype
-    from inferflow.server.memory import kv_geometry, memory_bound, runtime_rss
+    from inferflow.server.memory import kv_plan, memory_bound, runtime_rss
     from inferflow.spec import load_spec
 
     ap = argparse.ArgumentParser()
     serve.add_parser(ap.add_subparsers())
     a = ap.parse_args(["serve", *([spec] if spec else []), *server_args])
-    cfg = EngineConfig(
-        SchedulerConfig(a.max_batched_tokens, a.max_running, a.max_waiting),
-        block_size=a.block_size,
-        kv_cache_bytes=serve.memory_bytes(a.kv_cache_memory),
-    )
+    cfg = serve.engine_config(a)
     dtype = parse_dtype(a.dtype)
     s = load_spec(a.spec)
-    _, blocks, _ = kv_geometry(s, cfg, dtype)
-    return memory_bound(s, cfg, runtime_rss(a.spec), dtype), blocks
+    return memory_bound(s, cfg, runtime_rss(a.spec), dtype), kv_plan(s, cfg, dtype).num_blocks
 
 
 def main() -> int:

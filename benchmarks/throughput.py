@@ -145,12 +145,11 @@ def main() -> int:
             run_inferflow(model, prompts_for(2, lo, hi, lm.spec.hparams.vocab_size), 8, 512)
     rows = []
     for n in map(int, args.concurrency.split(",")):
+        prompts = prompts_for(n, lo, hi, lm.spec.hparams.vocab_size)
         if server is not None:  # first: busy torch threads would slow it
             gguf = lm.spec.source.files[0]
-            prompts = prompts_for(n, lo, hi, lm.spec.hparams.vocab_size)
             r = run_llama_server(server, gguf, prompts, args.output_len, args.threads)
             rows.append((n, f"llama-server -np {n} -cb (Q4_1 GGUF)", r))
-        prompts = prompts_for(n, lo, hi, lm.spec.hparams.vocab_size)
         r = run_inferflow(lm, prompts, args.output_len, args.max_batched_tokens)
         name = f"inferflow {args.dtype}" + (f" {args.quant}" if args.quant else "")
         rows.append((n, name, r))

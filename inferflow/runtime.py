@@ -8,7 +8,7 @@ print(lm.complete("The capital of France is", SamplingParams(max_new_tokens=8)).
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -215,19 +215,27 @@ class LanguageModel:
         return embed_batch(self.model, ids, pooling, normalize)
 
 
+def quant_for(spec: Spec, quant: str | None) -> QuantSpec | None:
+    """The quantization ``load(spec, quant=quant)`` runs with (None: the spec's own). A format
+    name replaces the spec's default format and keeps the rest of its quant section (overrides,
+    kernel, dense_batch); "none" runs everything in float, the checkpoint's own quantized blocks
+    too. An unknown name fails here, listing the known ones, before anything is loaded."""
+    if quant is None:
+        return None
+    if quant == "none":
+        return replace(spec.quant, weights=None, overrides=(), checkpoint="dequantize")
+    get_format(quant)
+    return replace(spec.quant, weights=quant)
+
+
 def load(
     ref: str | Path | Spec, dtype: str | torch.dtype = "float32", quant: str | None = None
 ) -> LanguageModel:
-    """``quant`` replaces the spec's default weight format: a format name re-quantizes every
-    linear layer, "none" runs everything in float (the checkpoint's own quantized blocks too)."""
+    """``quant`` replaces the spec's default weight format (``quant_for``): a format name
+    re-quantizes every linear layer, "none" runs everything in float."""
     spec = ref if isinstance(ref, Spec) else load_spec(ref)
     dt = parse_dtype(dtype) if isinstance(dtype, str) else dtype
-    q = None
-    if quant == "none":
-        q = QuantSpec(None, (), "dequantize")
-    elif quant is not None:
-        get_format(quant)  # an unknown name fails here, listing the known ones, before loading
-        q = QuantSpec(quant, spec.quant.overrides, dense_batch=spec.quant.dense_batch)
+    q = quant_for(spec, quant)
     if spec.partition is not None:  # every rank loads its own share (inferflow.parallel)
         from inferflow.parallel.layout import resolve_layout
         from inferflow.parallel.runtime import launch

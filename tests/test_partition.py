@@ -12,12 +12,13 @@ import pytest
 import torch
 import yaml
 
+from inferflow.blocks.position import NoPosition, RelativeBias
 from inferflow.engine.engine import Engine, EngineConfig
 from inferflow.engine.kv_cache import PagedKVCache, SeqBlocks
 from inferflow.engine.sampling import SamplingParams
-from inferflow.errors import SpecError
-from inferflow.model.batch import FlatBatch, SeqSlice
-from inferflow.model.build import build_network, load_model
+from inferflow.errors import InferflowError, SpecError
+from inferflow.model.batch import FlatBatch, NoCache, SeqSlice
+from inferflow.model.build import build_network, held_elsewhere, load_model
 from inferflow.parallel.layout import Layout, parse_devices, resolve_layout
 from inferflow.parallel.runtime import launch, stack_part, weight_bytes
 from inferflow.spec import load_spec
@@ -254,6 +255,112 @@ def test_bad_layout_fails_before_any_weight_is_read(
     bad = _partitioned(specs["gqa"], "cpu&cpu&cpu")
     with pytest.raises(SpecError, match="cannot split 4 attention heads"):
         runtime.load(bad)
+
+
+def _with_quant(spec: Spec, tmp: Path, quant: str) -> Path:
+    assert spec.path is not None
+    path = tmp / "q.yaml"
+    path.write_text(spec.path.read_text() + f"quant: {quant}\n")
+    return path
+
+
+def test_quant_flag_keeps_the_spec_quant_section(specs: dict[str, Spec], tmp_path: Path) -> None:
+    """``--quant NAME`` (runtime.quant_for) replaces only the default format: the spec's
+    overrides, kernel and dense_batch stay; ``none`` is float everywhere."""
+    from inferflow.runtime import quant_for
+
+    doc = "{weights: Q8_0, kernel: dequant, dense_batch: 16, overrides: {dec.output: Q4_K}}"
+    spec = load_spec(_with_quant(specs["gqa"], tmp_path, doc))
+    assert quant_for(spec, None) is None
+    assert quant_for(spec, "Q4_0") == QuantSpec(
+        "Q4_0", (("dec.output", "Q4_K"),), "keep", "dequant", 16
+    )
+    q = quant_for(spec, "none")
+    assert q is not None and (q.weights, q.overrides, q.checkpoint) == (None, (), "dequantize")
+    with pytest.raises(InferflowError, match="'Q9_9'"):
+        quant_for(spec, "Q9_9")
+
+
+@pytest.mark.parametrize(
+    ("quant", "flag", "refused"),
+    [
+        ("{weights: Q4_K}", "none", None),  # float: the spec's 256-wide blocks do not apply
+        ("{weights: Q4_K}", "Q8_0", None),
+        ("{overrides: {dec.*.feed_forward.*: Q4_K}}", "Q8_0", "quantization block (256)"),
+        ("{}", "Q4_K", "quantization block (256)"),
+    ],
+)
+def test_serve_checks_the_layout_load_will_use(
+    specs: dict[str, Spec],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    quant: str,
+    flag: str,
+    refused: str | None,
+) -> None:
+    """`inferflow serve --devices` refuses, before the port opens, exactly the layouts that
+    ``load`` refuses with the same ``--quant`` (2 ranks: 32-wide attention output slices)."""
+    from inferflow import runtime
+    from inferflow.cli.main import main
+
+    class Reached(Exception):
+        pass
+
+    def launched(*a: object, **k: object) -> None:
+        raise Reached
+
+    monkeypatch.setattr("inferflow.parallel.runtime.launch", launched)
+    served: list[object] = []
+    monkeypatch.setattr("uvicorn.run", lambda app, **kw: served.append(app))
+    path = _with_quant(specs["gqa"], tmp_path, quant)
+    rc = main(["serve", str(path), "--devices", "cpu&cpu", "--quant", flag])
+    spec = dataclasses.replace(load_spec(path), partition=PartitionSpec(devices="cpu&cpu"))
+    if refused is None:
+        assert rc == 0 and len(served) == 1
+        with pytest.raises(Reached):  # load's layout check passes too
+            runtime.load(spec, quant=flag)
+    else:
+        assert rc == 2 and not served and refused in capsys.readouterr().err
+        with pytest.raises(SpecError, match=refused.replace("(", r"\(").replace(")", r"\)")):
+            runtime.load(spec, quant=flag)
+
+
+def test_relative_bias_on_every_stage(specs: dict[str, Spec]) -> None:
+    """A position block with weights that biases attention (T5's relative bias) sits on every
+    stage of a layer split, its table read there too; a learned input embedding only on the
+    first stage. Stage after stage, the split model gives the whole model's logits."""
+    spec = specs["gqa"]
+
+    def with_position(kind: str) -> Spec:
+        net = dataclasses.replace(spec.network, position={"type": kind})
+        return dataclasses.replace(spec, network=net)
+
+    rel = with_position("relative")
+    layout = resolve_layout(PartitionSpec(devices="cpu;cpu"), rel)
+    whole = build_network(rel)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for t in whole.parameters():
+            t.copy_(torch.randn(t.shape, generator=g) * 0.2)
+    state = whole.state_dict()
+    parts = [build_network(rel, part=stack_part(layout, r)) for r in range(2)]
+    for part in parts:
+        part.load_state_dict({k: state[k] for k in part.state_dict()})
+        assert isinstance(part.dec.pos_embed, RelativeBias)
+    ids = torch.tensor([3, 1, 4, 1, 5, 9, 2, 6])
+    batch = FlatBatch(ids, torch.arange(len(ids)), [SeqSlice(0, len(ids))], [NoCache()])
+    with torch.inference_mode():
+        want = whole(batch)
+        first, last = parts[0].dec, parts[1].dec
+        h = last.final_norm(last.run_layers(first.run_layers(first.embed(batch), batch), batch))
+        got = last.logits(h[batch.default_logits_rows()])
+    torch.testing.assert_close(got, want)
+    later = stack_part(layout, 1)
+    assert not held_elsewhere(later, rel)("dec.pos_embed.weight")
+    learned = with_position("learned")
+    assert held_elsewhere(later, learned)("dec.pos_embed.weight")
+    assert isinstance(build_network(learned, part=later).dec.pos_embed, NoPosition)
 
 
 def test_spec_partition_section(tmp_path: Path, specs: dict[str, Spec]) -> None:

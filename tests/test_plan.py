@@ -16,11 +16,11 @@ from inferflow.parallel.cost import (
     estimate,
     kv_bytes_per_token,
     layer_params,
-    layout_problem,
     parse_weight_bits,
     plan,
     recommend,
 )
+from inferflow.parallel.layout import split_problem
 from inferflow.spec import load_spec
 from inferflow.spec.types import Spec
 
@@ -34,14 +34,17 @@ HW = Hardware(memory_bytes=1e12, bandwidth=1e9, link=1e8, link_latency=1e-5, flo
 
 @pytest.fixture
 def make_spec(tmp_path: Path):
-    """make_spec(hparams, base=arch/llama, **network) -> Spec, without any checkpoint data."""
+    """make_spec(hparams, base=arch/llama, name, network overrides) -> Spec, without any
+    checkpoint data."""
     (tmp_path / "w.safetensors").touch()  # hparams come from the spec, the file is never read
 
-    def make(hparams: dict, base: str = "arch/llama", name: str = "spec.yaml") -> Spec:
+    def make(
+        hparams: dict, base: str = "arch/llama", name: str = "spec.yaml", network: str = "{}"
+    ) -> Spec:
         p = tmp_path / name
         p.write_text(
             f"name: test\nbase: {base}\nsource: {{format: safetensors, files: [w.safetensors]}}\n"
-            f"hparams: {hparams}\n"
+            f"hparams: {hparams}\nnetwork: {network}\n"
         )
         return load_spec(p)
 
@@ -61,6 +64,20 @@ def test_params_and_kv_bytes_by_hand(make_spec) -> None:
     # K and V, kv_heads * head_dim values of 2 bytes each
     assert kv_bytes_per_token(spec) == 2 * 2 * 8 * 2
     assert kv_bytes_per_token(spec, 2) == kv_bytes_per_token(spec, 4) == 2 * 1 * 8 * 2
+    # what the layer builds decides: a plain FFN has 2 matrices (w1, w2), not 3
+    plain = make_spec(TINY, name="plain.yaml", network="{ffn: plain}")
+    assert layer_params(plain) == attn + 2 * 64 * 128
+    assert layer_params(plain, 2) == (attn + 2 * 64 * 128) // 2
+
+
+def test_parallel_residual_all_reduces_once(make_spec) -> None:
+    """A parallel-residual block (attention and FFN read the same input) sums both branches
+    before one all-reduce per layer; a sequential one needs two."""
+    seq = estimate(make_spec(TINY), 1, 2, HW, 1, 10, 16)
+    spec = make_spec(TINY, name="par.yaml", network="{residual: parallel}")
+    par = estimate(spec, 1, 2, HW, 1, 10, 16)
+    one = 2 * 1 / 2 * 64 * 2 / 1e8 + 1e-5  # one ring all-reduce of a token's hidden state
+    assert seq.decode_s - par.decode_s == pytest.approx(4 * one)  # 4 layers, one fewer each
 
 
 def test_single_device_memory_and_times_by_hand(make_spec) -> None:
@@ -146,14 +163,19 @@ def test_kv_heads_replicated_when_fewer_than_ranks(make_spec) -> None:
 
 
 def test_invalid_layouts_shown_not_raised(make_spec) -> None:
+    """The planner applies the partition rules (inferflow.parallel.layout) and shows a layout
+    they refuse with the reason."""
     spec = make_spec(TINY)
-    assert "stages > 4 layers" in layout_problem(spec, 5, 1)
-    assert "does not divide n_heads 8" in layout_problem(spec, 1, 3)
+    assert "5 layer groups, but the model has only 4 layers" in split_problem(spec, 5, 1)
+    assert "3 tensor-parallel devices cannot split 8 attention heads" in split_problem(spec, 1, 3)
     gqa = make_spec({**TINY, "n_heads": 24, "n_kv_heads": 8, "hidden": 192, "ffn_hidden": 192}, name="g.yaml")  # fmt: skip
-    assert "neither divides" in layout_problem(gqa, 1, 3)  # 8 KV heads over 3 ranks
+    assert "cannot split 8 KV heads" in split_problem(gqa, 1, 3)  # 8 KV heads over 3 ranks
     e = estimate(spec, 1, 16, HW, 1, 10, 16)
     assert not e.valid and not e.fits and math.isnan(e.decode_s)
-    assert "T=16 does not divide n_heads 8" in e.note
+    assert "16 tensor-parallel devices cannot split 8 attention heads" in e.note
+    rel = make_spec(TINY, name="rel.yaml", network="{position: {type: relative}}")
+    assert "does not split the relative position bias" in estimate(rel, 1, 2, HW, 1, 10, 16).note
+    assert estimate(rel, 2, 1, HW, 1, 10, 16).valid  # every stage holds the bias table
     layouts = plan(spec, 8, HW, 1, 10, 16)  # layer 8x1 > 4 layers; tensor 1x8 fine; 2x4, 4x2
     assert [(e.stages, e.tensor_parallel, e.valid) for e in layouts] == [
         (8, 1, False), (1, 8, True), (2, 4, True), (4, 2, True),
@@ -240,11 +262,17 @@ def test_cli_nothing_fits(make_spec, capsys: pytest.CaptureFixture[str]) -> None
 @pytest.mark.parametrize(
     "flags, message",
     [
-        (["--devices", "0"], "--devices: must be >= 1, got 0"),
-        (["--devices", "2", "--batch", "0"], "--batch: must be >= 1, got 0"),
-        (["--devices", "2", "--bandwidth", "-5"], "--bandwidth: must be a positive number, got -5"),
-        (["--devices", "2", "--link-latency-us", "-1"], "--link-latency-us: must be >= 0"),
-        (["--devices", "2", "--weight-bits", "99"], "--weight-bits: must be in (0, 64], got 99"),
+        (["--devices", "0"], "devices: must be an integer >= 1, got 0"),
+        (["--devices", "2", "--batch", "0"], "batch: must be an integer >= 1, got 0"),
+        (["--devices", "2", "--context", "0"], "context: must be an integer >= 1, got 0"),
+        # (the library's units: bytes/s, seconds)
+        (
+            ["--devices", "2", "--bandwidth", "-5"],
+            "bandwidth: must be a positive number, got -5000000000.0",
+        ),
+        (["--devices", "2", "--link-latency-us", "-1"], "link_latency: must be >= 0 seconds"),
+        (["--devices", "2", "--weight-bits", "99"], "weight_bits: must be in (0, 64], got 99"),
+        (["--devices", "2", "--act-bytes", "9"], "act_bytes: must be in (0, 8], got 9"),
         (["--devices", "2", "--weight-bits", "bogus"], "neither a number nor a quant format"),
     ],
 )

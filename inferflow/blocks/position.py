@@ -33,6 +33,11 @@ class PositionArgs:
 
 class PositionBlock(nn.Module):
     has_bias = False  # True for blocks whose bias() is not None
+    # True for blocks that only add embed() to the first layer's input: the later stages of a
+    # layer-split model leave them (and their weights) out; every other block is on every stage
+    input_only = False
+    # False where keep_heads cannot cut bias() per head: tensor parallelism refuses the block
+    splits_heads = True
 
     def embed(self, positions: torch.Tensor) -> torch.Tensor | None:
         return None
@@ -245,6 +250,7 @@ class Sinusoidal(PositionBlock):
     """
 
     freqs: torch.Tensor
+    input_only = True
 
     def __init__(self, args: PositionArgs) -> None:
         super().__init__()
@@ -269,6 +275,8 @@ class Sinusoidal(PositionBlock):
 class Learned(PositionBlock):
     """Learned absolute table; ``offset`` shifts positions (OPT stores 2 unused rows first)."""
 
+    input_only = True
+
     def __init__(self, args: PositionArgs) -> None:
         super().__init__()
         self.offset = int(args.options.get("offset", 0))
@@ -282,9 +290,11 @@ class Learned(PositionBlock):
 class RelativeBias(PositionBlock):
     """T5's learned relative position bias: one (buckets, heads) table per stack, shared by its
     layers; exact buckets for small distances, logarithmic ones up to ``max_distance``. Keys
-    before and after the query get their own buckets in encoders (``bidirectional``)."""
+    before and after the query get their own buckets in encoders (``bidirectional``). Every
+    stage of a layer-split model holds the table; tensor parallelism does not cut it."""
 
     has_bias = True
+    splits_heads = False
 
     def __init__(self, args: PositionArgs) -> None:
         super().__init__()

@@ -13,9 +13,8 @@ from inferflow.engine.engine import EngineConfig
 from inferflow.engine.scheduler import SchedulerConfig
 from inferflow.errors import InferflowError
 from inferflow.parallel.layout import resolve_layout
-from inferflow.quant import get_format
+from inferflow.runtime import load, quant_for
 from inferflow.spec import load_spec, partition_spec
-from inferflow.spec.types import QuantSpec
 
 DEFAULT_SPEC = "smollm2-135m-instruct"
 UNITS = {"": 1 << 30, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30}
@@ -109,35 +108,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(run=run)
 
 
-def run(args: argparse.Namespace) -> int:
-    import uvicorn
-
-    from inferflow.server.app import ServerConfig, create_app
-
-    spec = load_spec(args.spec)  # a bad spec fails here, before the port opens
-    if args.quant not in (None, "none"):
-        get_format(args.quant)
-    if args.dense_batch is not None:
-        if args.dense_batch < 1:
-            raise InferflowError(f"--dense-batch: must be >= 1, got {args.dense_batch}")
-        quant = dataclasses.replace(spec.quant, dense_batch=args.dense_batch)
-        spec = dataclasses.replace(spec, quant=quant)
-    if args.devices is not None:
-        spec = dataclasses.replace(spec, partition=partition_spec({"devices": args.devices}))
-    if spec.partition is not None:  # a layout the model cannot take fails before loading
-        requant = QuantSpec(args.quant) if args.quant not in (None, "none") else None
-        resolve_layout(spec.partition, spec, requant)
-        if int(os.environ.get("RANK", "0")) != 0:  # under torchrun: execute rank 0's steps
-            from inferflow.runtime import load
-
-            load(spec, args.dtype, args.quant)  # returns only on rank 0
-            return 0
-    for flag in ("max_batched_tokens", "max_running", "max_waiting", "block_size", "port"):
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    """The engine settings the serve flags give (``args`` from this subcommand's parser)."""
+    for flag in ("max_batched_tokens", "max_running", "max_waiting", "block_size"):
         if getattr(args, flag) < 1:
             raise InferflowError(
                 f"--{flag.replace('_', '-')}: must be >= 1, got {getattr(args, flag)}"
             )
-    engine = EngineConfig(
+    return EngineConfig(
         SchedulerConfig(
             args.max_batched_tokens, args.max_running, args.max_waiting, not args.no_prefix_caching
         ),
@@ -145,6 +123,32 @@ def run(args: argparse.Namespace) -> int:
         kv_cache_bytes=memory_bytes(args.kv_cache_memory),
         deterministic=args.deterministic,
     )
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from inferflow.server.app import ServerConfig, create_app
+
+    spec = load_spec(args.spec)  # a bad spec fails here, before the port opens
+    if args.dense_batch is not None:
+        if args.dense_batch < 1:
+            raise InferflowError(f"--dense-batch: must be >= 1, got {args.dense_batch}")
+        spec = dataclasses.replace(
+            spec, quant=dataclasses.replace(spec.quant, dense_batch=args.dense_batch)
+        )
+    quant = quant_for(spec, args.quant)  # what load will use; an unknown format fails here
+    if args.devices is not None:
+        spec = dataclasses.replace(spec, partition=partition_spec({"devices": args.devices}))
+    if spec.partition is not None:  # a layout the model cannot take fails before loading
+        resolve_layout(spec.partition, spec, quant)
+        if int(os.environ.get("RANK", "0")) != 0:
+            # torchrun started this process as another rank: load serves rank 0's steps on
+            # this rank's share until rank 0 closes, then ends the process (never returns)
+            load(spec, args.dtype, args.quant)
+    if args.port < 1:
+        raise InferflowError(f"--port: must be >= 1, got {args.port}")
+    engine = engine_config(args)
     cfg = ServerConfig(
         spec,
         args.served_model_name,

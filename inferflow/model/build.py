@@ -9,6 +9,7 @@ from contextlib import contextmanager
 
 import torch
 
+from inferflow.blocks import POSITIONS
 from inferflow.errors import SpecError
 from inferflow.loaders import open_files
 from inferflow.model.binding import bind_weights
@@ -63,9 +64,12 @@ def build_network(
         return NETWORKS.get(spec.network.type)(spec)
 
 
-def held_elsewhere(part: StackPart, tied: bool) -> Callable[[str], bool]:
+def held_elsewhere(part: StackPart, spec: Spec) -> Callable[[str], bool]:
     """Canonical tensor names that other ranks hold, given this rank's ``part``."""
-    embeds = ("dec.type_embed.", "dec.embed_norm.", "dec.pos_embed.")
+    tied = spec.network.tied_output
+    embeds: tuple[str, ...] = ("dec.type_embed.", "dec.embed_norm.")
+    if POSITIONS.get(spec.network.position["type"]).input_only:  # other blocks: every stage
+        embeds += ("dec.pos_embed.",)
     heads = ("dec.output.", "dec.output_norm.", "dec.logits_bias")
 
     def elsewhere(canon: str) -> bool:
@@ -92,7 +96,7 @@ def load_model(
     the rank's tensor-parallel slice)."""
     t0 = time.perf_counter()
     model = build_network(spec, dtype, part)
-    elsewhere = None if part is None else held_elsewhere(part, spec.network.tied_output)
+    elsewhere = None if part is None else held_elsewhere(part, spec)
     q = spec.quant if quant is None else quant
     # a runtime format replaces the checkpoint's own quantization everywhere
     keep: dict[str, dict[int, QuantTensor]] | None = (

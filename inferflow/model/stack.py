@@ -34,16 +34,18 @@ from inferflow.spec.types import HParams, NetworkSpec, Spec
 
 
 class Layer(nn.Module):
+    """``cache_layer``: the layer's row in the KV cache (its index among the layers this
+    process holds)."""
+
     def __init__(
         self,
         net: NetworkSpec,
         h: HParams,
-        layer: int,
+        cache_layer: int,
         window: int | None,
         causal: bool = True,
         cross: bool = False,
         split: TensorSplit = WHOLE,
-        cache_layer: int | None = None,
     ) -> None:
         super().__init__()
         self.wiring = RESIDUALS.get(net.residual)
@@ -58,7 +60,7 @@ class Layer(nn.Module):
             self.add_module(name, norm(h.hidden, h.norm_eps))
         a = net.attention
         args = AttnArgs(
-            layer=layer if cache_layer is None else cache_layer,
+            layer=cache_layer,
             hidden=h.hidden,
             n_heads=h.n_heads,
             n_kv_heads=h.n_kv_heads,
@@ -153,9 +155,9 @@ class Stack(nn.Module):
             pos_opts.pop("rotary_dim")
         args = PositionArgs(h.hidden, h.n_heads, h.head_dim, h.max_positions, pos_opts)
         pos_cls = POSITIONS.get(net.position["type"])
-        self.pos_embed = pos_cls(args)
-        if not part.embedding and any(True for _ in self.pos_embed.parameters()):
-            self.pos_embed = POSITIONS.get("none")(args)  # a learned table: first stage only
+        # an input embedding takes part only where the embeddings are (the first stage)
+        here = part.embedding or not pos_cls.input_only
+        self.pos_embed = (pos_cls if here else POSITIONS.get("none"))(args)
         # sliding-window layers may use their own rope base (Gemma 3's local_theta)
         self.pos_local = (
             pos_cls(args, theta_key="local_theta") if "local_theta" in net.position else None
@@ -171,7 +173,7 @@ class Stack(nn.Module):
         self.embed_norm = norm(h.hidden, h.norm_eps) if net.embedding_norm and first else None
         windows = self._windows(net, h, n_layers)
         for i in self.layer_ids:
-            layer = Layer(net, h, i, windows[i], causal, cross, part.split, i - part.first)
+            layer = Layer(net, h, i - part.first, windows[i], causal, cross, part.split)
             self.add_module(str(i), layer)
         self.output_norm = norm(h.hidden, h.norm_eps) if net.final_norm and part.head else None
         self.output: Linear | None = None

@@ -28,13 +28,18 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import torch
+
+from inferflow.blocks import RESIDUALS
+from inferflow.blocks.split import TensorSplit
 from inferflow.errors import RequestError, SpecError
+from inferflow.model.stack import Layer
+from inferflow.parallel.layout import split_problem, stage_layers
+from inferflow.quant import FORMATS
 from inferflow.spec.types import Spec
 
 GiB = float(1 << 30)
 OBJECTIVES = ("throughput", "latency")
-# residual wirings whose attention and FFN read the same input: one all-reduce per layer
-_PARALLEL_RESIDUALS = ("parallel", "parallel_shared_norm")
 
 
 @dataclass(frozen=True)
@@ -96,8 +101,6 @@ def parse_weight_bits(text: str) -> float:
         return float(text)
     except ValueError:
         pass
-    from inferflow.quant import FORMATS  # imports torch: only when a name is given
-
     if text.upper() in FORMATS:
         return FORMATS.get(text.upper()).bits_per_weight
     raise RequestError(
@@ -118,43 +121,20 @@ def layout_name(stages: int, tensor_parallel: int) -> str:
     return "tensor" if stages == 1 else "layer" if tensor_parallel == 1 else "hybrid"
 
 
-def layout_problem(spec: Spec, stages: int, tensor_parallel: int) -> str:
-    """Why the model cannot be split P x T ("" when it can)."""
-    h, p, t = spec.hparams, stages, tensor_parallel
-    if p > h.n_layers:
-        return f"{p} stages > {h.n_layers} layers"
-    if h.n_heads % t:
-        return f"T={t} does not divide n_heads {h.n_heads}"
-    if h.ffn_hidden % t:
-        return f"T={t} does not divide ffn_hidden {h.ffn_hidden}"
-    k = h.n_kv_heads
-    if (k >= t and k % t) or (k < t and t % k):
-        return f"T={t} and n_kv_heads {k}: neither divides the other"
-    return ""
-
-
-def kv_heads_per_rank(spec: Spec, tensor_parallel: int) -> int:
-    """KV heads one rank holds: replicated (at least 1 each) when there are fewer than ranks."""
-    return max(1, spec.hparams.n_kv_heads // tensor_parallel)
-
-
 def layer_params(spec: Spec, tensor_parallel: int = 1) -> int:
-    """Weights of one decoder layer held by one tensor-parallel rank (norms and biases left out)."""
-    h, t = spec.hparams, tensor_parallel
-    q = h.n_heads // t
-    attn = h.hidden * (q + 2 * kv_heads_per_rank(spec, t)) * h.head_dim + q * h.head_dim * h.hidden
-    n_mats = 3 if spec.network.ffn == "gated" else 2
-    return attn + n_mats * h.hidden * (h.ffn_hidden // t)
+    """Weights of one decoder layer held by one tensor-parallel rank (norms and biases left
+    out): the matrices of the layer the model builds, on the meta device (nothing allocated)."""
+    split = TensorSplit(0, tensor_parallel)
+    with torch.device("meta"):
+        layer = Layer(spec.network, spec.hparams, 0, None, split=split)
+    return sum(p.numel() for p in layer.parameters() if p.dim() > 1)
 
 
 def kv_bytes_per_token(spec: Spec, tensor_parallel: int = 1, kv_bytes: float = 2) -> float:
-    """K and V of one token in one layer on one rank."""
-    return 2 * kv_heads_per_rank(spec, tensor_parallel) * spec.hparams.head_dim * kv_bytes
-
-
-def stage_layers(n_layers: int, stages: int) -> list[int]:
-    q, r = divmod(n_layers, stages)
-    return [q + (s < r) for s in range(stages)]
+    """K and V of one token in one layer on one rank (KV heads replicated when fewer than
+    ranks: inferflow.blocks.split)."""
+    kv_heads = TensorSplit(0, tensor_parallel).kv_heads(spec.hparams.n_kv_heads)[1]
+    return 2 * kv_heads * spec.hparams.head_dim * kv_bytes
 
 
 def estimate(
@@ -176,7 +156,7 @@ def estimate(
             raise RequestError(f"{name}: must be an integer >= 1, got {v!r}")
     p, t, h = stages, tensor_parallel, spec.hparams
     name, devices = layout_name(p, t), device_string(p, t)
-    problem = layout_problem(spec, p, t)
+    problem = split_problem(spec, p, t)  # the rules `partition:` applies
     if problem:
         nan = math.nan
         return Estimate(
@@ -189,7 +169,8 @@ def estimate(
     layer_w, table_w = layer_p * wb, table_p * wb
     kv_tok = kv_bytes_per_token(spec, t, act_bytes)
     q_dims = h.n_heads // t * h.head_dim
-    n_ar = 0 if t == 1 else 1 if spec.network.residual in _PARALLEL_RESIDUALS else 2
+    # parallel-residual wirings sum attention and FFN before one all-reduce per layer
+    n_ar = 0 if t == 1 else 1 if RESIDUALS.get(spec.network.residual).delta else 2
     layers = stage_layers(h.n_layers, p)
     last = p - 1
 

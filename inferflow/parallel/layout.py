@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from inferflow.blocks import POSITIONS
 from inferflow.errors import SpecError
 from inferflow.spec.types import PartitionSpec, QuantSpec, Spec
 
@@ -170,55 +171,71 @@ def resolve_layout(p: PartitionSpec, spec: Spec, quant: QuantSpec | None = None)
                 f"adding up to the model's {n_layers} layers"
             )
     else:
-        if stages > n_layers:
-            raise SpecError(
-                f"partition: {stages} layer groups, but the model has only {n_layers} layers"
-            )
-        base, extra = divmod(n_layers, stages)
-        layers = [base + (i < extra) for i in range(stages)]
+        layers = stage_layers(n_layers, stages)
     layout = Layout(groups, _layer_ranges(layers), p.embeddings == "host")
     check_layout(layout, spec, quant_block(quant or spec.quant))
     return layout
 
 
+def stage_layers(n_layers: int, stages: int) -> list[int]:
+    """Layers of each stage, as even as possible: the first stages take one more when the
+    count does not divide."""
+    base, extra = divmod(n_layers, stages)
+    return [base + (i < extra) for i in range(stages)]
+
+
+def split_problem(spec: Spec, stages: int, tensor_parallel: int, quant_block: int = 1) -> str:
+    """Why the model cannot run as ``stages`` layer groups of ``tensor_parallel`` devices each
+    ("" when it can): the rules of ``check_layout`` and of the planner (inferflow.parallel.cost).
+    ``quant_block``: the block size of the runtime weight format (row-parallel weights are cut
+    across their blocks' direction)."""
+    h, t = spec.hparams, tensor_parallel
+    if stages > h.n_layers:
+        return f"{stages} layer groups, but the model has only {h.n_layers} layers"
+    if t == 1:
+        return ""
+    if h.n_heads % t:
+        return (
+            f"{t} tensor-parallel devices cannot split {h.n_heads} attention heads; use a "
+            f"divisor of {h.n_heads}"
+        )
+    if h.n_kv_heads % t and t % h.n_kv_heads:
+        return (
+            f"{t} tensor-parallel devices cannot split {h.n_kv_heads} KV heads: the device "
+            "count must divide the KV heads, or be a multiple of them (each KV head is then "
+            "replicated)"
+        )
+    if h.ffn_hidden % t:
+        return (
+            f"{t} tensor-parallel devices cannot split the FFN width {h.ffn_hidden}; use a "
+            "divisor of it"
+        )
+    position = spec.network.position["type"]
+    if not POSITIONS.get(position).splits_heads:
+        return f"tensor parallelism does not split the {position} position bias"
+    for what, width in (
+        ("attention output", h.n_heads * h.head_dim // t),
+        ("FFN down projection", h.ffn_hidden // t),
+    ):
+        if width % quant_block:
+            return (
+                f"each device's slice of the {what} is {width} wide, not a multiple of the "
+                f"quantization block ({quant_block}); use fewer tensor-parallel devices or a "
+                "format with smaller blocks"
+            )
+    return ""
+
+
 def check_layout(layout: Layout, spec: Spec, quant_block: int = 1) -> None:
-    """Errors for a layout the model cannot take; ``quant_block``: the block size of the
-    runtime weight format (row-parallel weights are cut across their blocks' direction)."""
-    h, net = spec.hparams, spec.network
+    """Errors for a layout the model cannot take (``split_problem``) or the machine lacks."""
+    net = spec.network
     if net.type != "decoder_only":
         raise SpecError(
             f"partition: {net.type} networks are not partitioned; only decoder_only networks are"
         )
-    t = layout.tensor_parallel
-    if t > 1:
-        if h.n_heads % t:
-            raise SpecError(
-                f"partition: {t} tensor-parallel devices cannot split {h.n_heads} attention "
-                f"heads; use a divisor of {h.n_heads}"
-            )
-        if h.n_kv_heads % t and t % h.n_kv_heads:
-            raise SpecError(
-                f"partition: {t} tensor-parallel devices cannot split {h.n_kv_heads} KV heads: "
-                "the device count must divide the KV heads, or be a multiple of them "
-                "(each KV head is then replicated)"
-            )
-        if h.ffn_hidden % t:
-            raise SpecError(
-                f"partition: {t} tensor-parallel devices cannot split the FFN width "
-                f"{h.ffn_hidden}; use a divisor of it"
-            )
-        if net.position.get("type") == "relative":
-            raise SpecError("partition: tensor parallelism does not split relative position bias")
-        for what, width in (
-            ("attention output", h.n_heads * h.head_dim // t),
-            ("FFN down projection", h.ffn_hidden // t),
-        ):
-            if width % quant_block:
-                raise SpecError(
-                    f"partition: each device's slice of the {what} is {width} wide, not a "
-                    f"multiple of the quantization block ({quant_block}); use fewer "
-                    "tensor-parallel devices or a format with smaller blocks"
-                )
+    problem = split_problem(spec, layout.stages, layout.tensor_parallel, quant_block)
+    if problem:
+        raise SpecError(f"partition: {problem}")
     cuda = [d for g in layout.groups for d in g if d.startswith("cuda")]
     have = torch.cuda.device_count() if torch.cuda.is_available() else 0
     for d in cuda:

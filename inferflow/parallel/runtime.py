@@ -18,7 +18,6 @@ from __future__ import annotations
 import atexit
 import logging
 import os
-import socket
 import sys
 import time
 from datetime import timedelta
@@ -36,7 +35,7 @@ from inferflow.model.batch import FlatBatch
 from inferflow.model.build import load_model
 from inferflow.model.decoder import DecoderOnly
 from inferflow.model.stack import StackPart
-from inferflow.parallel import wire
+from inferflow.parallel import free_port, wire
 from inferflow.parallel.layout import Layout
 from inferflow.quant.linear import QuantLinear
 from inferflow.spec.types import QuantSpec, Spec
@@ -204,12 +203,6 @@ class PartitionedModel(nn.Module):
                 p.terminate()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _load_part(
     spec: Spec, layout: Layout, rank: int, dtype: torch.dtype, quant: QuantSpec | None
 ) -> tuple[Partition | None, str]:
@@ -290,7 +283,7 @@ def launch(
         dist.init_process_group(layout.backend, timeout=_TIMEOUT)
     elif not dist.is_initialized():
         threads = max(1, (os.cpu_count() or 1) // world) if layout.backend == "gloo" else 1
-        address = f"tcp://127.0.0.1:{_free_port()}"
+        address = f"tcp://127.0.0.1:{free_port()}"
         ctx = mp.get_context("spawn")
         for rank in range(1, world):
             p = ctx.Process(

@@ -259,15 +259,12 @@ def int4pack_kernel(p: Int4Pack) -> Kernel:
     return run
 
 
-def int4pack_dense(p: Int4Pack, in_features: int, chunk: int = 1024) -> torch.Tensor:
-    """int4pack's effective weights as a dense bf16 (out, in) matrix: the op applied to rows of
-    the identity (both planes summed), so the dense path multiplies by exactly the weights
-    int4pack dequantizes, each rounded once to bf16."""
-    run = int4pack_kernel(p)
-    cols = [
-        run(torch.eye(in_features, dtype=torch.bfloat16)[a : a + chunk])  # (rows, out)
-        for a in range(0, in_features, chunk)
-    ]
+def int4pack_dense(run: Kernel, in_features: int, chunk: int = 1024) -> torch.Tensor:
+    """int4pack's effective weights as a dense bf16 (out, in) matrix: its kernel ``run`` applied
+    to rows of the identity (both planes summed), so the dense path multiplies by exactly the
+    weights int4pack dequantizes, each rounded once to bf16."""
+    eye = torch.eye(in_features, dtype=torch.bfloat16)
+    cols = [run(eye[a : a + chunk]) for a in range(0, in_features, chunk)]  # (rows, out) each
     return torch.cat(cols).t().contiguous()
 
 
@@ -334,10 +331,9 @@ class QuantLinear(nn.Module):
         self.kernel_name = name
         self.nbytes: int  # resident weight bytes (bias excluded)
         self.kernel: Kernel
-        self.int4: Int4Pack | None = None
         self.dense_rows: int | None = None
         if name == "int4pack":
-            p = self.int4 = pack_int4(weight)
+            p = pack_int4(weight)
             self.kernel, self.nbytes = int4pack_kernel(p), p.nbytes
         elif name == "dequant":
             self.kernel, self.nbytes = dequant_kernel(weight), weight.data.nbytes
@@ -347,12 +343,12 @@ class QuantLinear(nn.Module):
     def attach_dense(self, rows: int) -> None:
         """Calls of ``rows`` rows or more multiply by a dense bf16 copy of the int4pack
         weights (a no-op for other kernels)."""
-        if self.int4 is None or self.dense_rows is not None:
+        if self.kernel_name != "int4pack" or self.dense_rows is not None:
             return
         if rows < 1:
             raise QuantError(f"dense_batch: must be at least 1 row, got {rows}")
-        dense = int4pack_dense(self.int4, self.in_features)
-        self.kernel = rows_switch(int4pack_kernel(self.int4), dense, rows)
+        dense = int4pack_dense(self.kernel, self.in_features)
+        self.kernel = rows_switch(self.kernel, dense, rows)
         self.dense_rows, self.nbytes = rows, self.nbytes + dense.nbytes
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -1,5 +1,5 @@
 """The CLI end to end (a real subprocess): JSON output, streaming, validate, inspect, and clean
-errors (exit 2, one line, no traceback) for bad input."""
+errors (exit 2, one line, no traceback) for bad input; plus how input files split into lines."""
 
 from __future__ import annotations
 
@@ -129,6 +129,26 @@ def test_generate_rejects_bad_sampling_value() -> None:
     assert (
         r.returncode == 2 and "top_p: must be in (0, 1]" in r.stderr and "Traceback" not in r.stderr
     )
+
+
+def test_read_lines_splits_on_line_ends_only(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """str.splitlines also split on form feed, U+2028, ...: `translate` / `embed` gave more
+    outputs than input lines."""
+    import io
+
+    from inferflow.cli.common import read_lines
+
+    text = "C\u2028O\r\nform\x0cfeed\x1c\x85\n\nlast"
+    want = ["C\u2028O", "form\x0cfeed\x1c\x85", "", "last"]
+    p = tmp_path / "in.txt"
+    p.write_bytes(text.encode())
+    assert read_lines(str(p)) == want
+    p.write_bytes((text + "\n").encode())  # a final line end adds no empty line
+    assert read_lines(str(p)) == want
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(text.encode()), newline="\n"))
+    assert read_lines("-") == want
 
 
 def _write(tmp: Path, text: str, name: str = "spec.yaml") -> Path:

@@ -10,7 +10,8 @@ processes driven by the official `openai` client and raw HTTP:
   both numbers.
 
 Plus ``Batcher`` (the server's batching of embedding / search jobs) in-process: one call per key
-over all queued inputs, the bound in inputs (429), cancelled jobs dropped, a failing group.
+over all queued inputs, the bound in inputs (429), abandoned jobs leaving the bound at once,
+cancelled jobs dropped, a failing group (a 500 with OpenAI's error body through the server).
 """
 
 from __future__ import annotations
@@ -66,14 +67,21 @@ def test_batcher_bound_cancel_and_failure() -> None:
     with pytest.raises(QueueFull, match="2 of 3 inputs"):
         b.submit("k", [[1], [2]], lambda xs, stop: xs)
     gone = b.submit("k", [[3]], lambda xs, stop: [len(x) for x in xs])
-    assert gone.cancel()  # its client went away before the model thread took it
+    with pytest.raises(QueueFull, match="3 of 3 inputs"):
+        b.submit("k", [[4]], lambda xs, stop: xs)
+    b.abandon(gone)  # its client went away before the model thread took it: its input leaves
+    assert gone.cancelled() and b.waiting == 2 and len(b.jobs) == 1
+    late = b.submit("k", [[4]], lambda xs, stop: [len(x) for x in xs])  # fits again
     b.run_pending()
-    assert ok.result() == [1, 1] and gone.cancelled() and len(woken) == 2
+    assert ok.result() == [1, 1] and late.result() == [1] and b.waiting == 0 and len(woken) == 3
     # a request larger than the bound still runs when nothing else waits
     big = b.submit("k", [[1]] * 5, lambda xs, stop: [0] * len(xs))
-
     b.run_pending()
     assert big.result() == [0] * 5
+    dropped = b.submit("k", [[5]], lambda xs, stop: [len(x) for x in xs])
+    assert dropped.cancel()  # a future cancelled directly (not abandoned): dropped unrun
+    b.run_pending()
+    assert dropped.cancelled()
 
     def boom(xs: list[list[int]], stop: object) -> list[int]:
         raise ValueError("bad group")
@@ -151,6 +159,61 @@ def test_runner_stops_a_running_batch_when_its_client_disconnects() -> None:
 
     asyncio.run(scenario())
     assert stopped.is_set()
+
+
+def test_a_failed_batched_call_answers_openai_500_and_a_bad_request_400() -> None:
+    """A batched call that fails with anything but an InferflowError is a 500 with OpenAI's
+    error body (EngineRunner.batch turns it into ModelFailed; it was a plain-text 500 with the
+    exception unhandled); an InferflowError (a bad request found by the call) stays a 400."""
+    import asyncio
+    from contextlib import asynccontextmanager
+
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+
+    from inferflow.errors import RequestError
+    from inferflow.server.app import _errors
+    from inferflow.server.metrics import Metrics
+    from inferflow.server.runner import EngineRunner
+
+    runner = EngineRunner(None, Metrics(), max_waiting=8)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):  # noqa: ANN202
+        runner.start(asyncio.get_running_loop())
+        yield
+        runner.stop()
+
+    def broken(xs: list[list[int]], stop: object) -> list[int]:
+        raise RuntimeError("CUDA error: an internal detail")
+
+    def refused(xs: list[list[int]], stop: object) -> list[int]:
+        raise RequestError("input 0: too long")
+
+    app = FastAPI(lifespan=lifespan)
+    _errors(app)
+
+    @app.post("/broken")
+    async def run_broken() -> list[int]:
+        return await runner.batch("b", [[1]], broken)
+
+    @app.post("/refused")
+    async def run_refused() -> list[int]:
+        return await runner.batch("r", [[1]], refused)
+
+    @app.post("/fine")
+    async def run_fine() -> list[int]:
+        return await runner.batch("f", [[1], [2, 3]], lambda xs, stop: [len(x) for x in xs])
+
+    with TestClient(app) as client:
+        r = client.post("/broken")
+        assert r.status_code == 500 and r.headers["content-type"] == "application/json", r.text
+        err = r.json()["error"]
+        assert err["type"] == "server_error" and set(err) == {"message", "type", "param", "code"}
+        assert "RuntimeError" in err["message"] and "internal detail" not in err["message"]
+        r = client.post("/refused")
+        assert r.status_code == 400 and r.json()["error"]["message"] == "input 0: too long"
+        assert client.post("/fine").json() == [1, 2]  # the runner goes on serving
 
 
 # --- an encoder-only model ----------------------------------------------------------------------
@@ -405,14 +468,14 @@ def test_encoder_decoder_errors(annalog_url: str) -> None:
 
 
 @pytest.mark.slow
-def test_encoder_decoder_disconnect_leaves_server_healthy(annalog_url: str) -> None:
-    """A client that gives up before its search returns: the server goes on serving."""
+def test_encoder_decoder_disconnect_stops_the_search(annalog_url: str) -> None:
+    """A client that gives up before its search returns: the search stops (or never starts),
+    so the next request is answered long before the abandoned one would have finished. That
+    search (64 sources x 32 beams, min_tokens forcing all 100 steps) takes over 3 minutes on a
+    2-core CPU; stopped, the next answer comes in seconds (1.5-4 s on a loaded 2-core machine)."""
     sources = ["CC(C)Cc1ccc(cc1)[C@@H](C)C(=O)O"] * 64
+    body = {"prompt": sources, "max_tokens": 100, "min_tokens": 100, "n": 8, "beam_width": 32}
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(
-            f"{annalog_url}/v1/completions",
-            json={"prompt": sources, "max_tokens": 100, "n": 8, "beam_width": 16},
-            timeout=0.05,
-        )
-    r = httpx.post(f"{annalog_url}/v1/completions", json={"prompt": "CCO"}, timeout=120)
+        httpx.post(f"{annalog_url}/v1/completions", json=body, timeout=0.05)
+    r = httpx.post(f"{annalog_url}/v1/completions", json={"prompt": "CCO"}, timeout=60)
     assert r.status_code == 200 and r.json()["choices"][0]["text"]

@@ -124,6 +124,12 @@ def test_openapi_schema_is_what_the_server_answers(client: TestClient) -> None:
     comp = s["paths"]["/v1/completions"]["post"]
     assert set(comp["responses"]) == {"200", "400", "401", "404", "413", "429", "500", "503"}
     assert set(comp["responses"]["200"]["content"]) == {"application/json", "text/event-stream"}
+    # embeddings queue too (the Batcher's bound: 429), but never stream
+    emb = s["paths"]["/v1/embeddings"]["post"]["responses"]
+    assert set(emb) == {"200", "400", "401", "404", "413", "429", "500", "503"}
+    assert set(emb["200"]["content"]) == {"application/json"}
+    assert "Retry-After" in emb["429"]["headers"]
+    assert "429" not in s["paths"]["/tokenize"]["post"]["responses"]
     assert comp["requestBody"]["content"]["application/json"]["schema"] == {
         "$ref": "#/components/schemas/CompletionBody"
     }

@@ -35,7 +35,7 @@ from inferflow.engine.scheduler import QueueFull
 from inferflow.errors import InferflowError
 from inferflow.model.batch import check_inputs
 from inferflow.runtime import LanguageModel, load
-from inferflow.server.generation import Generation, GenerationFailed
+from inferflow.server.generation import Generation
 from inferflow.server.metrics import Metrics
 from inferflow.server.openapi import responses, trim_schema
 from inferflow.server.protocol import (
@@ -49,7 +49,7 @@ from inferflow.server.protocol import (
     error_body,
     prompt_list,
 )
-from inferflow.server.runner import EngineRunner, until_disconnect
+from inferflow.server.runner import EngineRunner, ModelFailed, until_disconnect
 from inferflow.server.seq2seq import complete as seq2seq_complete
 from inferflow.spec import Spec
 from inferflow.tokenizer import Tokenizer
@@ -210,7 +210,11 @@ def create_app(cfg: ServerConfig) -> FastAPI:
         }
         return {"object": "list", "data": [card]}
 
-    @app.post("/v1/completions", response_model=None, responses=responses(auth, generate=True))
+    @app.post(
+        "/v1/completions",
+        response_model=None,
+        responses=responses(auth, body=True, queued=True, sse=True),
+    )
     async def completions(body: CompletionBody, request: Request) -> Any:
         lm, runner = state.generating(body.model, chat=False)
         prompts = [
@@ -224,7 +228,11 @@ def create_app(cfg: ServerConfig) -> FastAPI:
         gen = Generation(runner, lm.tokenizer, state.name, False, prompts, params)
         return await _respond(gen, request, body.stream, body.stream_options)
 
-    @app.post("/v1/chat/completions", response_model=None, responses=responses(auth, generate=True))
+    @app.post(
+        "/v1/chat/completions",
+        response_model=None,
+        responses=responses(auth, body=True, queued=True, sse=True),
+    )
     async def chat(body: ChatBody, request: Request) -> Any:
         lm, runner = state.generating(body.model, chat=True)
         ids = _chat_ids(state, body.messages)
@@ -241,7 +249,7 @@ def create_app(cfg: ServerConfig) -> FastAPI:
         gen = Generation(runner, lm.tokenizer, state.name, True, [ids], params)
         return await _respond(gen, request, body.stream, body.stream_options)
 
-    @app.post("/v1/embeddings", responses=responses(auth, body=True))
+    @app.post("/v1/embeddings", responses=responses(auth, body=True, queued=True))
     async def embeddings(body: EmbeddingBody, request: Request) -> dict[str, Any]:
         lm, runner = state.ready(body.model)
         pooling, normalize = resolve_pooling(lm.spec)  # 400 where the spec declares none
@@ -362,8 +370,8 @@ def _errors(app: FastAPI) -> None:
     async def bad(_: Request, e: InferflowError) -> JSONResponse:
         return JSONResponse(error_body(str(e), "invalid_request_error"), 400)
 
-    @app.exception_handler(GenerationFailed)
-    async def failed(_: Request, e: GenerationFailed) -> JSONResponse:
+    @app.exception_handler(ModelFailed)
+    async def failed(_: Request, e: ModelFailed) -> JSONResponse:
         return JSONResponse(error_body(str(e), "server_error"), 500)
 
 

@@ -5,10 +5,11 @@ Handlers ``submit`` a job (its inputs and the call that serves a group of them) 
 future. The model thread runs ``run_pending`` between engine steps (or alone, for networks the
 engine does not run): every job waiting then whose key is equal runs in one call over all their
 inputs, so concurrent requests share forward passes. The queue is bounded in inputs (the
-server's ``--max-waiting``): past it ``submit`` raises QueueFull (HTTP 429). A job whose future
-was cancelled before it ran (its client went away) is dropped unrun; a job ``abandon``ed while it
-runs keeps its place, and once every job of its group is abandoned the call's ``stop`` check
-answers True, so a long call (a search) can end early (``Stopped``).
+server's ``--max-waiting``): past it ``submit`` raises QueueFull (HTTP 429). A job ``abandon``ed
+before it ran (its client went away) leaves the queue, and the bound, at once; a job whose
+future was cancelled is dropped unrun. A job ``abandon``ed while it runs keeps its place, and
+once every job of its group is abandoned the call's ``stop`` check answers True, so a long call
+(a search) can end early (``Stopped``).
 """
 
 from __future__ import annotations
@@ -65,8 +66,14 @@ class Batcher:
 
     def abandon(self, future: Future[list[Any]]) -> None:
         """Nobody waits for ``future``'s job any more (its client went away): dropped if it has
-        not started, and counted towards stopping its group's call if it is running."""
+        not started (its inputs leave the bound at once, not at the next ``run_pending``), and
+        counted towards stopping its group's call if it is running."""
         with self.lock:
+            for i, job in enumerate(self.jobs):
+                if job.future is future:
+                    del self.jobs[i]
+                    self.waiting -= len(job.inputs)
+                    break
             if not future.cancel() and not future.done():
                 self.abandoned.add(future)
 

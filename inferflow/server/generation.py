@@ -14,14 +14,12 @@ from typing import Any
 from inferflow.engine.request import RequestOutput
 from inferflow.engine.sampling import SamplingParams
 from inferflow.server.protocol import error_body, sse_event
-from inferflow.server.runner import EngineRunner, Stream, until_disconnect
+from inferflow.server.runner import EngineRunner, ModelFailed, Stream, until_disconnect
 from inferflow.tokenizer import Tokenizer
 
-
-class GenerationFailed(Exception):
-    """The engine ended a sample with finish reason "error" (logged on the engine side)."""
-
-    MESSAGE = "the engine failed while generating this request"
+# what a client gets when the engine ended one of its samples with finish reason "error"
+# (ModelFailed, or an SSE error event; the cause is logged on the engine side)
+FAILED = "the engine failed while generating this request"
 
 
 @dataclass
@@ -144,7 +142,7 @@ class Generation:
             self.abort()  # (at once: the cancelled task's own cleanup runs later)
             raise
         if any(c.finish_reason == "error" for c in self.choices):
-            raise GenerationFailed(GenerationFailed.MESSAGE)
+            raise ModelFailed(FAILED)
         return {
             **self._envelope([self._final(c) for c in self.choices], False),
             "usage": self.usage(),
@@ -182,7 +180,7 @@ class Generation:
             )
         async for c, out in self.events():
             if out.finish_reason == "error":
-                yield sse_event(error_body(GenerationFailed.MESSAGE, "server_error"))
+                yield sse_event(error_body(FAILED, "server_error"))
                 continue
             if not out.text and not out.finished and not out.logprobs:
                 continue  # (text held back: a stop string may be starting)

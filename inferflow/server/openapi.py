@@ -29,7 +29,7 @@ WHY = {
     404: "a model name that is not served here",
     413: "the request body is over --max-body-bytes",
     429: "the waiting queue (--max-waiting) is full; retry after Retry-After seconds",
-    500: "the model failed to load, or the engine failed on this request",
+    500: "the model failed to load, or the model failed on this request",
     503: "the model is still loading; retry after Retry-After seconds",
 }
 
@@ -38,12 +38,14 @@ def responses(
     auth: bool = False,
     *,
     body: bool = False,
-    generate: bool = False,
+    queued: bool = False,
+    sse: bool = False,
     metrics: bool = False,
     health: bool = False,
 ) -> dict[int | str, dict[str, Any]]:
     """The responses a route can give besides its 200 JSON: ``body`` for routes that read a
-    request body, ``generate`` for completions (streamed or not, admission control)."""
+    request body, ``queued`` for routes whose work waits in a bounded queue (429: completions,
+    chat, embeddings), ``sse`` for routes that can stream (a text/event-stream 200)."""
     if health:
         status = {"type": "object", "properties": {"status": {"type": "string"}}}
         return {
@@ -56,9 +58,9 @@ def responses(
     codes = [401] if auth else []
     if not metrics:
         codes += [500, 503]
-    if body or generate:
+    if body:
         codes += [400, 404, 413]
-    if generate:
+    if queued:
         codes.append(429)
     out: dict[int | str, dict[str, Any]] = {
         c: {"description": WHY[c], "content": ERROR} for c in sorted(codes)
@@ -66,7 +68,7 @@ def responses(
     for c in (429, 503):
         if c in out:
             out[c]["headers"] = RETRY_AFTER
-    if generate:
+    if sse:
         out[200] = {"content": {"text/event-stream": {"schema": SSE_EVENT}}}
     return out
 

@@ -101,10 +101,13 @@ class SamplingBody(Body):
     beam_width: int = Field(1, ge=1, le=MAX_N)  # > 1: beam search, the n best beams returned
     length_penalty: float = 1.0
 
+    def stop_strings(self) -> list[str]:
+        """``stop`` as a list (OpenAI takes one string or several)."""
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
     def sampling(
         self, max_tokens: int, logprobs: int | None, vocab: int, defaults: GenerationDefaults
     ) -> SamplingParams:
-        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         bias = {}
         for k, v in (self.logit_bias or {}).items():
             if not k.lstrip("-").isdigit() or not 0 <= int(k) < vocab:
@@ -121,7 +124,7 @@ class SamplingBody(Body):
             max_new_tokens=max_tokens,
             min_new_tokens=min(self.min_tokens, max_tokens),
             stop_token_ids=tuple(self.stop_token_ids or ()),
-            stop=tuple(stop),
+            stop=tuple(self.stop_strings()),
             logprobs=logprobs,
         )
 

@@ -25,6 +25,7 @@ from inferflow.engine.engine import Engine
 from inferflow.engine.request import RequestOutput
 from inferflow.engine.sampling import SamplingParams
 from inferflow.engine.scheduler import QueueFull
+from inferflow.errors import InferflowError
 from inferflow.server.batcher import Batcher, GroupCall
 from inferflow.server.metrics import Metrics
 
@@ -40,6 +41,11 @@ class Stream:
     queue: asyncio.Queue[RequestOutput]
     created: float = field(default_factory=time.monotonic)
     last: dict[int, float] = field(default_factory=dict)  # per sample: time of its last token
+
+
+class ModelFailed(Exception):
+    """The model failed on a request (an engine step, a batched call): HTTP 500 with type
+    "server_error". The cause is logged on the model thread; the client gets no internals."""
 
 
 class EngineRunner:
@@ -88,13 +94,22 @@ class EngineRunner:
         """``call``'s results for ``inputs``, batched with other jobs of the same ``key``
         (``Batcher``); QueueFull when its queue is at the bound. Cancelled (the client went
         away), the job is dropped if it has not started, and a running call over it may stop
-        once every job it serves is gone (``Batcher.abandon``)."""
+        once every job it serves is gone (``Batcher.abandon``). A call that fails with an
+        InferflowError passes it on (a bad request: 400); any other failure becomes
+        ModelFailed (500), as a failed engine step does."""
         future = self.batcher.submit(key, inputs, call)
         try:
             return await asyncio.wrap_future(future)
         except asyncio.CancelledError:
             self.batcher.abandon(future)
             raise
+        except InferflowError:
+            raise
+        except Exception as e:  # (logged with its traceback where the call ran: Batcher)
+            raise ModelFailed(
+                f"the model failed on this request ({type(e).__name__}); the server log has "
+                "the details"
+            ) from e
 
     def _post(self, *msg: Any) -> None:
         self.inbox.put(msg)
@@ -105,14 +120,14 @@ class EngineRunner:
     def _run(self) -> None:
         while True:
             self._drain()
-            self.batcher.run_pending()
+            if self.batcher.pending():  # (run_pending takes the lock: not on every step)
+                self.batcher.run_pending()
             engine = self.engine
-            busy = engine is not None and engine.has_unfinished()
             if engine is not None:
                 self.metrics.engine_state(engine)
-            if self.stopping and not busy:
-                return
-            if engine is None or not busy:
+            if engine is None or not engine.has_unfinished():  # nothing to step
+                if self.stopping:
+                    return
                 if not self.batcher.pending():
                     self.wake.wait(0.5)
                     self.wake.clear()

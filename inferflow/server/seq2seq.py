@@ -1,9 +1,10 @@
 """``/v1/completions`` for encoder-decoder models: source text in, target text out.
 
 Each prompt is a source; the model searches (``LanguageModel.search``: greedy at width 1, beam
-search above) and each source gets ``n`` choices, its ``n`` best hypotheses. Concurrent requests
-with the same search parameters run in one batched search (``Batcher``), and one request's list
-of prompts is a batch in itself: that is the server's ``/v1/translations``-style batch use.
+search above) and each source gets ``n`` choices, its ``n`` best hypotheses, at indices
+``source * n + rank``. Concurrent requests with the same search parameters run in one batched
+search (``Batcher``), and one request's list of prompts is a batch in itself: that is the
+server's ``/v1/translations``-style batch use.
 
 Search is deterministic: the fields that shape a sampling distribution (temperature, top_p,
 penalties, ...) are refused unless they hold their neutral value; ``seed`` and ``user`` are
@@ -94,11 +95,11 @@ async def complete(
     hyps = await until_disconnect(
         runner.batch(("search", params), sources, search), request.is_disconnected
     )
-    stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    stop = body.stop_strings()
     choices, generated = [], 0
     for i, hs in enumerate(hyps):
-        for j in range(body.n):
-            hyp = hs[j] if j < len(hs) else Hypothesis([], 0.0, True)
+        # (n of them unless the search finished fewer: no empty choice stands in for those)
+        for j, hyp in enumerate(hs[: body.n]):
             generated += len(hyp.tokens)
             text, reason = _text(lm, hyp, stop)
             choices.append({"index": i * body.n + j, "text": text, "finish_reason": reason})

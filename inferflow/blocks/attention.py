@@ -198,6 +198,10 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = pos.rotate(q, k, batch.positions)
         if batch.group is not None:
+            plain = a.window is None and a.softcap is None and not pos.has_bias
+            out = batch.group.attend(a.layer, q, k, v, self.scale) if plain else None
+            if out is not None:
+                return self.wo(out.reshape(N, -1))
             kp, vp, kpos, valid = batch.group.update(a.layer, k, v)
             bias = pos.group_bias(batch.positions, kpos)
             out = attend_decode_group(

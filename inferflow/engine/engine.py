@@ -232,8 +232,11 @@ class Engine:
         ids: list[int] = []
         views: list[KVView] = []
         pos, seqs, rows = [], [], []
-        # a pure decode step of several sequences attends in one grouped call
-        grouped = len(batch) > 1 and all(s.length == 1 for s in batch)
+        # a pure decode step of several sequences (or of one, read by the C kernel) attends
+        # in one grouped call
+        grouped = all(s.length == 1 for s in batch) and (
+            len(batch) > 1 or self.cache.kernel_decode()
+        )
         row = 0
         for s in batch:
             ids.extend(s.req.tokens[s.start : s.start + s.length])

@@ -15,6 +15,7 @@ from typing import NamedTuple
 
 import torch
 
+from inferflow import kernels
 from inferflow.errors import InferflowError, RequestError
 
 log = logging.getLogger(__name__)
@@ -132,6 +133,11 @@ class PagedKVCache:
             * head_dim
             * torch.empty((), dtype=dtype).element_size()
         )
+
+    def kernel_decode(self) -> bool:
+        """Whether decode steps read the blocks with the C kernel (inferflow.kernels): then a
+        step of even one sequence is best run as a group (no gathered copy of its keys)."""
+        return kernels.usable(self.k) and kernels.paged_decode_attention() is not None
 
     # --- block tables ---------------------------------------------------------------------
 
@@ -256,6 +262,8 @@ def gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
 
 
 class PagedGroupView:
+    """``valid`` marks each row's keys, a prefix of its ``read`` slots (the rest is padding)."""
+
     def __init__(
         self,
         cache: PagedKVCache,
@@ -265,6 +273,22 @@ class PagedGroupView:
         valid: torch.Tensor,
     ) -> None:
         self.cache, self.write, self.read, self.pos, self.valid = cache, write, read, pos, valid
+        self.lens = valid.sum(1)
+
+    def attend(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+    ) -> torch.Tensor | None:
+        """Writes the new K/V and returns plain attention (every key visible, no bias) of the
+        queries (B, H, D) over each sequence's keys, read from the blocks by the C kernel
+        (inferflow.kernels): no padded copy. None, with nothing written, where the kernel
+        cannot run; the caller then uses ``update``."""
+        ck, cv = self.cache.k[layer], self.cache.v[layer]
+        kernel = kernels.paged_decode_attention() if kernels.usable(q, ck) else None
+        if kernel is None:
+            return None
+        ck[self.write] = k
+        cv[self.write] = v
+        return kernel(q, ck, cv, self.read, self.lens, scale)
 
     def update(
         self, layer: int, k: torch.Tensor, v: torch.Tensor

@@ -90,6 +90,12 @@ class RowWindow:
         pos = c._pos[:end].expand(n, end)
         return c.k[layer, a : a + n, :end], c.v[layer, a : a + n, :end], pos, pos <= lens[:, None]
 
+    def attend(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+    ) -> None:
+        """No kernel path: ``update`` already returns views of contiguous rows, no copy."""
+        return None
+
     def row(self, i: int) -> _Row:
         return _Row(self.cache, self.start + i)
 

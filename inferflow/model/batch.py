@@ -24,6 +24,14 @@ class GroupKVView(Protocol):
         self, layer: int, k: torch.Tensor, v: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]: ...
 
+    def attend(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+    ) -> torch.Tensor | None:
+        """Writes the new K/V and returns plain attention (every key visible, no window, bias
+        or soft-cap) of q (B, H, D) without a padded copy; None, with nothing written, where
+        the view has no such path (then ``update``)."""
+        ...
+
 
 class KVView(Protocol):
     def update(

@@ -1,0 +1,172 @@
+"""The C decode-attention kernel (inferflow.kernels) against the torch path it replaces, its
+fallback where it cannot be built, and the engine with it against the engine without it."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from inferflow import kernels
+from inferflow.blocks.attention import attend_decode_group
+from inferflow.engine.engine import Engine, EngineConfig
+from inferflow.engine.kv_cache import PagedKVCache, SeqBlocks, gather
+from inferflow.engine.sampling import SamplingParams
+from inferflow.engine.scheduler import SchedulerConfig
+
+BS = 4
+
+
+def _reset() -> None:
+    kernels._library.cache_clear()
+    kernels.paged_decode_attention.cache_clear()
+
+
+@pytest.fixture
+def kernel():  # noqa: ANN201
+    fn = kernels.paged_decode_attention()
+    if fn is None:
+        pytest.skip("no C compiler here: the kernel cannot be built (the torch path runs)")
+    return fn
+
+
+def _paged_case(lens: list[int], heads: int, kv_heads: int, seed: int) -> dict:
+    """A paged cache with each sequence's blocks scattered, and the padded reference inputs."""
+    g = torch.Generator().manual_seed(seed)
+    D, B, S = 8, len(lens), max(lens)
+    need = [-(-n // BS) for n in lens]
+    perm = torch.randperm(sum(need) + 3, generator=g)
+    kc = torch.randn(len(perm) * BS, kv_heads, D, generator=g)
+    vc = torch.randn(len(perm) * BS, kv_heads, D, generator=g)
+    read = torch.zeros((B, S), dtype=torch.long)  # padding reads slot 0, masked out
+    at = 0
+    for i, n in enumerate(lens):
+        p = torch.arange(n)
+        read[i, :n] = perm[at : at + need[i]][p // BS] * BS + p % BS
+        at += need[i]
+    pos = torch.arange(S)
+    valid = pos[None, :] < torch.tensor(lens)[:, None]
+    q = torch.randn(B, heads, D, generator=g)
+    return dict(q=q, kc=kc, vc=vc, read=read, valid=valid, pos=pos.expand(B, S), lens=lens)
+
+
+@pytest.mark.parametrize(
+    "lens,heads,kv_heads",
+    [
+        ([1], 4, 2),
+        ([37], 9, 3),
+        ([5, 1, 17, 9, 33], 9, 3),  # GQA, one sequence of a single key
+        ([12, 3, 40], 4, 1),  # MQA
+        ([8, 21], 4, 4),  # MHA
+    ],
+)
+def test_kernel_equals_padded_torch_attention(kernel, lens, heads, kv_heads) -> None:  # noqa: ANN001
+    c = _paged_case(lens, heads, kv_heads, seed=len(lens) * heads)
+    scale = 0.3
+    got = kernel(c["q"], c["kc"], c["vc"], c["read"], c["valid"].sum(1), scale)
+    k, v = gather(c["kc"], c["read"]), gather(c["vc"], c["read"])
+    q_pos = torch.tensor(lens) - 1
+    want = attend_decode_group(c["q"], k, v, q_pos, c["pos"], c["valid"], scale)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # each sequence alone gives the same rows, bit for bit: no sequence depends on the others
+    for i in range(len(lens)):
+        alone = kernel(
+            c["q"][i : i + 1],
+            c["kc"],
+            c["vc"],
+            c["read"][i : i + 1],
+            c["valid"][i : i + 1].sum(1),
+            scale,
+        )
+        assert torch.equal(alone[0], got[i])
+
+
+def test_loading_the_kernel_keeps_subnormal_numbers(kernel) -> None:  # noqa: ANN001
+    """A library built with -ffast-math would turn on flush-to-zero for the whole process."""
+    tiny = float("5e-324")
+    assert tiny * 1.0 > 0.0
+    assert torch.tensor([tiny], dtype=torch.float64).mul(1.0).item() > 0.0
+
+
+def test_group_view_attend_writes_the_new_keys(kernel) -> None:  # noqa: ANN001
+    cache = PagedKVCache(2, 2, 8, BS, 16, torch.float32)
+    seqs = [SeqBlocks(), SeqBlocks()]
+    for s, n in zip(seqs, (6, 10), strict=True):
+        cache.reserve(s, n)
+    cache.k.copy_(torch.randn_like(cache.k))
+    cache.v.copy_(torch.randn_like(cache.v))
+    view = cache.group_view(seqs, [5, 9])
+    q, k, v = torch.randn(2, 4, 8), torch.randn(2, 2, 8), torch.randn(2, 2, 8)
+    out = view.attend(1, q, k, v, 0.5)
+    assert out is not None
+    assert torch.equal(cache.k[1, view.write], k) and torch.equal(cache.v[1, view.write], v)
+    kp, vp, kpos, valid = view.update(1, k, v)
+    want = attend_decode_group(q, kp, vp, torch.tensor([5, 9]), kpos, valid, 0.5)
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+
+
+def test_off_switch_and_failed_build_fall_back_to_torch(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv("INFERFLOW_KERNEL_CACHE", str(tmp_path))
+    try:
+        monkeypatch.setenv("INFERFLOW_KERNELS", "0")
+        _reset()
+        assert kernels.paged_decode_attention() is None
+        cache = PagedKVCache(1, 1, 4, BS, 4, torch.float32)
+        seq = SeqBlocks()
+        cache.reserve(seq, 3)
+        view = cache.group_view([seq], [2])
+        k = torch.ones(1, 1, 4)
+        assert view.attend(0, torch.ones(1, 2, 4), k, k, 1.0) is None
+        assert not cache.k.any()  # nothing written: the caller's update path writes
+        assert not cache.kernel_decode()
+
+        monkeypatch.setenv("INFERFLOW_KERNELS", "1")
+        monkeypatch.setenv("CC", "false")  # a compiler that always fails
+        _reset()
+        with caplog.at_level(logging.WARNING, logger="inferflow.kernels"):
+            assert kernels.paged_decode_attention() is None
+        assert "not available, using the torch path" in caplog.text
+        assert not [p for p in os.listdir(tmp_path)]  # no half-built file left behind
+    finally:
+        monkeypatch.undo()
+        _reset()
+
+
+def test_engine_with_kernel_equals_engine_without(
+    tiny_model, kernel, monkeypatch: pytest.MonkeyPatch
+) -> None:  # noqa: ANN001
+    """Mixed lengths, arrivals between steps (tests/test_engine.py compares the engine, kernel
+    and all, with each request run alone through the contiguous cache's torch path)."""
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 128, (int(n),), generator=g).tolist() for n in (3, 40, 1, 17, 29)]
+
+    def run() -> list[list[int]]:
+        eng = Engine(tiny_model, None, EngineConfig(SchedulerConfig(max_batched_tokens=48)))
+        free0 = eng.cache.alloc.num_free
+        params = [SamplingParams(max_new_tokens=6 + 3 * i, ignore_eos=True) for i in range(5)]
+        ids = [eng.add_request(prompts[0], params[0])]
+        out: dict[str, list[int]] = {}
+        step = 0
+        while eng.has_unfinished() or len(ids) < len(prompts):
+            if len(ids) < len(prompts) and step % 2:
+                ids.append(eng.add_request(prompts[len(ids)], params[len(ids)]))
+            for o in eng.step():
+                out.setdefault(o.request_id, []).extend(o.token_ids)
+            step += 1
+        assert eng.cache.alloc.num_free == free0
+        return [out[i] for i in ids]
+
+    with_kernel = run()
+    monkeypatch.setenv("INFERFLOW_KERNELS", "0")
+    _reset()
+    try:
+        without = run()
+    finally:
+        monkeypatch.delenv("INFERFLOW_KERNELS")
+        _reset()
+    assert with_kernel == without

@@ -70,13 +70,13 @@ def _stream_one(url: str, prompt: list[int], out_len: int, t0: float, result: di
 
 
 def run_llama_server(
-    binary: Path, gguf: Path, prompts: list[list[int]], out_len: int, threads: int
+    binary: Path, gguf: Path, prompts: list[list[int]], out_lens: list[int], threads: int
 ) -> dict:
     """tok/s, TTFT and inter-token gaps of N concurrent requests, as benchmarks/throughput.py's
     ``run_inferflow`` reports them (the server is started and stopped here, its start-up not
     counted)."""
     n = len(prompts)
-    ctx = n * (max(map(len, prompts)) + out_len + 16)  # -c is shared by the -np slots
+    ctx = n * (max(map(len, prompts)) + max(out_lens) + 16)  # -c is shared by the -np slots
     port = free_port()
     cmd = [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port)]
     cmd += ["-np", str(n), "-cb", "-c", str(ctx), "-t", str(threads), "-tb", str(threads)]
@@ -89,8 +89,8 @@ def run_llama_server(
         results: list[dict] = [{} for _ in prompts]
         t0 = time.perf_counter()
         workers = [
-            threading.Thread(target=_stream_one, args=(url, p, out_len, t0, r))
-            for p, r in zip(prompts, results, strict=True)
+            threading.Thread(target=_stream_one, args=(url, p, k, t0, r))
+            for p, k, r in zip(prompts, out_lens, results, strict=True)
         ]
         for w in workers:
             w.start()

@@ -1,9 +1,15 @@
 """Serving throughput on SmolLM2-135M: N concurrent requests (all submitted at t=0) with a fixed
-mix of prompt lengths, for Inferflow's continuous-batching engine, transformers' static batching
+mix of prompt and output lengths, for Inferflow's continuous-batching engine, transformers' static batching
 (one padded batch) and llama.cpp's server (``-np N -cb`` on the same Q4_1 GGUF, when a
 ``llama-server`` binary is given or on PATH), side by side in one run.
 
-    python benchmarks/throughput.py [--concurrency 1,8,32,64] [--output-len 64] [--dtype float32] [--quant Q4_B32] [--dense-batch 16] [--llama-server PATH]
+    python benchmarks/throughput.py [--concurrency 1,8,32,64] [--prompt-len 32,96] [--output-len 16,128] [--dtype float32] [--quant Q4_B32] [--dense-batch 16] [--llama-server PATH]
+
+Prompt and output lengths are drawn uniformly from the given ranges with a fixed seed per N, so
+every engine serves the same requests (``--output-len 64,64`` gives every request the same
+length). Each request stops at its own output length (end-of-text is ignored). A static batch
+runs until its longest request is done, so transformers generates max(lengths) tokens for every
+row; only each request's own tokens count as generated, for every engine.
 
 Reports total generated tokens/s (wall clock, prefill included), TTFT and inter-token latency
 (mean / p50 / p99). transformers runs in bfloat16 (its fastest CPU mode here) unless --hf-dtype.
@@ -46,14 +52,26 @@ def prompts_for(n: int, lo: int, hi: int, vocab: int) -> list[list[int]]:
     return [torch.randint(100, vocab, (k,), generator=g).tolist() for k in lens]
 
 
+def output_lens_for(n: int, lo: int, hi: int) -> list[int]:
+    g = torch.Generator().manual_seed(1000 + n)
+    return torch.randint(lo, hi + 1, (n,), generator=g).tolist()
+
+
+def length_range(text: str) -> tuple[int, int]:
+    lo, _, hi = text.partition(",")
+    return int(lo), int(hi or lo)
+
+
 def run_inferflow(
-    lm, prompts: list[list[int]], out_len: int, max_batched: int, deterministic: bool = False
+    lm, prompts: list[list[int]], out_lens: list[int], max_batched: int, deterministic: bool = False
 ) -> dict:
     sched = SchedulerConfig(max_batched_tokens=max_batched, max_running=256)
     eng = Engine(lm.model, lm.tokenizer, EngineConfig(sched, deterministic=deterministic))
-    params = SamplingParams(max_new_tokens=out_len, ignore_eos=True)
     t0 = time.perf_counter()
-    ids = [eng.add_request(p, params) for p in prompts]
+    ids = [
+        eng.add_request(p, SamplingParams(max_new_tokens=k, ignore_eos=True))
+        for p, k in zip(prompts, out_lens, strict=True)
+    ]
     first: dict[str, float] = {}
     last: dict[str, float] = {}
     gaps: list[float] = []
@@ -73,8 +91,12 @@ def run_inferflow(
     return dict(tps=n_tok / wall, ttft=ttft, itl=gaps, wall=wall)
 
 
-def run_transformers(model, prompts: list[list[int]], out_len: int, dtype: torch.dtype) -> dict:
-    n = len(prompts)
+def run_transformers(
+    model, prompts: list[list[int]], out_lens: list[int], dtype: torch.dtype
+) -> dict:
+    """One static batch: it runs until the longest request is done (max(out_lens) steps for
+    every row); each request's own out_len tokens count as generated."""
+    n, out_len = len(prompts), max(out_lens)
     width = max(map(len, prompts))
     ids = torch.zeros((n, width), dtype=torch.long)
     mask = torch.zeros((n, width), dtype=torch.long)
@@ -89,15 +111,17 @@ def run_transformers(model, prompts: list[list[int]], out_len: int, dtype: torch
         t0 = time.perf_counter()
         model.generate(ids, max_new_tokens=out_len, min_new_tokens=out_len, **kw)
         wall = time.perf_counter() - t0
+    # a request's tokens all arrive with the batch's last step (no streaming in a static batch)
     itl = (wall - ttft) / max(1, out_len - 1)
-    return dict(tps=n * out_len / wall, ttft=[ttft] * n, itl=[itl] * (n * (out_len - 1)), wall=wall)
+    gaps = [itl] * sum(k - 1 for k in out_lens)
+    return dict(tps=sum(out_lens) / wall, ttft=[ttft] * n, itl=gaps, wall=wall)
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--concurrency", default="1,8,32,64")
     ap.add_argument("--prompt-len", default="32,96", help="min,max prompt tokens")
-    ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--output-len", default="16,128", help="min,max generated tokens")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--quant", default=None)
     ap.add_argument("--max-batched-tokens", type=int, default=512)
@@ -124,7 +148,8 @@ def main() -> int:
     args = ap.parse_args()
     server = find_binary(args.llama_server)
     torch.set_num_threads(args.threads)
-    lo, hi = map(int, args.prompt_len.split(","))
+    lo, hi = length_range(args.prompt_len)
+    out_lo, out_hi = length_range(args.output_len)
     lm = load(SPEC, args.dtype, args.quant)
     dense = None
     if args.dense_batch is not None:
@@ -142,34 +167,35 @@ def main() -> int:
         ).eval()
     for model in (lm, dense):  # warm-up: the first engine run of a process pays one-off costs
         if model is not None:
-            run_inferflow(model, prompts_for(2, lo, hi, lm.spec.hparams.vocab_size), 8, 512)
+            run_inferflow(model, prompts_for(2, lo, hi, lm.spec.hparams.vocab_size), [8, 8], 512)
     rows = []
     for n in map(int, args.concurrency.split(",")):
         prompts = prompts_for(n, lo, hi, lm.spec.hparams.vocab_size)
+        outs = output_lens_for(n, out_lo, out_hi)
         if server is not None:  # first: busy torch threads would slow it
             gguf = lm.spec.source.files[0]
-            r = run_llama_server(server, gguf, prompts, args.output_len, args.threads)
+            r = run_llama_server(server, gguf, prompts, outs, args.threads)
             rows.append((n, f"llama-server -np {n} -cb (Q4_1 GGUF)", r))
-        r = run_inferflow(lm, prompts, args.output_len, args.max_batched_tokens)
+        r = run_inferflow(lm, prompts, outs, args.max_batched_tokens)
         name = f"inferflow {args.dtype}" + (f" {args.quant}" if args.quant else "")
         rows.append((n, name, r))
         if dense is not None:
-            r = run_inferflow(dense, prompts, args.output_len, args.max_batched_tokens)
+            r = run_inferflow(dense, prompts, outs, args.max_batched_tokens)
             rows.append((n, f"{name} dense_batch {args.dense_batch}", r))
         if args.deterministic:
-            r = run_inferflow(lm, prompts, args.output_len, args.max_batched_tokens, True)
+            r = run_inferflow(lm, prompts, outs, args.max_batched_tokens, True)
             rows.append((n, f"{name} deterministic", r))
         if hf is not None:
             rows.append(
                 (
                     n,
                     f"transformers {args.hf_dtype} static",
-                    run_transformers(hf, prompts, args.output_len, hf_dtype),
+                    run_transformers(hf, prompts, outs, hf_dtype),
                 )
             )
     print(f"command: python {' '.join(shlex.quote(a) for a in sys.argv)}")
     print(
-        f"model: {SPEC}; prompts {lo}-{hi} tokens, {args.output_len} generated each, all submitted at t=0; threads={args.threads}"
+        f"model: {SPEC}; prompts {lo}-{hi} tokens, {out_lo}-{out_hi} generated each (uniform, fixed seed), all submitted at t=0; threads={args.threads}"
     )
     if server is None:
         print("llama-server: none given or on PATH (--llama-server PATH); its rows are skipped")

@@ -209,6 +209,8 @@ def test_device_strings() -> None:
         (PartitionSpec(devices="cpu&cpu&cpu"), "3 tensor-parallel devices cannot split 4"),
         (PartitionSpec(devices=";".join(["cpu"] * 5)), "5 layer groups, but the model has only 4"),
         (PartitionSpec(devices="cpu;cpu", layers=(1, 2)), "adding up to the model's 4 layers"),
+        # a group of no layers (the schema refuses 0; a PartitionSpec built in Python did not)
+        (PartitionSpec(devices="cpu;cpu", layers=(0, 4)), "one count of at least 1 per layer"),
         (PartitionSpec(devices="cpu;cpu", cpu_layers=2), "give one of devices, strategy"),
         (PartitionSpec(strategy="hybrid", layer_groups=2), "strategy hybrid needs tensor_parallel"),
         (PartitionSpec(cpu_layers=4), "cpu_layers: 4 must be between 1 and 3"),

@@ -165,10 +165,10 @@ def resolve_layout(p: PartitionSpec, spec: Spec, quant: QuantSpec | None = None)
         groups = _explicit(p)
     stages = len(groups)
     if layers:
-        if len(layers) != stages or sum(layers) != n_layers:
+        if len(layers) != stages or sum(layers) != n_layers or min(layers) < 1:
             raise SpecError(
-                f"partition.layers: {layers} must give one count per layer group ({stages}) "
-                f"adding up to the model's {n_layers} layers"
+                f"partition.layers: {layers} must give one count of at least 1 per layer group "
+                f"({stages}) adding up to the model's {n_layers} layers"
             )
     else:
         layers = stage_layers(n_layers, stages)

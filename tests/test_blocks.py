@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from inferflow.blocks.position import PositionArgs, Rotary, alibi_slopes
+from inferflow.blocks.position import POSITIONS, PositionArgs, Rotary, alibi_slopes
 from inferflow.engine import logits as L
 from inferflow.engine.sampling import SamplingParams, make_sampler
 from inferflow.errors import RequestError, SpecError
@@ -102,6 +102,18 @@ def test_rope_rejects_bad_pairing_and_dim() -> None:
         _rotary(pairing="zigzag")
     with pytest.raises(SpecError, match="rotary dim 7 must be even"):
         _rotary(rotary_dim=7)
+
+
+@pytest.mark.parametrize("name", [n for n, cls in POSITIONS.items() if cls.has_bias])
+def test_group_bias_is_each_sequences_bias(name: str) -> None:
+    """A decode group's bias in one op equals bias() of each sequence alone (one query)."""
+    block = POSITIONS.get(name)(PositionArgs(32, 4, 8, 512, {"buckets": 8, "max_distance": 64}))
+    for p in block.parameters():
+        torch.nn.init.normal_(p, generator=torch.Generator().manual_seed(0))
+    q_pos = torch.tensor([3, 0, 200])
+    k_pos = torch.stack([torch.arange(5), torch.arange(5) * 0, torch.arange(196, 201)])  # (B, S)
+    want = torch.stack([block.bias(q_pos[b : b + 1], k_pos[b]) for b in range(3)])  # type: ignore[misc]
+    torch.testing.assert_close(block.group_bias(q_pos, k_pos), want)
 
 
 @pytest.mark.parametrize("n_heads", [1, 4, 6, 8, 12, 16])

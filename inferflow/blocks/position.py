@@ -326,3 +326,7 @@ class RelativeBias(PositionBlock):
     def bias(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor | None:
         rel = k_pos[None, :] - q_pos[:, None]  # (T, S)
         return self.weight[self._bucket(rel)].permute(2, 0, 1)  # (H, T, S)
+
+    def group_bias(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor | None:
+        rel = k_pos - q_pos[:, None]  # (B, S)
+        return self.weight[self._bucket(rel)].permute(0, 2, 1)[:, :, None]  # (B, H, 1, S)

@@ -125,11 +125,12 @@ def encode(
     """(header, payload) of one step."""
     parts: list[torch.Tensor] = [torch.tensor(copies, dtype=torch.long).view(-1)]
     for mb in mbs:
-        grouped = isinstance(mb.reads, torch.Tensor)
-        width = mb.reads.shape[1] if isinstance(mb.reads, torch.Tensor) else 0
-        head = [mb.token_ids.shape[0], len(mb.lengths), mb.rows.shape[0], int(grouped), width]
+        if isinstance(mb.reads, torch.Tensor):  # a decode group: one (B, width) table
+            grouped, width, reads = 1, mb.reads.shape[1], mb.reads.reshape(-1)
+        else:
+            grouped, width, reads = 0, 0, torch.cat(mb.reads)
+        head = [mb.token_ids.shape[0], len(mb.lengths), mb.rows.shape[0], grouped, width]
         parts += [torch.tensor(head + mb.lengths, dtype=torch.long), mb.token_ids, mb.positions]
-        reads = mb.reads.reshape(-1) if isinstance(mb.reads, torch.Tensor) else torch.cat(mb.reads)
         parts += [mb.rows, reads]
     payload = torch.cat([p.long() for p in parts])
     header = torch.tensor(

@@ -8,7 +8,14 @@ import pytest
 import torch
 
 from inferflow.engine.output_layer import fused_topk, naive_topk
-from inferflow.engine.search import SearchParams, beam_search, ngram_bans, prune_mask
+from inferflow.engine.search import (
+    Decoding,
+    SearchParams,
+    SearchStats,
+    beam_search,
+    ngram_bans,
+    prune_mask,
+)
 from inferflow.engine.var_stream import stream_search
 from inferflow.errors import Stopped
 from inferflow.model.build import load_model
@@ -130,6 +137,19 @@ def test_dropping_finished_inputs_changes_nothing(bart) -> None:
     p = SearchParams(beam_width=4, max_new_tokens=12)
     inputs = _inputs(4, (9, 3, 14, 6), seed=5)
     assert beam_search(model, inputs, p) == beam_search(model, inputs, p, drop_finished=False)
+
+
+def test_cache_rows_hold_each_input_not_more(llama) -> None:
+    """A row holds one input's prefix and new tokens, both bounded by the context: a short
+    prompt's many new tokens and a long prompt's few are not added up (that allocated nearly
+    twice the context)."""
+    _, model = llama
+    n_pos = model.spec.hparams.max_positions
+    inputs = _inputs(2, (1, n_pos - 50), seed=3)
+    core = Decoding(model, SearchParams(max_new_tokens=10 * n_pos), {EOS}, True, SearchStats())
+    limits = core.limits(inputs)
+    assert limits == [n_pos - 1, 50]
+    assert core.new_cache(inputs, limits, 2, capacity=2).k.shape[2] == n_pos
 
 
 def test_stop_ends_a_search_between_steps(bart) -> None:

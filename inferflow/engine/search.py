@@ -200,14 +200,14 @@ class Decoding:
         self, inputs: list[list[int]], limits: list[int], rows: int, capacity: int
     ) -> RowCache:
         """``rows`` rows (room for ``capacity``), each as long as any beam of ``inputs`` can
-        grow: the longest prefix (prompt, or the start token), then the most new tokens."""
+        grow: the largest prefix (prompt, or the start token) plus new tokens of one input."""
         h = self.model.spec.hparams
-        prefix = 1 if self.enc_dec else max(map(len, inputs))
+        prefixes = [1] * len(inputs) if self.enc_dec else [len(x) for x in inputs]
         dtype = next(self.model.parameters()).dtype
         return RowCache(
             h.n_layers,
             rows,
-            prefix + max(limits),
+            max(a + n for a, n in zip(prefixes, limits, strict=True)),
             h.n_kv_heads,
             h.head_dim,
             dtype,

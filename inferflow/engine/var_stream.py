@@ -76,7 +76,7 @@ class _Stream:
     def _admit(self) -> None:
         """Refill: new inputs at full width into the room left, once few beams are live."""
         live = len(self.beams)
-        if not self.queue or (live > self.low and live > 0):
+        if not self.queue or live > self.low:  # (low >= 0: an empty batch always refills)
             return
         W = self.params.beam_width
         n = min(len(self.queue), max(1, (self.capacity - live) // W))

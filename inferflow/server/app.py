@@ -37,7 +37,7 @@ from inferflow.model.batch import check_inputs
 from inferflow.runtime import LanguageModel, load
 from inferflow.server.generation import Generation
 from inferflow.server.metrics import Metrics
-from inferflow.server.openapi import responses, trim_schema
+from inferflow.server.openapi import HEALTH, responses, trim_schema
 from inferflow.server.protocol import (
     ChatBody,
     CompletionBody,
@@ -187,7 +187,7 @@ def create_app(cfg: ServerConfig) -> FastAPI:
             allow_headers=["*"],
         )
 
-    @app.get("/health", responses=responses(health=True))
+    @app.get("/health", responses=HEALTH)
     async def health() -> JSONResponse:
         if state.load_error:
             return JSONResponse({"status": "failed", "error": state.load_error}, 500)
@@ -217,9 +217,7 @@ def create_app(cfg: ServerConfig) -> FastAPI:
     )
     async def completions(body: CompletionBody, request: Request) -> Any:
         lm, runner = state.generating(body.model, chat=False)
-        prompts = [
-            p if isinstance(p, list) else _encode(state, p) for p in prompt_list(body.prompt)
-        ]
+        prompts = _prompt_ids(state, body.prompt)
         if lm.spec.network.type == "encoder_decoder":
             return await seq2seq_complete(lm, runner, state.name, body, prompts, request)
         params = body.sampling(
@@ -267,7 +265,7 @@ def create_app(cfg: ServerConfig) -> FastAPI:
                 f"dimensions: this model's embeddings have {dim} dimensions, got {body.dimensions}",
                 param="dimensions",
             )
-        inputs = [p if isinstance(p, list) else _encode(state, p) for p in prompt_list(body.input)]
+        inputs = _prompt_ids(state, body.input)
         h = lm.spec.hparams
         check_inputs(inputs, h.vocab_size, h.max_positions, "input")
 
@@ -317,8 +315,12 @@ def create_app(cfg: ServerConfig) -> FastAPI:
     return app
 
 
-def _encode(state: ServerState, text: str) -> list[int]:
-    return state.tokenizer().encode(text, add_special_tokens=True)
+def _prompt_ids(state: ServerState, prompt: Any) -> list[list[int]]:
+    """A prompt or input field (any of OpenAI's four shapes) as token-id lists."""
+    return [
+        p if isinstance(p, list) else state.tokenizer().encode(p, add_special_tokens=True)
+        for p in prompt_list(prompt)
+    ]
 
 
 def _chat_ids(state: ServerState, messages: list[Any]) -> list[int]:

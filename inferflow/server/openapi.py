@@ -23,6 +23,14 @@ SSE_EVENT = {
     "required": ["data"],
 }
 RETRY_AFTER = {"Retry-After": {"description": "seconds to wait", "schema": {"type": "string"}}}
+# /health answers its own status object, never an error object
+_STATUS = {
+    "application/json": {"schema": {"type": "object", "properties": {"status": {"type": "string"}}}}
+}
+HEALTH: dict[int | str, dict[str, Any]] = {
+    503: {"description": "loading", "content": _STATUS},
+    500: {"description": "loading failed", "content": _STATUS},
+}
 WHY = {
     400: "a bad field (named in param), a prompt longer than the context, malformed JSON",
     401: "no or a wrong API key (Authorization: Bearer KEY)",
@@ -41,20 +49,11 @@ def responses(
     queued: bool = False,
     sse: bool = False,
     metrics: bool = False,
-    health: bool = False,
 ) -> dict[int | str, dict[str, Any]]:
     """The responses a route can give besides its 200 JSON: ``body`` for routes that read a
     request body, ``queued`` for routes whose work waits in a bounded queue (429: completions,
-    chat, embeddings), ``sse`` for routes that can stream (a text/event-stream 200)."""
-    if health:
-        status = {"type": "object", "properties": {"status": {"type": "string"}}}
-        return {
-            503: {"description": "loading", "content": {"application/json": {"schema": status}}},
-            500: {
-                "description": "loading failed",
-                "content": {"application/json": {"schema": status}},
-            },
-        }
+    chat, embeddings), ``sse`` for routes that can stream (a text/event-stream 200),
+    ``metrics`` for /metrics (it answers while the model loads, or after loading failed)."""
     codes = [401] if auth else []
     if not metrics:
         codes += [500, 503]

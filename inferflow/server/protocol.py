@@ -197,21 +197,21 @@ class DetokenizeBody(Body):
 
 
 def prompt_list(p: str | list[str] | list[int] | list[list[int]]) -> list[str | list[int]]:
-    """OpenAI's four prompt shapes as a list of prompts (text or token ids)."""
+    """OpenAI's four prompt shapes (validated: no list is empty) as a list of prompts (text or
+    token ids)."""
     if isinstance(p, str):
         return [p]
-    if not p:
-        raise RequestError("prompt: the list is empty; give at least one prompt")
     if all(isinstance(x, int) for x in p):
         return [list(p)]  # type: ignore[arg-type]
     return list(p)  # type: ignore[arg-type]
 
 
-MODELS: tuple[type[BaseModel], ...] = (
-    CompletionBody, ChatBody, EmbeddingBody, TokenizeText, TokenizeChat, DetokenizeBody,
-    Message, TextPart, StreamOptions,
-)  # fmt: skip
-FIELDS = {name for m in MODELS for name in m.model_fields}
+def _bodies(cls: type[BaseModel] = Body) -> list[type[BaseModel]]:
+    return [c for sub in cls.__subclasses__() for c in (sub, *_bodies(sub))]
+
+
+# every field name of a request body: in an error's path, what is not one is a union member
+FIELDS = {name for m in _bodies() for name in m.model_fields}
 
 
 def describe_invalid(errors: list[dict[str, Any]]) -> tuple[str | None, str]:

@@ -99,10 +99,12 @@ async def complete(
     choices, generated = [], 0
     for i, hs in enumerate(hyps):
         # (n of them unless the search finished fewer: no empty choice stands in for those)
-        for j, hyp in enumerate(hs[: body.n]):
+        for j, hyp in enumerate(hs):
             generated += len(hyp.tokens)
             text, reason = _text(lm, hyp, stop)
-            choices.append({"index": i * body.n + j, "text": text, "finish_reason": reason})
+            choices.append(
+                {"index": i * body.n + j, "text": text, "logprobs": None, "finish_reason": reason}
+            )
     prompt = sum(map(len, sources))
     usage = {"prompt_tokens": prompt, "completion_tokens": generated}
     usage["total_tokens"] = prompt + generated
@@ -113,12 +115,12 @@ async def complete(
         "model": model_name,
     }
     if not body.stream:
-        return {**head, "choices": [{**c, "logprobs": None} for c in choices], "usage": usage}
+        return {**head, "choices": choices, "usage": usage}
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
     async def sse() -> AsyncIterator[str]:
         for c in choices:
-            yield sse_event({**head, "choices": [{**c, "logprobs": None}]})
+            yield sse_event({**head, "choices": [c]})
         if include_usage:
             yield sse_event({**head, "choices": [], "usage": usage})
         yield "data: [DONE]\n\n"

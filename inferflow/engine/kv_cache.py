@@ -137,7 +137,7 @@ class PagedKVCache:
     def kernel_decode(self) -> bool:
         """Whether decode steps read the blocks with the C kernel (inferflow.kernels): then a
         step of even one sequence is best run as a group (no gathered copy of its keys)."""
-        return kernels.usable(self.k) and kernels.paged_decode_attention() is not None
+        return kernels.decode_attention_for(self.k) is not None
 
     # --- block tables ---------------------------------------------------------------------
 
@@ -273,7 +273,8 @@ class PagedGroupView:
         valid: torch.Tensor,
     ) -> None:
         self.cache, self.write, self.read, self.pos, self.valid = cache, write, read, pos, valid
-        self.lens = valid.sum(1)
+        self.kernel = kernels.decode_attention_for(cache.k)
+        self.lens = valid.sum(1) if self.kernel is not None else None
 
     def attend(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
@@ -282,13 +283,12 @@ class PagedGroupView:
         queries (B, H, D) over each sequence's keys, read from the blocks by the C kernel
         (inferflow.kernels): no padded copy. None, with nothing written, where the kernel
         cannot run; the caller then uses ``update``."""
-        ck, cv = self.cache.k[layer], self.cache.v[layer]
-        kernel = kernels.paged_decode_attention() if kernels.usable(q, ck) else None
-        if kernel is None:
+        if self.kernel is None or self.lens is None:
             return None
+        ck, cv = self.cache.k[layer], self.cache.v[layer]
         ck[self.write] = k
         cv[self.write] = v
-        return kernel(q, ck, cv, self.read, self.lens, scale)
+        return self.kernel(q, ck, cv, self.read, self.lens, scale)
 
     def update(
         self, layer: int, k: torch.Tensor, v: torch.Tensor

@@ -145,6 +145,8 @@ def paged_decode_attention() -> PagedDecode | None:
     return run
 
 
-def usable(*tensors: torch.Tensor) -> bool:
-    """Whether the float32 CPU kernels can take these tensors."""
-    return all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
+def decode_attention_for(cache: torch.Tensor) -> PagedDecode | None:
+    """``paged_decode_attention`` where it can read this KV cache (float32, CPU), else None."""
+    if cache.device.type != "cpu" or cache.dtype != torch.float32:
+        return None
+    return paged_decode_attention()

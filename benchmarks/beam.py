@@ -19,25 +19,15 @@ import argparse
 import shlex
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
+from timing import timed
 
 from inferflow.engine.output_layer import fused_topk, naive_topk
 from inferflow.engine.search import SearchParams, SearchStats, beam_search
 from inferflow.model.build import load_model
 from inferflow.spec import load_spec
-
-
-def best_of(fn, repeats: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
 
 
 def output_layer_table(sources: int, repeats: int) -> None:
@@ -51,13 +41,13 @@ def output_layer_table(sources: int, repeats: int) -> None:
         for beam in (1, 4, 8):
             h = torch.randn(sources * beam, 512, generator=g)
             k = 2 * beam
-            t_naive = best_of(
+            t_naive = timed(
                 lambda h=h, k=k, w=w, b=b: naive_topk(
                     h, lambda x: torch.nn.functional.linear(x, w, b), k
                 ),
                 repeats,
             )
-            t_fused = best_of(lambda h=h, k=k, w=w, b=b: fused_topk(h, w, b, k), repeats)
+            t_fused = timed(lambda h=h, k=k, w=w, b=b: fused_topk(h, w, b, k), repeats)
             print(
                 f"| {vocab} | {beam} | {h.shape[0]} | {t_naive * 1e3:.2f} | {t_fused * 1e3:.2f} "
                 f"| {t_naive / t_fused:.2f} |"
@@ -101,8 +91,8 @@ def search_table(model: torch.nn.Module, sources: list[list[int]], repeats: int)
         p = SearchParams(beam_width=beam, max_new_tokens=24)
         c = SearchStats()
         beam_search(model, sources, p, stats=c)
-        t_naive = best_of(lambda p=p: beam_search(model, sources, p, fused=False), repeats)
-        t_fused = best_of(lambda p=p: beam_search(model, sources, p, fused=True), repeats)
+        t_naive = timed(lambda p=p: beam_search(model, sources, p, fused=False), repeats)
+        t_fused = timed(lambda p=p: beam_search(model, sources, p, fused=True), repeats)
         print(
             f"| {beam} | {c.steps} | {t_naive / c.steps * 1e3:.1f} | {t_fused / c.steps * 1e3:.1f} "
             f"| {t_naive / t_fused:.2f} |"
@@ -139,7 +129,7 @@ def drop_table(repeats: int) -> None:
         for drop in (False, True):
             c = SearchStats()
             beam_search(lm.model, sources, p, drop_finished=drop, stats=c)
-            t = best_of(
+            t = timed(
                 lambda p=p, drop=drop: beam_search(lm.model, sources, p, drop_finished=drop),
                 repeats,
             )

@@ -1,7 +1,9 @@
 """One decode step's attention over the paged KV cache: the torch path (gather every sequence's
 keys and values into a copy padded to the longest, one masked SDPA call) against the C kernel
 (inferflow.kernels.paged_decode_attention, reads each sequence's own keys straight from its
-blocks), side by side in one run, for SmolLM2-135M's geometry (9 query / 3 KV heads of 64).
+blocks), side by side in one run, for SmolLM2-135M's geometry (9 query / 3 KV heads of 64). Both
+run as the engine runs them, through the step's ``PagedGroupView`` (``update`` then
+``attend_decode_group``, against ``attend``), the new token's K/V write included.
 
     python benchmarks/decode_attention.py [--batch 1,8,32] [--repeat 200] [--threads N]
 
@@ -18,7 +20,6 @@ import os
 import shlex
 import statistics
 import sys
-import time
 from functools import partial
 from pathlib import Path
 
@@ -26,50 +27,38 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from timing import timed  # noqa: E402
+
 from inferflow import kernels  # noqa: E402
 from inferflow.blocks.attention import attend_decode_group  # noqa: E402
-from inferflow.engine.kv_cache import gather  # noqa: E402
+from inferflow.engine.kv_cache import PagedGroupView, PagedKVCache, SeqBlocks  # noqa: E402
 
 H, KVH, D, BS = 9, 3, 64, 16
 
 
-def case(batch: int, lens: list[int], blocks: int) -> dict:
-    g = torch.Generator().manual_seed(batch)
-    S = max(lens)
-    # each sequence's blocks scattered over the pool, as after many requests came and went
-    perm = torch.randperm(blocks, generator=g)
-    need = [-(-n // BS) for n in lens]
-    tables, at = [], 0
-    for n in need:
-        tables.append(perm[at : at + n])
-        at += n
-    pos = torch.arange(S)
-    read = torch.zeros((batch, S), dtype=torch.long)
-    for i, t in enumerate(tables):
-        p = pos[: lens[i]]
-        read[i, : lens[i]] = t[p // BS] * BS + p % BS
-    valid = pos[None, :] < torch.tensor(lens)[:, None]
-    return dict(read=read, valid=valid, lens=valid.sum(1), q_pos=torch.tensor(lens) - 1, pos=pos)
+def group_view(cache: PagedKVCache, lens: list[int], seed: int) -> PagedGroupView:
+    """The engine's view of a decode step of sequences of ``lens`` tokens (the last one new),
+    each sequence's blocks scattered over the pool, as after many requests came and went."""
+    perm = torch.randperm(cache.alloc.num_blocks, generator=torch.Generator().manual_seed(seed))
+    seqs, at = [], 0
+    for n in lens:
+        need = -(-n // cache.block_size)
+        seqs.append(SeqBlocks(perm[at : at + need].tolist()))
+        at += need
+    return cache.group_view(seqs, [n - 1 for n in lens])
 
 
-def padded_attention(
-    kc: torch.Tensor, vc: torch.Tensor, q: torch.Tensor, c: dict, scale: float
-) -> torch.Tensor:
-    """The torch path: every sequence's keys gathered into a copy padded to the longest."""
-    k, v = gather(kc, c["read"]), gather(vc, c["read"])
-    pos = c["pos"].expand(q.shape[0], -1)
-    return attend_decode_group(q, k, v, c["q_pos"], pos, c["valid"], scale)
+def torch_path(view: PagedGroupView, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+    """The engine's torch path: every sequence's keys gathered into a copy padded to the longest."""
+    k, v, pos, valid = view.update(0, kv, kv)
+    return attend_decode_group(q, k, v, view.lens - 1, pos, valid, D**-0.5)
 
 
-def time_us(fn, repeat: int) -> float:  # noqa: ANN001
-    for _ in range(5):
-        fn()
-    ts = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts) * 1e6
+def kernel_path(view: PagedGroupView, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+    """The C kernel, reading each sequence's own keys from its blocks."""
+    out = view.attend(0, q, kv, kv, D**-0.5)
+    assert out is not None
+    return out
 
 
 def main() -> int:
@@ -80,9 +69,10 @@ def main() -> int:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     kernel = kernels.paged_decode_attention()
-    blocks = 16384  # 16k blocks x 16 tokens x 768 bytes: 200 MB a cache tensor
-    kc = torch.randn(blocks * BS, KVH, D)
-    vc = torch.randn(blocks * BS, KVH, D)
+    # 16k blocks x 16 tokens x 768 bytes: 200 MB a cache tensor, far beyond the CPU's caches
+    cache = PagedKVCache(1, KVH, D, BS, 16384, torch.float32)
+    cache.k.normal_()
+    cache.v.normal_()
     rows = []
     for b in map(int, args.batch.split(",")):
         g = torch.Generator().manual_seed(b)
@@ -90,22 +80,19 @@ def main() -> int:
         skewed = [2048] + [128] * (b - 1)
         for name, lens in (("lengths 96-160", even), ("one 2048, rest 128", skewed)):
             if b == 1 and name.startswith("one"):
-                lens = [2048]
-                name = "length 2048"
-            c = case(b, lens, blocks)
-            q = torch.randn(b, H, D)
-            scale = D**-0.5
-
-            torch_path = partial(padded_attention, kc, vc, q, c, scale)
-            kernel_path = (
-                partial(kernel, q, kc, vc, c["read"], c["lens"], scale) if kernel else None
+                name, lens = "length 2048", [2048]
+            view = group_view(cache, lens, b)
+            q, kv = torch.randn(b, H, D, generator=g), torch.randn(b, KVH, D, generator=g)
+            t_torch = 1e6 * timed(
+                partial(torch_path, view, q, kv), args.repeat, statistics.median, 5
             )
-            t_torch = time_us(torch_path, args.repeat)
             t_kernel, err = float("nan"), float("nan")
-            if kernel_path is not None:
-                t_kernel = time_us(kernel_path, args.repeat)
-                err = (torch_path() - kernel_path()).abs().max().item()
-            padded = 2 * c["read"].numel() * KVH * D * 4
+            if kernel is not None:
+                t_kernel = 1e6 * timed(
+                    partial(kernel_path, view, q, kv), args.repeat, statistics.median, 5
+                )
+                err = (torch_path(view, q, kv) - kernel_path(view, q, kv)).abs().max().item()
+            padded = 2 * view.read.numel() * KVH * D * 4
             rows.append((b, name, t_torch, t_kernel, err, padded))
     print(f"command: python {' '.join(shlex.quote(a) for a in sys.argv)}")
     print(f"threads={args.threads}; kernel: {'built' if kernel else 'not available'}")

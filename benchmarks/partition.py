@@ -32,6 +32,8 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from timing import timed  # noqa: E402
+
 from inferflow.engine.engine import Engine, EngineConfig  # noqa: E402
 from inferflow.engine.sampling import SamplingParams  # noqa: E402
 from inferflow.engine.scheduler import SchedulerConfig  # noqa: E402
@@ -69,25 +71,15 @@ def make_model(d: Path, hidden: int, layers: int) -> Spec:
 # --- calibration --------------------------------------------------------------------------
 
 
-def _best(fn, reps: int = 5) -> float:  # type: ignore[no-untyped-def]
-    fn()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
-
-
 def compute_rates(threads: int, hidden: int) -> tuple[float, float]:
     """(matmul FLOP/s, memory bandwidth bytes/s) with ``threads`` threads."""
     saved = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         a, b = torch.randn(256, hidden), torch.randn(hidden, 3 * hidden)
-        flops = 2 * 256 * hidden * 3 * hidden / _best(lambda: a @ b)
+        flops = 2 * 256 * hidden * 3 * hidden / timed(lambda: a @ b, 5)
         w, x = torch.randn(4096, 4096), torch.randn(4, 4096)  # a decode-shaped matmul: weight-bound
-        bandwidth = w.numel() * 4 / _best(lambda: x @ w.t())
+        bandwidth = w.numel() * 4 / timed(lambda: x @ w.t(), 5)
     finally:
         torch.set_num_threads(saved)
     return flops, bandwidth
@@ -96,8 +88,8 @@ def compute_rates(threads: int, hidden: int) -> tuple[float, float]:
 def _link_rank(rank: int, address: str, out: dict) -> None:  # type: ignore[type-arg]
     dist.init_process_group("gloo", init_method=address, rank=rank, world_size=2)
     small, big = torch.ones(256), torch.ones(1 << 21)  # 1 KiB, 8 MiB
-    lat = _best(lambda: dist.all_reduce(small), reps=50)
-    bw = big.numel() * 4 / _best(lambda: dist.all_reduce(big), reps=5)
+    lat = timed(lambda: dist.all_reduce(small), 50)
+    bw = big.numel() * 4 / timed(lambda: dist.all_reduce(big), 5)
     if rank == 0:
         out["latency"], out["link"] = lat, bw
     dist.destroy_process_group()
@@ -133,13 +125,13 @@ def run(
     forward = engine._execute
     spent: list[float] = []
 
-    def timed(batch):  # type: ignore[no-untyped-def]
+    def execute(batch):  # type: ignore[no-untyped-def]
         f0 = time.perf_counter()
         out = forward(batch)
         spent.append(time.perf_counter() - f0)
         return out
 
-    engine._execute = timed  # type: ignore[method-assign]
+    engine._execute = execute  # type: ignore[method-assign]
     steps, passes, t0 = [], [], time.perf_counter()
     while engine.has_unfinished():
         pure = all(r.kv.num_computed == len(r.tokens) - 1 for r in engine.scheduler.running) and (

@@ -17,13 +17,14 @@ import math
 import shlex
 import statistics
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from timing import timed  # noqa: E402
 
 from inferflow.engine.sampling import (  # noqa: E402
     Sampler,
@@ -46,13 +47,7 @@ def before(s: Sampler, x: torch.Tensor) -> int:
 
 
 def step_ms(fn: Callable[[], object], steps: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
+    return 1e3 * timed(fn, steps, statistics.median)
 
 
 def compare(b: int, n_top_p: int, vocab: int, steps: int) -> tuple[float, float, float]:

@@ -1,7 +1,7 @@
 """Serving throughput on SmolLM2-135M: N concurrent requests (all submitted at t=0) with a fixed
-mix of prompt and output lengths, for Inferflow's continuous-batching engine, transformers' static batching
-(one padded batch) and llama.cpp's server (``-np N -cb`` on the same Q4_1 GGUF, when a
-``llama-server`` binary is given or on PATH), side by side in one run.
+mix of prompt and output lengths, for Inferflow's continuous-batching engine, transformers'
+static batching (one padded batch) and llama.cpp's server (``-np N -cb`` on the same Q4_1 GGUF,
+when a ``llama-server`` binary is given or on PATH), side by side in one run.
 
     python benchmarks/throughput.py [--concurrency 1,8,32,64] [--prompt-len 32,96] [--output-len 16,128] [--dtype float32] [--quant Q4_B32] [--dense-batch 16] [--llama-server PATH]
 
@@ -91,9 +91,7 @@ def run_inferflow(
     return dict(tps=n_tok / wall, ttft=ttft, itl=gaps, wall=wall)
 
 
-def run_transformers(
-    model, prompts: list[list[int]], out_lens: list[int], dtype: torch.dtype
-) -> dict:
+def run_transformers(model, prompts: list[list[int]], out_lens: list[int]) -> dict:
     """One static batch: it runs until the longest request is done (max(out_lens) steps for
     every row); each request's own out_len tokens count as generated."""
     n, out_len = len(prompts), max(out_lens)
@@ -111,7 +109,7 @@ def run_transformers(
         t0 = time.perf_counter()
         model.generate(ids, max_new_tokens=out_len, min_new_tokens=out_len, **kw)
         wall = time.perf_counter() - t0
-    # a request's tokens all arrive with the batch's last step (no streaming in a static batch)
+    # generate returns at the end, with no per-token stamps: each gap is the mean decode step
     itl = (wall - ttft) / max(1, out_len - 1)
     gaps = [itl] * sum(k - 1 for k in out_lens)
     return dict(tps=sum(out_lens) / wall, ttft=[ttft] * n, itl=gaps, wall=wall)
@@ -190,7 +188,7 @@ def main() -> int:
                 (
                     n,
                     f"transformers {args.hf_dtype} static",
-                    run_transformers(hf, prompts, outs, hf_dtype),
+                    run_transformers(hf, prompts, outs),
                 )
             )
     print(f"command: python {' '.join(shlex.quote(a) for a in sys.argv)}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import os
 from pathlib import Path
@@ -10,7 +11,10 @@ import pytest
 import torch
 import yaml
 
+from inferflow.blocks.linear import Linear
 from inferflow.model.build import load_model
+from inferflow.quant import quantize
+from inferflow.quant.apply import QuantPolicy
 from inferflow.spec import load_spec
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -79,6 +83,45 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> torch.nn.Module:
     """Inferflow's model of a tiny random llama (vocab 128, no end token, sharp logits)."""
     d = tmp_path_factory.mktemp("tiny")
     return tiny_llama(d, sharpen=8.0, eos_token_id=None, bos_token_id=None)[1]
+
+
+@pytest.fixture(scope="session")
+def quant_llamas(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Tiny random llamas (2 layers, hidden 128) saved as HF checkpoints, "tied" and "untied"
+    head, sized so that every format's block divides each layer's in_features."""
+    tf = pytest.importorskip("transformers")
+    out = {}
+    for tied in (False, True):
+        cfg = tf.LlamaConfig(
+            hidden_size=128,  # multiples of 64: every format's block size divides each in_features
+            intermediate_size=192,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            num_hidden_layers=2,
+            vocab_size=256,
+            max_position_embeddings=64,
+            tie_word_embeddings=tied,
+        )
+        torch.manual_seed(0)
+        model = tf.LlamaForCausalLM(cfg)
+        with torch.no_grad():  # perturb norms (init 1) so every tensor matters
+            for p in model.parameters():
+                p.add_(torch.randn(p.shape) * 0.05)
+        d = tmp_path_factory.mktemp("tied" if tied else "untied")
+        model.save_pretrained(d)
+        out["tied" if tied else "untied"] = d
+    return out
+
+
+def dequantized_copy(model: torch.nn.Module, policy: QuantPolicy) -> torch.nn.Module:
+    """The float model with each policy-mapped weight replaced by its dequantized value."""
+    ref = copy.deepcopy(model)
+    with torch.no_grad():
+        for path, m in ref.named_modules():
+            fmt = policy.format_for(path)
+            if isinstance(m, Linear) and fmt is not None:
+                m.weight.copy_(quantize(m.weight, fmt).dequantize())
+    return ref
 
 
 # --- random transformers models saved as safetensors and pickles (parity tests) ---

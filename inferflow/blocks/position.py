@@ -171,7 +171,7 @@ class Rotary(PositionBlock):
         self.register_buffer("inv_freq", inv, persistent=False)
         self._cached: tuple[torch.Tensor, torch.dtype, torch.Tensor, torch.Tensor] | None = None
 
-    def _cos_sin(
+    def cos_sin(
         self, positions: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.float()[:, None] * self.inv_freq[None, :]  # (N, rd/2)
@@ -195,7 +195,7 @@ class Rotary(PositionBlock):
         # every layer of one forward rotates at the same positions: compute cos / sin once
         key = (positions, q.dtype)
         if self._cached is None or self._cached[0] is not positions or self._cached[1] != q.dtype:
-            self._cached = (*key, *self._cos_sin(positions, q.dtype))
+            self._cached = (*key, *self.cos_sin(positions, q.dtype))
         cos, sin = self._cached[2], self._cached[3]
         qk = self._rotate_one(torch.cat((q, k), dim=1), cos, sin)  # (N, H + KVH, D): one pass
         return qk[:, : q.shape[1]], qk[:, q.shape[1] :]

@@ -290,6 +290,13 @@ class PagedGroupView:
         cv[self.write] = v
         return self.kernel(q, ck, cv, self.read, self.lens, scale)
 
+    def decode_slots(self, position: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """For inferflow.model.fused (one sequence): the whole cache and the slots of its
+        positions 0..position, the last being where this step writes."""
+        if self.read.shape[0] != 1:
+            raise ValueError(f"decode_slots reads one sequence, not {self.read.shape[0]}")
+        return self.cache.k, self.cache.v, self.read[0, : position + 1]
+
     def update(
         self, layer: int, k: torch.Tensor, v: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -134,3 +134,9 @@ class ContiguousKVCache:
         self.k[layer, start:end] = k
         self.v[layer, start:end] = v
         return self.k[layer, :end], self.v[layer, :end], self._pos[:end]
+
+    def decode_slots(self, position: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """For inferflow.model.fused: the whole cache and the rows of positions 0..position."""
+        if position >= self.max_len:
+            raise ValueError(f"position {position} is past the cache length {self.max_len}")
+        return self.k, self.v, self._pos[: position + 1]

@@ -109,7 +109,7 @@ def load_model(
         if keep:
             from inferflow.quant.apply import keep_checkpoint
 
-            keep_checkpoint(model, keep, ties)
+            keep_checkpoint(model, keep, ties, q.kernel)
     finally:
         source.close()
     if q.weights or q.overrides:

@@ -30,6 +30,7 @@ from inferflow.blocks.position import PositionBlock
 from inferflow.blocks.split import WHOLE, TensorSplit
 from inferflow.errors import SpecError
 from inferflow.model.batch import FlatBatch
+from inferflow.model.fused import FusedDecode
 from inferflow.spec.types import HParams, NetworkSpec, Spec
 
 
@@ -186,6 +187,8 @@ class Stack(nn.Module):
         self.embed_scale = _scale(net.embedding_scale, "sqrt_hidden", h.hidden)
         self.output_scale = _scale(net.output_scale, "inv_sqrt_hidden", h.hidden)
         self.final_softcap = net.final_softcap
+        self._fused: FusedDecode | None = None
+        self._fused_checked = False
 
     @staticmethod
     def _windows(net: NetworkSpec, h: HParams, n_layers: int) -> list[int | None]:
@@ -229,10 +232,23 @@ class Stack(nn.Module):
         return x
 
     def run_layers(self, x: torch.Tensor, batch: FlatBatch) -> torch.Tensor:
+        if x.shape[0] == 1:  # one sequence's decode step: one C call where the stack allows
+            fused = self.fused_decode()
+            out = fused.run(x, batch) if fused is not None else None
+            if out is not None:
+                return out
         for layer in self.layers():
             pos = self.pos_local if layer.local and self.pos_local is not None else self.pos_embed
             x = layer(x, batch, pos)
         return x
+
+    def fused_decode(self) -> FusedDecode | None:
+        """The stack's one-call decode path (inferflow.model.fused), built on first use (after
+        the weights are bound and quantized); None where the stack has none."""
+        if not self._fused_checked:
+            self._fused = FusedDecode.build(self)
+            self._fused_checked = True
+        return self._fused
 
     def final_norm(self, x: torch.Tensor) -> torch.Tensor:
         return self.output_norm(x) if self.output_norm is not None else x

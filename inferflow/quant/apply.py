@@ -133,6 +133,7 @@ def keep_checkpoint(
     model: nn.Module,
     quantized: dict[str, dict[int, QuantTensor]],
     tie_outputs: Sequence[tuple[str, str]] = (),
+    kernel: str | None = None,
 ) -> QuantReport:
     """Give every ``Linear`` whose checkpoint weight was stored quantized (as recorded by
     ``bind_weights(quantized=...)``) a QuantLinear over those very blocks, where the format has
@@ -155,7 +156,7 @@ def keep_checkpoint(
                 continue
             if lin is None and _get(model, target) is not None:
                 continue  # the head is not tied after all
-            q = QuantLinear(qt, None if lin is None else lin.bias)
+            q = QuantLinear(qt, None if lin is None else lin.bias, kernel)
             _set(model, target, q)
             before = 0 if lin is None else lin.weight.nbytes  # a tied head's bytes are extra
             shape = (qt.shape[0], qt.shape[1])

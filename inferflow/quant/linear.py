@@ -15,6 +15,12 @@ Kernels (timings from ``benchmarks/quant_kernels.py`` on this project's 2-core A
   less at M=128. ``attach_dense`` gives such a layer a bf16 copy of int4pack's own effective
   weights (2 more bytes per weight) and calls of at least ``dense_rows`` rows use it: batched
   decode steps and prefill chunks; single-sequence decode stays on int4pack.
+- ``plane`` (with ``int4pack``, when ``kernel`` is auto and a C compiler works): one-row calls
+  (one sequence's decode step) go to ``inferflow/kernels/quant_decode.c``, which reads a copy of
+  the codes (4 or 8 bits) with float32 scales and mins and computes in float32 on the codec's
+  exact values; the same copy feeds the one-call decode of a whole stack (inferflow.model.fused).
+  It costs a second copy of the weights (0.75 bytes per weight for 4-bit codes, 1.125 for 8-bit);
+  ``quant: {kernel: int4pack}`` keeps int4pack alone.
 - ``dequant``: everything else (k-quants with 16-weight groups, IQ/TQ/MXFP4, float formats):
   dequantize a bounded tile of rows (``TILE_BYTES`` of float32) at a time from the raw blocks and
   multiply in float32 (float32 GEMM is no slower than bf16 on this CPU, and the codecs emit
@@ -40,6 +46,7 @@ import torch
 from torch import nn
 
 from inferflow.errors import QuantError
+from inferflow.kernels.quant_decode import QPlane, make_plane
 from inferflow.quant import ggml
 from inferflow.quant.formats import QuantFormat
 from inferflow.quant.minmax import _MIN_BYTES, MINMAX_LAYOUTS, MinMaxLayout, _unpack_bits
@@ -208,7 +215,9 @@ class Int4Pack:
         return self.packed.nbytes + self.scales_zeros.nbytes
 
 
-def pack_int4(w: QuantTensor) -> Int4Pack:
+def pack_int4(
+    w: QuantTensor, affine: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+) -> Int4Pack:
     """Repack an affine-format 2-D weight for ``_weight_int4pack_mm_for_cpu``.
 
     int4pack computes ``(c - 8) * s + z`` per group. Codes with ``n <= 16`` levels map as
@@ -221,7 +230,7 @@ def pack_int4(w: QuantTensor) -> Int4Pack:
     z = 0 exactly, and 16 * s, 8 * s stay exact in bf16.
     """
     view = AFFINE_VIEWS.get(w.format)
-    codes, scale, mn = affine_parts(w)  # (out, in), (out, G), (out, G)
+    codes, scale, mn = affine or affine_parts(w)  # (out, in), (out, G), (out, G)
     if view.levels <= 16:
         half = view.levels // 2
         parts = [(codes + (8 - half), scale, mn + half * scale)]
@@ -279,6 +288,18 @@ def rows_switch(small: Kernel, dense: torch.Tensor, rows: int) -> Kernel:
     return run
 
 
+def one_row_switch(plane: QPlane, many: Kernel) -> Kernel:
+    """Single-row calls (one sequence's decode step) on the C kernel's plane, in float32 with
+    the codec's exact values; calls of more rows on ``many``."""
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] == 1 and x.device.type == "cpu":
+            return plane.matvec(x.float()).to(x.dtype)
+        return many(x)
+
+    return run
+
+
 def dequant_kernel(w: QuantTensor, tile_bytes: int = TILE_BYTES) -> Kernel:
     fmt = w.qformat
     rows, cols = w.shape
@@ -304,7 +325,8 @@ class QuantLinear(nn.Module):
     """``y = x @ W^T + b`` for a quantized 2-D weight W (out, in); x (..., in) fp32 or bf16.
 
     The kernel is picked once here (``kernel_name``); ``kernel=`` forces one (``"dequant"``
-    keeps the raw blocks, e.g. to keep Q2's 3 bits/weight instead of int4pack's 5). Kernels run
+    keeps the raw blocks, e.g. to keep Q2's 3 bits/weight instead of int4pack's 5; a forced
+    ``"int4pack"`` builds no C ``plane`` for one-row calls). Kernels run
     on CPU: the packed weight is a plain attribute, not a buffer, so ``.to()`` leaves it alone.
     """
 
@@ -332,9 +354,16 @@ class QuantLinear(nn.Module):
         self.nbytes: int  # resident weight bytes (bias excluded)
         self.kernel: Kernel
         self.dense_rows: int | None = None
+        self.plane: QPlane | None = None
         if name == "int4pack":
-            p = pack_int4(weight)
+            parts = affine_parts(weight)
+            p = pack_int4(weight, parts)
             self.kernel, self.nbytes = int4pack_kernel(p), p.nbytes
+            if kernel is None:  # auto: also the C kernel's plane for one-row calls
+                self.plane = make_plane(*parts, AFFINE_VIEWS.get(weight.format).levels)
+            if self.plane is not None:
+                self.kernel = one_row_switch(self.plane, self.kernel)
+                self.nbytes += self.plane.nbytes
         elif name == "dequant":
             self.kernel, self.nbytes = dequant_kernel(weight), weight.data.nbytes
         else:
@@ -362,4 +391,5 @@ class QuantLinear(nn.Module):
             f"in_features={self.in_features}, out_features={self.out_features}, "
             f"format={self.format}, kernel={self.kernel_name}, bias={self.bias is not None}"
             + (f", dense_rows={self.dense_rows}" if self.dense_rows else "")
+            + (f", plane={self.plane.bits}-bit" if self.plane is not None else "")
         )

@@ -1,0 +1,108 @@
+"""ctypes side of ``quant_decode.c``: affine-quantized weights as ``QPlane`` (codes, scale, min
+in the C layout), their one-row product, and one decode token through a whole pre-norm stack.
+
+A plane holds exactly the codec's values (``code * scale + min`` per group, float32 math), so
+``plane.matvec(x)`` equals ``x @ W.dequantize().T`` up to float32 summation order, with no bf16
+rounding of x or of the scales (torch's int4pack kernel needs both).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+from functools import cache
+
+import torch
+
+from inferflow.kernels import _library
+
+_P, _I64, _I32, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_float
+
+
+class CQMat(ctypes.Structure):
+    _fields_ = [("codes", _P), ("scale", _P), ("min", _P), ("n", _I64), ("k", _I64)]
+    _fields_ += [("group", _I64), ("bits", _I32)]
+
+
+class CLayer(ctypes.Structure):
+    _fields_ = [("attn_norm", _P), ("ffn_norm", _P), ("qkv", CQMat), ("o", CQMat)]
+    _fields_ += [("gate_up", CQMat), ("down", CQMat)]
+
+
+class CDims(ctypes.Structure):
+    _fields_ = [(name, _I64) for name in ("hidden", "heads", "kv_heads", "head_dim", "inner")]
+    _fields_ += [("rotary_dim", _I64), ("adjacent", _I32), ("eps", _F), ("norm_offset", _F)]
+    _fields_ += [("scale", _F)]
+
+
+@cache
+def library() -> ctypes.CDLL | None:
+    lib = _library("quant_decode")
+    if lib is None:
+        return None
+    lib.qmat_gemv.argtypes = [ctypes.POINTER(CQMat), _P, _I64, _P, _P, ctypes.c_int]
+    lib.qmat_gemv.restype = None
+    lib.decode_stack.argtypes = [ctypes.POINTER(CLayer), _I64, ctypes.POINTER(CDims), _P, _P]
+    lib.decode_stack.argtypes += [_P, _P, _P, _I64, _P, _I64, _P, ctypes.c_int]
+    lib.decode_stack.restype = None
+    return lib
+
+
+@dataclass
+class QPlane:
+    """A weight (n, k) as codes (n, k / 32, 16) for <= 16 levels or (n, k) uint8 for <= 256,
+    with scale and min (n, k / group) float32 (the kernel is bound by arithmetic, not by
+    reading them: float16 copies were slower)."""
+
+    codes: torch.Tensor
+    scale: torch.Tensor
+    min: torch.Tensor
+    group: int
+    bits: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.scale.shape[0], self.scale.shape[1] * self.group
+
+    @property
+    def nbytes(self) -> int:
+        return self.codes.nbytes + self.scale.nbytes + self.min.nbytes
+
+    def struct(self) -> CQMat:
+        n, k = self.shape
+        ptrs = (self.codes.data_ptr(), self.scale.data_ptr(), self.min.data_ptr())
+        return CQMat(*ptrs, n, k, self.group, self.bits)
+
+    def matvec(self, x: torch.Tensor) -> torch.Tensor:
+        """``x (M, k) float32 @ W.T`` -> (M, n) float32, one row of x at a time."""
+        lib = library()
+        if lib is None:
+            raise RuntimeError("the quant_decode kernel is not available")
+        x = x.contiguous()
+        n, k = self.shape
+        y = torch.empty((x.shape[0], n), dtype=torch.float32)
+        xs = torch.empty(k // self.group, dtype=torch.float32)
+        s = self.struct()
+        lib.qmat_gemv(ctypes.byref(s), x.data_ptr(), x.shape[0], xs.data_ptr(), y.data_ptr(),
+                      torch.get_num_threads())  # fmt: skip
+        return y
+
+
+def make_plane(
+    codes: torch.Tensor, scale: torch.Tensor, mn: torch.Tensor, levels: int
+) -> QPlane | None:
+    """The plane of an affine weight (codes (n, k) uint8 < levels; scale, min (n, k / group)
+    float32), or None where the kernel cannot take it (no compiler, groups not a multiple of
+    32, more than 256 levels)."""
+    n, k = codes.shape
+    group = k // scale.shape[1]
+    if library() is None or group % 32 or levels > 256 or k % group:
+        return None
+    bits = 4 if levels <= 16 else 8
+    if bits == 4:
+        c = codes.reshape(n, k // 32, 2, 16)
+        packed = (c[:, :, 0] | (c[:, :, 1] << 4)).contiguous()
+    else:
+        packed = codes.contiguous()
+    f32 = torch.float32
+    return QPlane(packed, scale.to(f32).contiguous(), mn.to(f32).contiguous(), group, bits)

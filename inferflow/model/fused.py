@@ -1,0 +1,155 @@
+"""One decode token of one sequence through a whole decoder stack in a single C call.
+
+A batch-1 decode step is a few hundred small torch ops (norms, four projections, rotary
+embedding, cache write, attention, gating, residuals, per layer), and at this size their
+dispatch costs more than their arithmetic. ``FusedDecode`` runs every layer of a stack in one
+call of ``decode_stack`` (inferflow/kernels/quant_decode.c) when the stack is one it implements:
+
+- residual ``pre_norm`` with ``rms`` / ``rms_offset`` norms (one eps for the stack);
+- attention without bias, q/k-norm, sliding window, soft-cap or additive position bias, with
+  ``rope`` (either pairing, partial rotary, any scaling: cos / sin come from the rope block);
+- ``gated`` FFN with ``silu``;
+- every projection a ``QuantLinear`` with a C plane (an affine format: Q2-Q8, Q3H, GGML Q4_0 ..
+  Q8_0, Q4_K, Q5_K), whole (no tensor-parallel split), float32 activations on the CPU.
+
+Anything else keeps the module path; ``FusedDecode.build`` logs why once. Embedding, final norm
+and head stay in torch. The math is float32 on the codec's exact weights, so it equals the
+module path with ``dequantize()``-d float weights up to summation order (tests/test_fused.py);
+the module path's int4pack kernel rounds activations and scales to bf16 instead.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from typing import TYPE_CHECKING, NamedTuple, Protocol, runtime_checkable
+
+import torch
+from torch.nn import functional as F
+
+from inferflow.blocks import RESIDUALS
+from inferflow.blocks.ffn import GatedFFN
+from inferflow.blocks.norm import RMSNorm
+from inferflow.blocks.position import Rotary
+from inferflow.kernels.quant_decode import CDims, CLayer, QPlane, library
+from inferflow.model.batch import FlatBatch
+
+if TYPE_CHECKING:
+    from inferflow.model.stack import Layer, Stack
+
+log = logging.getLogger(__name__)
+
+
+@runtime_checkable
+class SlotCache(Protocol):
+    """A KV view whose cache the C kernel can read: ``decode_slots(position)`` gives every
+    layer's K and V (layers, slots, KV heads, D), float32 and contiguous, and the slots of
+    positions 0..position (the last one is where the new token's K/V go)."""
+
+    def decode_slots(self, position: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
+
+
+class _Parts(NamedTuple):
+    attn_norm: RMSNorm
+    ffn_norm: RMSNorm
+    planes: list[QPlane]  # wqkv, wo, w13, w2
+
+
+def _layer_parts(layer: Layer) -> _Parts | str:
+    """What the kernel reads of one layer, or why it cannot run it."""
+    a, f = layer.self_attn, layer.feed_forward
+    if layer.wiring is not RESIDUALS.get("pre_norm") or layer.cross_attn is not None:
+        return "residual wiring other than pre_norm, or cross-attention"
+    if layer.reduce is not None or a.split.size > 1:
+        return "a tensor-parallel layer"
+    if a.a.qk_norm is not None or a.a.window is not None or a.a.softcap is not None:
+        return "q/k-norm, sliding window or soft-cap"
+    if not a.a.causal or a.a.bias != "none":
+        return "bidirectional attention, or attention with bias"
+    if not isinstance(f, GatedFFN) or f.act is not F.silu:
+        return "an FFN other than gated silu"
+    norms = (layer.attn_norm, layer.ffn_norm)
+    if not (isinstance(norms[0], RMSNorm) and isinstance(norms[1], RMSNorm)):
+        return "norms other than rms"
+    mods = (a.wqkv, a.wo, f.w13, f.w2)
+    planes = [getattr(m, "plane", None) for m in mods]
+    if not all(isinstance(p, QPlane) for p in planes) or any(m.bias is not None for m in mods):
+        return "a projection without a C plane (float, bias, or a non-affine format)"
+    return _Parts(norms[0], norms[1], [p for p in planes if isinstance(p, QPlane)])
+
+
+def _why_not(stack: Stack) -> str | None:
+    """The first reason ``stack`` cannot run fused, or None."""
+    if library() is None:
+        return "the C kernel is not available"
+    if not isinstance(stack.pos_embed, Rotary) or stack.pos_embed.has_bias:
+        return f"position {type(stack.pos_embed).__name__} (rope only)"
+    norm_args = set()
+    for layer in stack.layers():
+        parts = _layer_parts(layer)
+        if isinstance(parts, str):
+            return parts
+        norm_args |= {(n.eps, n.offset) for n in (parts.attn_norm, parts.ffn_norm)}
+    if len(norm_args) > 1:
+        return "norms with different eps or offsets"
+    return None
+
+
+class FusedDecode:
+    def __init__(self, stack: Stack, parts: list[_Parts]) -> None:
+        first = stack.layers()[0]
+        a, ffn, rope, norm = (
+            first.self_attn,
+            first.feed_forward,
+            stack.pos_embed,
+            parts[0].attn_norm,
+        )
+        assert isinstance(rope, Rotary) and isinstance(ffn, GatedFFN)
+        self.rope = rope
+        self.dims = CDims(
+            a.a.hidden, a.n_heads, a.n_kv_heads, a.a.head_dim, ffn.inner, rope.rotary_dim,
+            int(rope.pairing == "adjacent"), norm.eps, norm.offset, a.scale,
+        )  # fmt: skip
+        self.layers = (CLayer * len(parts))()
+        self._keep: list[torch.Tensor] = []  # norm weights the structs point at
+        for i, p in enumerate(parts):
+            ws = [n.weight.detach().float().contiguous() for n in (p.attn_norm, p.ffn_norm)]
+            self._keep += ws
+            mats = (q.struct() for q in p.planes)
+            self.layers[i] = CLayer(ws[0].data_ptr(), ws[1].data_ptr(), *mats)
+
+    @classmethod
+    def build(cls, stack: Stack) -> FusedDecode | None:
+        why = _why_not(stack)
+        if why is not None:
+            log.info("fused decode is off for this stack: %s", why)
+            return None
+        parts = [_layer_parts(layer) for layer in stack.layers()]
+        return cls(stack, [p for p in parts if not isinstance(p, str)])
+
+    def run(self, x: torch.Tensor, batch: FlatBatch) -> torch.Tensor | None:
+        """The stack's output for a one-token batch (1, hidden), or None where the batch's KV
+        view cannot be read by the kernel (then the module path runs)."""
+        view = batch.group if batch.group is not None else batch.kv[0]
+        if not isinstance(view, SlotCache) or x.dtype != torch.float32 or x.device.type != "cpu":
+            return None
+        position = int(batch.positions[0])
+        k, v, slots = view.decode_slots(position)
+        if k.dtype != torch.float32:
+            return None
+        n = slots.numel()
+        cos, sin = self.rope.cos_sin(batch.positions, torch.float32)
+        cos, sin = cos.reshape(-1).contiguous(), sin.reshape(-1).contiguous()
+        out = x.reshape(-1).clone()
+        d = self.dims
+        size = d.hidden + 2 * (d.heads + d.kv_heads) * d.head_dim + 3 * d.inner + d.heads * n
+        size += max(d.hidden, d.inner, d.heads * d.head_dim) // 32  # group sums
+        scratch = torch.empty(size, dtype=torch.float32)
+        lib = library()
+        assert lib is not None
+        lib.decode_stack(
+            self.layers, len(self.layers), ctypes.byref(self.dims), out.data_ptr(),
+            cos.data_ptr(), sin.data_ptr(), k.data_ptr(), v.data_ptr(), k[0].numel(),
+            slots.data_ptr(), n, scratch.data_ptr(), torch.get_num_threads(),
+        )  # fmt: skip
+        return out.view(1, -1)

@@ -1,0 +1,213 @@
+"""The one-call decode path (inferflow.model.fused, kernels/quant_decode.c) and the C planes of
+QuantLinear against independent float32 references: ``x @ W.dequantize().T`` for one layer, the
+module path over a float model holding the dequantized weights for a whole decoder."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+
+from inferflow import kernels
+from inferflow.engine.engine import Engine, EngineConfig
+from inferflow.engine.sampling import SamplingParams
+from inferflow.engine.scheduler import SchedulerConfig
+from inferflow.kernels import quant_decode
+from inferflow.model.batch import ContiguousKVCache, FlatBatch
+from inferflow.model.build import load_model
+from inferflow.quant import MINMAX_FORMATS, quantize
+from inferflow.quant.apply import QuantPolicy, quantize_model
+from inferflow.quant.linear import AFFINE_VIEWS, QuantLinear, affine_parts
+from inferflow.quant.tensor import QuantTensor
+from inferflow.spec import load_spec
+from tests.conftest import dequantized_copy
+
+FORMATS = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", *MINMAX_FORMATS]
+
+
+def _reset() -> None:
+    kernels._library.cache_clear()
+    quant_decode.library.cache_clear()
+
+
+@pytest.fixture(scope="module")
+def lib():  # noqa: ANN201
+    if quant_decode.library() is None:
+        pytest.skip("no C compiler here: the kernel cannot be built (the torch paths run)")
+    return quant_decode.library()
+
+
+def _k_blocks(name: str, out: int, inp: int) -> QuantTensor:
+    """Random Q4_K / Q5_K blocks (read-only formats) with sane fp16 super-block scales."""
+    from inferflow.quant import get_format
+
+    fmt = get_format(name)
+    g = torch.Generator().manual_seed(1)
+    n = out * inp // fmt.block_size
+    data = torch.randint(0, 256, (n, fmt.bytes_per_block), generator=g, dtype=torch.uint8)
+    for off in (0, 2):
+        d = (torch.rand(n, 1, generator=g) * 0.01 + 0.001).to(torch.float16)
+        data[:, off : off + 2] = d.view(torch.uint8)
+    return QuantTensor(data.reshape(out, -1), name, (out, inp))
+
+
+@pytest.mark.parametrize("name", [*FORMATS, "Q4_K", "Q5_K"])
+def test_plane_matvec_matches_dequantize(name: str, lib) -> None:  # noqa: ANN001
+    g = torch.Generator().manual_seed(0)
+    if name in ("Q4_K", "Q5_K"):
+        qt = _k_blocks(name, 96, 512)
+    else:
+        w = torch.randn(200, 576, generator=g) * 0.05 + torch.randn(200, 1, generator=g) * 0.05
+        qt = quantize(w, name)
+    view = AFFINE_VIEWS.get(qt.format)
+    plane = quant_decode.make_plane(*affine_parts(qt), view.levels)
+    assert plane is not None
+    assert plane.bits == (4 if view.levels <= 16 else 8)
+    x = torch.randn(3, qt.shape[1], generator=g)
+    ref = (x.double() @ qt.dequantize().double().t()).float()
+    # float32 sums of <= 576 terms: accumulation-order noise only
+    bound = 1e-5 * (x.abs() @ qt.dequantize().abs().t()) + 1e-6
+    assert ((plane.matvec(x) - ref).abs() <= bound).all()
+    # QuantLinear takes one-row calls there (float32, exact weights), more rows elsewhere
+    ql = QuantLinear(qt)
+    assert ql.plane is not None and ql.nbytes > plane.nbytes
+    assert torch.equal(ql(x[:1]), plane.matvec(x[:1]))
+
+
+def test_forced_int4pack_builds_no_plane() -> None:
+    # quant: {kernel: int4pack} trades the one-row speed for memory: one copy of the weights
+    qt = quantize(torch.randn(64, 64), "Q4_B32")
+    forced, auto = QuantLinear(qt, kernel="int4pack"), QuantLinear(qt)
+    assert forced.plane is None and forced.nbytes < auto.nbytes
+
+
+def test_no_plane_where_the_kernel_is_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("INFERFLOW_KERNELS", "0")
+    _reset()
+    try:
+        ql = QuantLinear(quantize(torch.randn(64, 64), "Q4_B32"))
+        assert ql.plane is None
+        assert ql(torch.randn(1, 64)).shape == (1, 64)
+    finally:
+        monkeypatch.delenv("INFERFLOW_KERNELS")
+        _reset()
+
+
+# --- whole decoders ------------------------------------------------------------------------
+
+
+def _load(quant_llamas: dict[str, Path], write_spec, network: dict | None = None):  # noqa: ANN001, ANN202
+    doc: dict = {"name": "tiny", "base": "arch/llama"}
+    doc["source"] = {"format": "hf", "files": [str(quant_llamas["untied"])]}
+    if network:
+        doc["network"] = network
+    return load_model(load_spec(write_spec(doc)))
+
+
+POLICY = QuantPolicy(
+    default="Q4_B32",
+    overrides=[
+        ("dec.*.feed_forward.w13", "Q3H"),
+        ("dec.*.self_attn.wo", "Q8"),
+        ("dec.1.*", "Q4_0"),
+    ],
+)
+
+
+def _quantized_and_reference(model):  # noqa: ANN001, ANN202
+    """(model quantized by POLICY, float copy holding each weight's dequantized value)."""
+    ref = dequantized_copy(model, POLICY)
+    quantize_model(model, POLICY)
+    return model, ref
+
+
+def _token_by_token(model, ids: list[int]) -> torch.Tensor:  # noqa: ANN001
+    """Logits after each token, every token fed alone (each one a one-token decode step)."""
+    h = model.spec.hparams
+    cache = ContiguousKVCache(h.n_layers, h.n_kv_heads, h.head_dim, len(ids), torch.float32)
+    out = []
+    with torch.no_grad():
+        for i, t in enumerate(ids):
+            out.append(model(FlatBatch.single(torch.tensor([t]), i, cache))[0])
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize(
+    "network",
+    [
+        None,
+        {"position": {"type": "rope", "pairing": "adjacent"}},
+        {"position": {"type": "rope", "partial": 0.5}, "norm": "rms_offset"},
+    ],
+    ids=["llama", "adjacent", "partial-offset"],
+)
+def test_fused_decoder_matches_the_dequantized_float_model(
+    quant_llamas: dict[str, Path],
+    write_spec,  # noqa: ANN001
+    network: dict | None,
+    lib,  # noqa: ANN001
+) -> None:
+    model, ref = _quantized_and_reference(_load(quant_llamas, write_spec, network))
+    ids = torch.randint(0, 256, (40,), generator=torch.Generator().manual_seed(5)).tolist()
+    ours = _token_by_token(model, ids)
+    assert model.dec.fused_decode() is not None  # the one-call path ran
+    assert ref.dec.fused_decode() is None  # float projections: the module path
+    want = _token_by_token(ref, ids)
+    err = (ours - want).abs().max() / want.abs().max()
+    assert err < 1e-5, f"relative error {err:.2e}"
+    assert torch.equal(ours.argmax(-1), want.argmax(-1))
+
+
+def test_engine_single_sequence_decode_is_fused(
+    quant_llamas: dict[str, Path], write_spec, lib
+) -> None:  # noqa: ANN001
+    """The engine's paged cache (a one-sequence decode group) feeds the same kernel; greedy
+    tokens equal the module path on the same quantized weights (float32 one-row planes)."""
+    model, _ = _quantized_and_reference(_load(quant_llamas, write_spec))
+    prompt = torch.randint(0, 256, (21,), generator=torch.Generator().manual_seed(7)).tolist()
+
+    def greedy() -> list[int]:
+        eng = Engine(model, None, EngineConfig(SchedulerConfig(max_batched_tokens=8), block_size=4))
+        free0 = eng.cache.alloc.num_free
+        rid = eng.add_request(prompt, SamplingParams(max_new_tokens=30, ignore_eos=True))
+        out: list[int] = []
+        while eng.has_unfinished():
+            for o in eng.step():
+                assert o.request_id == rid
+                out.extend(o.token_ids)
+        assert eng.cache.alloc.num_free == free0
+        return out
+
+    fused = greedy()
+    assert model.dec.fused_decode() is not None
+    model.dec._fused = None  # the module path from now on
+    assert greedy() == fused
+
+
+@pytest.mark.parametrize(
+    "network,policy,why",
+    [
+        ({"attention": {"sliding_window": 16}}, "Q4_B32", "sliding window"),
+        ({"attention": {"softcap": 30.0}}, "Q4_B32", "soft-cap"),
+        (None, None, "without a C plane"),  # dec.1.self_attn.wo stays float
+    ],
+)
+def test_other_stacks_keep_the_module_path(
+    quant_llamas: dict[str, Path],
+    write_spec,  # noqa: ANN001
+    network: dict | None,
+    policy: str | None,
+    why: str,
+    caplog: pytest.LogCaptureFixture,
+    lib,  # noqa: ANN001
+) -> None:
+    model = _load(quant_llamas, write_spec, network)
+    overrides = [] if policy else [("dec.1.self_attn.wo", None)]
+    quantize_model(model, QuantPolicy(default="Q4_B32", overrides=overrides))
+    with caplog.at_level(logging.INFO, logger="inferflow.model.fused"):
+        assert model.dec.fused_decode() is None
+    assert why in caplog.text
+    ids = [3, 1, 4, 1, 5]
+    assert _token_by_token(model, ids).shape == (5, 256)  # the module path runs instead

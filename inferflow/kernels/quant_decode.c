@@ -133,6 +133,10 @@ static void attend_head(const float *q, const float *kc, const float *vc, const 
     float mx = -INFINITY, sum = 0.f;
     for (int64_t t = 0; t < n; t++) {
         const float *k = kc + (slots[t] * KVH + g) * D;
+        if (t + 8 < n) { /* keys are scattered (paged blocks): fetch ahead of use */
+            const char *ahead = (const char *)(kc + (slots[t + 8] * KVH + g) * D);
+            for (int64_t b = 0; b < D * 4; b += 64) __builtin_prefetch(ahead + b);
+        }
         float s = 0.f;
         for (int64_t i = 0; i < D; i++) s += q[i] * k[i];
         p[t] = s * d->scale;
@@ -146,6 +150,10 @@ static void attend_head(const float *q, const float *kc, const float *vc, const 
     for (int64_t i = 0; i < D; i++) out[i] = 0.f;
     for (int64_t t = 0; t < n; t++) {
         const float *v = vc + (slots[t] * KVH + g) * D, w = p[t] * inv;
+        if (t + 8 < n) {
+            const char *ahead = (const char *)(vc + (slots[t + 8] * KVH + g) * D);
+            for (int64_t b = 0; b < D * 4; b += 64) __builtin_prefetch(ahead + b);
+        }
         for (int64_t i = 0; i < D; i++) out[i] += w * v[i];
     }
 }

@@ -211,3 +211,34 @@ def test_other_stacks_keep_the_module_path(
     assert why in caplog.text
     ids = [3, 1, 4, 1, 5]
     assert _token_by_token(model, ids).shape == (5, 256)  # the module path runs instead
+
+
+def test_portable_build_without_avx512(
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    quant_llamas: dict[str, Path],
+    write_spec,  # noqa: ANN001
+    lib,  # noqa: ANN001
+) -> None:
+    """The plain-C loops that CPUs without AVX-512 compile: the same references."""
+    monkeypatch.setenv("INFERFLOW_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.setattr(kernels, "FLAGS", [*kernels.FLAGS, "-mno-avx512f"])
+    _reset()
+    try:
+        assert quant_decode.library() is not None
+        for name in ("Q4_B64", "Q8_0"):
+            qt = quantize(torch.randn(96, 256, generator=torch.Generator().manual_seed(1)), name)
+            plane = quant_decode.make_plane(*affine_parts(qt), AFFINE_VIEWS.get(name).levels)
+            assert plane is not None
+            x = torch.randn(2, 256)
+            ref = (x.double() @ qt.dequantize().double().t()).float()
+            bound = 1e-5 * (x.abs() @ qt.dequantize().abs().t()) + 1e-6
+            assert ((plane.matvec(x) - ref).abs() <= bound).all()
+        model, ref_model = _quantized_and_reference(_load(quant_llamas, write_spec))
+        ids = [5, 17, 200, 3, 99, 42, 7, 128]
+        ours, want = _token_by_token(model, ids), _token_by_token(ref_model, ids)
+        assert model.dec.fused_decode() is not None
+        assert (ours - want).abs().max() / want.abs().max() < 1e-5
+    finally:
+        monkeypatch.undo()
+        _reset()

@@ -14,7 +14,7 @@ Kernels (timings from ``benchmarks/quant_kernels.py`` on this project's 2-core A
   721 us at M=128), while a dense bf16 GEMM costs about the same up to M=16 (45-68 us) and 2.5x
   less at M=128. ``attach_dense`` gives such a layer a bf16 copy of int4pack's own effective
   weights (2 more bytes per weight) and calls of at least ``dense_rows`` rows use it: batched
-  decode steps and prefill chunks; single-sequence decode stays on int4pack.
+  decode steps and prefill chunks; single-sequence decode stays on int4pack (or ``plane``).
 - ``plane`` (with ``int4pack``, when ``kernel`` is auto and a C compiler works): one-row calls
   (one sequence's decode step) go to ``inferflow/kernels/quant_decode.c``, which reads a copy of
   the codes (4 or 8 bits) with float32 scales and mins and computes in float32 on the codec's

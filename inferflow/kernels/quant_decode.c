@@ -161,7 +161,8 @@ static void attend_head(const float *q, const float *kc, const float *vc, const 
 /* x (hidden) in place through every layer. kc / vc: layer 0 of the cache, layer l at
    l * layer_stride floats, slot s of KV head g at (s * KV heads + g) * head_dim; this token's
    K / V go to slots[n - 1]. scratch: at least hidden + (heads + 2 kv_heads) head_dim + heads
-   head_dim + 3 inner + heads * n + (hidden + inner) / 32 floats. */
+   head_dim + 3 inner + heads * n + max(hidden, inner, heads * head_dim) / 32 floats (the
+   group sums of the widest product's input). */
 void decode_stack(const Layer *layers, int64_t L, const Dims *d, float *x, const float *cos,
                   const float *sin, float *kc, float *vc, int64_t layer_stride,
                   const int64_t *slots, int64_t n, float *scratch, int nthreads) {

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import ctypes
 from dataclasses import dataclass
-from functools import cache
+from functools import cache, cached_property
 
 import torch
 
@@ -68,7 +68,9 @@ class QPlane:
     def nbytes(self) -> int:
         return self.codes.nbytes + self.scale.nbytes + self.min.nbytes
 
+    @cached_property
     def struct(self) -> CQMat:
+        """The C view of the tensors above (they must not be replaced afterwards)."""
         n, k = self.shape
         ptrs = (self.codes.data_ptr(), self.scale.data_ptr(), self.min.data_ptr())
         return CQMat(*ptrs, n, k, self.group, self.bits)
@@ -82,8 +84,7 @@ class QPlane:
         n, k = self.shape
         y = torch.empty((x.shape[0], n), dtype=torch.float32)
         xs = torch.empty(k // self.group, dtype=torch.float32)
-        s = self.struct()
-        lib.qmat_gemv(ctypes.byref(s), x.data_ptr(), x.shape[0], xs.data_ptr(), y.data_ptr(),
+        lib.qmat_gemv(ctypes.byref(self.struct), x.data_ptr(), x.shape[0], xs.data_ptr(), y.data_ptr(),
                       torch.get_num_threads())  # fmt: skip
         return y
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
-from typing import TYPE_CHECKING, NamedTuple, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 from torch.nn import functional as F
@@ -38,15 +38,6 @@ if TYPE_CHECKING:
     from inferflow.model.stack import Layer, Stack
 
 log = logging.getLogger(__name__)
-
-
-@runtime_checkable
-class SlotCache(Protocol):
-    """A KV view whose cache the C kernel can read: ``decode_slots(position)`` gives every
-    layer's K and V (layers, slots, KV heads, D), float32 and contiguous, and the slots of
-    positions 0..position (the last one is where the new token's K/V go)."""
-
-    def decode_slots(self, position: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
 
 
 class _Parts(NamedTuple):
@@ -78,21 +69,21 @@ def _layer_parts(layer: Layer) -> _Parts | str:
     return _Parts(norms[0], norms[1], [p for p in planes if isinstance(p, QPlane)])
 
 
-def _why_not(stack: Stack) -> str | None:
-    """The first reason ``stack`` cannot run fused, or None."""
+def _stack_parts(stack: Stack) -> list[_Parts] | str:
+    """What the kernel reads of every layer, or the first reason it cannot run the stack."""
     if library() is None:
         return "the C kernel is not available"
     if not isinstance(stack.pos_embed, Rotary) or stack.pos_embed.has_bias:
         return f"position {type(stack.pos_embed).__name__} (rope only)"
-    norm_args = set()
+    parts = []
     for layer in stack.layers():
-        parts = _layer_parts(layer)
-        if isinstance(parts, str):
-            return parts
-        norm_args |= {(n.eps, n.offset) for n in (parts.attn_norm, parts.ffn_norm)}
-    if len(norm_args) > 1:
+        p = _layer_parts(layer)
+        if isinstance(p, str):
+            return p
+        parts.append(p)
+    if len({(n.eps, n.offset) for p in parts for n in (p.attn_norm, p.ffn_norm)}) > 1:
         return "norms with different eps or offsets"
-    return None
+    return parts
 
 
 class FusedDecode:
@@ -115,26 +106,28 @@ class FusedDecode:
         for i, p in enumerate(parts):
             ws = [n.weight.detach().float().contiguous() for n in (p.attn_norm, p.ffn_norm)]
             self._keep += ws
-            mats = (q.struct() for q in p.planes)
+            mats = (q.struct for q in p.planes)
             self.layers[i] = CLayer(ws[0].data_ptr(), ws[1].data_ptr(), *mats)
 
     @classmethod
     def build(cls, stack: Stack) -> FusedDecode | None:
-        why = _why_not(stack)
-        if why is not None:
-            log.info("fused decode is off for this stack: %s", why)
+        parts = _stack_parts(stack)
+        if isinstance(parts, str):
+            log.info("fused decode is off for this stack: %s", parts)
             return None
-        parts = [_layer_parts(layer) for layer in stack.layers()]
-        return cls(stack, [p for p in parts if not isinstance(p, str)])
+        return cls(stack, parts)
 
     def run(self, x: torch.Tensor, batch: FlatBatch) -> torch.Tensor | None:
         """The stack's output for a one-token batch (1, hidden), or None where the batch's KV
         view cannot be read by the kernel (then the module path runs)."""
         view = batch.group if batch.group is not None else batch.kv[0]
-        if not isinstance(view, SlotCache) or x.dtype != torch.float32 or x.device.type != "cpu":
+        # a view the kernel can read has decode_slots(position) -> every layer's K and V
+        # (layers, slots, KV heads, D) and the slots of positions 0..position, the last one
+        # where this token's K/V go (ContiguousKVCache, PagedGroupView)
+        decode_slots = getattr(view, "decode_slots", None)
+        if decode_slots is None or x.dtype != torch.float32 or x.device.type != "cpu":
             return None
-        position = int(batch.positions[0])
-        k, v, slots = view.decode_slots(position)
+        k, v, slots = decode_slots(int(batch.positions[0]))
         if k.dtype != torch.float32:
             return None
         n = slots.numel()

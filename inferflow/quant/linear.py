@@ -293,7 +293,7 @@ def one_row_switch(plane: QPlane, many: Kernel) -> Kernel:
     the codec's exact values; calls of more rows on ``many``."""
 
     def run(x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] == 1 and x.device.type == "cpu":
+        if x.shape[0] == 1 and x.device.type == "cpu":  # C reads host memory only
             return plane.matvec(x.float()).to(x.dtype)
         return many(x)
 

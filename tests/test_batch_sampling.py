@@ -328,8 +328,6 @@ def test_engine_mixed_batch_equals_alone_and_isolates_a_bad_request(tiny_model) 
     g = torch.Generator().manual_seed(4)
     prompts = [torch.randint(0, 128, (5 + 3 * i,), generator=g).tolist() for i in range(8)]
     eng = Engine(tiny_model, None, EngineConfig())
-    with pytest.raises(RequestError, match="logit_bias: token id 10000 is outside"):  # up front
-        eng.add_request(prompts[0], dataclasses.replace(bad, logit_bias={10_000: 1.0}))
     rids = [eng.add_request(p, sp) for p, sp in zip(prompts, [*params, bad], strict=True)]
     groups = [eng.requests[r] for r in rids]
     groups[-1][0].sampler.processors.append(_broken)

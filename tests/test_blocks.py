@@ -111,7 +111,10 @@ def test_group_bias_is_each_sequences_bias(name: str) -> None:
     for p in block.parameters():
         torch.nn.init.normal_(p, generator=torch.Generator().manual_seed(0))
     q_pos = torch.tensor([3, 0, 200])
-    k_pos = torch.stack([torch.arange(5), torch.arange(5) * 0, torch.arange(196, 201)])  # (B, S)
+    # (B, S): keys on both sides of the query, all at it, distances in the log buckets and beyond
+    k_pos = torch.stack(
+        [torch.arange(5), torch.zeros(5, dtype=torch.long), torch.tensor([0, 100, 150, 190, 200])]
+    )
     want = torch.stack([block.bias(q_pos[b : b + 1], k_pos[b]) for b in range(3)])  # type: ignore[misc]
     torch.testing.assert_close(block.group_bias(q_pos, k_pos), want)
 

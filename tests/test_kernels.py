@@ -50,7 +50,7 @@ def _paged_case(lens: list[int], heads: int, kv_heads: int, seed: int) -> dict:
     pos = torch.arange(S)
     valid = pos[None, :] < torch.tensor(lens)[:, None]
     q = torch.randn(B, heads, D, generator=g)
-    return dict(q=q, kc=kc, vc=vc, read=read, valid=valid, pos=pos.expand(B, S), lens=lens)
+    return dict(q=q, kc=kc, vc=vc, read=read, valid=valid, pos=pos.expand(B, S))
 
 
 @pytest.mark.parametrize(
@@ -131,7 +131,7 @@ def test_off_switch_and_failed_build_fall_back_to_torch(
         with caplog.at_level(logging.WARNING, logger="inferflow.kernels"):
             assert kernels.paged_decode_attention() is None
         assert "not available, using the torch path" in caplog.text
-        assert not [p for p in os.listdir(tmp_path)]  # no half-built file left behind
+        assert not os.listdir(tmp_path)  # no half-built file left behind
     finally:
         monkeypatch.undo()
         _reset()
@@ -145,8 +145,9 @@ def test_engine_with_kernel_equals_engine_without(
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, 128, (int(n),), generator=g).tolist() for n in (3, 40, 1, 17, 29)]
 
-    def run() -> list[list[int]]:
+    def run(with_kernel: bool) -> list[list[int]]:
         eng = Engine(tiny_model, None, EngineConfig(SchedulerConfig(max_batched_tokens=48)))
+        assert eng.cache.kernel_decode() is with_kernel
         free0 = eng.cache.alloc.num_free
         params = [SamplingParams(max_new_tokens=6 + 3 * i, ignore_eos=True) for i in range(5)]
         ids = [eng.add_request(prompts[0], params[0])]
@@ -161,11 +162,11 @@ def test_engine_with_kernel_equals_engine_without(
         assert eng.cache.alloc.num_free == free0
         return [out[i] for i in ids]
 
-    with_kernel = run()
+    with_kernel = run(True)
     monkeypatch.setenv("INFERFLOW_KERNELS", "0")
     _reset()
     try:
-        without = run()
+        without = run(False)
     finally:
         monkeypatch.delenv("INFERFLOW_KERNELS")
         _reset()

@@ -200,13 +200,12 @@ class Attention(nn.Module):
         if batch.group is not None:
             plain = a.window is None and a.softcap is None and not pos.has_bias
             out = batch.group.attend(a.layer, q, k, v, self.scale) if plain else None
-            if out is not None:
-                return self.wo(out.reshape(N, -1))
-            kp, vp, kpos, valid = batch.group.update(a.layer, k, v)
-            bias = pos.group_bias(batch.positions, kpos)
-            out = attend_decode_group(
-                q, kp, vp, batch.positions, kpos, valid, self.scale, a.window, a.softcap, bias
-            )
+            if out is None:  # no kernel path: keys gathered into a padded copy
+                kp, vp, kpos, valid = batch.group.update(a.layer, k, v)
+                bias = pos.group_bias(batch.positions, kpos)
+                out = attend_decode_group(
+                    q, kp, vp, batch.positions, kpos, valid, self.scale, a.window, a.softcap, bias
+                )
             return self.wo(out.reshape(N, -1))
         out = torch.empty_like(q)
         for i, s in enumerate(batch.seqs):

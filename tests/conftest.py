@@ -13,8 +13,9 @@ import yaml
 
 from inferflow.blocks.linear import Linear
 from inferflow.model.build import load_model
-from inferflow.quant import quantize
+from inferflow.quant import MINMAX_FORMATS, get_format, quantize
 from inferflow.quant.apply import QuantPolicy
+from inferflow.quant.tensor import QuantTensor
 from inferflow.spec import load_spec
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -122,6 +123,41 @@ def dequantized_copy(model: torch.nn.Module, policy: QuantPolicy) -> torch.nn.Mo
             if isinstance(m, Linear) and fmt is not None:
                 m.weight.copy_(quantize(m.weight, fmt).dequantize())
     return ref
+
+
+# GGML's writable affine formats and Inferflow's min-max ones (every format QuantLinear packs)
+AFFINE_WRITABLE = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", *MINMAX_FORMATS]
+# raw blocks for read-only formats: (format, byte offsets of fp16 scale fields)
+RANDOM_BLOCKS = {"Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208], "Q2_K": [80, 82], "IQ4_NL": [0]}
+
+
+def random_blocks(name: str, out: int, inp: int) -> QuantTensor:
+    """Random blocks of a read-only format, with sane fp16 scales (not random bits: inf, NaN)."""
+    fmt = get_format(name)
+    n = out * inp // fmt.block_size
+    g = torch.Generator().manual_seed(1)
+    data = torch.randint(0, 256, (n, fmt.bytes_per_block), generator=g, dtype=torch.uint8)
+    for off in RANDOM_BLOCKS[name]:
+        d = (torch.rand(n, 1, generator=g) * 0.01 + 0.001).to(torch.float16)
+        data[:, off : off + 2] = d.view(torch.uint8)
+    return QuantTensor(data.reshape(out, -1), name, (out, inp))
+
+
+def load_quant_llama(
+    d: Path,
+    write_spec,
+    dtype: torch.dtype = torch.float32,
+    **network: object,  # noqa: ANN001
+) -> torch.nn.Module:
+    """Inferflow's model of one of ``quant_llamas``' checkpoints, with network overrides."""
+    doc: dict = {
+        "name": "tiny",
+        "base": "arch/llama",
+        "source": {"format": "hf", "files": [str(d)]},
+    }
+    if network:
+        doc["network"] = network
+    return load_model(load_spec(write_spec(doc)), dtype)
 
 
 # --- random transformers models saved as safetensors and pickles (parity tests) ---

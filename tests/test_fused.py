@@ -16,15 +16,10 @@ from inferflow.engine.sampling import SamplingParams
 from inferflow.engine.scheduler import SchedulerConfig
 from inferflow.kernels import quant_decode
 from inferflow.model.batch import ContiguousKVCache, FlatBatch
-from inferflow.model.build import load_model
-from inferflow.quant import MINMAX_FORMATS, quantize
+from inferflow.quant import quantize
 from inferflow.quant.apply import QuantPolicy, quantize_model
 from inferflow.quant.linear import AFFINE_VIEWS, QuantLinear, affine_parts
-from inferflow.quant.tensor import QuantTensor
-from inferflow.spec import load_spec
-from tests.conftest import dequantized_copy
-
-FORMATS = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", *MINMAX_FORMATS]
+from tests.conftest import AFFINE_WRITABLE, dequantized_copy, load_quant_llama, random_blocks
 
 
 def _reset() -> None:
@@ -39,25 +34,11 @@ def lib():  # noqa: ANN201
     return quant_decode.library()
 
 
-def _k_blocks(name: str, out: int, inp: int) -> QuantTensor:
-    """Random Q4_K / Q5_K blocks (read-only formats) with sane fp16 super-block scales."""
-    from inferflow.quant import get_format
-
-    fmt = get_format(name)
-    g = torch.Generator().manual_seed(1)
-    n = out * inp // fmt.block_size
-    data = torch.randint(0, 256, (n, fmt.bytes_per_block), generator=g, dtype=torch.uint8)
-    for off in (0, 2):
-        d = (torch.rand(n, 1, generator=g) * 0.01 + 0.001).to(torch.float16)
-        data[:, off : off + 2] = d.view(torch.uint8)
-    return QuantTensor(data.reshape(out, -1), name, (out, inp))
-
-
-@pytest.mark.parametrize("name", [*FORMATS, "Q4_K", "Q5_K"])
+@pytest.mark.parametrize("name", [*AFFINE_WRITABLE, "Q4_K", "Q5_K"])
 def test_plane_matvec_matches_dequantize(name: str, lib) -> None:  # noqa: ANN001
     g = torch.Generator().manual_seed(0)
     if name in ("Q4_K", "Q5_K"):
-        qt = _k_blocks(name, 96, 512)
+        qt = random_blocks(name, 96, 512)
     else:
         w = torch.randn(200, 576, generator=g) * 0.05 + torch.randn(200, 1, generator=g) * 0.05
         qt = quantize(w, name)
@@ -99,11 +80,7 @@ def test_no_plane_where_the_kernel_is_off(monkeypatch: pytest.MonkeyPatch) -> No
 
 
 def _load(quant_llamas: dict[str, Path], write_spec, network: dict | None = None):  # noqa: ANN001, ANN202
-    doc: dict = {"name": "tiny", "base": "arch/llama"}
-    doc["source"] = {"format": "hf", "files": [str(quant_llamas["untied"])]}
-    if network:
-        doc["network"] = network
-    return load_model(load_spec(write_spec(doc)))
+    return load_quant_llama(quant_llamas["untied"], write_spec, **(network or {}))
 
 
 POLICY = QuantPolicy(

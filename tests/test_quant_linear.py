@@ -25,7 +25,7 @@ from inferflow.blocks.linear import Linear
 from inferflow.errors import InferflowError, QuantError
 from inferflow.model.batch import ContiguousKVCache, FlatBatch
 from inferflow.model.build import load_model
-from inferflow.quant import MINMAX_FORMATS, get_format, quantize
+from inferflow.quant import get_format, quantize
 from inferflow.quant.apply import QuantPolicy, quantize_model
 from inferflow.quant.linear import (
     AFFINE_VIEWS,
@@ -36,33 +36,23 @@ from inferflow.quant.linear import (
 )
 from inferflow.quant.tensor import QuantTensor
 from inferflow.spec import load_spec
-from tests.conftest import dequantized_copy
+from tests.conftest import (
+    AFFINE_WRITABLE,
+    RANDOM_BLOCKS,
+    dequantized_copy,
+    load_quant_llama,
+    random_blocks,
+)
 
-GGML_WRITABLE = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"]
-FORMATS = GGML_WRITABLE + list(MINMAX_FORMATS)
 SHAPES = [(192, 576), (576, 1536), (200, 576)]  # (out, in); 200 % 16 != 0 exercises row padding
 BATCH = [1, 7, 64]
 EPS_BF16 = 2.0**-9  # unit roundoff of bf16 (8-bit significand)
-
-# raw blocks for read-only formats: (format, byte offsets of fp16 scale fields)
-RANDOM_BLOCKS = {"Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208], "Q2_K": [80, 82], "IQ4_NL": [0]}
 
 
 def _weight(out: int, inp: int, seed: int = 0) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     # a per-row offset makes blocks with min far from 0, where a badly placed zero would show
     return torch.randn(out, inp, generator=g) * 0.05 + torch.randn(out, 1, generator=g) * 0.05
-
-
-def _random_blocks(name: str, out: int, inp: int) -> QuantTensor:
-    fmt = get_format(name)
-    n = out * inp // fmt.block_size
-    g = torch.Generator().manual_seed(1)
-    data = torch.randint(0, 256, (n, fmt.bytes_per_block), generator=g, dtype=torch.uint8)
-    for off in RANDOM_BLOCKS[name]:  # sane fp16 scales instead of random bits (inf, NaN)
-        d = (torch.rand(n, 1, generator=g) * 0.01 + 0.001).to(torch.float16)
-        data[:, off : off + 2] = d.view(torch.uint8)
-    return QuantTensor(data.reshape(out, -1), name, (out, inp))
 
 
 def _block_max(qt: QuantTensor) -> torch.Tensor:
@@ -91,7 +81,7 @@ def _check(ql: QuantLinear, qt: QuantTensor, x: torch.Tensor) -> None:
 @pytest.fixture(scope="module")
 def layers() -> dict[tuple[str, tuple[int, int]], tuple[QuantLinear, QuantTensor]]:
     out = {}
-    for name in FORMATS:
+    for name in AFFINE_WRITABLE:
         for shape in SHAPES:
             qt = quantize(_weight(*shape), name)
             out[name, shape] = (QuantLinear(qt), qt)
@@ -99,7 +89,7 @@ def layers() -> dict[tuple[str, tuple[int, int]], tuple[QuantLinear, QuantTensor
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("name", FORMATS)
+@pytest.mark.parametrize("name", AFFINE_WRITABLE)
 def test_kernel_matches_dequantize(name: str, dtype: torch.dtype, layers) -> None:
     g = torch.Generator().manual_seed(2)
     for shape in SHAPES:
@@ -108,7 +98,7 @@ def test_kernel_matches_dequantize(name: str, dtype: torch.dtype, layers) -> Non
             _check(ql, qt, torch.randn(n, shape[1], generator=g).to(dtype))
 
 
-@pytest.mark.parametrize("name", FORMATS)
+@pytest.mark.parametrize("name", AFFINE_WRITABLE)
 def test_affine_formats_use_int4pack(name: str, layers) -> None:
     # the point of the layer: every writable affine format gets torch's int4 kernel
     assert layers[name, SHAPES[0]][0].kernel_name == "int4pack"
@@ -119,7 +109,7 @@ def test_affine_formats_use_int4pack(name: str, layers) -> None:
 def test_read_only_formats(name: str, dtype: torch.dtype) -> None:
     """k-quants and IQ4_NL from random blocks: Q4_K/Q5_K (32-weight groups) via int4pack, the
     16-weight-group and non-affine ones via dequant."""
-    qt = _random_blocks(name, 192, 512)
+    qt = random_blocks(name, 192, 512)
     ql = QuantLinear(qt)
     assert ql.kernel_name == ("int4pack" if name in ("Q4_K", "Q5_K") else "dequant")
     assert ql.kernel_name == select_kernel(get_format(name))
@@ -129,12 +119,10 @@ def test_read_only_formats(name: str, dtype: torch.dtype) -> None:
             QuantLinear(qt, kernel="int4pack")
 
 
-@pytest.mark.parametrize("name", [*FORMATS, "Q4_K", "Q5_K"])
+@pytest.mark.parametrize("name", [*AFFINE_WRITABLE, "Q4_K", "Q5_K"])
 def test_affine_views_are_exact(name: str) -> None:
     # codes * scale + min must be the codec's float32 output to the bit, for every block
-    qt = (
-        _random_blocks(name, 64, 256) if name in RANDOM_BLOCKS else quantize(_weight(64, 256), name)
-    )
+    qt = random_blocks(name, 64, 256) if name in RANDOM_BLOCKS else quantize(_weight(64, 256), name)
     codes, scale, mn = affine_parts(qt)
     view = AFFINE_VIEWS.get(name)
     assert int(codes.max()) < view.levels
@@ -177,13 +165,6 @@ def test_dequant_kernel_tiles_and_bias() -> None:
 # --- quantize_model on a tiny transformers llama ------------------------------------------------
 
 
-def _model(d: Path, write_spec, dtype: torch.dtype = torch.float32, **network):
-    doc = {"name": "tiny", "base": "arch/llama", "source": {"format": "hf", "files": [str(d)]}}
-    if network:
-        doc["network"] = network
-    return load_model(load_spec(write_spec(doc)), dtype)
-
-
 def _logits(model, dtype: torch.dtype) -> torch.Tensor:
     h = model.spec.hparams
     ids = torch.randint(0, 256, (24,), generator=torch.Generator().manual_seed(4))
@@ -195,8 +176,10 @@ def _logits(model, dtype: torch.dtype) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_quantized_model_matches_dequantized_model(dtype, quant_llamas, write_spec) -> None:
-    model = _model(quant_llamas["untied"], write_spec, dtype)
+def test_quantized_model_matches_dequantizedload_quant_llama(
+    dtype, quant_llamas, write_spec
+) -> None:
+    model = load_quant_llama(quant_llamas["untied"], write_spec, dtype)
     policy = QuantPolicy(
         default="Q4_B32",
         overrides=[("dec.*.feed_forward.*", "Q3H"), ("dec.output", "Q8"), ("dec.1.*.wo", None)],
@@ -228,7 +211,7 @@ def test_quantized_model_matches_dequantized_model(dtype, quant_llamas, write_sp
 
 
 def test_tied_head_gets_quantized_copy(quant_llamas, write_spec) -> None:
-    model = _model(quant_llamas["tied"], write_spec, output={"tied": True})
+    model = load_quant_llama(quant_llamas["tied"], write_spec, output={"tied": True})
     assert model.dec.output is None
     before = _logits(model, torch.float32)
     plain = quantize_model(copy.deepcopy(model), QuantPolicy(default="Q8_0"))
@@ -251,7 +234,7 @@ def test_policy_errors(quant_llamas, write_spec) -> None:
         QuantPolicy(default="Q4")
     with pytest.raises(InferflowError, match="unknown quant format 'Q9'"):
         QuantPolicy(overrides=[("dec.output", "Q9")])
-    model = _model(quant_llamas["untied"], write_spec)
+    model = load_quant_llama(quant_llamas["untied"], write_spec)
     # Q6_K's 256-weight blocks do not divide in_features 128 / 192: named, not padded
     with pytest.raises(QuantError, match=r"dec\.0\.self_attn\.wqkv\.weight of shape \[256, 128\]"):
         quantize_model(model, QuantPolicy(default="Q4_K"))
@@ -300,7 +283,10 @@ def test_dense_batch_from_the_spec(quant_llamas, write_spec) -> None:
         doc["source"] = {"format": "hf", "files": [str(quant_llamas["untied"])]}
         return write_spec(doc, f"spec{len(quant)}{quant.get('dense_batch')}.yaml")
 
-    a, b = load_model(load_spec(spec())), load_model(load_spec(spec(dense_batch=4)))
+    a, b = (
+        load_model(load_spec(spec())),
+        load_model(load_spec(spec(dense_batch=4))),
+    )
     qls = [m for m in b.modules() if isinstance(m, QuantLinear)]
     assert qls and all(m.dense_rows == 4 for m in qls)
     la, lb = _logits(a, torch.float32), _logits(b, torch.float32)

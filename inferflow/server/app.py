@@ -315,7 +315,9 @@ def create_app(cfg: ServerConfig) -> FastAPI:
     return app
 
 
-def _prompt_ids(state: ServerState, prompt: Any) -> list[list[int]]:
+def _prompt_ids(
+    state: ServerState, prompt: str | list[str] | list[int] | list[list[int]]
+) -> list[list[int]]:
     """A prompt or input field (any of OpenAI's four shapes) as token-id lists."""
     return [
         p if isinstance(p, list) else state.tokenizer().encode(p, add_special_tokens=True)

@@ -265,12 +265,17 @@ def test_cli_nothing_fits(make_spec, capsys: pytest.CaptureFixture[str]) -> None
         (["--devices", "0"], "devices: must be an integer >= 1, got 0"),
         (["--devices", "2", "--batch", "0"], "batch: must be an integer >= 1, got 0"),
         (["--devices", "2", "--context", "0"], "context: must be an integer >= 1, got 0"),
-        # (the library's units: bytes/s, seconds)
+        # hardware flags are named as typed, in their own units
         (
             ["--devices", "2", "--bandwidth", "-5"],
-            "bandwidth: must be a positive number, got -5000000000.0",
+            "--bandwidth: must be a positive number, got -5.0",
         ),
-        (["--devices", "2", "--link-latency-us", "-1"], "link_latency: must be >= 0 seconds"),
+        (["--devices", "2", "--device-memory", "0"], "--device-memory: must be a positive number"),
+        (["--devices", "2", "--flops", "nan"], "--flops: must be a positive number, got nan"),
+        (
+            ["--devices", "2", "--link-latency-us", "-1"],
+            "--link-latency-us: must be >= 0, got -1.0",
+        ),
         (["--devices", "2", "--weight-bits", "99"], "weight_bits: must be in (0, 64], got 99"),
         (["--devices", "2", "--act-bytes", "9"], "act_bytes: must be in (0, 8], got 9"),
         (["--devices", "2", "--weight-bits", "bogus"], "neither a number nor a quant format"),

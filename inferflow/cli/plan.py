@@ -14,12 +14,15 @@ checkpoint's header. Exit status 1 when no layout fits (or none can split the mo
 from __future__ import annotations
 
 import argparse
+import math
 
+from inferflow.errors import RequestError
 from inferflow.parallel.cost import (
     OBJECTIVES,
     Estimate,
     GiB,
     Hardware,
+    check_positive,
     parse_weight_bits,
     plan,
     recommend,
@@ -99,6 +102,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _hardware(args: argparse.Namespace) -> Hardware:
+    # checked here too, so that errors name the flag and the value in the units it was typed in
+    for name in ("device_memory", "bandwidth", "link", "flops"):
+        check_positive("--" + name.replace("_", "-"), getattr(args, name))
+    if not (math.isfinite(args.link_latency_us) and args.link_latency_us >= 0):
+        raise RequestError(f"--link-latency-us: must be >= 0, got {args.link_latency_us}")
     return Hardware(
         memory_bytes=args.device_memory * GiB,
         bandwidth=args.bandwidth * 1e9,
@@ -126,7 +134,7 @@ def _row(e: Estimate) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    # bad values fail in the library (Hardware, plan), whose errors name them
+    # other bad values fail in the library (plan), whose errors name them
     bits = parse_weight_bits(args.weight_bits)
     hw = _hardware(args)
     spec = load_spec(args.spec)

@@ -54,7 +54,7 @@ class Hardware:
 
     def __post_init__(self) -> None:
         for name in ("memory_bytes", "bandwidth", "link", "flops"):
-            _positive(name, getattr(self, name))
+            check_positive(name, getattr(self, name))
         if not (math.isfinite(self.link_latency) and self.link_latency >= 0):
             raise RequestError(f"link_latency: must be >= 0 seconds, got {self.link_latency}")
 
@@ -80,7 +80,8 @@ class Estimate:
         return not self.note
 
 
-def _positive(name: str, value: float) -> None:
+def check_positive(name: str, value: float) -> None:
+    """RequestError naming ``name`` unless ``value`` is a finite number > 0."""
     if not (isinstance(value, int | float) and math.isfinite(value) and value > 0):
         raise RequestError(f"{name}: must be a positive number, got {value!r}")
 

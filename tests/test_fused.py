@@ -48,13 +48,32 @@ def test_plane_matvec_matches_dequantize(name: str, lib) -> None:  # noqa: ANN00
     assert plane.bits == (4 if view.levels <= 16 else 8)
     x = torch.randn(3, qt.shape[1], generator=g)
     ref = (x.double() @ qt.dequantize().double().t()).float()
-    # float32 sums of <= 576 terms: accumulation-order noise only
+    # float32 sums of <= 576 terms: accumulation-order noise only (4-bit tiles with AVX512-BF16:
+    # x's three-part split leaves <= 2^-27 |x| per product, below float32 rounding)
     bound = 1e-5 * (x.abs() @ qt.dequantize().abs().t()) + 1e-6
     assert ((plane.matvec(x) - ref).abs() <= bound).all()
     # QuantLinear takes one-row calls there (float32, exact weights), more rows elsewhere
     ql = QuantLinear(qt)
     assert ql.plane is not None and ql.nbytes > plane.nbytes
     assert torch.equal(ql(x[:1]), plane.matvec(x[:1]))
+
+
+@pytest.mark.parametrize("name", ["Q4_B32", "Q4_B64", "Q3H", "Q4_1", "Q4_0"])
+def test_plane_keeps_float32_activations(name: str, lib) -> None:  # noqa: ANN001
+    """x values bf16 cannot hold (1 + 2^-9 + 2^-18 + 2^-20, times powers of two) and positive
+    weights (no cancellation): one bf16 rounding of x would be off by ~2e-3, a two-part bf16
+    split by ~4e-6 in the same direction everywhere; float32 summation stays near 1e-7."""
+    g = torch.Generator().manual_seed(0)
+    qt = quantize(torch.rand(200, 576, generator=g) + 0.1, name)
+    w = qt.dequantize().double()
+    assert (w > 0).all()
+    plane = quant_decode.make_plane(*affine_parts(qt), AFFINE_VIEWS.get(name).levels)
+    assert plane is not None
+    exact = (1 + 2**-9 + 2**-18 + 2**-20) * 2.0 ** torch.randint(-3, 4, (2, 576), generator=g)
+    x = exact.float()
+    assert torch.equal(x.double(), exact)
+    ref = x.double() @ w.t()
+    assert ((plane.matvec(x).double() - ref).abs() / ref).max() < 1e-6
 
 
 def test_forced_int4pack_builds_no_plane() -> None:
@@ -190,21 +209,26 @@ def test_other_stacks_keep_the_module_path(
     assert _token_by_token(model, ids).shape == (5, 256)  # the module path runs instead
 
 
-def test_portable_build_without_avx512(
+@pytest.mark.parametrize(
+    "flag", ["-mno-avx512f", "-mno-avx512bf16"], ids=["plain-c", "avx512-float32"]
+)
+def test_portable_builds(
+    flag: str,
     monkeypatch: pytest.MonkeyPatch,
     tmp_path: Path,
     quant_llamas: dict[str, Path],
     write_spec,  # noqa: ANN001
     lib,  # noqa: ANN001
 ) -> None:
-    """The plain-C loops that CPUs without AVX-512 compile: the same references."""
+    """The loops that CPUs without AVX-512 (plain C) or without AVX512-BF16 (float32 FMAs on
+    the 4-bit tiles) compile: the same references."""
     monkeypatch.setenv("INFERFLOW_KERNEL_CACHE", str(tmp_path))
-    monkeypatch.setattr(kernels, "FLAGS", [*kernels.FLAGS, "-mno-avx512f"])
+    monkeypatch.setattr(kernels, "FLAGS", [*kernels.FLAGS, flag])
     _reset()
     try:
         assert quant_decode.library() is not None
         for name in ("Q4_B64", "Q8_0"):
-            qt = quantize(torch.randn(96, 256, generator=torch.Generator().manual_seed(1)), name)
+            qt = quantize(torch.randn(100, 256, generator=torch.Generator().manual_seed(1)), name)
             plane = quant_decode.make_plane(*affine_parts(qt), AFFINE_VIEWS.get(name).levels)
             assert plane is not None
             x = torch.randn(2, 256)

@@ -1,12 +1,18 @@
 /* One-token decode over affine-quantized weights, float32 activations.
 
    A QMat holds a weight W (n, k) as w = code * scale + min per group of `group` weights
-   (a multiple of 32): codes of 4 bits (16 bytes per 32 weights, byte j = c[j] | c[j + 16] << 4)
-   or 8 bits (one byte each); scale and min (n, k / group) in float32.
-   W x is then sum_g scale_g * (codes_g . x_g) + min_g * sum(x_g): exact float32 math on the
-   codec's own values, no bf16 rounding of x, scales or mins.
+   (a multiple of 32), so W x = sum_g scale_g * (codes_g . x_g) + min_g * sum(x_g).
+   - 8-bit codes: row by row, one byte per code; scale and min (n, k / group) float32.
+   - 4-bit codes: tiles of 16 rows (n padded to a multiple of 16 with zero rows). Tile t,
+     chunk j of 32 columns, sub-block s < 8 holds 32 bytes; byte 2i + e (row 16t + i, e < 2) is
+     c[32j + 2s + e] | c[32j + 16 + 2s + e] << 4. Scale and min are (tiles, k / group, 16).
+     With AVX512-BF16 one vdpbf16ps multiplies a pair of columns of 16 rows: the codes are
+     exact in bf16 and x is split into three bf16 parts (x = x0 + x1 + x2 + r, each part the
+     bf16 rounding of what is left, |r| <= 2^-27 |x|, every product exact in float32), so the
+     result is float32 math on the codec's values: no bf16 rounding of x, scales or mins.
+     Without BF16 the same tiles run in float32 FMAs.
 
-   qmat_gemv: y = W x for M rows of x, rows of W split over the threads.
+   qmat_gemv: y = W x for M rows of x, rows (or tiles) of W split over the threads.
    decode_stack: every layer of a pre-norm decoder (RMS norm, fused q/k/v, rotary embedding,
    GQA attention over cache slots, SiLU-gated FFN) for one new token of one sequence, in one
    OpenMP region; the caller embeds the token and runs the final norm and the head.
@@ -36,28 +42,20 @@ typedef struct {
     float eps, norm_offset, scale;
 } Dims;
 
-/* codes of one row, group by group: sum_g scale_g * (codes_g . x_g) + min_g * xs[g] */
+/* 8-bit codes of one row, group by group: sum_g scale_g * (codes_g . x_g) + min_g * xs[g] */
 static float row_dot(const QMat *w, int64_t r, const float *x, const float *xs) {
-    const int64_t G = w->k / w->group, chunks = w->group / 32, bytes = w->bits == 4 ? 16 : 32;
-    const uint8_t *c = w->codes + r * (w->k / 32) * bytes;
+    const int64_t G = w->k / w->group, chunks = w->group / 32, bytes = 32;
+    const uint8_t *c = w->codes + r * w->k;
     const float *sc = w->scale + r * G, *mn = w->min + r * G;
 #if defined(__AVX512F__)
-    const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     __m512 acc = _mm512_setzero_ps(), mins = _mm512_setzero_ps();
     for (int64_t g = 0; g < G; g++) {
         __m512 t = _mm512_setzero_ps();
         for (int64_t j = 0; j < chunks; j++, c += bytes) {
             const float *xc = x + (g * chunks + j) * 32;
-            __m512 fa, fb;
-            if (w->bits == 4) { /* vpermps reads the low 4 bits of each index: one nibble */
-                const __m512i idx = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)c));
-                fa = _mm512_permutexvar_ps(idx, iota);
-                fb = _mm512_permutexvar_ps(_mm512_srli_epi32(idx, 4), iota);
-            } else {
-                fa = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)c)));
-                fb = _mm512_cvtepi32_ps(
-                    _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(c + 16))));
-            }
+            const __m512 fa = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)c)));
+            const __m512 fb = _mm512_cvtepi32_ps(
+                _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(c + 16))));
             t = _mm512_fmadd_ps(fa, _mm512_loadu_ps(xc), t);
             t = _mm512_fmadd_ps(fb, _mm512_loadu_ps(xc + 16), t);
         }
@@ -74,11 +72,7 @@ static float row_dot(const QMat *w, int64_t r, const float *x, const float *xs) 
         float t = 0.f;
         for (int64_t j = 0; j < chunks; j++, c += bytes) {
             const float *xc = x + (g * chunks + j) * 32;
-            for (int i = 0; i < 16; i++) {
-                const int lo = w->bits == 4 ? c[i] & 0x0F : c[i];
-                const int hi = w->bits == 4 ? c[i] >> 4 : c[16 + i];
-                t += (float)lo * xc[i] + (float)hi * xc[16 + i];
-            }
+            for (int i = 0; i < 32; i++) t += (float)c[i] * xc[i];
         }
         total += sc[g] * t + mn[g] * xs[g];
     }
@@ -86,20 +80,134 @@ static float row_dot(const QMat *w, int64_t r, const float *x, const float *xs) 
 #endif
 }
 
-static void group_sums(const QMat *w, const float *x, float *xs) {
+/* 4-bit codes of tile t (16 rows): out[i] = row 16t + i of W x. xp: x's three bf16 parts */
+static void tile_dot(const QMat *w, int64_t t, const float *x, const uint16_t *xp,
+                     const float *xs, float *out) {
+    const int64_t G = w->k / w->group, chunks = w->group / 32;
+    const uint8_t *c = w->codes + t * (w->k / 32) * 256;
+    const float *sc = w->scale + t * G * 16, *mn = w->min + t * G * 16;
+#if defined(__AVX512F__)
+    __m512 acc = _mm512_setzero_ps(), mins = _mm512_setzero_ps();
+#if defined(__AVX512BF16__)
+    /* vpermw reads the low 5 bits of each word: entry i is bf16(i & 15), so one nibble */
+    const __m512i bf = _mm512_set_epi16(
+        0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100, 0x40E0, 0x40C0, 0x40A0,
+        0x4080, 0x4040, 0x4000, 0x3F80, 0, 0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120,
+        0x4110, 0x4100, 0x40E0, 0x40C0, 0x40A0, 0x4080, 0x4040, 0x4000, 0x3F80, 0);
+    (void)x;
+    for (int64_t g = 0; g < G; g++) {
+        __m512 a[6];
+        for (int i = 0; i < 6; i++) a[i] = _mm512_setzero_ps();
+        for (int64_t j = 0; j < chunks; j++, c += 256) {
+            const int64_t col = (g * chunks + j) * 32;
+            for (int s = 0; s < 8; s++) { /* columns 2s, 2s + 1 (low nibbles), 16 + 2s, 17 + 2s */
+                const __m512i b = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(c + 32 * s)));
+                const __m512bh lo = (__m512bh)_mm512_permutexvar_epi16(b, bf);
+                const __m512bh hi = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(b, 4), bf);
+                for (int p = 0; p < 3; p++) {
+                    const int32_t *pair = (const int32_t *)(xp + p * w->k + col) + s;
+                    a[2 * p] = _mm512_dpbf16_ps(a[2 * p], lo, (__m512bh)_mm512_set1_epi32(pair[0]));
+                    a[2 * p + 1] = _mm512_dpbf16_ps(a[2 * p + 1], hi, (__m512bh)_mm512_set1_epi32(pair[8]));
+                }
+            }
+        }
+        const __m512 sum = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(a[0], a[1]), _mm512_add_ps(a[2], a[3])),
+                                         _mm512_add_ps(a[4], a[5]));
+        acc = _mm512_fmadd_ps(sum, _mm512_loadu_ps(sc + g * 16), acc);
+        mins = _mm512_fmadd_ps(_mm512_loadu_ps(mn + g * 16), _mm512_set1_ps(xs[g]), mins);
+    }
+#else
+    (void)xp;
+    /* vpermps reads the low 4 bits of each index: one nibble */
+    const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    for (int64_t g = 0; g < G; g++) {
+        __m512 a0 = _mm512_setzero_ps(), a1 = a0;
+        for (int64_t j = 0; j < chunks; j++) {
+            const float *xc = x + (g * chunks + j) * 32;
+            for (int s = 0; s < 8; s++, c += 32) { /* dword i: bytes 2i, 2i + 1 of row i */
+                const __m512i d = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)c));
+                a0 = _mm512_fmadd_ps(_mm512_permutexvar_ps(d, iota), _mm512_set1_ps(xc[2 * s]), a0);
+                a1 = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(d, 4), iota),
+                                     _mm512_set1_ps(xc[16 + 2 * s]), a1);
+                a0 = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(d, 8), iota),
+                                     _mm512_set1_ps(xc[2 * s + 1]), a0);
+                a1 = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(d, 12), iota),
+                                     _mm512_set1_ps(xc[17 + 2 * s]), a1);
+            }
+        }
+        acc = _mm512_fmadd_ps(_mm512_add_ps(a0, a1), _mm512_loadu_ps(sc + g * 16), acc);
+        mins = _mm512_fmadd_ps(_mm512_loadu_ps(mn + g * 16), _mm512_set1_ps(xs[g]), mins);
+    }
+#endif
+    _mm512_storeu_ps(out, _mm512_add_ps(acc, mins));
+#else
+    (void)xp;
+    for (int i = 0; i < 16; i++) out[i] = 0.f;
+    for (int64_t g = 0; g < G; g++) {
+        float t[16] = {0};
+        for (int64_t j = 0; j < chunks; j++, c += 256) {
+            const float *xc = x + (g * chunks + j) * 32;
+            for (int s = 0; s < 8; s++)
+                for (int i = 0; i < 16; i++)
+                    for (int e = 0; e < 2; e++) {
+                        const int b = c[s * 32 + 2 * i + e];
+                        t[i] += (float)(b & 15) * xc[2 * s + e] + (float)(b >> 4) * xc[16 + 2 * s + e];
+                    }
+        }
+        for (int i = 0; i < 16; i++) out[i] += sc[g * 16 + i] * t[i] + mn[g * 16 + i] * xs[g];
+    }
+#endif
+}
+
+static uint16_t to_bf16(float f) { /* round to nearest even (x is finite) */
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    return (uint16_t)((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
+}
+
+static float from_bf16(uint16_t h) {
+    const uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* per group sums of x; for 4-bit tiles also x's three bf16 parts (k each) after them */
+static void prepare_x(const QMat *w, const float *x, float *xs) {
     for (int64_t g = 0; g < w->k / w->group; g++) {
         float s = 0.f;
         for (int64_t i = 0; i < w->group; i++) s += x[g * w->group + i];
         xs[g] = s;
     }
+    if (w->bits == 4) {
+        uint16_t *xp = (uint16_t *)(xs + w->k / 32);
+        for (int64_t i = 0; i < w->k; i++) { /* each subtraction is exact in float32 */
+            float left = x[i];
+            for (int p = 0; p < 3; p++) {
+                xp[p * w->k + i] = to_bf16(left);
+                left -= from_bf16(xp[p * w->k + i]);
+            }
+        }
+    }
 }
 
-/* inside a parallel region: y[r] = (add ? y[r] : 0) + W x; xs: scratch of k / group floats */
+/* inside a parallel region: y[r] = (add ? y[r] : 0) + W x; xs: scratch of k / 32 + 2k floats */
 static void gemv_in_team(const QMat *w, const float *x, float *xs, float *y, int add) {
 #pragma omp single
-    group_sums(w, x, xs);
+    prepare_x(w, x, xs);
+    if (w->bits == 4) {
+        const uint16_t *xp = (const uint16_t *)(xs + w->k / 32);
 #pragma omp for schedule(static)
-    for (int64_t r = 0; r < w->n; r++) y[r] = (add ? y[r] : 0.f) + row_dot(w, r, x, xs);
+        for (int64_t t = 0; t < (w->n + 15) / 16; t++) {
+            float out[16];
+            tile_dot(w, t, x, xp, xs, out);
+            for (int64_t i = 0; i < 16 && t * 16 + i < w->n; i++)
+                y[t * 16 + i] = (add ? y[t * 16 + i] : 0.f) + out[i];
+        }
+    } else {
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < w->n; r++) y[r] = (add ? y[r] : 0.f) + row_dot(w, r, x, xs);
+    }
 }
 
 void qmat_gemv(const QMat *w, const float *x, int64_t M, float *xs, float *y, int nthreads) {
@@ -161,8 +269,8 @@ static void attend_head(const float *q, const float *kc, const float *vc, const 
 /* x (hidden) in place through every layer. kc / vc: layer 0 of the cache, layer l at
    l * layer_stride floats, slot s of KV head g at (s * KV heads + g) * head_dim; this token's
    K / V go to slots[n - 1]. scratch: at least hidden + (heads + 2 kv_heads) head_dim + heads
-   head_dim + 3 inner + heads * n + max(hidden, inner, heads * head_dim) / 32 floats (the
-   group sums of the widest product's input). */
+   head_dim + 3 inner + heads * n + K / 32 + 2K floats, K = max(hidden, inner, heads * head_dim)
+   (the widest product's input: its group sums and bf16 parts). */
 void decode_stack(const Layer *layers, int64_t L, const Dims *d, float *x, const float *cos,
                   const float *sin, float *kc, float *vc, int64_t layer_stride,
                   const int64_t *slots, int64_t n, float *scratch, int nthreads) {

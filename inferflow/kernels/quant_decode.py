@@ -1,9 +1,11 @@
 """ctypes side of ``quant_decode.c``: affine-quantized weights as ``QPlane`` (codes, scale, min
 in the C layout), their one-row product, and one decode token through a whole pre-norm stack.
 
-A plane holds exactly the codec's values (``code * scale + min`` per group, float32 math), so
+A plane holds exactly the codec's values (``code * scale + min`` per group), so
 ``plane.matvec(x)`` equals ``x @ W.dequantize().T`` up to float32 summation order, with no bf16
-rounding of x or of the scales (torch's int4pack kernel needs both).
+rounding of x or of the scales (torch's int4pack kernel needs both). On CPUs with AVX512-BF16 the
+4-bit products run as bf16 dot products of the exact codes with x split into three bf16 parts
+(what is left is at most 2^-27 |x|, below float32's own rounding).
 """
 
 from __future__ import annotations
@@ -50,19 +52,22 @@ def library() -> ctypes.CDLL | None:
 
 @dataclass
 class QPlane:
-    """A weight (n, k) as codes (n, k / 32, 16) for <= 16 levels or (n, k) uint8 for <= 256,
-    with scale and min (n, k / group) float32 (the kernel is bound by arithmetic, not by
-    reading them: float16 copies were slower)."""
+    """A weight (n, k) in the layout of ``quant_decode.c``: for <= 16 levels, 4-bit codes in
+    tiles of 16 rows (tiles, k / 32, 8, 16, 2) with scale and min (tiles, k / group, 16); for
+    <= 256 levels, codes (n, k) uint8 with scale and min (n, k / group). Scales and mins are
+    float32 (float16 copies were slower in the row kernel)."""
 
     codes: torch.Tensor
     scale: torch.Tensor
     min: torch.Tensor
+    n: int
+    k: int
     group: int
     bits: int
 
     @property
     def shape(self) -> tuple[int, int]:
-        return self.scale.shape[0], self.scale.shape[1] * self.group
+        return self.n, self.k
 
     @property
     def nbytes(self) -> int:
@@ -71,9 +76,8 @@ class QPlane:
     @cached_property
     def struct(self) -> CQMat:
         """The C view of the tensors above (they must not be replaced afterwards)."""
-        n, k = self.shape
         ptrs = (self.codes.data_ptr(), self.scale.data_ptr(), self.min.data_ptr())
-        return CQMat(*ptrs, n, k, self.group, self.bits)
+        return CQMat(*ptrs, self.n, self.k, self.group, self.bits)
 
     def matvec(self, x: torch.Tensor) -> torch.Tensor:
         """``x (M, k) float32 @ W.T`` -> (M, n) float32, one row of x at a time."""
@@ -81,9 +85,8 @@ class QPlane:
         if lib is None:
             raise RuntimeError("the quant_decode kernel is not available")
         x = x.contiguous()
-        n, k = self.shape
-        y = torch.empty((x.shape[0], n), dtype=torch.float32)
-        xs = torch.empty(k // self.group, dtype=torch.float32)
+        y = torch.empty((x.shape[0], self.n), dtype=torch.float32)
+        xs = torch.empty(self.k // 32 + 2 * self.k, dtype=torch.float32)  # group sums, bf16 parts
         lib.qmat_gemv(ctypes.byref(self.struct), x.data_ptr(), x.shape[0], xs.data_ptr(), y.data_ptr(),
                       torch.get_num_threads())  # fmt: skip
         return y
@@ -99,11 +102,19 @@ def make_plane(
     group = k // scale.shape[1]
     if library() is None or group % 32 or levels > 256 or k % group:
         return None
-    bits = 4 if levels <= 16 else 8
-    if bits == 4:
-        c = codes.reshape(n, k // 32, 2, 16)
-        packed = (c[:, :, 0] | (c[:, :, 1] << 4)).contiguous()
-    else:
-        packed = codes.contiguous()
-    f32 = torch.float32
-    return QPlane(packed, scale.to(f32).contiguous(), mn.to(f32).contiguous(), group, bits)
+    scale, mn = scale.to(torch.float32), mn.to(torch.float32)
+    if levels > 16:
+        return QPlane(codes.contiguous(), scale.contiguous(), mn.contiguous(), n, k, group, 8)
+    tiles = -(-n // 16)
+
+    def pad(t: torch.Tensor) -> torch.Tensor:
+        return torch.cat([t, t.new_zeros(tiles * 16 - n, t.shape[1])]) if n % 16 else t
+
+    # column 32j + 16h + 2s + e of row 16t + i -> nibble h of byte (t, j, s, i, e)
+    c = pad(codes).reshape(tiles, 16, k // 32, 2, 8, 2)
+    packed = (c[:, :, :, 0] | (c[:, :, :, 1] << 4)).permute(0, 2, 3, 1, 4).contiguous()
+
+    def tiled(t: torch.Tensor) -> torch.Tensor:
+        return pad(t).reshape(tiles, 16, -1).transpose(1, 2).contiguous()
+
+    return QPlane(packed, tiled(scale), tiled(mn), n, k, group, 4)

@@ -136,7 +136,8 @@ class FusedDecode:
         out = x.reshape(-1).clone()
         d = self.dims
         size = d.hidden + 2 * (d.heads + d.kv_heads) * d.head_dim + 3 * d.inner + d.heads * n
-        size += max(d.hidden, d.inner, d.heads * d.head_dim) // 32  # group sums
+        widest = max(d.hidden, d.inner, d.heads * d.head_dim)
+        size += widest // 32 + 2 * widest  # group sums and bf16 parts of a product's input
         scratch = torch.empty(size, dtype=torch.float32)
         lib = library()
         assert lib is not None

@@ -63,9 +63,9 @@ def _paged_case(lens: list[int], heads: int, kv_heads: int, seed: int) -> dict:
         ([8, 21], 4, 4),  # MHA
     ],
 )
-def test_kernel_equals_padded_torch_attention(kernel, lens, heads, kv_heads) -> None:  # noqa: ANN001
+@pytest.mark.parametrize("scale", [0.3, 6.0, 60.0])  # softmax weights down to e^-40, e^-400
+def test_kernel_equals_padded_torch_attention(kernel, lens, heads, kv_heads, scale) -> None:  # noqa: ANN001
     c = _paged_case(lens, heads, kv_heads, seed=len(lens) * heads)
-    scale = 0.3
     got = kernel(c["q"], c["kc"], c["vc"], c["read"], c["valid"].sum(1), scale)
     k, v = gather(c["kc"], c["read"]), gather(c["vc"], c["read"])
     q_pos = torch.tensor(lens) - 1
@@ -82,6 +82,27 @@ def test_kernel_equals_padded_torch_attention(kernel, lens, heads, kv_heads) -> 
             scale,
         )
         assert torch.equal(alone[0], got[i])
+
+
+def test_portable_build_without_avx512(
+    kernel,  # noqa: ANN001
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+) -> None:
+    """The plain-C loops (expf, no prefetch vectors) of CPUs without AVX-512: the same result."""
+    c = _paged_case([5, 1, 37, 16], 9, 3, seed=3)
+    args = (c["q"], c["kc"], c["vc"], c["read"], c["valid"].sum(1), 6.0)
+    fast = kernel(*args)
+    monkeypatch.setenv("INFERFLOW_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.setattr(kernels, "FLAGS", [*kernels.FLAGS, "-mno-avx512f"])
+    _reset()
+    try:
+        plain = kernels.paged_decode_attention()
+        assert plain is not None and plain is not kernel
+        torch.testing.assert_close(plain(*args), fast, rtol=1e-5, atol=1e-6)
+    finally:
+        monkeypatch.undo()
+        _reset()
 
 
 def test_loading_the_kernel_keeps_subnormal_numbers(kernel) -> None:  # noqa: ANN001

@@ -11,6 +11,48 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+/* exp of 16 floats <= 0 (Cephes' expf polynomial on x - n ln 2, then times 2^n): within 2 ulp
+   of expf; below -87.3 it returns about 1e-38 instead of a denormal or 0 */
+static inline __m512 exp16(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+    return _mm512_scalef_ps(p, n);
+}
+#endif
+
+/* p[0..n) = exp(p - mx), returns their sum */
+static float exp_sum(float *p, int64_t n, float mx) {
+    float sum = 0.f;
+    int64_t t = 0;
+#if defined(__AVX512F__)
+    __m512 acc = _mm512_setzero_ps();
+    for (; t < n; t += 16) {
+        const __mmask16 m = n - t >= 16 ? 0xFFFF : (__mmask16)((1u << (n - t)) - 1);
+        const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, p + t), _mm512_set1_ps(mx)));
+        _mm512_mask_storeu_ps(p + t, m, e);
+        acc = _mm512_add_ps(acc, _mm512_maskz_mov_ps(m, e));
+    }
+    sum = _mm512_reduce_add_ps(acc);
+#endif
+    for (; t < n; t++) {
+        p[t] = expf(p[t] - mx);
+        sum += p[t];
+    }
+    return sum;
+}
 
 int paged_decode_f32(const float *q, const float *kc, const float *vc, const int64_t *slots,
                      const int64_t *lens, int64_t B, int64_t S, int64_t H, int64_t KVH,
@@ -30,6 +72,10 @@ int paged_decode_f32(const float *q, const float *kc, const float *vc, const int
         for (int64_t j = 0; j < r; j++) mx[j] = -INFINITY;
         for (int64_t t = 0; t < n; t++) { /* scores q . k, and each head's largest */
             const float *k = kc + (sl[t] * KVH + g) * D;
+            if (t + 8 < n) { /* keys are scattered over blocks: fetch ahead of use */
+                const char *ahead = (const char *)(kc + (sl[t + 8] * KVH + g) * D);
+                for (int64_t c = 0; c < D * 4; c += 64) __builtin_prefetch(ahead + c);
+            }
             for (int64_t j = 0; j < r; j++) {
                 const float *qj = q + (b * H + g * r + j) * D;
                 float s = 0.f;
@@ -40,12 +86,7 @@ int paged_decode_f32(const float *q, const float *kc, const float *vc, const int
             }
         }
         for (int64_t j = 0; j < r; j++) { /* softmax */
-            float sum = 0.f;
-            for (int64_t t = 0; t < n; t++) {
-                const float e = expf(p[j * n + t] - mx[j]);
-                p[j * n + t] = e;
-                sum += e;
-            }
+            const float sum = exp_sum(p + j * n, n, mx[j]);
             const float inv = 1.f / sum;
             for (int64_t t = 0; t < n; t++) p[j * n + t] *= inv;
             float *o = out + (b * H + g * r + j) * D;
@@ -53,6 +94,10 @@ int paged_decode_f32(const float *q, const float *kc, const float *vc, const int
         }
         for (int64_t t = 0; t < n; t++) { /* weighted sum of the values */
             const float *v = vc + (sl[t] * KVH + g) * D;
+            if (t + 8 < n) {
+                const char *ahead = (const char *)(vc + (sl[t + 8] * KVH + g) * D);
+                for (int64_t c = 0; c < D * 4; c += 64) __builtin_prefetch(ahead + c);
+            }
             for (int64_t j = 0; j < r; j++) {
                 const float w = p[j * n + t];
                 float *o = out + (b * H + g * r + j) * D;

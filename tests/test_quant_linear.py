@@ -23,6 +23,7 @@ from torch.nn import functional as F
 
 from inferflow.blocks.linear import Linear
 from inferflow.errors import InferflowError, QuantError
+from inferflow.kernels import quant_decode
 from inferflow.model.batch import ContiguousKVCache, FlatBatch
 from inferflow.model.build import load_model
 from inferflow.quant import get_format, quantize
@@ -70,6 +71,10 @@ def _check(ql: QuantLinear, qt: QuantTensor, x: torch.Tensor) -> None:
     err = (y.float().reshape(ref.shape) - ref).abs()
     if ql.kernel_name == "int4pack":
         bound = 5 * EPS_BF16 * (xf.abs() @ _block_max(qt).t())  # derivation in the docstring
+    elif ql.kernel_name == "plane" and xf.shape[0] > 1:
+        # x rounded to bf16 for the codes' products (scales and mins exact), output cast
+        rel = 2 * EPS_BF16 if x.dtype == torch.bfloat16 else EPS_BF16
+        bound = (rel + 1e-4) * (xf.abs() @ qt.dequantize().abs().t())
     else:
         # output cast (bf16 only) + float32 accumulation noise (K * 2**-24, K <= 1536 here)
         rel = EPS_BF16 if x.dtype == torch.bfloat16 else 0.0
@@ -98,10 +103,18 @@ def test_kernel_matches_dequantize(name: str, dtype: torch.dtype, layers) -> Non
             _check(ql, qt, torch.randn(n, shape[1], generator=g).to(dtype))
 
 
+def _fast_kernel(qt: QuantTensor) -> str:
+    """4-bit codes: the C plane takes every call where it is built with AVX512-BF16; else (and
+    for 5-8-bit codes) torch's int4 kernel."""
+    four_bit = AFFINE_VIEWS.get(qt.format).levels <= 16
+    return "plane" if four_bit and quant_decode.gemm_built() else "int4pack"
+
+
 @pytest.mark.parametrize("name", AFFINE_WRITABLE)
-def test_affine_formats_use_int4pack(name: str, layers) -> None:
-    # the point of the layer: every writable affine format gets torch's int4 kernel
-    assert layers[name, SHAPES[0]][0].kernel_name == "int4pack"
+def test_affine_formats_use_a_fast_kernel(name: str, layers) -> None:
+    # the point of the layer: every writable affine format gets a kernel on its codes
+    ql, qt = layers[name, SHAPES[0]]
+    assert ql.kernel_name == _fast_kernel(qt)
 
 
 @pytest.mark.parametrize("name", list(RANDOM_BLOCKS))
@@ -111,8 +124,11 @@ def test_read_only_formats(name: str, dtype: torch.dtype) -> None:
     16-weight-group and non-affine ones via dequant."""
     qt = random_blocks(name, 192, 512)
     ql = QuantLinear(qt)
-    assert ql.kernel_name == ("int4pack" if name in ("Q4_K", "Q5_K") else "dequant")
-    assert ql.kernel_name == select_kernel(get_format(name))
+    assert select_kernel(get_format(name)) == (
+        "int4pack" if name in ("Q4_K", "Q5_K") else "dequant"
+    )
+    want = select_kernel(get_format(name))
+    assert ql.kernel_name == (_fast_kernel(qt) if want == "int4pack" else "dequant")
     _check(ql, qt, torch.randn(7, 512).to(dtype))
     if ql.kernel_name == "dequant":
         with pytest.raises(QuantError, match=f"{name} cannot use the int4pack kernel"):
@@ -202,10 +218,11 @@ def test_quantized_model_matches_dequantizedload_quant_llama(
     assert by_path["dec.output"].format == "Q8"
     assert by_path["dec.1.self_attn.wo"].format is None
     assert isinstance(model.dec.get_submodule("1.self_attn.wo"), Linear)
-    assert all(r.kernel == "int4pack" for r in report.layers if r.format)
-    # the C planes for one-row calls are a second copy (tests/test_fused.py); without them
-    # the quantized layers take less than half the float bytes
-    planes = sum(m.plane.nbytes for m in model.modules() if getattr(m, "plane", None) is not None)
+    assert all(r.kernel in ("int4pack", "plane") for r in report.layers if r.format)
+    # the C planes of int4pack layers (one-row calls) are a second copy (tests/test_fused.py);
+    # without them the quantized layers take less than half the float bytes
+    second = [m.plane for m in model.modules() if getattr(m, "kernel_name", "") == "int4pack"]
+    planes = sum(p.nbytes for p in second if p is not None)
     assert report.bytes_after - planes < report.bytes_before / 2
     assert "total" in report.table()
 
@@ -249,7 +266,7 @@ def test_dense_batch_copy(name: str) -> None:
     (2**-9 of |w| <= A), so within 6 * 2**-9 * (|x| @ A^T) of the exact product (one rounding
     more than int4pack's bound in the module docstring); 8-bit codes (two nibble planes) too."""
     qt = quantize(_weight(200, 576, seed=3), name)  # 200 rows: int4pack pads them to 208
-    plain, ql = QuantLinear(qt), QuantLinear(qt)
+    plain, ql = QuantLinear(qt, kernel="int4pack"), QuantLinear(qt, kernel="int4pack")
     before = ql.nbytes
     ql.attach_dense(16)
     assert ql.dense_rows == 16 and ql.nbytes == before + 200 * 576 * 2
@@ -268,10 +285,12 @@ def test_dense_batch_copy(name: str) -> None:
     ql.attach_dense(8)  # a second call changes nothing
     assert ql.dense_rows == 16
     with pytest.raises(QuantError, match="at least 1 row"):
-        QuantLinear(qt).attach_dense(0)
-    dq = QuantLinear(qt, kernel="dequant")
-    dq.attach_dense(16)  # only int4pack layers get a copy
+        QuantLinear(qt, kernel="int4pack").attach_dense(0)
+    dq, auto = QuantLinear(qt, kernel="dequant"), QuantLinear(qt)
+    dq.attach_dense(16)  # only int4pack layers get a copy (the plane is as fast without one)
+    auto.attach_dense(16)
     assert dq.dense_rows is None
+    assert auto.dense_rows == (16 if auto.kernel_name == "int4pack" else None)
 
 
 def test_dense_batch_from_the_spec(quant_llamas, write_spec) -> None:
@@ -279,7 +298,8 @@ def test_dense_batch_from_the_spec(quant_llamas, write_spec) -> None:
     >= N) stay within bf16 rounding of the model without it; bad values are spec errors."""
 
     def spec(**quant: object) -> Path:
-        doc = {"name": "tiny", "base": "arch/llama", "quant": {"weights": "Q4_B32", **quant}}
+        quant = {"weights": "Q4_B32", "kernel": "int4pack", **quant}
+        doc = {"name": "tiny", "base": "arch/llama", "quant": quant}
         doc["source"] = {"format": "hf", "files": [str(quant_llamas["untied"])]}
         return write_spec(doc, f"spec{len(quant)}{quant.get('dense_batch')}.yaml")
 

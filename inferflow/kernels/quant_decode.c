@@ -12,7 +12,8 @@
      result is float32 math on the codec's values: no bf16 rounding of x, scales or mins.
      Without BF16 the same tiles run in float32 FMAs.
 
-   qmat_gemv: y = W x for M rows of x, rows (or tiles) of W split over the threads.
+   qmat_gemv: y = W x for M rows of x, one at a time, rows (or tiles) of W split over the threads.
+   qmat_gemm: Y = X W^T for all rows of X at once, x in bf16 (4-bit tiles, AVX512-BF16 only).
    decode_stack: every layer of a pre-norm decoder (RMS norm, fused q/k/v, rotary embedding,
    GQA attention over cache slots, SiLU-gated FFN) for one new token of one sequence, in one
    OpenMP region; the caller embeds the token and runs the final norm and the head.
@@ -215,6 +216,98 @@ void qmat_gemv(const QMat *w, const float *x, int64_t M, float *xs, float *y, in
 #pragma omp parallel num_threads(nthreads)
         gemv_in_team(w, x + m * w->k, xs, y + m * w->n, 0);
     }
+}
+
+/* --- many rows of x at once (4-bit tiles, AVX512-BF16) ---------------------------------------
+   Y (M, n) = X (M, k) W^T with X rounded to bf16 for the codes' products (the precision of the
+   batched calls, as torch's int4pack kernel; scales, mins and the min term's group sums of X
+   stay float32). Rows of X go MB at a time, so each tile's codes are unpacked once per MB rows.
+   xb: scratch of M k uint16, xs: of M k / group floats. Returns 1 (nothing written) where it
+   cannot run: 8-bit codes, or no AVX512-BF16 in this build. */
+#if defined(__AVX512BF16__)
+#define MB 6
+static inline __attribute__((always_inline)) void tile_rows(const QMat *w, int64_t t,
+                                                            const uint16_t *xb, const float *xs,
+                                                            int64_t m0, const int mb, float *y) {
+    const int64_t G = w->k / w->group, chunks = w->group / 32, k = w->k;
+    const uint8_t *c = w->codes + t * (k / 32) * 256;
+    const float *sc = w->scale + t * G * 16, *mn = w->min + t * G * 16;
+    const __m512i bf = _mm512_set_epi16(
+        0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100, 0x40E0, 0x40C0, 0x40A0,
+        0x4080, 0x4040, 0x4000, 0x3F80, 0, 0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120,
+        0x4110, 0x4100, 0x40E0, 0x40C0, 0x40A0, 0x4080, 0x4040, 0x4000, 0x3F80, 0);
+    __m512 acc[MB], lo_acc[MB], hi_acc[MB];
+    for (int m = 0; m < mb; m++) acc[m] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < G; g++) {
+        for (int m = 0; m < mb; m++) lo_acc[m] = hi_acc[m] = _mm512_setzero_ps();
+        for (int64_t j = 0; j < chunks; j++, c += 256) {
+            const int64_t col = (g * chunks + j) * 32;
+            for (int s = 0; s < 8; s++) {
+                const __m512i b = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(c + 32 * s)));
+                const __m512bh lo = (__m512bh)_mm512_permutexvar_epi16(b, bf);
+                const __m512bh hi = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(b, 4), bf);
+                for (int m = 0; m < mb; m++) {
+                    const int32_t *pair = (const int32_t *)(xb + (m0 + m) * k + col) + s;
+                    lo_acc[m] = _mm512_dpbf16_ps(lo_acc[m], lo, (__m512bh)_mm512_set1_epi32(pair[0]));
+                    hi_acc[m] = _mm512_dpbf16_ps(hi_acc[m], hi, (__m512bh)_mm512_set1_epi32(pair[8]));
+                }
+            }
+        }
+        const __m512 scv = _mm512_loadu_ps(sc + g * 16), mnv = _mm512_loadu_ps(mn + g * 16);
+        for (int m = 0; m < mb; m++) {
+            acc[m] = _mm512_fmadd_ps(_mm512_add_ps(lo_acc[m], hi_acc[m]), scv, acc[m]);
+            acc[m] = _mm512_fmadd_ps(mnv, _mm512_set1_ps(xs[(m0 + m) * G + g]), acc[m]);
+        }
+    }
+    const int64_t rows = w->n - 16 * t < 16 ? w->n - 16 * t : 16;
+    for (int m = 0; m < mb; m++)
+        _mm512_mask_storeu_ps(y + (m0 + m) * w->n + 16 * t, (__mmask16)((1u << rows) - 1), acc[m]);
+}
+#endif
+
+int qmat_gemm_built(void) {
+#if defined(__AVX512BF16__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+int qmat_gemm(const QMat *w, const float *x, int64_t M, uint16_t *xb, float *xs, float *y,
+              int nthreads) {
+#if defined(__AVX512BF16__)
+    if (w->bits != 4) return 1;
+    const int64_t k = w->k, G = k / w->group, T = (w->n + 15) / 16, blocks = (M + MB - 1) / MB;
+#pragma omp parallel num_threads(nthreads)
+    {
+#pragma omp for schedule(static)
+        for (int64_t m = 0; m < M; m++) {
+            for (int64_t i = 0; i < k; i++) xb[m * k + i] = to_bf16(x[m * k + i]);
+            for (int64_t g = 0; g < G; g++) {
+                float s = 0.f;
+                for (int64_t i = 0; i < w->group; i++) s += x[m * k + g * w->group + i];
+                xs[m * G + g] = s;
+            }
+        }
+#pragma omp for collapse(2) schedule(static)
+        for (int64_t b = 0; b < blocks; b++)
+            for (int64_t t = 0; t < T; t++) {
+                const int64_t m0 = b * MB;
+                switch (M - m0 < MB ? M - m0 : MB) { /* constant row counts: accumulators in registers */
+                case 1: tile_rows(w, t, xb, xs, m0, 1, y); break;
+                case 2: tile_rows(w, t, xb, xs, m0, 2, y); break;
+                case 3: tile_rows(w, t, xb, xs, m0, 3, y); break;
+                case 4: tile_rows(w, t, xb, xs, m0, 4, y); break;
+                case 5: tile_rows(w, t, xb, xs, m0, 5, y); break;
+                default: tile_rows(w, t, xb, xs, m0, MB, y);
+                }
+            }
+    }
+    return 0;
+#else
+    (void)w, (void)x, (void)M, (void)xb, (void)xs, (void)y, (void)nthreads;
+    return 1;
+#endif
 }
 
 static void rms_norm(const float *x, const float *wt, const Dims *d, float *out) {

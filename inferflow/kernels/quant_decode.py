@@ -44,10 +44,20 @@ def library() -> ctypes.CDLL | None:
         return None
     lib.qmat_gemv.argtypes = [ctypes.POINTER(CQMat), _P, _I64, _P, _P, ctypes.c_int]
     lib.qmat_gemv.restype = None
+    lib.qmat_gemm.argtypes = [ctypes.POINTER(CQMat), _P, _I64, _P, _P, _P, ctypes.c_int]
+    lib.qmat_gemm.restype = ctypes.c_int
+    lib.qmat_gemm_built.argtypes = []
+    lib.qmat_gemm_built.restype = ctypes.c_int
     lib.decode_stack.argtypes = [ctypes.POINTER(CLayer), _I64, ctypes.POINTER(CDims), _P, _P]
     lib.decode_stack.argtypes += [_P, _P, _P, _I64, _P, _I64, _P, ctypes.c_int]
     lib.decode_stack.restype = None
     return lib
+
+
+def gemm_built() -> bool:
+    """Whether ``QPlane.matmul`` runs here (4-bit planes, a build with AVX512-BF16)."""
+    lib = library()
+    return lib is not None and bool(lib.qmat_gemm_built())
 
 
 @dataclass
@@ -89,6 +99,23 @@ class QPlane:
         xs = torch.empty(self.k // 32 + 2 * self.k, dtype=torch.float32)  # group sums, bf16 parts
         lib.qmat_gemv(ctypes.byref(self.struct), x.data_ptr(), x.shape[0], xs.data_ptr(), y.data_ptr(),
                       torch.get_num_threads())  # fmt: skip
+        return y
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor | None:
+        """``x (M, k) float32 @ W.T`` -> (M, n) float32 with x rounded to bf16 for the codes'
+        products (scales, mins and group sums float32), all rows at once; None where this
+        build or these codes have no such kernel (8-bit codes, no AVX512-BF16)."""
+        lib = library()
+        if lib is None or self.bits != 4:
+            return None
+        x = x.contiguous()
+        M = x.shape[0]
+        y = torch.empty((M, self.n), dtype=torch.float32)
+        xb = torch.empty((M, self.k), dtype=torch.int16)
+        xs = torch.empty((M, self.k // self.group), dtype=torch.float32)
+        ptrs = (x.data_ptr(), M, xb.data_ptr(), xs.data_ptr(), y.data_ptr())
+        if lib.qmat_gemm(ctypes.byref(self.struct), *ptrs, torch.get_num_threads()):
+            return None
         return y
 
 

@@ -15,11 +15,17 @@ Kernels (timings from ``benchmarks/quant_kernels.py`` on this project's 2-core A
   less at M=128. ``attach_dense`` gives such a layer a bf16 copy of int4pack's own effective
   weights (2 more bytes per weight) and calls of at least ``dense_rows`` rows use it: batched
   decode steps and prefill chunks; single-sequence decode stays on int4pack (or ``plane``).
-- ``plane`` (with ``int4pack``, when ``kernel`` is auto and a C compiler works): one-row calls
-  (one sequence's decode step) go to ``inferflow/kernels/quant_decode.c``, which reads a copy of
-  the codes (4 or 8 bits) with float32 scales and mins and computes in float32 on the codec's
-  exact values; the same copy feeds the one-call decode of a whole stack (inferflow.model.fused).
-  It costs a second copy of the weights (0.75 bytes per weight for 4-bit codes, 1.125 for 8-bit);
+- ``plane`` (when ``kernel`` is auto and a C compiler works): a copy of the codes in the layout
+  of ``inferflow/kernels/quant_decode.c`` with float32 scales and mins (0.75 bytes per weight
+  for 4-bit codes, 1.125 for 8-bit). One-row calls (one sequence's decode step) compute on the
+  codec's exact values in float32; the same copy feeds the one-call decode of a whole stack
+  (inferflow.model.fused). For 4-bit codes on CPUs with AVX512-BF16 the plane takes every call
+  and is the only copy (``kernel_name == "plane"``): calls of more rows round x to bf16 for the
+  codes' products (scales, mins and the min term's sums of x stay float32): on SmolLM2's shapes
+  1.0-2.1x faster than int4pack at 16-64 rows with the weights streaming from memory and faster
+  than a dense bf16 GEMM (``benchmarks/quant_kernels.py``), so such layers take no
+  ``dense_rows`` copy; 6 bits per weight for Q4_1 against int4pack's 5. Otherwise (8-bit
+  codes, or no AVX512-BF16) the plane is a second copy beside int4pack for one-row calls;
   ``quant: {kernel: int4pack}`` keeps int4pack alone.
 - ``dequant``: everything else (k-quants with 16-weight groups, IQ/TQ/MXFP4, float formats):
   dequantize a bounded tile of rows (``TILE_BYTES`` of float32) at a time from the raw blocks and
@@ -46,7 +52,7 @@ import torch
 from torch import nn
 
 from inferflow.errors import QuantError
-from inferflow.kernels.quant_decode import QPlane, make_plane
+from inferflow.kernels.quant_decode import QPlane, gemm_built, make_plane
 from inferflow.quant import ggml
 from inferflow.quant.formats import QuantFormat
 from inferflow.quant.minmax import _MIN_BYTES, MINMAX_LAYOUTS, MinMaxLayout, _unpack_bits
@@ -300,6 +306,21 @@ def one_row_switch(plane: QPlane, many: Kernel) -> Kernel:
     return run
 
 
+def plane_kernel(plane: QPlane) -> Kernel:
+    """Every call on the C plane of 4-bit codes: one row in float32 with the codec's exact
+    values, more rows at once with x rounded to bf16 (scales and mins float32)."""
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        if x.device.type != "cpu":
+            raise QuantError(f"the plane kernel reads host memory; got x on {x.device}")
+        xf = x.float()
+        y = plane.matvec(xf) if x.shape[0] == 1 else plane.matmul(xf)
+        assert y is not None  # chosen only where gemm_built()
+        return y.to(x.dtype)
+
+    return run
+
+
 def dequant_kernel(w: QuantTensor, tile_bytes: int = TILE_BYTES) -> Kernel:
     fmt = w.qformat
     rows, cols = w.shape
@@ -357,11 +378,15 @@ class QuantLinear(nn.Module):
         self.plane: QPlane | None = None
         if name == "int4pack":
             parts = affine_parts(weight)
-            p = pack_int4(weight, parts)
-            self.kernel, self.nbytes = int4pack_kernel(p), p.nbytes
-            if kernel is None:  # auto: also the C kernel's plane for one-row calls
+            if kernel is None:  # auto: the C kernel's plane
                 self.plane = make_plane(*parts, AFFINE_VIEWS.get(weight.format).levels)
-            if self.plane is not None:
+            if self.plane is not None and self.plane.bits == 4 and gemm_built():
+                self.kernel_name = "plane"  # every call: int4pack is neither faster nor needed
+                self.kernel, self.nbytes = plane_kernel(self.plane), self.plane.nbytes
+            else:
+                p = pack_int4(weight, parts)
+                self.kernel, self.nbytes = int4pack_kernel(p), p.nbytes
+            if self.plane is not None and self.kernel_name == "int4pack":  # one-row calls
                 self.kernel = one_row_switch(self.plane, self.kernel)
                 self.nbytes += self.plane.nbytes
         elif name == "dequant":
@@ -371,7 +396,7 @@ class QuantLinear(nn.Module):
 
     def attach_dense(self, rows: int) -> None:
         """Calls of ``rows`` rows or more multiply by a dense bf16 copy of the int4pack
-        weights (a no-op for other kernels)."""
+        weights (a no-op for other kernels: ``plane`` is as fast without a copy)."""
         if self.kernel_name != "int4pack" or self.dense_rows is not None:
             return
         if rows < 1:

@@ -52,15 +52,21 @@ def test_plane_matvec_matches_dequantize(name: str, lib) -> None:  # noqa: ANN00
     # x's three-part split leaves <= 2^-27 |x| per product, below float32 rounding)
     bound = 1e-5 * (x.abs() @ qt.dequantize().abs().t()) + 1e-6
     assert ((plane.matvec(x) - ref).abs() <= bound).all()
-    # QuantLinear takes one-row calls there (float32, exact weights); more rows go to the
-    # plane's many-row kernel (4-bit codes with AVX512-BF16: no other copy) or to int4pack
+    # QuantLinear takes one-row calls there (float32, exact weights); with AVX512-BF16, more
+    # rows go to the many-row kernel (4-bit codes: this plane, the only copy; 8-bit codes: two
+    # 4-bit planes of their nibbles), else to int4pack
     ql = QuantLinear(qt)
     assert ql.plane is not None
     assert torch.equal(ql(x[:1]), plane.matvec(x[:1]))
-    if plane.bits == 4 and quant_decode.gemm_built():
-        assert ql.kernel_name == "plane" and ql.nbytes == plane.nbytes
-        many = plane.matmul(x)
-        assert many is not None and torch.equal(ql(x), many)
+    if quant_decode.gemm_built():
+        assert ql.kernel_name == "plane"
+        if plane.bits == 4:
+            assert ql.nbytes == plane.nbytes
+            many = plane.matmul(x)
+            assert many is not None and torch.equal(ql(x), many)
+        else:
+            assert plane.matmul(x) is None
+            many = ql(x)
         # x rounded to bf16 (2^-9 relative) for the codes' products, the rest float32
         bf16_bound = 2**-9 * (x.abs() @ qt.dequantize().abs().t()) * 1.01 + 1e-6
         assert ((many - ref).abs() <= bf16_bound).all()
@@ -74,7 +80,6 @@ def test_plane_matvec_matches_dequantize(name: str, lib) -> None:  # noqa: ANN00
         assert ((many - rounded).abs() <= bound).all()
     else:
         assert ql.kernel_name == "int4pack" and ql.nbytes > plane.nbytes
-        assert plane.matmul(x) is None
 
 
 @pytest.mark.parametrize("name", ["Q4_B32", "Q4_B64", "Q3H", "Q4_1", "Q4_0"])

@@ -104,10 +104,9 @@ def test_kernel_matches_dequantize(name: str, dtype: torch.dtype, layers) -> Non
 
 
 def _fast_kernel(qt: QuantTensor) -> str:
-    """4-bit codes: the C plane takes every call where it is built with AVX512-BF16; else (and
-    for 5-8-bit codes) torch's int4 kernel."""
-    four_bit = AFFINE_VIEWS.get(qt.format).levels <= 16
-    return "plane" if four_bit and quant_decode.gemm_built() else "int4pack"
+    """The C planes take every call where they are built with AVX512-BF16; else torch's int4
+    kernel (with a plane for one-row calls)."""
+    return "plane" if quant_decode.gemm_built() else "int4pack"
 
 
 @pytest.mark.parametrize("name", AFFINE_WRITABLE)

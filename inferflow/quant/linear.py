@@ -45,7 +45,7 @@ cases are ~0.25 * 2**-9 * (|x| @ A^T). Symmetric formats (Q4_0, Q5_0, Q8_0) get 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -306,19 +306,34 @@ def one_row_switch(plane: QPlane, many: Kernel) -> Kernel:
     return run
 
 
-def plane_kernel(plane: QPlane) -> Kernel:
-    """Every call on the C plane of 4-bit codes: one row in float32 with the codec's exact
-    values, more rows at once with x rounded to bf16 (scales and mins float32)."""
+def plane_kernel(plane: QPlane, many: Sequence[QPlane] | None = None) -> Kernel:
+    """Every call on C planes: one row on ``plane`` in float32 with the codec's exact values,
+    more rows at once on the 4-bit planes ``many`` (default: ``plane`` itself) summed, with x
+    rounded to bf16 (scales and mins float32)."""
+    parts = [plane] if many is None else list(many)
 
     def run(x: torch.Tensor) -> torch.Tensor:
         if x.device.type != "cpu":
             raise QuantError(f"the plane kernel reads host memory; got x on {x.device}")
         xf = x.float()
-        y = plane.matvec(xf) if x.shape[0] == 1 else plane.matmul(xf)
-        assert y is not None  # chosen only where gemm_built()
+        if x.shape[0] == 1:
+            return plane.matvec(xf).to(x.dtype)
+        y = torch.zeros(x.shape[0], plane.n)
+        for p in parts:
+            part = p.matmul(xf)
+            assert part is not None  # chosen only where gemm_built()
+            y += part
         return y.to(x.dtype)
 
     return run
+
+
+def nibble_planes(codes: torch.Tensor, scale: torch.Tensor, mn: torch.Tensor) -> list[QPlane]:
+    """8-bit codes as two 4-bit planes: (16 h + l) s + m = h (16 s) + (l s + m)."""
+    hi = make_plane(codes >> 4, scale * 16, torch.zeros_like(mn), 16)
+    lo = make_plane(codes & 15, scale, mn, 16)
+    assert hi is not None and lo is not None  # the 8-bit plane was made from the same parts
+    return [hi, lo]
 
 
 def dequant_kernel(w: QuantTensor, tile_bytes: int = TILE_BYTES) -> Kernel:
@@ -380,9 +395,13 @@ class QuantLinear(nn.Module):
             parts = affine_parts(weight)
             if kernel is None:  # auto: the C kernel's plane
                 self.plane = make_plane(*parts, AFFINE_VIEWS.get(weight.format).levels)
-            if self.plane is not None and self.plane.bits == 4 and gemm_built():
-                self.kernel_name = "plane"  # every call: int4pack is neither faster nor needed
-                self.kernel, self.nbytes = plane_kernel(self.plane), self.plane.nbytes
+            if self.plane is not None and gemm_built():
+                # every call on planes: int4pack is neither faster nor needed; 8-bit codes take
+                # many-row calls on two 4-bit planes of their nibbles
+                self.kernel_name = "plane"
+                many = None if self.plane.bits == 4 else nibble_planes(*parts)
+                self.kernel = plane_kernel(self.plane, many)
+                self.nbytes = self.plane.nbytes + sum(p.nbytes for p in many or [])
             else:
                 p = pack_int4(weight, parts)
                 self.kernel, self.nbytes = int4pack_kernel(p), p.nbytes

@@ -19,14 +19,15 @@ Kernels (timings from ``benchmarks/quant_kernels.py`` on this project's 2-core A
   of ``inferflow/kernels/quant_decode.c`` with float32 scales and mins (0.75 bytes per weight
   for 4-bit codes, 1.125 for 8-bit). One-row calls (one sequence's decode step) compute on the
   codec's exact values in float32; the same copy feeds the one-call decode of a whole stack
-  (inferflow.model.fused). For 4-bit codes on CPUs with AVX512-BF16 the plane takes every call
-  and is the only copy (``kernel_name == "plane"``): calls of more rows round x to bf16 for the
-  codes' products (scales, mins and the min term's sums of x stay float32): on SmolLM2's shapes
-  1.0-2.1x faster than int4pack at 16-64 rows with the weights streaming from memory and faster
-  than a dense bf16 GEMM (``benchmarks/quant_kernels.py``), so such layers take no
-  ``dense_rows`` copy; 6 bits per weight for Q4_1 against int4pack's 5. Otherwise (8-bit
-  codes, or no AVX512-BF16) the plane is a second copy beside int4pack for one-row calls;
-  ``quant: {kernel: int4pack}`` keeps int4pack alone.
+  (inferflow.model.fused). On CPUs with AVX512-BF16 planes take every call
+  (``kernel_name == "plane"``): calls of more rows round x to bf16 for the codes' products
+  (scales, mins and the min term's sums of x stay float32), on the plane itself for 4-bit codes
+  (its only copy: 6 bits per weight for Q4_1 against int4pack's 5) and on two 4-bit planes of
+  the nibbles for 8-bit codes (``(16 h + l) s + m``, 1.5 more bytes per weight). On SmolLM2's
+  shapes that is 1.0-2.1x faster than int4pack at 16-64 rows with the weights streaming from
+  memory, and faster than a dense bf16 GEMM (``benchmarks/quant_kernels.py``), so such layers
+  take no ``dense_rows`` copy. Without AVX512-BF16 the plane is a second copy beside int4pack,
+  for one-row calls. ``quant: {kernel: int4pack}`` keeps int4pack alone.
 - ``dequant``: everything else (k-quants with 16-weight groups, IQ/TQ/MXFP4, float formats):
   dequantize a bounded tile of rows (``TILE_BYTES`` of float32) at a time from the raw blocks and
   multiply in float32 (float32 GEMM is no slower than bf16 on this CPU, and the codecs emit

@@ -81,6 +81,16 @@ static float row_dot(const QMat *w, int64_t r, const float *x, const float *xs) 
 #endif
 }
 
+#if defined(__AVX512BF16__)
+/* vpermw reads the low 5 bits of each word: entry i is bf16(i & 15), so one nibble */
+static inline __m512i nibble_table(void) {
+    return _mm512_set_epi16(0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100,
+                            0x40E0, 0x40C0, 0x40A0, 0x4080, 0x4040, 0x4000, 0x3F80, 0, 0x4170,
+                            0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100, 0x40E0,
+                            0x40C0, 0x40A0, 0x4080, 0x4040, 0x4000, 0x3F80, 0);
+}
+#endif
+
 /* 4-bit codes of tile t (16 rows): out[i] = row 16t + i of W x. xp: x's three bf16 parts */
 static void tile_dot(const QMat *w, int64_t t, const float *x, const uint16_t *xp,
                      const float *xs, float *out) {
@@ -90,11 +100,7 @@ static void tile_dot(const QMat *w, int64_t t, const float *x, const uint16_t *x
 #if defined(__AVX512F__)
     __m512 acc = _mm512_setzero_ps(), mins = _mm512_setzero_ps();
 #if defined(__AVX512BF16__)
-    /* vpermw reads the low 5 bits of each word: entry i is bf16(i & 15), so one nibble */
-    const __m512i bf = _mm512_set_epi16(
-        0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100, 0x40E0, 0x40C0, 0x40A0,
-        0x4080, 0x4040, 0x4000, 0x3F80, 0, 0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120,
-        0x4110, 0x4100, 0x40E0, 0x40C0, 0x40A0, 0x4080, 0x4040, 0x4000, 0x3F80, 0);
+    const __m512i bf = nibble_table();
     (void)x;
     for (int64_t g = 0; g < G; g++) {
         __m512 a[6];
@@ -232,10 +238,7 @@ static inline __attribute__((always_inline)) void tile_rows(const QMat *w, int64
     const int64_t G = w->k / w->group, chunks = w->group / 32, k = w->k;
     const uint8_t *c = w->codes + t * (k / 32) * 256;
     const float *sc = w->scale + t * G * 16, *mn = w->min + t * G * 16;
-    const __m512i bf = _mm512_set_epi16(
-        0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100, 0x40E0, 0x40C0, 0x40A0,
-        0x4080, 0x4040, 0x4000, 0x3F80, 0, 0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120,
-        0x4110, 0x4100, 0x40E0, 0x40C0, 0x40A0, 0x4080, 0x4040, 0x4000, 0x3F80, 0);
+    const __m512i bf = nibble_table();
     __m512 acc[MB], lo_acc[MB], hi_acc[MB];
     for (int m = 0; m < mb; m++) acc[m] = _mm512_setzero_ps();
     for (int64_t g = 0; g < G; g++) {

@@ -13,9 +13,9 @@ why once and returns None, and callers keep their torch path (tests cover both).
   values into a padded copy first. On the 2-core test machine a step of 32 sequences of 96-160
   tokens (9 query / 3 KV heads of 64) takes 0.21 ms a layer here against 0.77 ms, and with one
   sequence of 2048 among them 0.23 ms against 36 ms (``benchmarks/decode_attention.py``).
-- ``quant_decode`` (``quant_decode.py``): products over affine-quantized weights
-  (QuantLinear's ``plane``: one row in float32, many rows with x in bf16), and one sequence's decode step through every layer of a
-  pre-norm decoder in one call (inferflow.model.fused).
+- ``quant_decode`` (``quant_decode.py``): products over affine-quantized weights (QuantLinear's
+  ``plane``: one row in float32, many rows with x in bf16), and one sequence's decode step
+  through every layer of a pre-norm decoder in one call (inferflow.model.fused).
 """
 
 from __future__ import annotations

@@ -179,13 +179,18 @@ static float from_bf16(uint16_t h) {
     return f;
 }
 
-/* per group sums of x; for 4-bit tiles also x's three bf16 parts (k each) after them */
-static void prepare_x(const QMat *w, const float *x, float *xs) {
+/* xs[g]: the sum of x's group g (the min term's factor) */
+static void group_sums(const QMat *w, const float *x, float *xs) {
     for (int64_t g = 0; g < w->k / w->group; g++) {
         float s = 0.f;
         for (int64_t i = 0; i < w->group; i++) s += x[g * w->group + i];
         xs[g] = s;
     }
+}
+
+/* group sums of x; for 4-bit tiles also x's three bf16 parts (k each) after them */
+static void prepare_x(const QMat *w, const float *x, float *xs) {
+    group_sums(w, x, xs);
     if (w->bits == 4) {
         uint16_t *xp = (uint16_t *)(xs + w->k / 32);
         for (int64_t i = 0; i < w->k; i++) { /* each subtraction is exact in float32 */
@@ -286,11 +291,7 @@ int qmat_gemm(const QMat *w, const float *x, int64_t M, uint16_t *xb, float *xs,
 #pragma omp for schedule(static)
         for (int64_t m = 0; m < M; m++) {
             for (int64_t i = 0; i < k; i++) xb[m * k + i] = to_bf16(x[m * k + i]);
-            for (int64_t g = 0; g < G; g++) {
-                float s = 0.f;
-                for (int64_t i = 0; i < w->group; i++) s += x[m * k + g * w->group + i];
-                xs[m * G + g] = s;
-            }
+            group_sums(w, x + m * k, xs + m * G);
         }
 #pragma omp for collapse(2) schedule(static)
         for (int64_t b = 0; b < blocks; b++)

@@ -17,7 +17,7 @@ Kernels (timings from ``benchmarks/quant_kernels.py`` on this project's 2-core A
   decode steps and prefill chunks; single-sequence decode stays on int4pack (or ``plane``).
 - ``plane`` (when ``kernel`` is auto and a C compiler works): a copy of the codes in the layout
   of ``inferflow/kernels/quant_decode.c`` with float32 scales and mins (0.75 bytes per weight
-  for 4-bit codes, 1.125 for 8-bit). One-row calls (one sequence's decode step) compute on the
+  for 4-bit codes, 1.25 for 8-bit). One-row calls (one sequence's decode step) compute on the
   codec's exact values in float32; the same copy feeds the one-call decode of a whole stack
   (inferflow.model.fused). On CPUs with AVX512-BF16 planes take every call
   (``kernel_name == "plane"``): calls of more rows round x to bf16 for the codes' products
@@ -307,22 +307,18 @@ def one_row_switch(plane: QPlane, many: Kernel) -> Kernel:
     return run
 
 
-def plane_kernel(plane: QPlane, many: Sequence[QPlane] | None = None) -> Kernel:
-    """Every call on C planes: one row on ``plane`` in float32 with the codec's exact values,
-    more rows at once on the 4-bit planes ``many`` (default: ``plane`` itself) summed, with x
-    rounded to bf16 (scales and mins float32)."""
-    parts = [plane] if many is None else list(many)
+def planes_kernel(planes: Sequence[QPlane]) -> Kernel:
+    """The sum of the 4-bit ``planes``' many-row products (x rounded to bf16 for the codes,
+    scales and mins float32); chosen only where ``gemm_built()``."""
 
     def run(x: torch.Tensor) -> torch.Tensor:
         if x.device.type != "cpu":
             raise QuantError(f"the plane kernel reads host memory; got x on {x.device}")
         xf = x.float()
-        if x.shape[0] == 1:
-            return plane.matvec(xf).to(x.dtype)
-        y = torch.zeros(x.shape[0], plane.n)
-        for p in parts:
+        y = torch.zeros(x.shape[0], planes[0].n)
+        for p in planes:
             part = p.matmul(xf)
-            assert part is not None  # chosen only where gemm_built()
+            assert part is not None
             y += part
         return y.to(x.dtype)
 
@@ -400,13 +396,13 @@ class QuantLinear(nn.Module):
                 # every call on planes: int4pack is neither faster nor needed; 8-bit codes take
                 # many-row calls on two 4-bit planes of their nibbles
                 self.kernel_name = "plane"
-                many = None if self.plane.bits == 4 else nibble_planes(*parts)
-                self.kernel = plane_kernel(self.plane, many)
-                self.nbytes = self.plane.nbytes + sum(p.nbytes for p in many or [])
+                many = [self.plane] if self.plane.bits == 4 else nibble_planes(*parts)
+                self.kernel = planes_kernel(many)
+                self.nbytes = sum(p.nbytes for p in many if p is not self.plane)
             else:
                 p = pack_int4(weight, parts)
                 self.kernel, self.nbytes = int4pack_kernel(p), p.nbytes
-            if self.plane is not None and self.kernel_name == "int4pack":  # one-row calls
+            if self.plane is not None:  # one-row calls: float32 on the exact codes
                 self.kernel = one_row_switch(self.plane, self.kernel)
                 self.nbytes += self.plane.nbytes
         elif name == "dequant":

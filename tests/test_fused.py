@@ -137,8 +137,11 @@ POLICY = QuantPolicy(
 
 
 def _quantized_and_reference(model):  # noqa: ANN001, ANN202
-    """(model quantized by POLICY, float copy holding each weight's dequantized value)."""
+    """(model quantized by POLICY, float copy holding each weight's dequantized value). The
+    model decodes a token while still float first: its stack must decide again afterwards."""
     ref = dequantized_copy(model, POLICY)
+    _token_by_token(model, [1])
+    assert model.dec.fused_decode() is None  # float projections
     quantize_model(model, POLICY)
     return model, ref
 

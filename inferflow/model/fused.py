@@ -15,7 +15,7 @@ call of ``decode_stack`` (inferflow/kernels/quant_decode.c) when the stack is on
 Anything else keeps the module path; ``FusedDecode.build`` logs why once. Embedding, final norm
 and head stay in torch. The math is float32 on the codec's exact weights, so it equals the
 module path with ``dequantize()``-d float weights up to summation order (tests/test_fused.py);
-the module path's int4pack kernel rounds activations and scales to bf16 instead.
+calls of several rows (QuantLinear's int4pack or many-row plane kernel) round activations to bf16.
 """
 
 from __future__ import annotations
@@ -102,10 +102,12 @@ class FusedDecode:
             int(rope.pairing == "adjacent"), norm.eps, norm.offset, a.scale,
         )  # fmt: skip
         self.layers = (CLayer * len(parts))()
-        self._keep: list[torch.Tensor] = []  # norm weights the structs point at
+        # what the structs point at: norm weights, and the planes (alive while this object is,
+        # whatever happens to the modules that made them)
+        self._keep: list[torch.Tensor | QPlane] = []
         for i, p in enumerate(parts):
             ws = [n.weight.detach().float().contiguous() for n in (p.attn_norm, p.ffn_norm)]
-            self._keep += ws
+            self._keep += [*ws, *p.planes]
             mats = (q.struct for q in p.planes)
             self.layers[i] = CLayer(ws[0].data_ptr(), ws[1].data_ptr(), *mats)
 

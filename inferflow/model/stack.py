@@ -250,6 +250,10 @@ class Stack(nn.Module):
             self._fused_checked = True
         return self._fused
 
+    def forget_fused(self) -> None:
+        """Decide again at the next use (after layers were swapped, e.g. quantized)."""
+        self._fused, self._fused_checked = None, False
+
     def final_norm(self, x: torch.Tensor) -> torch.Tensor:
         return self.output_norm(x) if self.output_norm is not None else x
 

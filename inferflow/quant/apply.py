@@ -112,6 +112,16 @@ def _set(model: nn.Module, path: str, module: nn.Module) -> None:
     setattr(model.get_submodule(parent) if parent else model, name, module)
 
 
+def _forget_fused(model: nn.Module) -> None:
+    """Stacks decide on their one-call decode at first use; a stack that ran before its layers
+    were swapped decides again."""
+    from inferflow.model.stack import Stack
+
+    for m in model.modules():
+        if isinstance(m, Stack):
+            m.forget_fused()
+
+
 def _stack_rows(parts: dict[int, QuantTensor], rows: int) -> QuantTensor | None:
     """Row blocks of one parameter as one QuantTensor, or None unless they are of one format
     and cover all ``rows`` in order (a fused q/k/v with a Q6_K v among Q4_K stays float)."""
@@ -161,6 +171,7 @@ def keep_checkpoint(
             before = 0 if lin is None else lin.weight.nbytes  # a tied head's bytes are extra
             shape = (qt.shape[0], qt.shape[1])
             layers.append(LayerReport(target, shape, qt.format, q.kernel_name, before, q.nbytes))
+    _forget_fused(model)
     report = QuantReport(layers)
     log.info("kept %d checkpoint-quantized linear layers in their blocks", len(layers))
     return report
@@ -201,6 +212,7 @@ def quantize_model(model: nn.Module, policy: QuantPolicy) -> QuantReport:
         # the embedding stays float, so the head's bytes are all extra
         shape = (weight.shape[0], weight.shape[1])
         layers.append(LayerReport(head, shape, fmt, q.kernel_name, 0, q.nbytes))
+    _forget_fused(model)
     report = QuantReport(layers)
     n = sum(r.format is not None for r in layers)
     log.info(

@@ -6,8 +6,9 @@ Per format, (in -> out) shape and batch N, the median time of one call of each p
 
     fp32       F.linear on a float32 copy of the dequantized weight (the unquantized baseline)
     bf16       F.linear on a kept bf16 copy, bf16 activations (the "cache a dense copy" option)
-    plane      QuantLinear's C plane (4-bit codes with AVX512-BF16: the chosen path for every call),
-               float32 in and out: one row exact, more rows with x rounded to bf16
+    plane      QuantLinear's C planes (its path for every call where AVX512-BF16 is built), float32
+               in and out: one row exact, more rows with x rounded to bf16 (8-bit codes: on two
+               4-bit planes of their nibbles)
     int4pack   QuantLinear's int4pack kernel, bf16 activations (the chosen path for other affine
                formats)
     int4p/f32  the same with float32 activations: includes the casts in and out
@@ -35,9 +36,8 @@ from collections.abc import Callable
 import torch
 from torch.nn import functional as F
 
-from inferflow.kernels.quant_decode import QPlane
 from inferflow.quant import quantize
-from inferflow.quant.linear import Int4Pack, QuantLinear, int4pack_kernel, pack_int4, plane_kernel
+from inferflow.quant.linear import Int4Pack, QuantLinear, int4pack_kernel, pack_int4
 from inferflow.quant.tensor import QuantTensor
 
 # SmolLM2-135M (in, out): wo/wq, wk and wv, ffn up/gate, ffn down, output head
@@ -91,11 +91,10 @@ def _int4(ql: QuantLinear, p: Int4Pack, x: torch.Tensor) -> Callable[[], Call]:
     return make
 
 
-def _plane(p: QPlane, x: torch.Tensor) -> Callable[[], Call]:
+def _plane(qt: QuantTensor, x: torch.Tensor) -> Callable[[], Call]:
     def make() -> Call:
-        c = QPlane(p.codes.clone(), p.scale.clone(), p.min.clone(), p.n, p.k, p.group, p.bits)
-        run = plane_kernel(c)
-        return lambda: run(x)
+        c = QuantLinear(QuantTensor(qt.data.clone(), qt.format, qt.shape))  # its own planes
+        return lambda: c(x)
 
     return make
 
@@ -128,7 +127,6 @@ def run_shape(fmt: str, inp: int, out: int, batches: list[int], ws: float, budge
     w32 = qt.dequantize()
     fast = QuantLinear(qt)
     pack = pack_int4(qt) if fast.kernel_name in ("int4pack", "plane") else None
-    plane = fast.plane if fast.kernel_name == "plane" else None
     for n in batches:
         x = torch.randn(n, inp, generator=g)
         xb = x.to(torch.bfloat16)
@@ -139,8 +137,8 @@ def run_shape(fmt: str, inp: int, out: int, batches: list[int], ws: float, budge
                 bench(_dense(w32.to(torch.bfloat16), xb), w32.nbytes // 2, ws, budget),
             )
         us["fp32"], us["bf16"] = _DENSE_CACHE[inp, out, n]
-        if plane is not None:
-            us["plane"] = bench(_plane(plane, x), plane.nbytes, ws, budget)
+        if fast.kernel_name == "plane":
+            us["plane"] = bench(_plane(qt, x), fast.nbytes, ws, budget)
         if pack is not None:
             us["int4pack"] = bench(_int4(fast, pack, xb), pack.nbytes, ws, budget)
             us["int4p/f32"] = bench(_int4(fast, pack, x), pack.nbytes, ws, budget)

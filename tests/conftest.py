@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import importlib.util
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -105,9 +106,7 @@ def quant_llamas(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         )
         torch.manual_seed(0)
         model = tf.LlamaForCausalLM(cfg)
-        with torch.no_grad():  # perturb norms (init 1) so every tensor matters
-            for p in model.parameters():
-                p.add_(torch.randn(p.shape) * 0.05)
+        randomize(model)
         d = tmp_path_factory.mktemp("tied" if tied else "untied")
         model.save_pretrained(d)
         out["tied" if tied else "untied"] = d
@@ -145,16 +144,12 @@ def random_blocks(name: str, out: int, inp: int) -> QuantTensor:
 
 def load_quant_llama(
     d: Path,
-    write_spec,
+    write_spec: Callable[..., Path],
     dtype: torch.dtype = torch.float32,
-    **network: object,  # noqa: ANN001
+    **network: object,
 ) -> torch.nn.Module:
     """Inferflow's model of one of ``quant_llamas``' checkpoints, with network overrides."""
-    doc: dict = {
-        "name": "tiny",
-        "base": "arch/llama",
-        "source": {"format": "hf", "files": [str(d)]},
-    }
+    doc = spec_doc("llama", d, "safetensors")
     if network:
         doc["network"] = network
     return load_model(load_spec(write_spec(doc)), dtype)

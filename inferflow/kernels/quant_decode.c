@@ -8,7 +8,7 @@
      c[32j + 2s + e] | c[32j + 16 + 2s + e] << 4. Scale and min are (tiles, k / group, 16).
      With AVX512-BF16 one vdpbf16ps multiplies a pair of columns of 16 rows: the codes are
      exact in bf16 and x is split into three bf16 parts (x = x0 + x1 + x2 + r, each part the
-     bf16 rounding of what is left, |r| <= 2^-27 |x|, every product exact in float32), so the
+     bf16 rounding of what is left, |r| <= 2^-24 |x|, every product exact in float32), so the
      result is float32 math on the codec's values: no bf16 rounding of x, scales or mins.
      Without BF16 the same tiles run in float32 FMAs.
 

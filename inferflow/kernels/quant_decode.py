@@ -5,7 +5,7 @@ A plane holds exactly the codec's values (``code * scale + min`` per group), so
 ``plane.matvec(x)`` equals ``x @ W.dequantize().T`` up to float32 summation order, with no bf16
 rounding of x or of the scales (torch's int4pack kernel needs both). On CPUs with AVX512-BF16 the
 4-bit products run as bf16 dot products of the exact codes with x split into three bf16 parts
-(what is left is at most 2^-27 |x|, below float32's own rounding).
+(what is left is at most 2^-24 |x|, float32's own unit roundoff).
 """
 
 from __future__ import annotations

@@ -37,10 +37,10 @@ Numerics. ``dequant`` equals ``F.linear(x.float(), W.dequantize())`` rounded to 
 int4pack dequantizes ``(c - 8) * s + z`` per group (z is a float offset, *not* a zero-point code:
 checked against a float reference in the tests) with s and z held in bf16. pack_int4 maps a
 format's (code, scale, min) so that c is centred on 8 and z is the block's midpoint; s and z are
-each rounded once to bf16 (relative 2**-9), so each effective weight is off by at most about
-2**-9 * 2 * (block's max |w|). With the bf16 cast of x and of the output, a layer's output is
-within ``5 * 2**-9 * (|x| @ A^T)`` of the exact product (A: per-block max |w|); measured worst
-cases are ~0.25 * 2**-9 * (|x| @ A^T). Symmetric formats (Q4_0, Q5_0, Q8_0) get z = 0 exactly.
+each rounded once to bf16 (unit roundoff 2**-8), so each effective weight is off by at most
+about 2**-8 * 2 * (block's max |w|). With the bf16 cast of x and of the output, a layer's output
+is within ``5 * 2**-8 * (|x| @ A^T)`` of the exact product (A: per-block max |w|); measured
+worst cases are ~0.11 * 2**-8 * (|x| @ A^T). Symmetric formats (Q4_0, Q5_0, Q8_0) get z = 0 exactly.
 """
 
 from __future__ import annotations

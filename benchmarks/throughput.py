@@ -3,7 +3,7 @@ mix of prompt and output lengths, for Inferflow's continuous-batching engine, tr
 static batching (one padded batch) and llama.cpp's server (``-np N -cb`` on the same Q4_1 GGUF,
 when a ``llama-server`` binary is given or on PATH), side by side in one run.
 
-    python benchmarks/throughput.py [--concurrency 1,8,32,64] [--prompt-len 32,96] [--output-len 16,128] [--dtype float32] [--quant Q4_B32] [--dense-batch 16] [--llama-server PATH]
+    python benchmarks/throughput.py [--concurrency 1,8,32,64] [--prompt-len 32,96] [--output-len 16,128] [--dtype float32] [--quant Q4_B32] [--dense-batch 16] [--llama-server PATH] [--repeats R]
 
 Prompt and output lengths are drawn uniformly from the given ranges with a fixed seed per N, so
 every engine serves the same requests (``--output-len 64,64`` gives every request the same
@@ -12,7 +12,9 @@ runs until its longest request is done, so transformers generates max(lengths) t
 row; only each request's own tokens count as generated, for every engine.
 
 Reports total generated tokens/s (wall clock, prefill included), TTFT and inter-token latency
-(mean / p50 / p99). transformers runs in bfloat16 (its fastest CPU mode here) unless --hf-dtype.
+(mean / p50 / p99). ``--repeats R`` runs R rounds per N, each round every engine back to back,
+and reports medians; a ratio is the median of the rounds' own ratios, which cancels most of a
+noisy machine's drift (one round alone can be off by a third on a shared 2-core VM). transformers runs in bfloat16 (its fastest CPU mode here) unless --hf-dtype.
 """
 
 from __future__ import annotations
@@ -115,6 +117,32 @@ def run_transformers(model, prompts: list[list[int]], out_lens: list[int]) -> di
     return dict(tps=sum(out_lens) / wall, ttft=[ttft] * n, itl=gaps, wall=wall)
 
 
+def summarize(rs: list[dict], runs: dict[str, list[dict]]) -> dict:
+    """Medians over the rounds of one engine; ratios to a peer are the median of the per-round
+    ratios (each round's engines ran back to back)."""
+
+    def med(xs: list[float]) -> float:
+        return statistics.median(xs) if xs else float("nan")
+
+    out = dict(
+        tps=med([r["tps"] for r in rs]),
+        all_tps=[r["tps"] for r in rs],
+        ttft_mean=med([statistics.mean(r["ttft"]) for r in rs]),
+        ttft_p99=med([pct(r["ttft"], 0.99) for r in rs]),
+        itl_mean=med([statistics.mean(r["itl"]) if r["itl"] else float("nan") for r in rs]),
+        itl_p50=med([pct(r["itl"], 0.5) for r in rs]),
+        itl_p99=med([pct(r["itl"], 0.99) for r in rs]),
+    )
+    for label, prefix in (("vs transformers", "transformers"), ("vs llama-server", "llama-server")):
+        base = next((b for name, b in runs.items() if name.startswith(prefix)), None)
+        out[label] = (
+            f"{med([r['tps'] / b['tps'] for r, b in zip(rs, base, strict=True)]):.2f}x"
+            if base
+            else "-"
+        )
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--concurrency", default="1,8,32,64")
@@ -143,6 +171,9 @@ def main() -> int:
         help="llama.cpp's llama-server binary (default: llama-server on PATH; skipped when none)",
     )
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 2)
+    ap.add_argument(
+        "--repeats", type=int, default=1, help="interleaved rounds per N (medians are reported)"
+    )
     args = ap.parse_args()
     server = find_binary(args.llama_server)
     torch.set_num_threads(args.threads)
@@ -166,52 +197,47 @@ def main() -> int:
     for model in (lm, dense):  # warm-up: the first engine run of a process pays one-off costs
         if model is not None:
             run_inferflow(model, prompts_for(2, lo, hi, lm.spec.hparams.vocab_size), [8, 8], 512)
-    rows = []
+    rows: list[tuple[int, str, dict]] = []
     for n in map(int, args.concurrency.split(",")):
         prompts = prompts_for(n, lo, hi, lm.spec.hparams.vocab_size)
         outs = output_lens_for(n, out_lo, out_hi)
-        if server is not None:  # first: busy torch threads would slow it
-            gguf = lm.spec.source.files[0]
-            r = run_llama_server(server, gguf, prompts, outs, args.threads)
-            rows.append((n, f"llama-server -np {n} -cb (Q4_1 GGUF)", r))
-        r = run_inferflow(lm, prompts, outs, args.max_batched_tokens)
         name = f"inferflow {args.dtype}" + (f" {args.quant}" if args.quant else "")
-        rows.append((n, name, r))
-        if dense is not None:
-            r = run_inferflow(dense, prompts, outs, args.max_batched_tokens)
-            rows.append((n, f"{name} dense_batch {args.dense_batch}", r))
-        if args.deterministic:
-            r = run_inferflow(lm, prompts, outs, args.max_batched_tokens, True)
-            rows.append((n, f"{name} deterministic", r))
-        if hf is not None:
-            rows.append(
-                (
-                    n,
-                    f"transformers {args.hf_dtype} static",
-                    run_transformers(hf, prompts, outs),
-                )
+        runs: dict[str, list[dict]] = {}
+        for _ in range(args.repeats):  # rounds interleave the engines: noise hits each alike
+            if server is not None:  # first: busy torch threads would slow it
+                gguf = lm.spec.source.files[0]
+                r = run_llama_server(server, gguf, prompts, outs, args.threads)
+                runs.setdefault(f"llama-server -np {n} -cb (Q4_1 GGUF)", []).append(r)
+            runs.setdefault(name, []).append(
+                run_inferflow(lm, prompts, outs, args.max_batched_tokens)
             )
+            if dense is not None:
+                r = run_inferflow(dense, prompts, outs, args.max_batched_tokens)
+                runs.setdefault(f"{name} dense_batch {args.dense_batch}", []).append(r)
+            if args.deterministic:
+                r = run_inferflow(lm, prompts, outs, args.max_batched_tokens, True)
+                runs.setdefault(f"{name} deterministic", []).append(r)
+            if hf is not None:
+                r = run_transformers(hf, prompts, outs)
+                runs.setdefault(f"transformers {args.hf_dtype} static", []).append(r)
+        rows += [(n, engine, summarize(rs, runs)) for engine, rs in runs.items()]
     print(f"command: python {' '.join(shlex.quote(a) for a in sys.argv)}")
     print(
-        f"model: {SPEC}; prompts {lo}-{hi} tokens, {out_lo}-{out_hi} generated each (uniform, fixed seed), all submitted at t=0; threads={args.threads}"
+        f"model: {SPEC}; prompts {lo}-{hi} tokens, {out_lo}-{out_hi} generated each (uniform, fixed seed), all submitted at t=0; threads={args.threads}; "
+        f"{args.repeats} interleaved round(s): medians over rounds; a ratio is the median of the rounds' ratios"
     )
     if server is None:
         print("llama-server: none given or on PATH (--llama-server PATH); its rows are skipped")
     hdr = f"{'N':>3} {'engine':<40} {'gen tok/s':>9} {'TTFT mean':>9} {'TTFT p99':>8} {'ITL mean':>8} {'ITL p50':>8} {'ITL p99':>8} {'vs transformers':>15} {'vs llama-server':>15}"
     print(hdr)
-    hf_tps = {n: r["tps"] for n, name, r in rows if name.startswith("transformers")}
-    srv_tps = {n: r["tps"] for n, name, r in rows if name.startswith("llama-server")}
-
-    def ratio(base: dict[int, float], n: int, tps: float) -> str:
-        return f"{tps / base[n]:.2f}x" if n in base else "-"
-
     for n, name, r in rows:
         print(
-            f"{n:>3} {name:<40} {r['tps']:>9.1f} {statistics.mean(r['ttft']):>8.2f}s {pct(r['ttft'], 0.99):>7.2f}s "
-            f"{1000 * statistics.mean(r['itl']) if r['itl'] else float('nan'):>6.1f}ms {1000 * pct(r['itl'], 0.5):>6.1f}ms "
-            f"{1000 * pct(r['itl'], 0.99):>6.1f}ms {ratio(hf_tps, n, r['tps']):>15} "
-            f"{ratio(srv_tps, n, r['tps']):>15}"
+            f"{n:>3} {name:<40} {r['tps']:>9.1f} {r['ttft_mean']:>8.2f}s {r['ttft_p99']:>7.2f}s "
+            f"{1000 * r['itl_mean']:>6.1f}ms {1000 * r['itl_p50']:>6.1f}ms "
+            f"{1000 * r['itl_p99']:>6.1f}ms {r['vs transformers']:>15} {r['vs llama-server']:>15}"
         )
+        if len(r["all_tps"]) > 1:
+            print(f"{'':>4}{'':<40} rounds: {', '.join(f'{t:.1f}' for t in r['all_tps'])}")
     return 0
 
 

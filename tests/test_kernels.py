@@ -1,5 +1,6 @@
-"""The C decode-attention kernel (inferflow.kernels) against the torch path it replaces, its
-fallback where it cannot be built, and the engine with it against the engine without it."""
+"""The C decode-attention and rotary kernels (inferflow.kernels) against the torch paths they
+replace, their fallback where they cannot be built, and the engine with them against the engine
+without them."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch
 
 from inferflow import kernels
 from inferflow.blocks.attention import attend_decode_group
+from inferflow.blocks.position import PositionArgs, Rotary
 from inferflow.engine.engine import Engine, EngineConfig
 from inferflow.engine.kv_cache import PagedKVCache, SeqBlocks, gather
 from inferflow.engine.sampling import SamplingParams
@@ -23,6 +25,7 @@ BS = 4
 def _reset() -> None:
     kernels._library.cache_clear()
     kernels.paged_decode_attention.cache_clear()
+    kernels.rope_in_place.cache_clear()
 
 
 @pytest.fixture
@@ -192,3 +195,68 @@ def test_engine_with_kernel_equals_engine_without(
         monkeypatch.delenv("INFERFLOW_KERNELS")
         _reset()
     assert with_kernel == without
+
+
+def _rope_case(pairing: str, partial: float) -> tuple[Rotary, torch.Tensor, torch.Tensor]:
+    rope = Rotary(
+        PositionArgs(576, 9, 64, 4096, {"theta": 10000.0, "pairing": pairing, "partial": partial})
+    )
+    g = torch.Generator().manual_seed(5)
+    qkv = torch.randn(37, (9 + 2 * 3) * 64, generator=g)  # a fused q / k / v projection's output
+    return rope, qkv, torch.randint(0, 4000, (37,), generator=g)
+
+
+@pytest.mark.parametrize("pairing", ["half", "adjacent"])
+@pytest.mark.parametrize("partial", [1.0, 0.5])
+@pytest.mark.parametrize("fused", [True, False])
+def test_rope_kernel_rotates_in_place_bit_for_bit(
+    pairing: str, partial: float, fused: bool
+) -> None:
+    if kernels.rope_in_place() is None:
+        pytest.skip("no C compiler here: the kernel cannot be built (the torch path runs)")
+    rope, qkv, pos = _rope_case(pairing, partial)
+    q, k = qkv[:, :576].view(37, 9, 64), qkv[:, 576:768].view(37, 3, 64)
+    if not fused:  # separate buffers: one call each
+        q, k = q.clone(), k.clone()
+    cos, sin = rope.cos_sin(pos, torch.float32)
+    want = rope._rotate_one(torch.cat((q, k), dim=1), cos, sin)  # the torch path, on copies
+    v = qkv[:, 768:].clone()
+    assert rope.rotate_(q, k, pos)
+    q2, k2 = q, k
+    assert torch.equal(q2, want[:, :9]) and torch.equal(k2, want[:, 9:])
+    assert torch.equal(qkv[:, 768:], v)  # the values next to k are untouched
+    rd = rope.rotary_dim
+    norms = torch.cat((q2, k2), 1)[..., :rd].norm(dim=-1)  # a rotation keeps each head's norm
+    torch.testing.assert_close(
+        norms, torch.cat((want[:, :9], want[:, 9:]), 1)[..., :rd].norm(dim=-1)
+    )
+
+
+def test_rope_in_place_declines_where_the_kernel_cannot_run(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    rope, qkv, pos = _rope_case("adjacent", 1.0)
+    q, k = qkv[:, :576].view(37, 9, 64), qkv[:, 576:768].view(37, 3, 64)
+    before = qkv.clone()
+    cos, sin = rope.cos_sin(pos, torch.float32)
+    want = rope._rotate_one(torch.cat((q, k), dim=1), cos, sin)
+    aliased = qkv[:, :576].view(37, 9, 64)
+    for case in ("grad", "bf16", "aliased", "off"):
+        qq, kk = q, k
+        if case == "grad":
+            qq = q.clone().requires_grad_(True)
+        elif case == "bf16":
+            qq, kk = q.bfloat16(), k.bfloat16()
+        elif case == "aliased":  # rotated twice if done in place
+            qq, kk = aliased, aliased[:, :3]
+        else:
+            monkeypatch.setattr(kernels, "rope_in_place", lambda: None)
+        assert not rope.rotate_(qq, kk, pos)  # declined, nothing changed
+        assert torch.equal(qkv, before)
+        if case == "aliased":
+            continue
+        q2, k2 = rope.rotate(qq, kk, pos)
+        tol = dict(rtol=0.02, atol=0.05) if case == "bf16" else dict(rtol=0, atol=0)
+        torch.testing.assert_close(q2.float(), want[:, :9], **tol)
+        torch.testing.assert_close(k2.float(), want[:, 9:], **tol)
+    assert torch.equal(qkv, before)  # rotate never changes its inputs

@@ -196,7 +196,8 @@ class Attention(nn.Module):
         v = qkv[:, self.q_rows + self.kv_rows :].view(N, self.n_kv_heads, a.head_dim)
         if a.qk_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = pos.rotate(q, k, batch.positions)
+        if not pos.rotate_(q, k, batch.positions):  # q and k are this call's own buffers
+            q, k = pos.rotate(q, k, batch.positions)
         if batch.group is not None:
             plain = a.window is None and a.softcap is None and not pos.has_bias
             out = batch.group.attend(a.layer, q, k, v, self.scale) if plain else None

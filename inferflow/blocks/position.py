@@ -3,7 +3,8 @@
 Every block answers three questions for the attention layers (a block that does not take part
 in one answers with identity / None):
 - ``embed(positions)``: an absolute embedding added to the token embeddings, (N, hidden);
-- ``rotate(q, k, positions)``: rotary encoding of q (N, H, D) and k (N, KVH, D);
+- ``rotate(q, k, positions)``: rotary encoding of q (N, H, D) and k (N, KVH, D); ``rotate_``
+  does it in place where it can (rope: a C kernel);
 - ``bias(q_pos, k_pos)``: an additive attention bias (H, Tq, Tk).
 """
 
@@ -16,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from inferflow import kernels
 from inferflow.errors import SpecError
 from inferflow.registry import Registry
 
@@ -46,6 +48,11 @@ class PositionBlock(nn.Module):
         self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         return q, k
+
+    def rotate_(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor) -> bool:
+        """``rotate`` in place where a block can (True), for callers that own q and k; False
+        (nothing changed) where it cannot, and the caller takes ``rotate``'s copies."""
+        return False
 
     def bias(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor | None:
         return None
@@ -189,14 +196,45 @@ class Rotary(PositionBlock):
             out = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
         return torch.cat((out, rest), dim=-1) if rest.shape[-1] else out
 
+    def _angles(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # every layer of one forward rotates at the same positions: compute cos / sin once
+        if self._cached is None or self._cached[0] is not positions or self._cached[1] != dtype:
+            self._cached = (positions, dtype, *self.cos_sin(positions, dtype))
+        return self._cached[2], self._cached[3]
+
+    def rotate_(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor) -> bool:
+        """The C kernel's in-place rotation, bit for bit ``rotate`` without its copies, where it
+        runs: float32 on the CPU, no autograd, each head's dims contiguous, q and k not
+        overlapping. q and k side by side in one row (the fused qkv projection's output) take
+        one call."""
+        H, D = q.shape[1], q.shape[-1]
+        if not all(
+            t.dtype == torch.float32 and t.device.type == "cpu" and not t.requires_grad
+            and t.stride(2) == 1 and t.stride(1) == D
+            for t in (q, k)
+        ):  # fmt: skip
+            return False
+        fn = kernels.rope_in_place()
+        if fn is None:
+            return False
+        adjacent = k.stride(0) == q.stride(0) and k.data_ptr() == q.data_ptr() + 4 * H * D
+        if not adjacent and q.untyped_storage().data_ptr() == k.untyped_storage().data_ptr():
+            return False  # one buffer, not side by side: they might overlap
+        cos, sin = self._angles(positions, torch.float32)
+        c, s, pairs = cos[:, 0], sin[:, 0], self.pairing == "adjacent"
+        if adjacent:
+            fn(q.as_strided((q.shape[0], H + k.shape[1], D), q.stride()), c, s, pairs)
+        else:
+            fn(q, c, s, pairs)
+            fn(k, c, s, pairs)
+        return True
+
     def rotate(
         self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        # every layer of one forward rotates at the same positions: compute cos / sin once
-        key = (positions, q.dtype)
-        if self._cached is None or self._cached[0] is not positions or self._cached[1] != q.dtype:
-            self._cached = (*key, *self.cos_sin(positions, q.dtype))
-        cos, sin = self._cached[2], self._cached[3]
+        cos, sin = self._angles(positions, q.dtype)
         qk = self._rotate_one(torch.cat((q, k), dim=1), cos, sin)  # (N, H + KVH, D): one pass
         return qk[:, : q.shape[1]], qk[:, q.shape[1] :]
 

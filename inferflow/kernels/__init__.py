@@ -148,6 +148,32 @@ def paged_decode_attention() -> PagedDecode | None:
     return run
 
 
+RopeInPlace = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, bool], None]
+
+
+@cache
+def rope_in_place() -> RopeInPlace | None:
+    """``f(x (N, heads, D), cos, sin (N, rd / 2), adjacent)``: rotates the first rd dims of every
+    head of x in place (float32 on the CPU; heads contiguous, rows any stride), bit for bit as
+    ``Rotary``'s torch path. None where the kernel cannot be built."""
+    lib = _library("paged_attention")
+    if lib is None:
+        return None
+    fn = lib.rope_f32
+    ptr, i64 = ctypes.c_void_p, ctypes.c_int64
+    fn.argtypes = [ptr, i64, i64, i64, i64, i64, ptr, ptr, ctypes.c_int, ctypes.c_int]
+    fn.restype = None
+
+    def run(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, adjacent: bool) -> None:
+        N, heads, D = x.shape
+        if x.stride(2) != 1 or x.stride(1) != D or not (cos.is_contiguous() and sin.is_contiguous()):
+            raise ValueError("rope_in_place: heads must be contiguous and cos / sin too")
+        fn(x.data_ptr(), N, x.stride(0), heads, D, 2 * cos.shape[-1], cos.data_ptr(),
+           sin.data_ptr(), int(adjacent), torch.get_num_threads())  # fmt: skip
+
+    return run
+
+
 def decode_attention_for(cache: torch.Tensor) -> PagedDecode | None:
     """``paged_decode_attention`` where it can read this KV cache (float32, CPU), else None."""
     if cache.device.type != "cpu" or cache.dtype != torch.float32:

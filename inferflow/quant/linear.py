@@ -315,9 +315,10 @@ def planes_kernel(planes: Sequence[QPlane]) -> Kernel:
         if x.device.type != "cpu":
             raise QuantError(f"the plane kernel reads host memory; got x on {x.device}")
         xf = x.float()
-        y = torch.zeros(x.shape[0], planes[0].n)
-        for p in planes:
-            part = p.matmul(xf)
+        parts = [p.matmul(xf) for p in planes]
+        y = parts[0]
+        assert y is not None
+        for part in parts[1:]:
             assert part is not None
             y += part
         return y.to(x.dtype)

@@ -64,6 +64,9 @@ def _paged_case(lens: list[int], heads: int, kv_heads: int, seed: int) -> dict:
         ([5, 1, 17, 9, 33], 9, 3),  # GQA, one sequence of a single key
         ([12, 3, 40], 4, 1),  # MQA
         ([8, 21], 4, 4),  # MHA
+        # sequences enough for tasks of all KV heads (reading each slot's row whole), while a
+        # sequence alone runs as tasks of one head: its rows must come out bit for bit the same
+        ([7, 30, 2, 19, 11, 1, 25, 4, 16], 9, 3),
     ],
 )
 @pytest.mark.parametrize("scale", [0.3, 6.0, 60.0])  # softmax weights down to e^-40, e^-400

@@ -58,26 +58,32 @@ int paged_decode_f32(const float *q, const float *kc, const float *vc, const int
                      const int64_t *lens, int64_t B, int64_t S, int64_t H, int64_t KVH,
                      int64_t D, float scale, float *out, int nthreads) {
     const int64_t r = H / KVH;
+    /* a task is one sequence and a run of its KV heads: all of them when there are sequences
+       enough to keep the threads busy (each slot's keys are then read as one contiguous row),
+       one per task otherwise (a lone long sequence still spreads over the threads) */
+    const int64_t per = B >= 4 * nthreads ? KVH : 1, tasks = B * (KVH / per);
     int failed = 0;
 #pragma omp parallel for num_threads(nthreads) schedule(dynamic, 1)
-    for (int64_t task = 0; task < B * KVH; task++) {
-        const int64_t b = task / KVH, g = task % KVH, n = lens[b];
+    for (int64_t task = 0; task < tasks; task++) {
+        const int64_t b = task / (KVH / per), g0 = task % (KVH / per) * per, n = lens[b];
+        const int64_t h0 = g0 * r, nh = per * r; /* query heads h0 .. h0 + nh */
         const int64_t *sl = slots + b * S;
-        float *p = malloc(sizeof(float) * (size_t)(r * n + r));
+        const int64_t span = per * D * 4;        /* bytes of one slot's keys read here */
+        float *p = malloc(sizeof(float) * (size_t)(nh * n + nh));
         if (p == NULL) {
             failed = 1;
             continue;
         }
-        float *mx = p + r * n;
-        for (int64_t j = 0; j < r; j++) mx[j] = -INFINITY;
+        float *mx = p + nh * n;
+        for (int64_t j = 0; j < nh; j++) mx[j] = -INFINITY;
         for (int64_t t = 0; t < n; t++) { /* scores q . k, and each head's largest */
-            const float *k = kc + (sl[t] * KVH + g) * D;
+            const float *krow = kc + (sl[t] * KVH + g0) * D;
             if (t + 8 < n) { /* keys are scattered over blocks: fetch ahead of use */
-                const char *ahead = (const char *)(kc + (sl[t + 8] * KVH + g) * D);
-                for (int64_t c = 0; c < D * 4; c += 64) __builtin_prefetch(ahead + c);
+                const char *ahead = (const char *)(kc + (sl[t + 8] * KVH + g0) * D);
+                for (int64_t c = 0; c < span; c += 64) __builtin_prefetch(ahead + c);
             }
-            for (int64_t j = 0; j < r; j++) {
-                const float *qj = q + (b * H + g * r + j) * D;
+            for (int64_t j = 0; j < nh; j++) {
+                const float *qj = q + (b * H + h0 + j) * D, *k = krow + j / r * D;
                 float s = 0.f;
                 for (int64_t d = 0; d < D; d++) s += qj[d] * k[d];
                 s *= scale;
@@ -85,22 +91,22 @@ int paged_decode_f32(const float *q, const float *kc, const float *vc, const int
                 if (s > mx[j]) mx[j] = s;
             }
         }
-        for (int64_t j = 0; j < r; j++) { /* softmax */
+        for (int64_t j = 0; j < nh; j++) { /* softmax */
             const float sum = exp_sum(p + j * n, n, mx[j]);
             const float inv = 1.f / sum;
             for (int64_t t = 0; t < n; t++) p[j * n + t] *= inv;
-            float *o = out + (b * H + g * r + j) * D;
+            float *o = out + (b * H + h0 + j) * D;
             for (int64_t d = 0; d < D; d++) o[d] = 0.f;
         }
         for (int64_t t = 0; t < n; t++) { /* weighted sum of the values */
-            const float *v = vc + (sl[t] * KVH + g) * D;
+            const float *vrow = vc + (sl[t] * KVH + g0) * D;
             if (t + 8 < n) {
-                const char *ahead = (const char *)(vc + (sl[t + 8] * KVH + g) * D);
-                for (int64_t c = 0; c < D * 4; c += 64) __builtin_prefetch(ahead + c);
+                const char *ahead = (const char *)(vc + (sl[t + 8] * KVH + g0) * D);
+                for (int64_t c = 0; c < span; c += 64) __builtin_prefetch(ahead + c);
             }
-            for (int64_t j = 0; j < r; j++) {
-                const float w = p[j * n + t];
-                float *o = out + (b * H + g * r + j) * D;
+            for (int64_t j = 0; j < nh; j++) {
+                const float w = p[j * n + t], *v = vrow + j / r * D;
+                float *o = out + (b * H + h0 + j) * D;
                 for (int64_t d = 0; d < D; d++) o[d] += w * v[d];
             }
         }

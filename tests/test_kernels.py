@@ -13,6 +13,7 @@ import torch
 
 from inferflow import kernels
 from inferflow.blocks.attention import attend_decode_group
+from inferflow.blocks.norm import RMSNorm
 from inferflow.blocks.position import PositionArgs, Rotary
 from inferflow.engine.engine import Engine, EngineConfig
 from inferflow.engine.kv_cache import PagedKVCache, SeqBlocks, gather
@@ -26,6 +27,7 @@ def _reset() -> None:
     kernels._library.cache_clear()
     kernels.paged_decode_attention.cache_clear()
     kernels.rope_in_place.cache_clear()
+    kernels.rms_norm.cache_clear()
 
 
 @pytest.fixture
@@ -263,3 +265,25 @@ def test_rope_in_place_declines_where_the_kernel_cannot_run(
         torch.testing.assert_close(q2.float(), want[:, :9], **tol)
         torch.testing.assert_close(k2.float(), want[:, 9:], **tol)
     assert torch.equal(qkv, before)  # rotate never changes its inputs
+
+
+def test_rms_norm_kernel_against_float64_and_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    if kernels.rms_norm() is None:
+        pytest.skip("no C compiler here: the kernel cannot be built (the torch path runs)")
+    g = torch.Generator().manual_seed(9)
+    norm = RMSNorm(576, 1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(576, generator=g) + 0.5)
+    x = torch.randn(300, 576, generator=g) * torch.logspace(-3, 3, 300)[:, None]  # row scales
+    with torch.inference_mode():
+        got = norm(x)
+        x64, w64 = x.double(), norm.weight.double()
+        want = x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + 1e-5) * w64
+        torch.testing.assert_close(got.double(), want, rtol=2e-6, atol=0)  # a few float32 ulp
+        for i in (0, 7, 299):  # a row alone: bit for bit its row of the batch
+            assert torch.equal(norm(x[i : i + 1]), got[i : i + 1])
+        monkeypatch.setattr(kernels, "rms_norm", lambda: None)  # the torch path: same values
+        torch.testing.assert_close(norm(x), got, rtol=1e-6, atol=0)
+    with torch.enable_grad():  # autograd takes the torch path
+        y = norm(x[:3].clone().requires_grad_(True))
+        assert y.requires_grad

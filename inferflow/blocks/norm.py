@@ -11,6 +11,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from inferflow import kernels
 from inferflow.registry import Registry
 
 NormFactory = Callable[[int, float], nn.Module]
@@ -26,8 +27,20 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
+    def _kernel_takes(self, x: torch.Tensor) -> bool:
+        """The C kernel's case: 2-D contiguous float32 rows and weight on the CPU, no autograd."""
+        w = self.weight
+        return (
+            x.dim() == 2 and x.is_contiguous() and x.device.type == "cpu"
+            and w.dtype == torch.float32 and w.is_contiguous() and w.device.type == "cpu"
+            and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))
+        )  # fmt: skip
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32 and not self.offset:  # one fused op (same math in float32)
+            fn = kernels.rms_norm() if self._kernel_takes(x) else None
+            if fn is not None:
+                return fn(x, self.weight, self.eps)
             return nn.functional.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)

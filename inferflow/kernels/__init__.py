@@ -13,6 +13,8 @@ why once and returns None, and callers keep their torch path (tests cover both).
   values into a padded copy first. On the 2-core test machine a step of 32 sequences of 96-160
   tokens (9 query / 3 KV heads of 64) takes 0.21 ms a layer here against 0.77 ms, and with one
   sequence of 2048 among them 0.23 ms against 36 ms (``benchmarks/decode_attention.py``).
+- ``rows``: row-wise ops torch runs as several kernels: rotary embedding in place
+  (``rope_in_place``, bit for bit the torch path) and RMS norm (``rms_norm``).
 - ``quant_decode`` (``quant_decode.py``): products over affine-quantized weights (QuantLinear's
   ``plane``: one row in float32, many rows with x in bf16), and one sequence's decode step
   through every layer of a pre-norm decoder in one call (inferflow.model.fused).
@@ -156,7 +158,7 @@ def rope_in_place() -> RopeInPlace | None:
     """``f(x (N, heads, D), cos, sin (N, rd / 2), adjacent)``: rotates the first rd dims of every
     head of x in place (float32 on the CPU; heads contiguous, rows any stride), bit for bit as
     ``Rotary``'s torch path. None where the kernel cannot be built."""
-    lib = _library("paged_attention")
+    lib = _library("rows")
     if lib is None:
         return None
     fn = lib.rope_f32
@@ -166,10 +168,39 @@ def rope_in_place() -> RopeInPlace | None:
 
     def run(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, adjacent: bool) -> None:
         N, heads, D = x.shape
-        if x.stride(2) != 1 or x.stride(1) != D or not (cos.is_contiguous() and sin.is_contiguous()):
+        if (
+            x.stride(2) != 1
+            or x.stride(1) != D
+            or not (cos.is_contiguous() and sin.is_contiguous())
+        ):
             raise ValueError("rope_in_place: heads must be contiguous and cos / sin too")
         fn(x.data_ptr(), N, x.stride(0), heads, D, 2 * cos.shape[-1], cos.data_ptr(),
            sin.data_ptr(), int(adjacent), torch.get_num_threads())  # fmt: skip
+
+    return run
+
+
+RmsNorm = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
+
+
+@cache
+def rms_norm() -> RmsNorm | None:
+    """``f(x (N, D), weight (D,), eps) -> (N, D)``: RMS norm of each row (float32 on the CPU,
+    contiguous), torch's order of operations but one pass instead of torch's six kernels. None
+    where the kernel cannot be built."""
+    lib = _library("rows")
+    if lib is None:
+        return None
+    fn = lib.rms_norm_f32
+    ptr, i64 = ctypes.c_void_p, ctypes.c_int64
+    fn.argtypes = [ptr, i64, i64, ptr, ctypes.c_float, ptr, ctypes.c_int]
+    fn.restype = None
+
+    def run(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        N, D = x.shape
+        out = torch.empty_like(x)
+        fn(x.data_ptr(), N, D, weight.data_ptr(), eps, out.data_ptr(), torch.get_num_threads())
+        return out
 
     return run
 

@@ -45,7 +45,8 @@ EXPECTED: dict[str, str | None] = {
     # ValueError from numpy: an empty tensor whose row is wider than an int64 (ne[0] ~ 2**63)
     "gguf/dims-past-int64.gguf": "more weights or row bytes than an int64 can count",
     # RecursionError: PyYAML recursing over 3000 nested flow sequences
-    "spec/deep-flow-nesting.yaml": "YAML nested deeper than 32 levels",
+    # PyYAML 6.0.4 (installed here) stops at a nesting limit of its own before our event count
+    "spec/deep-flow-nesting.yaml": "YAML nested deeper than 32 levels|not valid YAML at line 2, column 1003: exceeded maximum nesting depth",
     # TypeError: unknown keys 1 and 'dec.{i}.x' sorted together for the error message
     "spec/integer-key.yaml": r"unknown key 1, 'dec.\{i\}.x'",
     # ValueError: base: / has no file name to give a .yaml suffix

@@ -209,23 +209,24 @@ class Rotary(PositionBlock):
         runs: float32 on the CPU, no autograd, each head's dims contiguous, q and k not
         overlapping. q and k side by side in one row (the fused qkv projection's output) take
         one call."""
-        H, D = q.shape[1], q.shape[-1]
+        N, H, D = q.shape
         if not all(
             t.dtype == torch.float32 and t.device.type == "cpu" and not t.requires_grad
+            and t.dim() == 3 and t.shape[0] == N == positions.shape[0] and t.shape[2] == D
             and t.stride(2) == 1 and t.stride(1) == D
             for t in (q, k)
         ):  # fmt: skip
-            return False
+            return False  # (mismatched shapes: rotate raises the error)
         fn = kernels.rope_in_place()
         if fn is None:
             return False
-        adjacent = k.stride(0) == q.stride(0) and k.data_ptr() == q.data_ptr() + 4 * H * D
-        if not adjacent and q.untyped_storage().data_ptr() == k.untyped_storage().data_ptr():
+        side_by_side = k.stride(0) == q.stride(0) and k.data_ptr() == q.data_ptr() + 4 * H * D
+        if not side_by_side and q.untyped_storage().data_ptr() == k.untyped_storage().data_ptr():
             return False  # one buffer, not side by side: they might overlap
         cos, sin = self._angles(positions, torch.float32)
         c, s, pairs = cos[:, 0], sin[:, 0], self.pairing == "adjacent"
-        if adjacent:
-            fn(q.as_strided((q.shape[0], H + k.shape[1], D), q.stride()), c, s, pairs)
+        if side_by_side:
+            fn(q.as_strided((N, H + k.shape[1], D), q.stride()), c, s, pairs)
         else:
             fn(q, c, s, pairs)
             fn(k, c, s, pairs)

@@ -14,7 +14,8 @@ row; only each request's own tokens count as generated, for every engine.
 Reports total generated tokens/s (wall clock, prefill included), TTFT and inter-token latency
 (mean / p50 / p99). ``--repeats R`` runs R rounds per N, each round every engine back to back,
 and reports medians; a ratio is the median of the rounds' own ratios, which cancels most of a
-noisy machine's drift (one round alone can be off by a third on a shared 2-core VM). transformers runs in bfloat16 (its fastest CPU mode here) unless --hf-dtype.
+noisy machine's drift (one round alone can be off by a third on a shared 2-core VM).
+transformers runs in bfloat16 (its fastest CPU mode here) unless --hf-dtype.
 """
 
 from __future__ import annotations

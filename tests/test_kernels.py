@@ -287,3 +287,20 @@ def test_rms_norm_kernel_against_float64_and_alone(monkeypatch: pytest.MonkeyPat
     with torch.enable_grad():  # autograd takes the torch path
         y = norm(x[:3].clone().requires_grad_(True))
         assert y.requires_grad
+
+
+def test_a_changed_header_rebuilds_the_kernels_that_include_it(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    if kernels.rms_norm() is None:
+        pytest.skip("no C compiler here: the kernel cannot be built (the torch path runs)")
+    src = tmp_path / "src"
+    src.mkdir()
+    for f in ("rows.c", "rows.h"):
+        (src / f).write_bytes((kernels.HERE / f).read_bytes())
+    monkeypatch.setattr(kernels, "HERE", src)
+    monkeypatch.setenv("INFERFLOW_KERNEL_CACHE", str(tmp_path / "cache"))
+    first = kernels.build("rows")
+    assert kernels.build("rows") == first  # cached
+    (src / "rows.h").write_text((src / "rows.h").read_text() + "\n/* changed */\n")
+    assert kernels.build("rows") != first  # a stale library would keep the old row code

@@ -68,11 +68,13 @@ def _cpu_key() -> str:
 
 
 def build(name: str) -> Path:
-    """Compile ``name``.c (once per source, flags and CPU) and return the shared library."""
+    """Compile ``name``.c (once per source, the folder's headers, flags and CPU) and return the
+    shared library."""
     src = HERE / f"{name}.c"
     cc = shlex.split(os.environ.get("CC", "cc"))
+    headers = [h.read_bytes() for h in sorted(HERE.glob("*.h"))]  # what a source may include
     key = hashlib.sha256(
-        b"\0".join([src.read_bytes(), " ".join(cc + FLAGS).encode(), _cpu_key().encode()])
+        b"\0".join([src.read_bytes(), *headers, " ".join(cc + FLAGS).encode(), _cpu_key().encode()])
     ).hexdigest()[:16]
     out = cache_dir() / f"{name}-{key}.so"
     with _build_lock:

@@ -61,11 +61,11 @@ int paged_decode_f32(const float *q, const float *kc, const float *vc, const int
     /* a task is one sequence and a run of its KV heads: all of them when there are sequences
        enough to keep the threads busy (each slot's keys are then read as one contiguous row),
        one per task otherwise (a lone long sequence still spreads over the threads) */
-    const int64_t per = B >= 4 * nthreads ? KVH : 1, tasks = B * (KVH / per);
+    const int64_t per = B >= 4 * nthreads ? KVH : 1, runs = KVH / per; /* runs per sequence */
     int failed = 0;
 #pragma omp parallel for num_threads(nthreads) schedule(dynamic, 1)
-    for (int64_t task = 0; task < tasks; task++) {
-        const int64_t b = task / (KVH / per), g0 = task % (KVH / per) * per, n = lens[b];
+    for (int64_t task = 0; task < B * runs; task++) {
+        const int64_t b = task / runs, g0 = task % runs * per, n = lens[b];
         const int64_t h0 = g0 * r, nh = per * r; /* query heads h0 .. h0 + nh */
         const int64_t *sl = slots + b * S;
         const int64_t span = per * D * 4;        /* bytes of one slot's keys read here */

@@ -21,6 +21,8 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+
+#include "rows.h"
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -314,22 +316,6 @@ int qmat_gemm(const QMat *w, const float *x, int64_t M, uint16_t *xb, float *xs,
 #endif
 }
 
-static void rms_norm(const float *x, const float *wt, const Dims *d, float *out) {
-    float ss = 0.f;
-    for (int64_t i = 0; i < d->hidden; i++) ss += x[i] * x[i];
-    const float inv = 1.f / sqrtf(ss / (float)d->hidden + d->eps);
-    for (int64_t i = 0; i < d->hidden; i++) out[i] = x[i] * inv * (d->norm_offset + wt[i]);
-}
-
-static void rotate(float *v, const float *cos, const float *sin, const Dims *d) {
-    const int64_t half = d->rotary_dim / 2;
-    for (int64_t i = 0; i < half; i++) {
-        const int64_t a = d->adjacent ? 2 * i : i, b = d->adjacent ? 2 * i + 1 : i + half;
-        const float x1 = v[a], x2 = v[b];
-        v[a] = x1 * cos[i] - x2 * sin[i];
-        v[b] = x2 * cos[i] + x1 * sin[i];
-    }
-}
 
 /* query head h over the n keys listed in slots (the last one is this token's) */
 static void attend_head(const float *q, const float *kc, const float *vc, const int64_t *slots,
@@ -380,11 +366,11 @@ void decode_stack(const Layer *layers, int64_t L, const Dims *d, float *x, const
         const Layer *ly = layers + l;
         float *k = kc + l * layer_stride, *v = vc + l * layer_stride;
 #pragma omp single
-        rms_norm(x, ly->attn_norm, d, h);
+        rms_norm_row(x, ly->attn_norm, d->hidden, d->eps, d->norm_offset, h);
         gemv_in_team(&ly->qkv, h, xs, qkv, 0);
 #pragma omp single
         {
-            for (int64_t j = 0; j < H + KVH; j++) rotate(qkv + j * D, cos, sin, d);
+            for (int64_t j = 0; j < H + KVH; j++) rope_head(qkv + j * D, cos, sin, d->rotary_dim, d->adjacent);
             memcpy(k + w * KVH * D, qkv + H * D, sizeof(float) * KVH * D);
             memcpy(v + w * KVH * D, qkv + (H + KVH) * D, sizeof(float) * KVH * D);
         }
@@ -392,7 +378,7 @@ void decode_stack(const Layer *layers, int64_t L, const Dims *d, float *x, const
         for (int64_t j = 0; j < H; j++) attend_head(qkv + j * D, k, v, slots, n, j, d, p + j * n, att + j * D);
         gemv_in_team(&ly->o, att, xs, x, 1);
 #pragma omp single
-        rms_norm(x, ly->ffn_norm, d, h);
+        rms_norm_row(x, ly->ffn_norm, d->hidden, d->eps, d->norm_offset, h);
         gemv_in_team(&ly->gate_up, h, xs, gu, 0);
 #pragma omp for schedule(static)
         for (int64_t i = 0; i < F; i++) act[i] = gu[i] / (1.f + expf(-gu[i])) * gu[F + i];

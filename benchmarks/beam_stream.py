@@ -120,7 +120,7 @@ def compare(a: list[list[Hypothesis]], b: list[list[Hypothesis]]) -> tuple[int, 
     return same, diff
 
 
-def report(results: list[Result], n: int) -> None:
+def report(results: list[Result], n: int, capacity: int, longest: int) -> None:
     print("| search | wall s | CPU s | steps | beams expanded | beams / step |")
     print("|---|---:|---:|---:|---:|---:|")
     for r in results:
@@ -145,6 +145,27 @@ def report(results: list[Result], n: int) -> None:
         )
     same_best = sum(x[0].tokens == y[0].tokens for x, y in zip(fixed.hyps, var.hyps, strict=True))
     print(f"\nfixed vs variable width: the same best hypothesis for {same_best}/{n} inputs")
+    print(bound(var, results[2], capacity, longest))
+
+
+def bound(var: Result, control: Result, capacity: int, longest: int) -> str:
+    """The most any regrouping of search 2's beams could save on this machine. 2 and 2' compute
+    the same beams in different numbers of steps, so their difference prices one step; no
+    schedule of at most ``capacity`` beams a step takes fewer than beams / capacity steps, nor
+    fewer than the longest hypothesis has tokens. A model (a price per step plus one per beam),
+    not a measurement: an upper bound as far as that model holds."""
+    assert var.stats is not None and control.stats is not None
+    saved = var.stats.steps - control.stats.steps
+    if saved <= 0:
+        return "bound: 2' took no fewer steps than 2, so a step's price is unknown"
+    per_step = (var.wall - control.wall) / saved
+    fewest = max(-(-var.stats.rows // capacity), longest)
+    best = var.wall - per_step * (var.stats.steps - fewest)
+    return (
+        f"bound: a step costs {1000 * per_step:.2f} ms beyond its beams (2 against 2'); any "
+        f"schedule of <= {capacity} beams a step takes >= {fewest} steps, so the most streaming "
+        f"could gain here is {var.wall / best:.2f}x ({best:.2f} s), whatever its refill policy"
+    )
 
 
 def main() -> None:
@@ -198,7 +219,8 @@ def main() -> None:
         ),
     ]
     measure(results, args.repeats)
-    report(results, len(sources))
+    longest = max(len(h.tokens) for hs in results[1].hyps or [] for h in hs)
+    report(results, len(sources), B * K, longest)
 
 
 if __name__ == "__main__":

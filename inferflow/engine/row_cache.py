@@ -45,7 +45,7 @@ class RowCache:
         if n > self.k.shape[1]:
             self._grow(n)
         if moved.numel():
-            end = int(self.lens.max())  # positions any row has filled
+            end = int(self.lens[idx[moved]].max())  # positions a moving row has filled
             # the right side is gathered first, so a row may take the place of another's source
             self.k[:, moved, :end] = self.k[:, idx[moved], :end]
             self.v[:, moved, :end] = self.v[:, idx[moved], :end]

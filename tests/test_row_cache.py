@@ -41,3 +41,21 @@ def test_select_copies_no_more_than_the_moving_rows_have_filled() -> None:
     assert cache.k[0, 2, :2, 0, 0].tolist() == [1.0, 1.0]
     # past the moving rows' 2 filled positions nothing moved, though row 0 has 12
     assert cache.k[0, 1, 2:, 0, 0].eq(1.0).all() and cache.k[0, 2, 2:, 0, 0].eq(2.0).all()
+
+
+def test_masked_positions_read_as_finite_though_the_buffers_start_unset() -> None:
+    """Buffers come from empty(): whatever they held (NaN here, as stale memory may), every
+    position a step reads is finite, in rows added later too, and nothing past the chunk ahead
+    of the longest row is written."""
+    cache = RowCache(layers=1, rows=2, max_len=64, kvh=1, d=2, dtype=torch.float32, capacity=2)
+    cache.k.fill_(float("nan"))
+    cache.v.fill_(float("nan"))
+    cache.lens = torch.tensor([5, 0])
+    k, v, _, mask = cache.window(0).update(0, torch.ones(2, 1, 2), torch.ones(2, 1, 2))
+    assert k.shape[1] == 6 and torch.isfinite(k).all() and torch.isfinite(v).all()
+    assert mask[1].tolist() == [True] + [False] * 5  # row 1's stale positions: masked, finite
+    assert cache.k[:, :, RowCache.CHUNK :].isnan().all()  # never touched
+    cache.add_rows(3)  # grows the buffers past their 2 rows
+    cache.lens = torch.tensor([5, 0, 0, 0, 7])
+    k, v, _, _ = cache.window(0).update(0, torch.ones(5, 1, 2), torch.ones(5, 1, 2))
+    assert k.shape[1] == 8 and torch.isfinite(k).all() and torch.isfinite(v).all()

@@ -6,6 +6,8 @@ the smallest length in a streaming one, kept last): ``window(start)`` is that st
 ``GroupKVView``, and its ``row(i)`` the ``KVView`` of one of its rows (prompts, and blocks with
 an attention bias). Choosing beams moves only rows that change place, and only their filled
 positions; positions past a row's length hold stale finite values that attention masks out.
+Buffers are zeroed lazily, positions ahead of the longest row in chunks: a search that ends
+at 40 tokens never touches (or page-faults) the memory reserved for the length limit.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ import torch
 
 
 class RowCache:
+    CHUNK = 16  # positions zeroed ahead at a time
+
     def __init__(
         self,
         layers: int,
@@ -24,12 +28,22 @@ class RowCache:
         dtype: torch.dtype,
         capacity: int = 0,  # rows to allocate for (more are added as needed)
     ):
-        # zeros, never empty(): masked positions must hold finite values (NaN * 0 is NaN)
         cap = max(rows, capacity, 1)
-        self.k = torch.zeros((layers, cap, max_len, kvh, d), dtype=dtype)
-        self.v = torch.zeros_like(self.k)
+        self.k = torch.empty((layers, cap, max_len, kvh, d), dtype=dtype)
+        self.v = torch.empty_like(self.k)
+        # positions 0 .. ready of every row hold finite values: attention reads masked
+        # positions too, and NaN * 0 is NaN
+        self.ready = 0
         self.lens = torch.zeros(rows, dtype=torch.long)  # (rows in use,)
         self._pos = torch.arange(max_len, dtype=torch.long)
+
+    def reserve(self, end: int) -> None:
+        """Make positions up to ``end`` finite in every row (zeroing ahead by a chunk)."""
+        if end > self.ready:
+            to = min(self.k.shape[2], max(end, self.ready + self.CHUNK))
+            self.k[:, :, self.ready : to] = 0
+            self.v[:, :, self.ready : to] = 0
+            self.ready = to
 
     @property
     def rows(self) -> int:
@@ -58,11 +72,12 @@ class RowCache:
         self.lens = torch.cat((self.lens, torch.zeros(n, dtype=torch.long)))
 
     def _grow(self, rows: int) -> None:
-        cap = max(rows, 2 * self.k.shape[1])
+        cap, r = max(rows, 2 * self.k.shape[1]), self.ready
         for name in ("k", "v"):
             old = getattr(self, name)
-            new = old.new_zeros((old.shape[0], cap, *old.shape[2:]))
-            new[:, : old.shape[1]] = old
+            new = old.new_empty((old.shape[0], cap, *old.shape[2:]))
+            new[:, : old.shape[1], :r] = old[:, :, :r]
+            new[:, old.shape[1] :, :r] = 0
             setattr(self, name, new)
 
 
@@ -83,10 +98,11 @@ class RowWindow:
         c, a = self.cache, self.start
         n = k.shape[0]
         lens = c.lens[a : a + n]
+        end = int(lens.max()) + 1
+        c.reserve(end)
         rows = torch.arange(a, a + n)
         c.k[layer, rows, lens] = k
         c.v[layer, rows, lens] = v
-        end = int(lens.max()) + 1
         pos = c._pos[:end].expand(n, end)
         return c.k[layer, a : a + n, :end], c.v[layer, a : a + n, :end], pos, pos <= lens[:, None]
 
@@ -113,6 +129,7 @@ class _Row:
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         c = self.cache
         start, end = int(positions[0]), int(positions[-1]) + 1
+        c.reserve(end)
         c.k[layer, self.i, start:end] = k
         c.v[layer, self.i, start:end] = v
         return c.k[layer, self.i, :end], c.v[layer, self.i, :end], c._pos[:end]

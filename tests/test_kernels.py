@@ -227,14 +227,8 @@ def test_rope_kernel_rotates_in_place_bit_for_bit(
     want = rope._rotate_one(torch.cat((q, k), dim=1), cos, sin)  # the torch path, on copies
     v = qkv[:, 768:].clone()
     assert rope.rotate_(q, k, pos)
-    q2, k2 = q, k
-    assert torch.equal(q2, want[:, :9]) and torch.equal(k2, want[:, 9:])
+    assert torch.equal(q, want[:, :9]) and torch.equal(k, want[:, 9:])
     assert torch.equal(qkv[:, 768:], v)  # the values next to k are untouched
-    rd = rope.rotary_dim
-    norms = torch.cat((q2, k2), 1)[..., :rd].norm(dim=-1)  # a rotation keeps each head's norm
-    torch.testing.assert_close(
-        norms, torch.cat((want[:, :9], want[:, 9:]), 1)[..., :rd].norm(dim=-1)
-    )
 
 
 def test_rope_in_place_declines_where_the_kernel_cannot_run(

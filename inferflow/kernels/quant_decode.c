@@ -316,7 +316,6 @@ int qmat_gemm(const QMat *w, const float *x, int64_t M, uint16_t *xb, float *xs,
 #endif
 }
 
-
 /* query head h over the n keys listed in slots (the last one is this token's) */
 static void attend_head(const float *q, const float *kc, const float *vc, const int64_t *slots,
                         int64_t n, int64_t h, const Dims *d, float *p, float *out) {
@@ -370,7 +369,8 @@ void decode_stack(const Layer *layers, int64_t L, const Dims *d, float *x, const
         gemv_in_team(&ly->qkv, h, xs, qkv, 0);
 #pragma omp single
         {
-            for (int64_t j = 0; j < H + KVH; j++) rope_head(qkv + j * D, cos, sin, d->rotary_dim, d->adjacent);
+            for (int64_t j = 0; j < H + KVH; j++)
+                rope_head(qkv + j * D, cos, sin, d->rotary_dim, d->adjacent);
             memcpy(k + w * KVH * D, qkv + H * D, sizeof(float) * KVH * D);
             memcpy(v + w * KVH * D, qkv + (H + KVH) * D, sizeof(float) * KVH * D);
         }

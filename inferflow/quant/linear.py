@@ -315,12 +315,12 @@ def planes_kernel(planes: Sequence[QPlane]) -> Kernel:
         if x.device.type != "cpu":
             raise QuantError(f"the plane kernel reads host memory; got x on {x.device}")
         xf = x.float()
-        parts = [p.matmul(xf) for p in planes]
-        y = parts[0]
-        assert y is not None
-        for part in parts[1:]:
+        y: torch.Tensor | None = None
+        for p in planes:  # one product alive at a time besides the sum
+            part = p.matmul(xf)
             assert part is not None
-            y += part
+            y = part if y is None else y.add_(part)
+        assert y is not None
         return y.to(x.dtype)
 
     return run

@@ -4,15 +4,17 @@
 1. fixed width: beam search (width K) batch by batch (B sources a batch, finished sources leave
    their batch at once), as `inferflow translate` runs without --refill;
 2. variable width, not streaming: the same with --prune-delta / --max-per-parent;
-3. VAR-STREAM (inferflow.engine.var_stream): the same variable-width search, at most B x K
-   beams a step, refilled with waiting sources when the live beams drop to EPS x B x K, each
-   step expanding only the beams of the smallest length.
+3. VAR-STREAM (inferflow.engine.var_stream): the same variable-width search, refilled with
+   waiting sources (one beam each) up to n = B x K live beams when the live beams drop to
+   EPS x n, each step expanding at most n beams, all of the smallest length.
 
 The sources are 240 SMILES: 20 drug-like molecules, each with 12 prefixes (none, C, CC, O, N,
 F, Cl, Br, CO, OC, CN, C(C)). Times are the best of --repeats runs (interleaved, so that load
 from other processes hits every search alike); CPU seconds are this process's. Steps are decoder
 passes, beams the hypothesis rows computed over all of them; 2 and 3 compute the same beams, so
-what streaming can save is per-step cost (fewer, fuller steps). The control 2' runs search 2
+what streaming can save is per-step cost (fewer, fuller steps). Peak cache rows are the most
+hypotheses held at once: a stream's newcomers widen to K beams each after the refill, so it
+holds up to K x n, where a static batch holds n. The control 2' runs search 2
 in batches twice as large: the same beams in about half the steps, which shows what fuller steps
 are worth on the machine at hand. Outputs of 2 and 3 are compared token for token.
 
@@ -121,14 +123,14 @@ def compare(a: list[list[Hypothesis]], b: list[list[Hypothesis]]) -> tuple[int, 
 
 
 def report(results: list[Result], n: int, capacity: int, longest: int) -> None:
-    print("| search | wall s | CPU s | steps | beams expanded | beams / step |")
-    print("|---|---:|---:|---:|---:|---:|")
+    print("| search | wall s | CPU s | steps | beams expanded | beams / step | peak cache rows |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
     for r in results:
         assert r.stats is not None
         s = r.stats
         print(
             f"| {r.name} | {r.wall:.2f} | {r.cpu:.2f} | {s.steps} | {s.rows} "
-            f"| {s.rows / s.steps:.1f} |"
+            f"| {s.rows / s.steps:.1f} | {s.peak_rows} |"
         )
     fixed, var, streams = results[0], results[1], results[3:]
     assert var.hyps is not None and fixed.hyps is not None

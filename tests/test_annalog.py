@@ -21,6 +21,7 @@ import torch
 
 from inferflow.model.batch import ContiguousKVCache, FlatBatch
 from inferflow.model.build import load_model
+from inferflow.model.cross import CrossBank
 from inferflow.runtime import tokenizer_for
 from inferflow.spec import load_spec
 
@@ -130,7 +131,7 @@ def our_logits(model: torch.nn.Module, src_ids: list[int], tgt_ids: list[int]) -
     cache = ContiguousKVCache(h.n_layers, h.n_kv_heads, h.head_dim, MAX_LEN, torch.float32)
     tgt = torch.tensor(tgt_ids)
     batch = FlatBatch.single(tgt, 0, cache)
-    batch.cross = [memory]
+    batch.cross = CrossBank.of([memory]).rows([0], [tgt.numel()])
     batch.logits_rows = torch.arange(tgt.numel())
     return model(batch)
 

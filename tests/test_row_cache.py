@@ -1,61 +1,96 @@
-"""The beam-search row cache (inferflow.engine.row_cache): choosing beams keeps each chosen row's
-filled positions (a parent may be chosen twice, rows may trade places), leaves rows that stay
-where they are untouched, and moves only what it must: positions a moving row has filled, not
-those of a longer row waiting elsewhere in the cache (a streaming search's older inputs)."""
+"""The beam-search row cache (inferflow.engine.row_cache): rows never move. Choosing beams
+(``fork``) leaves a parent's first child in the parent's row, copies a further child's parent
+into a free row (only the positions the parent has filled), frees rows left without a child,
+and leaves every row outside the step untouched; attention over a step's rows (kernel, in
+place) equals the padded torch path; positions a step reads are finite though buffers start
+unset."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from inferflow.engine.row_cache import RowCache
 
 
-def filled(cache: RowCache, row: int) -> tuple[torch.Tensor, torch.Tensor]:
-    n = int(cache.lens[row])
-    return cache.k[:, row, :n].clone(), cache.v[:, row, :n].clone()
+def snapshot(cache: RowCache) -> tuple[torch.Tensor, torch.Tensor]:
+    return cache.k.clone(), cache.v.clone()
 
 
-def test_select_keeps_each_chosen_rows_filled_positions() -> None:
+def test_fork_keeps_each_childs_prefix_and_moves_nothing_else() -> None:
     torch.manual_seed(0)
-    lens = [30, 30, 4, 4, 4, 4]  # two long rows waiting, four short ones choosing
-    cache = RowCache(layers=2, rows=len(lens), max_len=32, kvh=2, d=3, dtype=torch.float32)
+    cache = RowCache(layers=2, max_len=32, kvh=2, d=3, dtype=torch.float32, capacity=8)
+    rows = cache.new_rows(6)
     cache.k.normal_()
     cache.v.normal_()
-    cache.lens = torch.tensor(lens)
-    before = [filled(cache, r) for r in range(len(lens))]
-    idx = [0, 1, 5, 5, 2, 3]  # the waiting rows stay; row 5 twice; 2 and 3 move down one place
-    cache.select(torch.tensor(idx))
-    assert cache.lens.tolist() == [lens[i] for i in idx]
-    for r, src in enumerate(idx):
-        k, v = filled(cache, r)
-        assert torch.equal(k, before[src][0]) and torch.equal(v, before[src][1]), (r, src)
+    cache.lens[rows] = torch.tensor([30, 30, 4, 4, 5, 4])
+    k0, v0 = snapshot(cache)
+    # rows 0 and 1 wait outside the step; of rows 2..5, row 4 has two children, row 2 one
+    out = cache.fork([2, 3, 4, 5], [4, 4, 2])
+    assert out[0] == 4 and out[2] == 2  # a first child keeps its parent's row
+    extra = out[1]
+    assert extra not in (0, 1, 2, 4)  # a free row: one of the freed (3, 5) or a new one
+    assert sorted(cache.free) == sorted({3, 5, 6, 7} - {extra})
+    assert int(cache.lens[extra]) == 5
+    assert torch.equal(cache.k[:, extra, :5], k0[:, 4, :5])
+    assert torch.equal(cache.v[:, extra, :5], v0[:, 4, :5])
+    # past the parent's 5 filled positions nothing was copied, though rows 0 and 1 hold 30
+    assert torch.equal(cache.k[:, extra, 5:], k0[:, extra, 5:])
+    for r in (0, 1, 2, 4):  # waiting rows and kept parents: not a value changed
+        assert torch.equal(cache.k[:, r], k0[:, r]) and torch.equal(cache.v[:, r], v0[:, r])
 
 
-def test_select_copies_no_more_than_the_moving_rows_have_filled() -> None:
-    cache = RowCache(layers=1, rows=3, max_len=16, kvh=1, d=1, dtype=torch.float32)
-    cache.lens = torch.tensor([12, 2, 2])
-    cache.k[0, 1, :, 0, 0] = 1.0  # row 1: 2 filled positions, then stale values
-    cache.k[0, 2, :, 0, 0] = 2.0
-    cache.select(torch.tensor([0, 2, 1]))  # rows 1 and 2 trade places
-    assert cache.k[0, 1, :2, 0, 0].tolist() == [2.0, 2.0]
-    assert cache.k[0, 2, :2, 0, 0].tolist() == [1.0, 1.0]
-    # past the moving rows' 2 filled positions nothing moved, though row 0 has 12
-    assert cache.k[0, 1, 2:, 0, 0].eq(1.0).all() and cache.k[0, 2, 2:, 0, 0].eq(2.0).all()
+def test_rows_are_reused_and_the_cache_grows() -> None:
+    cache = RowCache(layers=1, max_len=8, kvh=1, d=1, dtype=torch.float32, capacity=2)
+    a, b = cache.new_rows(2)
+    assert cache.used == 2 and not cache.free
+    cache.lens[a] = 3
+    cache.reserve(3)  # (a step reserves the positions it writes)
+    cache.k[0, a, :3, 0, 0] = torch.tensor([1.0, 2.0, 3.0])
+    out = cache.fork([a, b], [a, a, a])  # b freed and reused, then one more row
+    assert out[0] == a and set(out[1:]) == {b, 2} and cache.used == 3
+    for r in out:
+        assert cache.k[0, r, :3, 0, 0].tolist() == [1.0, 2.0, 3.0] and int(cache.lens[r]) == 3
+    cache.release(out)
+    assert cache.used == 0
 
 
 def test_masked_positions_read_as_finite_though_the_buffers_start_unset() -> None:
     """Buffers come from empty(): whatever they held (NaN here, as stale memory may), every
     position a step reads is finite, in rows added later too, and nothing past the chunk ahead
     of the longest row is written."""
-    cache = RowCache(layers=1, rows=2, max_len=64, kvh=1, d=2, dtype=torch.float32, capacity=2)
+    cache = RowCache(layers=1, max_len=64, kvh=1, d=2, dtype=torch.float32, capacity=2)
     cache.k.fill_(float("nan"))
     cache.v.fill_(float("nan"))
-    cache.lens = torch.tensor([5, 0])
-    k, v, _, mask = cache.window(0).update(0, torch.ones(2, 1, 2), torch.ones(2, 1, 2))
+    rows = cache.new_rows(2)
+    cache.lens[rows[0]] = 5
+    k, v, _, mask = cache.step(rows).update(0, torch.ones(2, 1, 2), torch.ones(2, 1, 2))
     assert k.shape[1] == 6 and torch.isfinite(k).all() and torch.isfinite(v).all()
     assert mask[1].tolist() == [True] + [False] * 5  # row 1's stale positions: masked, finite
     assert cache.k[:, :, RowCache.CHUNK :].isnan().all()  # never touched
-    cache.add_rows(3)  # grows the buffers past their 2 rows
-    cache.lens = torch.tensor([5, 0, 0, 0, 7])
-    k, v, _, _ = cache.window(0).update(0, torch.ones(5, 1, 2), torch.ones(5, 1, 2))
+    more = cache.new_rows(3)  # grows the buffers past their 2 rows
+    cache.lens[more[2]] = 7
+    k, v, _, _ = cache.step(rows + more).update(0, torch.ones(5, 1, 2), torch.ones(5, 1, 2))
     assert k.shape[1] == 8 and torch.isfinite(k).all() and torch.isfinite(v).all()
+
+
+def test_kernel_attention_reads_rows_in_place_as_the_padded_path_does() -> None:
+    torch.manual_seed(1)
+    cache = RowCache(layers=2, max_len=16, kvh=2, d=8, dtype=torch.float32, capacity=8)
+    if cache.kernel is None:
+        pytest.skip("the C kernels are off or could not be built here")
+    rows = cache.new_rows(8)
+    cache.k.normal_()
+    cache.v.normal_()
+    cache.lens[rows] = torch.tensor([0, 3, 9, 1, 15, 4, 4, 7])
+    step = [6, 1, 4, 2]  # rows of a step: any of them, in any order
+    q, k, v = torch.randn(4, 4, 8), torch.randn(4, 2, 8), torch.randn(4, 2, 8)  # GQA: 4 over 2
+    got = cache.step(step).attend(1, q, k, v, 0.25)
+    assert got is not None
+    keys, values, _, visible = cache.step(step).update(1, k, v)  # the padded copy
+    for i in range(4):
+        n = int(visible[i].sum())
+        kk = keys[i, :n].repeat_interleave(2, dim=1)  # (n, H, D)
+        vv = values[i, :n].repeat_interleave(2, dim=1)
+        w = torch.softmax(torch.einsum("hd,nhd->hn", q[i], kk) * 0.25, dim=-1)
+        torch.testing.assert_close(got[i], torch.einsum("hn,nhd->hd", w, vv), rtol=1e-5, atol=1e-5)

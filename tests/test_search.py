@@ -149,7 +149,7 @@ def test_cache_rows_hold_each_input_not_more(llama) -> None:
     core = Decoding(model, SearchParams(max_new_tokens=10 * n_pos), {EOS}, True, SearchStats())
     limits = core.limits(inputs)
     assert limits == [n_pos - 1, 50]
-    assert core.new_cache(inputs, limits, 2, capacity=2).k.shape[2] == n_pos
+    assert core.new_cache(inputs, limits, capacity=2).k.shape[2] == n_pos
 
 
 def test_stop_ends_a_search_between_steps(bart) -> None:
@@ -202,8 +202,9 @@ def test_prune_mask_by_hand() -> None:
     F, T = False, True
 
     def mask(last: bool = False, **kw: float) -> list[list[bool]] | None:
-        m = prune_mask(total, toks, ends, SearchParams(beam_width=2, **kw), last)
-        return None if m is None else m.tolist()
+        p = SearchParams(beam_width=2, **kw)
+        m = prune_mask(total[None], toks[None], ends, p, torch.tensor([last]))
+        return None if m is None else m[0].tolist()
 
     # more than delta = 1 below the best (-0.5): under -1.5; -1.5 itself stays
     assert mask(prune_delta=1.0) == [[F, F, F, T], [F, F, F, T]]
@@ -213,7 +214,7 @@ def test_prune_mask_by_hand() -> None:
     assert mask(prune_delta=1.0, max_per_parent=1) == [[F, F, T, T], [F, F, T, T]]
     # at the last step every candidate finishes: no cap, delta still applies
     assert mask(last=True, prune_delta=1.0, max_per_parent=1) == [[F, F, F, T], [F, F, F, T]]
-    assert mask(last=True, max_per_parent=1) is None
+    assert mask(last=True, max_per_parent=1) == [[F] * 4] * 2
     # fixed width: a cap of W never binds, so nothing is computed
     assert mask() is None
     assert mask(max_per_parent=2) is None

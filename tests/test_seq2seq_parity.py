@@ -11,6 +11,7 @@ import torch
 
 from inferflow.model.batch import ContiguousKVCache, FlatBatch, packed
 from inferflow.model.build import load_model
+from inferflow.model.cross import CrossBank
 from inferflow.spec import load_spec
 from tests.conftest import CHECKPOINTS, save_models, spec_doc
 
@@ -80,7 +81,7 @@ def decoder_logits(model: torch.nn.Module, src: torch.Tensor, tgt: torch.Tensor)
     memory = model.cross_memory(model.encode([src.tolist()])[0])
     cache = ContiguousKVCache(h.n_layers, h.n_kv_heads, h.head_dim, 64, torch.float32)
     batch = FlatBatch.single(tgt, 0, cache)
-    batch.cross = [memory]
+    batch.cross = CrossBank.of([memory]).rows([0], [tgt.numel()])
     batch.logits_rows = torch.arange(tgt.numel())
     return model(batch)
 
@@ -115,7 +116,7 @@ def test_incremental_decode_matches_full_forward(arch: str, hf_models, write_spe
         cache = ContiguousKVCache(h.n_layers, h.n_kv_heads, h.head_dim, 64, torch.float32)
         for a, b in [(0, 5)] + [(t, t + 1) for t in range(5, 12)]:
             batch = FlatBatch.single(tgt[a:b], a, cache)
-            batch.cross = [memory]
+            batch.cross = CrossBank.of([memory]).rows([0], [b - a])
             torch.testing.assert_close(model(batch)[0], full[b - 1], rtol=1e-5, atol=1e-5)
 
 

@@ -142,6 +142,35 @@ def test_stream_equals_batched_non_streaming(bart) -> None:
     assert_same(stream_search(bart, SOURCES, p, refill=0.25, batch_size=32), want)
 
 
+def test_steps_expand_at_most_n_beams_of_one_length(bart, monkeypatch) -> None:
+    """Every step computes beams of one hypothesis length, at most n = B x K of them; a refill
+    brings the live beams back to n (newcomers join with one beam each), so the stream holds
+    more than n rows at times but never more than K x n; and it takes fewer, fuller steps
+    than the static batches of B sources."""
+    from inferflow.engine.search import Decoding
+
+    seen: list[tuple[int, set[int]]] = []
+    forward = Decoding.forward
+
+    def record(self, rows, beams, first):  # type: ignore[no-untyped-def]
+        seen.append((len(beams), {len(b.out) for b in beams}))
+        return forward(self, rows, beams, first)
+
+    monkeypatch.setattr(Decoding, "forward", record)
+    B, p = 8, _params(1.0, 2)
+    n = B * K
+    stats = SearchStats()
+    stream_search(bart, SOURCES, p, refill=0.25, batch_size=B, stats=stats)
+    assert all(size <= n and len(lengths) == 1 for size, lengths in seen)
+    assert seen[0] == (n, {0})  # the first refill: n sources, one beam each
+    assert n < stats.peak_rows <= K * n
+    static_stats = SearchStats()
+    for at in range(0, len(SOURCES), B):
+        beam_search(bart, SOURCES[at : at + B], p, stats=static_stats)
+    assert stats.rows == static_stats.rows and stats.steps < static_stats.steps
+    assert static_stats.peak_rows <= n
+
+
 def test_fixed_width_is_the_existing_search(bart) -> None:
     fixed, fixed_stats = static(
         bart, SearchParams(beam_width=K, num_return=2, max_new_tokens=MAX_NEW)

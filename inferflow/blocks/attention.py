@@ -257,18 +257,5 @@ class CrossAttention(nn.Module):
         if batch.cross is None:
             raise ValueError("cross-attention needs the encoder output (FlatBatch.cross)")
         q = self.wq(x).view(-1, a.n_heads, a.head_dim)
-        out = torch.empty_like(q)
-        # consecutive sequences over one source (the beams of a search) attend in one call:
-        # cross-attention reads no positions, so their queries simply stack
-        i, n = 0, len(batch.seqs)
-        while i < n:
-            memory, j = batch.cross[i], i + 1
-            while j < n and batch.cross[j] is memory:
-                j += 1
-            rows = slice(batch.seqs[i].start, batch.seqs[j - 1].start + batch.seqs[j - 1].length)
-            k, v = memory[a.layer]
-            out[rows] = F.scaled_dot_product_attention(
-                q[rows].transpose(0, 1)[None], k[None], v[None], scale=self.scale
-            )[0].transpose(0, 1)
-            i = j
+        out = batch.cross.attend(a.layer, q, self.scale)
         return self.wo(out.reshape(x.shape[0], -1))

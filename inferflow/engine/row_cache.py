@@ -1,18 +1,23 @@
-"""The keys and values of a batched beam search: one row per hypothesis.
+"""The keys and values of a batched beam search: one row per hypothesis, addressed by row id.
 
 Rows live in (layers, capacity, T, KVH, D) buffers, each row filled up to its own length. A step
-computes the rows from some ``start`` to the end (all of them in a static search; the beams of
-the smallest length in a streaming one, kept last): ``window(start)`` is that step's
-``GroupKVView``, and its ``row(i)`` the ``KVView`` of one of its rows (prompts, and blocks with
-an attention bias). Choosing beams moves only rows that change place, and only their filled
-positions; positions past a row's length hold stale finite values that attention masks out.
-Buffers are zeroed lazily, positions ahead of the longest row in chunks: a search that ends
-at 40 tokens never touches (or page-faults) the memory reserved for the length limit.
+computes any set of rows (all live hypotheses in a static search; the beams of the smallest
+length in a streaming one): ``step(rows)`` is that step's ``GroupKVView``, its ``row(i)`` the
+``KVView`` of one of them (prompts, and blocks with an attention bias). Rows never move: when
+beams are chosen (``fork``) a parent's first child takes over the parent's row, each further
+child gets a free row holding a copy of the parent's filled positions, and rows left without a
+child are freed; rows waiting outside the step are untouched. Attention reads each row's keys
+in place (the paged decode kernel, float32 on the CPU) or from a padded gathered copy.
+Positions past a row's length hold stale finite values that attention masks out: buffers are
+zeroed lazily, positions ahead of the longest row in chunks, so a search that ends at 40 tokens
+never touches (or page-faults) the memory reserved for the length limit.
 """
 
 from __future__ import annotations
 
 import torch
+
+from inferflow import kernels
 
 
 class RowCache:
@@ -21,103 +26,145 @@ class RowCache:
     def __init__(
         self,
         layers: int,
-        rows: int,
         max_len: int,
         kvh: int,
         d: int,
         dtype: torch.dtype,
-        capacity: int = 0,  # rows to allocate for (more are added as needed)
+        capacity: int = 1,  # rows to allocate for (more are added as needed)
     ):
-        cap = max(rows, capacity, 1)
+        cap = max(capacity, 1)
         self.k = torch.empty((layers, cap, max_len, kvh, d), dtype=dtype)
         self.v = torch.empty_like(self.k)
         # positions 0 .. ready of every row hold finite values: attention reads masked
         # positions too, and NaN * 0 is NaN
         self.ready = 0
-        self.lens = torch.zeros(rows, dtype=torch.long)  # (rows in use,)
+        self.lens = torch.zeros(cap, dtype=torch.long)  # per row id
+        self.free = list(reversed(range(cap)))  # the lowest id is taken first
         self._pos = torch.arange(max_len, dtype=torch.long)
+        self.kernel = kernels.decode_attention_for(self.k)
+
+    @property
+    def max_len(self) -> int:
+        return self.k.shape[2]
+
+    @property
+    def used(self) -> int:
+        """Rows held by hypotheses."""
+        return self.lens.numel() - len(self.free)
 
     def reserve(self, end: int) -> None:
         """Make positions up to ``end`` finite in every row (zeroing ahead by a chunk)."""
         if end > self.ready:
-            to = min(self.k.shape[2], max(end, self.ready + self.CHUNK))
+            to = min(self.max_len, max(end, self.ready + self.CHUNK))
             self.k[:, :, self.ready : to] = 0
             self.v[:, :, self.ready : to] = 0
             self.ready = to
 
-    @property
-    def rows(self) -> int:
-        return self.lens.numel()
+    def new_rows(self, n: int) -> list[int]:
+        """``n`` empty rows (new hypotheses)."""
+        rows = [self._take() for _ in range(n)]
+        self.lens[rows] = 0
+        return rows
 
-    def window(self, start: int = 0) -> RowWindow:
-        return RowWindow(self, start)
+    def fork(self, rows: list[int], parents: list[int]) -> list[int]:
+        """Choose beams: the rows of children whose parents hold ``parents`` (one per child,
+        in order), all of them among ``rows``, the rows that competed; those without a child
+        are freed."""
+        out: list[int] = []
+        extra: list[tuple[int, int]] = []  # (child's place in out, parent row)
+        seen: set[int] = set()
+        for i, p in enumerate(parents):
+            if p in seen:
+                extra.append((i, p))
+                out.append(-1)
+            else:
+                seen.add(p)
+                out.append(p)
+        self.free += [r for r in rows if r not in seen]
+        if extra:
+            src = [p for _, p in extra]
+            dst = [self._take() for _ in extra]
+            for (i, _), r in zip(extra, dst, strict=True):
+                out[i] = r
+            end = int(self.lens[src].max())  # positions the parents have filled
+            self.k[:, dst, :end] = self.k[:, src, :end]
+            self.v[:, dst, :end] = self.v[:, src, :end]
+            self.lens[dst] = self.lens[src]
+        return out
 
-    def select(self, idx: torch.Tensor) -> None:
-        """Keep rows ``idx`` (in that order; a row may repeat: beams sharing a parent)."""
-        n = idx.numel()
-        moved = (idx != torch.arange(n)).nonzero().flatten()
-        if n > self.k.shape[1]:
-            self._grow(n)
-        if moved.numel():
-            end = int(self.lens[idx[moved]].max())  # positions a moving row has filled
-            # the right side is gathered first, so a row may take the place of another's source
-            self.k[:, moved, :end] = self.k[:, idx[moved], :end]
-            self.v[:, moved, :end] = self.v[:, idx[moved], :end]
-        self.lens = self.lens[idx]
+    def release(self, rows: list[int]) -> None:
+        self.free += rows
 
-    def add_rows(self, n: int) -> None:
-        """``n`` empty rows after the others (inputs joining a streaming search)."""
-        if self.rows + n > self.k.shape[1]:
-            self._grow(self.rows + n)
-        self.lens = torch.cat((self.lens, torch.zeros(n, dtype=torch.long)))
+    def _take(self) -> int:
+        if not self.free:
+            self._grow()
+        return self.free.pop()
 
-    def _grow(self, rows: int) -> None:
-        cap, r = max(rows, 2 * self.k.shape[1]), self.ready
+    def _grow(self) -> None:
+        old, r = self.lens.numel(), self.ready
+        cap = 2 * old
         for name in ("k", "v"):
-            old = getattr(self, name)
-            new = old.new_empty((old.shape[0], cap, *old.shape[2:]))
-            new[:, : old.shape[1], :r] = old[:, :, :r]
-            new[:, old.shape[1] :, :r] = 0
+            buf = getattr(self, name)
+            new = buf.new_empty((buf.shape[0], cap, *buf.shape[2:]))
+            new[:, :old, :r] = buf[:, :, :r]
+            new[:, old:, :r] = 0
             setattr(self, name, new)
+        self.lens = torch.cat((self.lens, torch.zeros(cap - old, dtype=torch.long)))
+        self.free += reversed(range(old, cap))
+
+    def step(self, rows: list[int]) -> StepRows:
+        return StepRows(self, rows)
 
 
-class RowWindow:
-    """Rows ``start`` .. end of a ``RowCache``: the rows one step computes, one new token each
-    (``update``, a ``GroupKVView``) or several (``row(i).update``, a ``KVView``)."""
+class StepRows:
+    """The rows one step computes, one new token each (``update`` / ``attend``, a
+    ``GroupKVView``) or several (``row(i).update``, a ``KVView``)."""
 
-    def __init__(self, cache: RowCache, start: int) -> None:
-        self.cache, self.start = cache, start
+    def __init__(self, cache: RowCache, rows: list[int]) -> None:
+        self.cache, self.ids = cache, rows
+        self.rows = torch.tensor(rows, dtype=torch.long)
+        self.lens = cache.lens[self.rows]
+        self._read: torch.Tensor | None = None
 
-    @property
-    def lens(self) -> torch.Tensor:
-        return self.cache.lens[self.start :]
+    def _write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> int:
+        """Store each row's new key and value; the positions the step reads."""
+        c = self.cache
+        end = int(self.lens.max()) + 1
+        c.reserve(end)
+        c.k[layer, self.rows, self.lens] = k
+        c.v[layer, self.rows, self.lens] = v
+        return end
 
     def update(
         self, layer: int, k: torch.Tensor, v: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        c, a = self.cache, self.start
-        n = k.shape[0]
-        lens = c.lens[a : a + n]
-        end = int(lens.max()) + 1
-        c.reserve(end)
-        rows = torch.arange(a, a + n)
-        c.k[layer, rows, lens] = k
-        c.v[layer, rows, lens] = v
-        pos = c._pos[:end].expand(n, end)
-        return c.k[layer, a : a + n, :end], c.v[layer, a : a + n, :end], pos, pos <= lens[:, None]
+        c = self.cache
+        end = self._write(layer, k, v)
+        pos = c._pos[:end].expand(len(self.ids), end)
+        keys, values = c.k[layer, self.rows, :end], c.v[layer, self.rows, :end]
+        return keys, values, pos, pos <= self.lens[:, None]
 
     def attend(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
-    ) -> None:
-        """No kernel path: ``update`` already returns views of contiguous rows, no copy."""
-        return None
+    ) -> torch.Tensor | None:
+        """Each row's keys read in place by the kernel (no padded copy); None, with nothing
+        written, where it cannot run."""
+        c = self.cache
+        if c.kernel is None:
+            return None
+        end = self._write(layer, k, v)
+        if self._read is None:  # every layer of the step reads the same positions
+            self._read = self.rows[:, None] * c.max_len + c._pos[:end]
+        ck, cv = c.k[layer].flatten(0, 1), c.v[layer].flatten(0, 1)
+        return c.kernel(q, ck, cv, self._read, self.lens + 1, scale)
 
     def row(self, i: int) -> _Row:
-        return _Row(self.cache, self.start + i)
+        return _Row(self.cache, self.ids[i])
 
     def advance(self, counts: torch.Tensor) -> None:
-        """The window's first ``len(counts)`` rows grew by ``counts`` tokens."""
-        self.cache.lens[self.start : self.start + counts.numel()] += counts
+        """The step's first ``len(counts)`` rows grew by ``counts`` tokens."""
+        idx = self.rows[: counts.numel()]
+        self.cache.lens[idx] += counts
 
 
 class _Row:

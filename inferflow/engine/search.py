@@ -31,9 +31,10 @@ import torch
 
 from inferflow.engine.beam import BeamState, Hypothesis
 from inferflow.engine.output_layer import fused_topk, naive_topk
-from inferflow.engine.row_cache import RowCache, RowWindow
+from inferflow.engine.row_cache import RowCache, StepRows
 from inferflow.errors import RequestError, Stopped
 from inferflow.model.batch import FlatBatch, SeqSlice, check_inputs
+from inferflow.model.cross import CrossBank
 from inferflow.model.decoder import DecoderOnly
 from inferflow.model.encoder import EncoderDecoder
 from inferflow.model.network import Network
@@ -111,38 +112,51 @@ class Beam:
 @dataclass
 class SearchStats:
     """What a search computed: decoder passes, hypothesis rows (beams expanded) over all of
-    them, and (streaming) how often the batch was refilled."""
+    them, (streaming) how often the batch was refilled, and the most cache rows held at once
+    (hypotheses in a step or waiting for one)."""
 
     steps: int = 0
     rows: int = 0
     refills: int = 0
+    peak_rows: int = 0
 
 
 def prune_mask(
-    total: torch.Tensor,  # (R, C) summed log-probabilities, each row best first
-    toks: torch.Tensor,  # (R, C)
+    total: torch.Tensor,  # (I, R, C) summed log-probabilities of I inputs' R beams, each best first
+    toks: torch.Tensor,  # (I, R, C)
     ends: torch.Tensor,  # end token ids
     params: SearchParams,
-    last: bool,
+    last: torch.Tensor,  # (I,) bool: an input's last step
 ) -> torch.Tensor | None:
-    """The candidates of one input that variable-width search drops (None: none, the
-    fixed-width search): those more than ``prune_delta`` below the best, and live children
-    past the ``max_per_parent``-th of one beam (a candidate ending in an end token is no live
-    child; none at the ``last`` step, where every candidate finishes instead of living on)."""
+    """The candidates that variable-width search drops (None: none, the fixed-width search):
+    those more than ``prune_delta`` below their input's best, and live children past the
+    ``max_per_parent``-th of one beam (a candidate ending in an end token is no live child;
+    none at an input's ``last`` step, where every candidate finishes instead of living on)."""
     mask = None
     if params.prune_delta < math.inf:
-        mask = total < total.max() - params.prune_delta
+        mask = total < total.amax(dim=(1, 2), keepdim=True) - params.prune_delta
     # (a cap of beam_width never binds: the W best candidates of one beam come first)
-    if params.per_parent < params.beam_width and not last:
+    if params.per_parent < params.beam_width:
         live = ~torch.isin(toks, ends)
-        extra = live & (live.cumsum(dim=1) > params.per_parent)
+        extra = live & (live.cumsum(dim=2) > params.per_parent) & ~last[:, None, None]
         mask = extra if mask is None else mask | extra
     return mask
 
 
+@dataclass
+class Turn:
+    """One input's part of a step: its search state, live beams, their rows among the step's
+    candidates, and its new tokens at most."""
+
+    state: BeamState
+    beams: list[Beam]
+    rows: list[int]
+    limit: int
+
+
 class Decoding:
     """What the static and the streaming search share: new inputs' first beams, one decoder
-    pass over some rows of the cache, their candidates, and one input's next beams."""
+    pass over some rows of the cache, their candidates, and the inputs' next beams."""
 
     def __init__(
         self,
@@ -165,7 +179,8 @@ class Decoding:
             )
         self.model, self.params, self.end_ids, self.stats = model, params, end_ids, stats
         self.enc_dec = isinstance(model, EncoderDecoder)
-        self.memory: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        self.bank: CrossBank | None = None  # encoder-decoder: the sources' cross memory
+        self.slot: dict[int, int] = {}  # input -> its slot in the bank
         self.head = model.dec.head() if fused else None
         self.ends = torch.tensor(sorted(end_ids), dtype=torch.long)
 
@@ -181,32 +196,37 @@ class Decoding:
 
     def start(self, srcs: list[int], inputs: list[list[int]]) -> list[Beam]:
         """The first beam of each input in ``srcs`` (encoder-decoder: sources encoded in one
-        packed pass, cross-attention memory kept until ``release``)."""
-        if not isinstance(self.model, EncoderDecoder):
+        packed pass, cross-attention memory kept until ``release``; ``inputs``: every input
+        the search will start, which sizes the bank)."""
+        model = self.model
+        if not isinstance(model, EncoderDecoder):
             return [Beam(s, list(inputs[s]), [], 0.0) for s in srcs]
-        start = [self.model.start_id]
-        for s, e in zip(srcs, self.model.encode([inputs[s] for s in srcs]), strict=True):
-            self.memory[s] = self.model.cross_memory(e)
-        return [Beam(s, start, [], 0.0) for s in srcs]
+        if self.bank is None:
+            h = model.spec.hparams
+            dtype = next(model.parameters()).dtype
+            longest = max(map(len, inputs))
+            self.bank = CrossBank(h.n_layers, h.n_heads, h.head_dim, longest, dtype)
+        for s, e in zip(srcs, model.encode([inputs[s] for s in srcs]), strict=True):
+            self.slot[s] = self.bank.add(model.cross_memory(e))
+        return [Beam(s, [model.start_id], [], 0.0) for s in srcs]
 
     def release(self, src: int) -> None:
-        self.memory.pop(src, None)
+        if self.bank is not None and src in self.slot:
+            self.bank.remove(self.slot.pop(src))
 
     def new_state(self) -> BeamState:
         p = self.params
         return BeamState(p.beam_width, p.length_penalty, p.early_stopping)
 
-    def new_cache(
-        self, inputs: list[list[int]], limits: list[int], rows: int, capacity: int
-    ) -> RowCache:
-        """``rows`` rows (room for ``capacity``), each as long as any beam of ``inputs`` can
-        grow: the largest prefix (prompt, or the start token) plus new tokens of one input."""
+    def new_cache(self, inputs: list[list[int]], limits: list[int], capacity: int) -> RowCache:
+        """Room for ``capacity`` rows (more are added as needed), each as long as any beam of
+        ``inputs`` can grow: the largest prefix (prompt, or the start token) plus new tokens of
+        one input."""
         h = self.model.spec.hparams
         prefixes = [1] * len(inputs) if self.enc_dec else [len(x) for x in inputs]
         dtype = next(self.model.parameters()).dtype
         return RowCache(
             h.n_layers,
-            rows,
             max(a + n for a, n in zip(prefixes, limits, strict=True)),
             h.n_kv_heads,
             h.head_dim,
@@ -214,12 +234,12 @@ class Decoding:
             capacity=capacity,
         )
 
-    def forward(self, rows: RowWindow, beams: list[Beam], first: bool) -> torch.Tensor:
-        """Hidden states of each beam's last new token; ``beams`` are the rows of ``rows``, each
+    def forward(self, rows: StepRows, beams: list[Beam], first: bool) -> torch.Tensor:
+        """Hidden states of each beam's last new token; ``beams`` hold the rows of ``rows``, each
         computing its prefix (``first``) or its last token (a finished input's beams kept in a
         static batch compute theirs again)."""
         seqs = [b.prefix if first else [b.last_token] for b in beams]
-        starts = rows.lens[: len(seqs)].tolist()
+        starts = rows.lens.tolist()
         ids = torch.tensor([t for s in seqs for t in s], dtype=torch.long)
         pos = torch.cat([torch.arange(a, a + len(s)) for a, s in zip(starts, seqs, strict=True)])
         slices, at = [], 0
@@ -234,12 +254,13 @@ class Decoding:
             [rows.row(i) for i in range(len(seqs))],
             group=rows if one_each else None,
         )
-        if self.enc_dec:
-            batch.cross = [self.memory[b.src] for b in beams]
+        if self.bank is not None:
+            batch.cross = self.bank.rows([self.slot[b.src] for b in beams], [len(s) for s in seqs])
         h = self.model.hidden_states(batch)
         rows.advance(torch.tensor([len(s) for s in seqs]))
         self.stats.steps += 1
         self.stats.rows += len(seqs)
+        self.stats.peak_rows = max(self.stats.peak_rows, rows.cache.used)
         return h[torch.tensor([sl.start + sl.length - 1 for sl in slices])]
 
     def candidates(self, beams: list[Beam], h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -257,37 +278,51 @@ class Decoding:
         return naive_topk(h, self.model.logits, k, banned)
 
     def select(
-        self,
-        state: BeamState,
-        beams: list[Beam],
-        logp: torch.Tensor,
-        toks: torch.Tensor,
-        limit: int,
-    ) -> list[tuple[int, Beam]]:
-        """One input's next beams from its live beams' candidates (``logp``, ``toks``: those
-        beams' rows; ``limit``: the input's new tokens at most): (index of the parent in
-        ``beams``, child); none once the input's search is over: done, or no live beam left
-        (variable width)."""
-        W = self.params.beam_width
-        last = len(beams[0].out) == limit - 1  # (an input's live beams have one length)
-        total = torch.tensor([b.logprob for b in beams])[:, None] + logp
-        pruned = prune_mask(total, toks, self.ends, self.params, last)
+        self, inputs: list[Turn], logp: torch.Tensor, toks: torch.Tensor
+    ) -> list[list[tuple[int, Beam]]]:
+        """Each input's next beams from its live beams' candidates (``logp``, ``toks``: (rows,
+        2W), each ``Turn``'s rows among them): (index of the parent in the turn's beams,
+        child); none once the input's search is over: done, or no live beam left (variable
+        width). One padded (inputs, W, 2W) pass ranks every input's candidates; each input's
+        numbers are its own whatever else is in it."""
+        W, C = self.params.beam_width, toks.shape[1]
+        n = len(inputs)
+        which = torch.tensor([i for i, t in enumerate(inputs) for _ in t.rows])
+        at = torch.tensor([j for t in inputs for j in range(len(t.rows))])
+        rows = torch.tensor([r for t in inputs for r in t.rows])
+        scores = torch.tensor([b.logprob for t in inputs for b in t.beams])
+        total = logp.new_full((n, W, C), -math.inf)
+        total[which, at] = scores[:, None] + logp[rows]
+        tk = toks.new_zeros((n, W, C))
+        tk[which, at] = toks[rows]
+        dropped = torch.ones((n, W, C), dtype=torch.bool)  # padding is no candidate
+        dropped[which, at] = False
+        # (an input's live beams have one length)
+        last = [len(t.beams[0].out) == t.limit - 1 for t in inputs]
+        pruned = prune_mask(total, tk, self.ends, self.params, torch.tensor(last))
         if pruned is not None:
-            total = total.masked_fill(pruned, float("-inf"))
-        values, flat = total.flatten().topk(min(2 * W, total.numel()))
-        per_row, tok_ids = toks.shape[1], toks.flatten().tolist()
-        dropped = pruned.flatten().tolist() if pruned is not None else None
-        ranked = [
-            (f // per_row, tok_ids[f], v)
-            for v, f in zip(values.tolist(), flat.tolist(), strict=True)
-            if dropped is None or not dropped[f]
-        ]
-        picks = state.choose(ranked, [b.out for b in beams], self.end_ids, last)
-        if state.done:
-            return []
-        return [
-            (i, Beam(beams[i].src, beams[i].prefix, [*beams[i].out, t], v)) for i, t, v in picks
-        ]
+            dropped |= pruned
+            total = total.masked_fill(pruned, -math.inf)
+        values, flat = total.view(n, -1).topk(2 * W)
+        tok_ids = tk.view(n, -1).gather(1, flat).tolist()
+        skip = dropped.view(n, -1).gather(1, flat).tolist()
+        out: list[list[tuple[int, Beam]]] = []
+        for t, vs, fs, ks, ds, is_last in zip(
+            inputs, values.tolist(), flat.tolist(), tok_ids, skip, last, strict=True
+        ):
+            ranked = [(f // C, k, v) for v, f, k, d in zip(vs, fs, ks, ds, strict=True) if not d]
+            picks = t.state.choose(ranked, [b.out for b in t.beams], self.end_ids, is_last)
+            if t.state.done:
+                out.append([])
+                continue
+            parents = t.beams
+            out.append(
+                [
+                    (i, Beam(parents[i].src, parents[i].prefix, [*parents[i].out, tok], score))
+                    for i, tok, score in picks
+                ]
+            )
+        return out
 
 
 def input_runs(beams: list[Beam]) -> list[tuple[int, list[int]]]:
@@ -329,43 +364,44 @@ class _Search:
         self.beams = self.core.start(list(range(len(inputs))), inputs)
         self.states = [self.core.new_state() for _ in inputs]
         self.over = [False] * len(inputs)  # done, or no live beam left (variable width)
-        self.cache = self.core.new_cache(
-            inputs, self.limits, len(inputs), capacity=len(inputs) * params.beam_width
-        )
+        self.cache = self.core.new_cache(inputs, self.limits, len(inputs) * params.beam_width)
+        self.rows = self.cache.new_rows(len(inputs))  # each beam's cache row
 
     def _step(self, logp: torch.Tensor, toks: torch.Tensor) -> list[tuple[int, Beam]]:
-        """Every unfinished input's next beams: (parent row, child)."""
+        """Every unfinished input's next beams: (parent's place in ``beams``, child)."""
+        runs = input_runs(self.beams)
+        live = [(src, at) for src, at in runs if not self.over[src]]
+        turns = [
+            Turn(self.states[src], [self.beams[r] for r in at], at, self.limits[src])
+            for src, at in live
+        ]
+        picked = dict(
+            zip((src for src, _ in live), self.core.select(turns, logp, toks), strict=True)
+        )
         nxt: list[tuple[int, Beam]] = []
-        for src, rows in input_runs(self.beams):
-            if not self.over[src]:
-                picks = self.core.select(
-                    self.states[src],
-                    [self.beams[r] for r in rows],
-                    logp[rows],
-                    toks[rows],
-                    self.limits[src],
-                )
+        for src, at in runs:
+            picks = picked.get(src)
+            if picks is not None:
                 self.over[src] = not picks
                 if picks:
-                    nxt += [(rows[i], b) for i, b in picks]
+                    nxt += [(at[i], b) for i, b in picks]
                     continue
             if not self.drop_finished:  # a static batch: the rows of a finished
-                nxt += [(r, self.beams[r]) for r in rows]  # input compute, unused
+                nxt += [(r, self.beams[r]) for r in at]  # input compute, unused
         return nxt
 
     def run(self) -> list[list[Hypothesis]]:
         with torch.inference_mode():
-            window = self.cache.window(0)
-            h = self.core.forward(window, self.beams, first=True)
+            h = self.core.forward(self.cache.step(self.rows), self.beams, first=True)
             while True:
                 check_stop(self.stop)
                 logp, toks = self.core.candidates(self.beams, h)
                 nxt = self._step(logp, toks)
                 if all(self.over):
                     break
-                self.cache.select(torch.tensor([r for r, _ in nxt], dtype=torch.long))
+                self.rows = self.cache.fork(self.rows, [self.rows[r] for r, _ in nxt])
                 self.beams = [b for _, b in nxt]
-                h = self.core.forward(window, self.beams, first=False)
+                h = self.core.forward(self.cache.step(self.rows), self.beams, first=False)
         return [s.finished[: self.params.num_return] for s in self.states]
 
 

@@ -2,11 +2,13 @@
 2020, "A Streaming Approach For Efficient Batched Beam Search"): ``stream_search(model, inputs,
 params, refill=EPS, batch_size=B)``.
 
-The batch holds up to n = B x W beams (W = beam width). Inputs wait in a queue; whenever the
-live beams drop to at most EPS x n, new inputs join (their sources encoded in one pass), as many
-as fit at full width. Each step expands only the beams of the smallest hypothesis length, so a
-step batches beams of one length; longer inputs wait until the newcomers catch up. A static
-batch instead runs until its slowest input is done, its last steps nearly empty.
+A step expands at most n = B x W beams (W = beam width). Inputs wait in a queue; whenever the
+live beams drop to at most EPS x n, new inputs join (their sources encoded in one pass) until n
+beams are live again, each joining with one beam. Each step expands only beams of the smallest
+hypothesis length, at most n of them (whole inputs), so a step batches beams of one length;
+longer inputs wait until the newcomers catch up. As the newcomers widen (up to W beams each) the
+live beams outgrow n, and a length takes several full steps: the cache holds up to W x n rows.
+A static batch instead runs until its slowest input is done, its last steps nearly empty.
 
 Every decision of an input (candidates, pruning, finished hypotheses, its length limit) depends
 on that input alone (``inferflow.engine.search.Decoding``), so the hypotheses are those of
@@ -30,6 +32,7 @@ from inferflow.engine.search import (
     SearchParams,
     SearchStats,
     StopCheck,
+    Turn,
     check_stop,
     default_end_ids,
     input_runs,
@@ -67,57 +70,64 @@ class _Stream:
         self.queue = deque(range(len(inputs)))
         self.capacity = batch_size * params.beam_width  # n, in beams
         self.low = refill * self.capacity
-        self.beams: list[Beam] = []  # one per cache row, longest first
+        self.beams: list[Beam] = []  # live beams, an input's together
+        self.rows: list[int] = []  # each beam's cache row
         self.states: dict[int, BeamState] = {}
-        self.cache = self.core.new_cache(
-            inputs, self.limits, 0, capacity=self.capacity + params.beam_width
-        )
+        self.cache = self.core.new_cache(inputs, self.limits, self.capacity)
 
     def _admit(self) -> None:
-        """Refill: new inputs at full width into the room left, once few beams are live."""
+        """Refill, once few beams are live: new inputs until n beams are live again (an input
+        joins with one beam, its start)."""
         live = len(self.beams)
         if not self.queue or live > self.low:  # (low >= 0: an empty batch always refills)
             return
-        W = self.params.beam_width
-        n = min(len(self.queue), max(1, (self.capacity - live) // W))
+        n = min(len(self.queue), max(1, self.capacity - live))
         srcs = [self.queue.popleft() for _ in range(n)]
         self.beams += self.core.start(srcs, self.inputs)
+        self.rows += self.cache.new_rows(n)
         for s in srcs:
             self.states[s] = self.core.new_state()
-        self.cache.add_rows(n)
         self.stats.refills += 1
         log.debug("refill: %d inputs join %d live beams", n, live)
 
-    def _group(self) -> int:
-        """First row of the beams of the smallest hypothesis length. Rows are kept in order of
-        decreasing length (an input's beams together), so these are the last rows."""
-        shortest, start = len(self.beams[-1].out), len(self.beams) - 1
-        while start > 0 and len(self.beams[start - 1].out) == shortest:
-            start -= 1
-        return start
+    def _group(self) -> list[int]:
+        """Places in ``beams`` of the next step's beams: those of the smallest hypothesis
+        length, whole inputs first come first, at most n (an input's live beams have one
+        length, and never outnumber n)."""
+        shortest = min(len(b.out) for b in self.beams)
+        places: list[int] = []
+        for _, at in input_runs(self.beams):
+            if len(self.beams[at[0]].out) == shortest:
+                if len(places) + len(at) > self.capacity:
+                    break
+                places += at
+        return places
 
-    def _expand(self, start: int) -> list[tuple[int, list[Hypothesis]]]:
-        """One step over the rows from ``start`` on: the inputs that are over, with their
+    def _expand(self, places: list[int]) -> list[tuple[int, list[Hypothesis]]]:
+        """One step over the beams at ``places``: the inputs that are over, with their
         hypotheses."""
-        group = self.beams[start:]
-        first = not group[0].out  # a group's beams have one length
-        h = self.core.forward(self.cache.window(start), group, first)
-        logp, toks = self.core.candidates(group, h)
-        nxt: list[tuple[int, Beam]] = []
+        beams = [self.beams[i] for i in places]
+        rows = [self.rows[i] for i in places]
+        h = self.core.forward(self.cache.step(rows), beams, first=not beams[0].out)
+        logp, toks = self.core.candidates(beams, h)
+        runs = input_runs(beams)
+        turns = [Turn(self.states[s], [beams[r] for r in at], at, self.limits[s]) for s, at in runs]
+        parents: list[int] = []  # the children's parents' rows
+        children: list[Beam] = []
         over: list[tuple[int, list[Hypothesis]]] = []
-        for src, rows in input_runs(group):
-            state = self.states[src]
-            beams = [group[r] for r in rows]
-            picks = self.core.select(state, beams, logp[rows], toks[rows], self.limits[src])
+        for (src, at), picks in zip(runs, self.core.select(turns, logp, toks), strict=True):
             if not picks:
-                del self.states[src]
+                state = self.states.pop(src)
                 self.core.release(src)
                 over.append((src, state.finished[: self.params.num_return]))
-            else:
-                nxt += [(start + rows[i], b) for i, b in picks]
-        keep = list(range(start)) + [r for r, _ in nxt]  # the waiting rows stay where they are
-        self.cache.select(torch.tensor(keep, dtype=torch.long))
-        self.beams = self.beams[:start] + [b for _, b in nxt]
+            parents += [rows[at[i]] for i, _ in picks]
+            children += [b for _, b in picks]
+        # the waiting beams keep their order; the children join behind them
+        stepped = set(places)
+        waiting = [i for i in range(len(self.beams)) if i not in stepped]
+        new_rows = self.cache.fork(rows, parents)
+        self.beams = [self.beams[i] for i in waiting] + children
+        self.rows = [self.rows[i] for i in waiting] + new_rows
         return over
 
     def run(self) -> Iterator[tuple[int, list[Hypothesis]]]:

@@ -14,6 +14,7 @@ from typing import Protocol
 import torch
 
 from inferflow.errors import RequestError
+from inferflow.model.cross import CrossRows
 
 
 class GroupKVView(Protocol):
@@ -53,9 +54,9 @@ class FlatBatch:
     kv: list[KVView]  # one per sequence, same order as seqs
     logits_rows: torch.Tensor | None = None  # rows that need logits; None = last row of each seq
     group: GroupKVView | None = None  # set when every sequence has exactly one new token
-    # encoder-decoder: per sequence, each decoder layer's cross-attention (K, V) over the
-    # encoder output, computed once per source (EncoderDecoder.cross_memory)
-    cross: list[list[tuple[torch.Tensor, torch.Tensor]]] | None = None
+    # encoder-decoder: which source's cross-attention memory each sequence reads
+    # (inferflow.model.cross: a CrossBank's rows)
+    cross: CrossRows | None = None
 
     @classmethod
     def single(cls, token_ids: torch.Tensor, start_pos: int, kv: KVView) -> FlatBatch:

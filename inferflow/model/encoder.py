@@ -3,7 +3,8 @@
 The encoder runs bidirectional attention over each source, packed without padding
 (``inferflow.model.batch.packed``). An encoder-decoder's decoder layers attend to the encoder
 output through cross-attention whose keys and values are computed once per source
-(``cross_memory``) and passed with each decoder batch (``FlatBatch.cross``).
+(``cross_memory``), kept in a ``CrossBank`` and named per sequence of each decoder batch
+(``FlatBatch.cross``, ``inferflow.model.cross``).
 """
 
 from __future__ import annotations
@@ -13,10 +14,9 @@ from torch import nn
 
 from inferflow.errors import RequestError
 from inferflow.model.batch import FlatBatch, check_inputs, packed
+from inferflow.model.cross import CrossMemory
 from inferflow.model.stack import Stack
 from inferflow.spec.types import Spec
-
-CrossMemory = list[tuple[torch.Tensor, torch.Tensor]]  # per decoder layer: (K, V), (H, S, D)
 
 
 class EncoderOnly(nn.Module):
@@ -78,7 +78,7 @@ class EncoderDecoder(nn.Module):
 
     def forward(self, batch: FlatBatch) -> torch.Tensor:
         """Decoder logits for ``batch.logits_rows`` (default: each sequence's last token);
-        ``batch.cross`` holds each sequence's cross memory."""
+        ``batch.cross`` names each sequence's cross memory."""
         h = self.hidden_states(batch)
         rows = batch.logits_rows if batch.logits_rows is not None else batch.default_logits_rows()
         return self.logits(h[rows])

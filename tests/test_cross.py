@@ -51,13 +51,13 @@ def test_rows_attend_over_their_own_source(path: str) -> None:
 
 
 def test_a_freed_slot_is_reused_and_its_old_positions_never_read() -> None:
-    """A long source leaves, a short one takes its slot: its rows see the short memory only
-    (the long one's positions were cleared, and attention stops at the new length)."""
+    """A long source leaves, a short one takes its slot and its first block: its rows see the
+    short memory only (attention stops at the new length), and the pool did not grow."""
     long, short, other = memory(20, 1), memory(3, 2), memory(7, 3)
     bank = CrossBank.of([long, other])
+    pool = bank.k[0].shape[0]
     bank.remove(0)
-    assert bank.add(short) == 0
-    assert bank.k[0][0, 3:].eq(0).all()
+    assert bank.add(short) == 0 and bank.k[0].shape[0] == pool
     q = torch.randn(2, H, D)
     for path in PATHS:
         rows = bank.rows([0, 1], [1, 1])
@@ -68,21 +68,25 @@ def test_a_freed_slot_is_reused_and_its_old_positions_never_read() -> None:
         torch.testing.assert_close(got[1], by_hand(q[1], other, 1, 0.5), rtol=1e-5, atol=1e-5)
 
 
-def test_the_bank_grows_and_keeps_what_it_holds() -> None:
-    mems = [memory(4 + i % 3, i) for i in range(9)]
-    bank = CrossBank(LAYERS, H, D, 8, torch.float32)
+def test_a_source_takes_room_for_its_own_length() -> None:
+    """Blocks of 16 positions: a 1-token source takes one, a 40-token source three (not the
+    longest source's room for every slot); the bank grows as sources come and keeps them."""
+    lengths = [1, 40, *(4 + i % 3 for i in range(9))]
+    mems = [memory(n, i) for i, n in enumerate(lengths)]
+    bank = CrossBank(LAYERS, H, D, torch.float32)
     slots = [bank.add(m) for m in mems]
-    assert slots == list(range(9)) and bank.lens.numel() >= 9
-    q = torch.randn(9, H, D)
-    got = bank.rows(slots, [1] * 9).attend(0, q, 1.0)
-    want = torch.stack([by_hand(q[i], mems[i], 0, 1.0) for i in range(9)])
+    assert slots == list(range(len(mems)))
+    assert [len(b) for b in bank.blocks[: len(mems)]] == [1, 3] + [1] * 9
+    q = torch.randn(len(mems), H, D)
+    got = bank.rows(slots, [1] * len(mems)).attend(0, q, 1.0)
+    want = torch.stack([by_hand(q[i], m, 0, 1.0) for i, m in enumerate(mems)])
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 def test_misuse_is_refused() -> None:
     bank = CrossBank.of([memory(4, 0), memory(6, 1)])
-    with pytest.raises(ValueError, match="the bank holds 1..6"):
-        bank.add(memory(7, 2))
+    with pytest.raises(ValueError, match="0 positions"):
+        bank.add(memory(0, 2))
     bank.remove(1)
     with pytest.raises(ValueError, match="free cross-memory slot"):
         bank.rows([0, 1], [1, 1])

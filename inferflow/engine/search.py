@@ -2,11 +2,12 @@
 and decoder-only models: ``beam_search(model, inputs, params, end_ids)``.
 
 Each input is encoded once (encoder-decoder: all sources in one packed pass, cross-attention
-K/V computed once per source) or its prompt computed once (decoder-only). Every step runs one
-flat batch holding one new token per live hypothesis of every unfinished input, then the
-output layer returns each hypothesis' 2W best continuations (``fused_topk``: the Amun output
-layer) and each input's ``BeamState`` picks its next beams. Keys and values live in one
-(layers, rows, length) cache whose rows are reordered when beams are chosen. An input whose
+K/V computed once per source and kept in a ``CrossBank``) or its prompt computed once
+(decoder-only). Every step runs one flat batch holding one new token per live hypothesis of
+every unfinished input, then the output layer returns each hypothesis' 2W best continuations
+(``fused_topk``: the Amun output layer), all inputs' candidates are ranked in one padded pass
+and each input's ``BeamState`` picks its next beams. Keys and values live in a ``RowCache``, one
+row per hypothesis; rows never move (a parent's first child takes over its row). An input whose
 search is done leaves the batch at once (Amun's mini-batching), unless ``drop_finished`` is off
 (the static-batch behaviour, kept for benchmarks/beam.py).
 
@@ -196,16 +197,14 @@ class Decoding:
 
     def start(self, srcs: list[int], inputs: list[list[int]]) -> list[Beam]:
         """The first beam of each input in ``srcs`` (encoder-decoder: sources encoded in one
-        packed pass, cross-attention memory kept until ``release``; ``inputs``: every input
-        the search will start, which sizes the bank)."""
+        packed pass, cross-attention memory kept until ``release``)."""
         model = self.model
         if not isinstance(model, EncoderDecoder):
             return [Beam(s, list(inputs[s]), [], 0.0) for s in srcs]
         if self.bank is None:
             h = model.spec.hparams
             dtype = next(model.parameters()).dtype
-            longest = max(map(len, inputs))
-            self.bank = CrossBank(h.n_layers, h.n_heads, h.head_dim, longest, dtype)
+            self.bank = CrossBank(h.n_layers, h.n_heads, h.head_dim, dtype)
         for s, e in zip(srcs, model.encode([inputs[s] for s in srcs]), strict=True):
             self.slot[s] = self.bank.add(model.cross_memory(e))
         return [Beam(s, [model.start_id], [], 0.0) for s in srcs]
@@ -239,14 +238,19 @@ class Decoding:
         computing its prefix (``first``) or its last token (a finished input's beams kept in a
         static batch compute theirs again)."""
         seqs = [b.prefix if first else [b.last_token] for b in beams]
-        starts = rows.lens.tolist()
         ids = torch.tensor([t for s in seqs for t in s], dtype=torch.long)
-        pos = torch.cat([torch.arange(a, a + len(s)) for a, s in zip(starts, seqs, strict=True)])
+        one_each = all(len(s) == 1 for s in seqs)
+        if one_each:  # each row's new token goes at its length
+            pos = rows.lens.clone()
+        else:
+            starts = rows.lens.tolist()
+            pos = torch.cat(
+                [torch.arange(a, a + len(s)) for a, s in zip(starts, seqs, strict=True)]
+            )
         slices, at = [], 0
         for s in seqs:
             slices.append(SeqSlice(at, len(s)))
             at += len(s)
-        one_each = all(len(s) == 1 for s in seqs)
         batch = FlatBatch(
             ids,
             pos,

@@ -205,8 +205,9 @@ class Decoding:
             h = model.spec.hparams
             dtype = next(model.parameters()).dtype
             self.bank = CrossBank(h.n_layers, h.n_heads, h.head_dim, dtype)
-        for s, e in zip(srcs, model.encode([inputs[s] for s in srcs]), strict=True):
-            self.slot[s] = self.bank.add(model.cross_memory(e))
+        memories = model.cross_memories(model.encode([inputs[s] for s in srcs]))
+        for s, memory in zip(srcs, memories, strict=True):
+            self.slot[s] = self.bank.add(memory)
         return [Beam(s, [model.start_id], [], 0.0) for s in srcs]
 
     def release(self, src: int) -> None:

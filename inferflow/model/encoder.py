@@ -64,11 +64,19 @@ class EncoderDecoder(nn.Module):
         return [out[s.start : s.start + s.length] for s in batch.seqs]
 
     def cross_memory(self, enc_out: torch.Tensor) -> CrossMemory:
-        out = []
+        return self.cross_memories([enc_out])[0]
+
+    def cross_memories(self, enc_outs: list[torch.Tensor]) -> list[CrossMemory]:
+        """Each source's cross memory, every layer's projection run once over all sources."""
+        per_layer = []
         for layer in self.dec.layers():
             assert layer.cross_attn is not None
-            out.append(layer.cross_attn.memory(enc_out))
-        return out
+            per_layer.append(layer.cross_attn.memory(torch.cat(enc_outs)))
+        ends = torch.tensor([e.shape[0] for e in enc_outs]).cumsum(0).tolist()
+        return [
+            [(k[:, end - e.shape[0] : end], v[:, end - e.shape[0] : end]) for k, v in per_layer]
+            for e, end in zip(enc_outs, ends, strict=True)
+        ]
 
     def hidden_states(self, batch: FlatBatch) -> torch.Tensor:
         return self.dec.hidden_states(batch)

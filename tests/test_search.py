@@ -220,6 +220,20 @@ def test_prune_mask_by_hand() -> None:
     assert mask(max_per_parent=2) is None
 
 
+def test_prune_mask_takes_each_inputs_own_best_and_last_step() -> None:
+    """Two inputs ranked together: delta counts from each input's own best, and the cap on
+    live children lifts only for the input at its last step."""
+    total = torch.tensor([[[-0.5, -1.0, -1.75, -2.0]], [[-5.0, -5.5, -6.25, -9.0]]])
+    toks = torch.tensor([[[4, 5, 6, 7]], [[4, 5, 6, 7]]])
+    F, T = False, True
+    p = SearchParams(beam_width=2, prune_delta=1.0)
+    m = prune_mask(total, toks, torch.tensor([2]), p, torch.tensor([False, False]))
+    assert m is not None and m.tolist() == [[[F, F, T, T]], [[F, F, T, T]]]
+    p = SearchParams(beam_width=2, max_per_parent=1)
+    m = prune_mask(total, toks, torch.tensor([2]), p, torch.tensor([False, True]))
+    assert m is not None and m.tolist() == [[[F, T, T, T]], [[F, F, F, F]]]
+
+
 @pytest.mark.parametrize(
     "kw, message",
     [

@@ -6,8 +6,8 @@ computed once per source (``EncoderDecoder.cross_memory``: per decoder layer, (K
 of its own (one slot per source); ``rows(slots, lengths)`` says which slot each sequence of a
 flat batch reads, and ``CrossRows.attend`` attends every query row over its own slot in one
 call: the paged decode kernel reads each row's keys in place (float32 on the CPU), else one
-padded attention over the rows' gathered keys. A batch over many sources costs one call per layer, not one per source,
-and a row's result never depends on the other rows.
+padded attention over the rows' gathered keys. A batch over many sources costs one call per
+layer, not one per source, and a row's result never depends on the other rows.
 """
 
 from __future__ import annotations

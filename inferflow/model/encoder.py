@@ -68,10 +68,10 @@ class EncoderDecoder(nn.Module):
 
     def cross_memories(self, enc_outs: list[torch.Tensor]) -> list[CrossMemory]:
         """Each source's cross memory, every layer's projection run once over all sources."""
-        per_layer = []
+        every, per_layer = torch.cat(enc_outs), []
         for layer in self.dec.layers():
             assert layer.cross_attn is not None
-            per_layer.append(layer.cross_attn.memory(torch.cat(enc_outs)))
+            per_layer.append(layer.cross_attn.memory(every))
         ends = torch.tensor([e.shape[0] for e in enc_outs]).cumsum(0).tolist()
         return [
             [(k[:, end - e.shape[0] : end], v[:, end - e.shape[0] : end]) for k, v in per_layer]

@@ -151,11 +151,12 @@ def report(results: list[Result], n: int, capacity: int, longest: int) -> None:
 
 
 def bound(var: Result, control: Result, capacity: int, longest: int) -> str:
-    """The most any regrouping of search 2's beams could save on this machine. 2 and 2' compute
-    the same beams in different numbers of steps, so their difference prices one step; no
-    schedule of at most ``capacity`` beams a step takes fewer than beams / capacity steps, nor
-    fewer than the longest hypothesis has tokens. A model (a price per step plus one per beam),
-    not a measurement: an upper bound as far as that model holds."""
+    """The most fewer steps alone could save on this machine, for any regrouping of search 2's
+    beams. 2 and 2' compute the same beams in different numbers of steps, so their difference
+    prices one step; no schedule of at most ``capacity`` beams a step takes fewer than beams /
+    capacity steps, nor fewer than the longest hypothesis has tokens. A model (a price per step
+    plus one per beam), not a measurement; what it leaves out (one cache and fewer, larger
+    encoder passes instead of a batch's own) can add a few percent to a stream's gain."""
     assert var.stats is not None and control.stats is not None
     saved = var.stats.steps - control.stats.steps
     if saved <= 0:
@@ -165,8 +166,8 @@ def bound(var: Result, control: Result, capacity: int, longest: int) -> str:
     best = var.wall - per_step * (var.stats.steps - fewest)
     return (
         f"bound: a step costs {1000 * per_step:.2f} ms beyond its beams (2 against 2'); any "
-        f"schedule of <= {capacity} beams a step takes >= {fewest} steps, so the most streaming "
-        f"could gain here is {var.wall / best:.2f}x ({best:.2f} s), whatever its refill policy"
+        f"schedule of <= {capacity} beams a step takes >= {fewest} steps, so fewer steps alone "
+        f"could gain at most {var.wall / best:.2f}x ({best:.2f} s) here, whatever the refill policy"
     )
 
 

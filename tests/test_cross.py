@@ -8,7 +8,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from inferflow import kernels
 from inferflow.model.cross import CrossBank, CrossMemory
 
 H, D, LAYERS = 4, 8, 2
@@ -90,10 +89,3 @@ def test_misuse_is_refused() -> None:
     bank.remove(1)
     with pytest.raises(ValueError, match="free cross-memory slot"):
         bank.rows([0, 1], [1, 1])
-
-
-def test_kernel_state_is_reported() -> None:
-    """The kernel path is taken wherever the C kernels can run (float32 on the CPU)."""
-    bank = CrossBank.of([memory(4, 0)])
-    rows = bank.rows([0], [1])
-    assert (rows.kernel is not None) == (kernels.paged_decode_attention() is not None)

@@ -51,8 +51,7 @@ def test_rows_are_reused_and_the_cache_grows() -> None:
     assert out[0] == a and set(out[1:]) == {b, 2} and cache.used == 3
     for r in out:
         assert cache.k[0, r, :3, 0, 0].tolist() == [1.0, 2.0, 3.0] and int(cache.lens[r]) == 3
-    cache.release(out)
-    assert cache.used == 0
+    assert cache.fork(out, []) == [] and cache.used == 0  # no child: every row freed
 
 
 def test_masked_positions_read_as_finite_though_the_buffers_start_unset() -> None:

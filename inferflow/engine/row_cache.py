@@ -92,9 +92,6 @@ class RowCache:
             self.lens[dst] = self.lens[src]
         return out
 
-    def release(self, rows: list[int]) -> None:
-        self.free += rows
-
     def _take(self) -> int:
         if not self.free:
             self._grow()
@@ -162,9 +159,8 @@ class StepRows:
         return _Row(self.cache, self.ids[i])
 
     def advance(self, counts: torch.Tensor) -> None:
-        """The step's first ``len(counts)`` rows grew by ``counts`` tokens."""
-        idx = self.rows[: counts.numel()]
-        self.cache.lens[idx] += counts
+        """The step's rows grew by ``counts`` tokens each."""
+        self.cache.lens[self.rows] += counts
 
 
 class _Row:

@@ -180,6 +180,7 @@ class Decoding:
             )
         self.model, self.params, self.end_ids, self.stats = model, params, end_ids, stats
         self.enc_dec = isinstance(model, EncoderDecoder)
+        self.dtype = next(model.parameters()).dtype  # the caches'
         self.bank: CrossBank | None = None  # encoder-decoder: the sources' cross memory
         self.slot: dict[int, int] = {}  # input -> its slot in the bank
         self.head = model.dec.head() if fused else None
@@ -203,8 +204,7 @@ class Decoding:
             return [Beam(s, list(inputs[s]), [], 0.0) for s in srcs]
         if self.bank is None:
             h = model.spec.hparams
-            dtype = next(model.parameters()).dtype
-            self.bank = CrossBank(h.n_layers, h.n_heads, h.head_dim, dtype)
+            self.bank = CrossBank(h.n_layers, h.n_heads, h.head_dim, self.dtype)
         memories = model.cross_memories(model.encode([inputs[s] for s in srcs]))
         for s, memory in zip(srcs, memories, strict=True):
             self.slot[s] = self.bank.add(memory)
@@ -224,13 +224,12 @@ class Decoding:
         one input."""
         h = self.model.spec.hparams
         prefixes = [1] * len(inputs) if self.enc_dec else [len(x) for x in inputs]
-        dtype = next(self.model.parameters()).dtype
         return RowCache(
             h.n_layers,
             max(a + n for a, n in zip(prefixes, limits, strict=True)),
             h.n_kv_heads,
             h.head_dim,
-            dtype,
+            self.dtype,
             capacity=capacity,
         )
 
@@ -239,19 +238,18 @@ class Decoding:
         computing its prefix (``first``) or its last token (a finished input's beams kept in a
         static batch compute theirs again)."""
         seqs = [b.prefix if first else [b.last_token] for b in beams]
+        lengths = [len(s) for s in seqs]
         ids = torch.tensor([t for s in seqs for t in s], dtype=torch.long)
-        one_each = all(len(s) == 1 for s in seqs)
+        one_each = all(n == 1 for n in lengths)
         if one_each:  # each row's new token goes at its length
             pos = rows.lens.clone()
         else:
             starts = rows.lens.tolist()
-            pos = torch.cat(
-                [torch.arange(a, a + len(s)) for a, s in zip(starts, seqs, strict=True)]
-            )
+            pos = torch.cat([torch.arange(a, a + n) for a, n in zip(starts, lengths, strict=True)])
         slices, at = [], 0
-        for s in seqs:
-            slices.append(SeqSlice(at, len(s)))
-            at += len(s)
+        for n in lengths:
+            slices.append(SeqSlice(at, n))
+            at += n
         batch = FlatBatch(
             ids,
             pos,
@@ -260,9 +258,9 @@ class Decoding:
             group=rows if one_each else None,
         )
         if self.bank is not None:
-            batch.cross = self.bank.rows([self.slot[b.src] for b in beams], [len(s) for s in seqs])
+            batch.cross = self.bank.rows([self.slot[b.src] for b in beams], lengths)
         h = self.model.hidden_states(batch)
-        rows.advance(torch.tensor([len(s) for s in seqs]))
+        rows.advance(torch.tensor(lengths))
         self.stats.steps += 1
         self.stats.rows += len(seqs)
         self.stats.peak_rows = max(self.stats.peak_rows, rows.cache.used)

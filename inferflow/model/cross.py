@@ -117,7 +117,7 @@ class CrossRows:
     def attend(self, layer: int, q: torch.Tensor, scale: float) -> torch.Tensor:
         """Attention of the queries q (rows, H, D) over their slots' memory: (rows, H, D)."""
         k, v = self.bank.k[layer], self.bank.v[layer]
-        if self.kernel is not None and q.dtype == k.dtype:
+        if self.kernel is not None:
             return self.kernel(q, k, v, self.keys, self.lens, scale)
         visible = torch.arange(self.keys.shape[1]) < self.lens[:, None]
         out = F.scaled_dot_product_attention(

@@ -54,6 +54,63 @@ static float exp_sum(float *p, int64_t n, float mx) {
     return sum;
 }
 
+#if defined(__AVX512F__)
+/* One query head q over the n keys listed in sl (row t's key at kc + sl[t] * stride + off, its
+   value likewise in vc), D a multiple of 16, at most 256: the query and the output stay in
+   registers, each score is one vector dot product. p holds the n scores, out gets the head's
+   D outputs. Inlined with D a constant, so that the loops over D unroll. */
+static inline __attribute__((always_inline)) void head16(const float *q, const float *kc,
+                                                         const float *vc, const int64_t *sl,
+                                                         int64_t n, int64_t stride, int64_t off,
+                                                         const int64_t D, float scale, float *p,
+                                                         float *out) {
+    const int64_t nv = D / 16;
+    __m512 qv[16], acc[16];
+    for (int64_t i = 0; i < nv; i++) qv[i] = _mm512_loadu_ps(q + 16 * i);
+    float mx = -INFINITY;
+    for (int64_t t = 0; t < n; t++) {
+        const float *k = kc + sl[t] * stride + off;
+        if (t + 8 < n) { /* keys are scattered over blocks: fetch ahead of use */
+            const char *ahead = (const char *)(kc + sl[t + 8] * stride + off);
+            for (int64_t c = 0; c < D * 4; c += 64) __builtin_prefetch(ahead + c);
+        }
+        __m512 s = _mm512_mul_ps(qv[0], _mm512_loadu_ps(k));
+        for (int64_t i = 1; i < nv; i++) s = _mm512_fmadd_ps(qv[i], _mm512_loadu_ps(k + 16 * i), s);
+        const float x = _mm512_reduce_add_ps(s) * scale;
+        p[t] = x;
+        if (x > mx) mx = x;
+    }
+    const float inv = 1.f / exp_sum(p, n, mx);
+    for (int64_t i = 0; i < nv; i++) acc[i] = _mm512_setzero_ps();
+    for (int64_t t = 0; t < n; t++) { /* weighted sum of the values */
+        const float *v = vc + sl[t] * stride + off;
+        if (t + 8 < n) {
+            const char *ahead = (const char *)(vc + sl[t + 8] * stride + off);
+            for (int64_t c = 0; c < D * 4; c += 64) __builtin_prefetch(ahead + c);
+        }
+        const __m512 w = _mm512_set1_ps(p[t] * inv);
+        for (int64_t i = 0; i < nv; i++)
+            acc[i] = _mm512_fmadd_ps(w, _mm512_loadu_ps(v + 16 * i), acc[i]);
+    }
+    for (int64_t i = 0; i < nv; i++) _mm512_storeu_ps(out + 16 * i, acc[i]);
+}
+
+/* head16 with D a constant for the common head sizes; 0 where D has no vector path */
+static int head_vec(const float *q, const float *kc, const float *vc, const int64_t *sl,
+                    int64_t n, int64_t stride, int64_t off, int64_t D, float scale, float *p,
+                    float *out) {
+    switch (D) {
+    case 32: head16(q, kc, vc, sl, n, stride, off, 32, scale, p, out); return 1;
+    case 64: head16(q, kc, vc, sl, n, stride, off, 64, scale, p, out); return 1;
+    case 128: head16(q, kc, vc, sl, n, stride, off, 128, scale, p, out); return 1;
+    default:
+        if (D % 16 != 0 || D > 256) return 0;
+        head16(q, kc, vc, sl, n, stride, off, D, scale, p, out);
+        return 1;
+    }
+}
+#endif
+
 int paged_decode_f32(const float *q, const float *kc, const float *vc, const int64_t *slots,
                      const int64_t *lens, int64_t B, int64_t S, int64_t H, int64_t KVH,
                      int64_t D, float scale, float *out, int nthreads) {
@@ -74,6 +131,15 @@ int paged_decode_f32(const float *q, const float *kc, const float *vc, const int
             failed = 1;
             continue;
         }
+#if defined(__AVX512F__)
+        if (D % 16 == 0 && D <= 256) {
+            for (int64_t j = 0; j < nh; j++)
+                head_vec(q + (b * H + h0 + j) * D, kc, vc, sl, n, KVH * D, (g0 + j / r) * D, D,
+                         scale, p, out + (b * H + h0 + j) * D);
+            free(p);
+            continue;
+        }
+#endif
         float *mx = p + nh * n;
         for (int64_t j = 0; j < nh; j++) mx[j] = -INFINITY;
         for (int64_t t = 0; t < n; t++) { /* scores q . k, and each head's largest */

@@ -45,7 +45,6 @@ def test_rows_are_reused_and_the_cache_grows() -> None:
     a, b = cache.new_rows(2)
     assert cache.used == 2 and not cache.free
     cache.lens[a] = 3
-    cache.reserve(3)  # (a step reserves the positions it writes)
     cache.k[0, a, :3, 0, 0] = torch.tensor([1.0, 2.0, 3.0])
     out = cache.fork([a, b], [a, a, a])  # b freed and reused, then one more row
     assert out[0] == a and set(out[1:]) == {b, 2} and cache.used == 3
@@ -56,21 +55,30 @@ def test_rows_are_reused_and_the_cache_grows() -> None:
 
 def test_masked_positions_read_as_finite_though_the_buffers_start_unset() -> None:
     """Buffers come from empty(): whatever they held (NaN here, as stale memory may), every
-    position a step reads is finite, in rows added later too, and nothing past the chunk ahead
-    of the longest row is written."""
+    position the padded path reads is finite, in rows added later too, and nothing but the new
+    keys is written."""
     cache = RowCache(layers=1, max_len=64, kvh=1, d=2, dtype=torch.float32, capacity=2)
     cache.k.fill_(float("nan"))
     cache.v.fill_(float("nan"))
     rows = cache.new_rows(2)
-    cache.lens[rows[0]] = 5
-    k, v, _, mask = cache.step(rows).update(0, torch.ones(2, 1, 2), torch.ones(2, 1, 2))
+
+    def fill(row: int, n: int) -> None:  # as earlier steps would have
+        cache.k[:, row, :n] = cache.v[:, row, :n] = 1.0
+        cache.lens[row] = n
+
+    fill(rows[0], 5)
+    step = cache.step(rows)
+    k, v, _, mask = step.update(0, torch.ones(2, 1, 2), torch.ones(2, 1, 2))
+    step.advance(torch.ones(2, dtype=torch.long))
     assert k.shape[1] == 6 and torch.isfinite(k).all() and torch.isfinite(v).all()
     assert mask[1].tolist() == [True] + [False] * 5  # row 1's stale positions: masked, finite
-    assert cache.k[:, :, RowCache.CHUNK :].isnan().all()  # never touched
+    assert cache.k[0, rows[1], 1:].isnan().all()  # zeroed in the copy only
+    assert cache.k[0, rows[0], 6:].isnan().all()  # nothing past the new keys touched
     more = cache.new_rows(3)  # grows the buffers past their 2 rows
-    cache.lens[more[2]] = 7
+    fill(more[2], 7)
     k, v, _, _ = cache.step(rows + more).update(0, torch.ones(5, 1, 2), torch.ones(5, 1, 2))
     assert k.shape[1] == 8 and torch.isfinite(k).all() and torch.isfinite(v).all()
+    assert cache.k[0, rows[0], :6].eq(1).all()  # its filled positions came through the growth
 
 
 def test_kernel_attention_reads_rows_in_place_as_the_padded_path_does() -> None:

@@ -8,9 +8,10 @@ beams are chosen (``fork``) a parent's first child takes over the parent's row, 
 child gets a free row holding a copy of the parent's filled positions, and rows left without a
 child are freed; rows waiting outside the step are untouched. Attention reads each row's keys
 in place (the paged decode kernel, float32 on the CPU) or from a padded gathered copy.
-Positions past a row's length hold stale finite values that attention masks out: buffers are
-zeroed lazily, positions ahead of the longest row in chunks, so a search that ends at 40 tokens
-never touches (or page-faults) the memory reserved for the length limit.
+Nothing is zeroed: positions past a row's length hold whatever the memory held (NaN too). The
+kernel never reads them, and the padded path zeroes them in its copy (masked attention weights
+are 0, but 0 * NaN is not), so a search that ends at 40 tokens never touches (or page-faults)
+the memory reserved for the length limit.
 """
 
 from __future__ import annotations
@@ -21,8 +22,6 @@ from inferflow import kernels
 
 
 class RowCache:
-    CHUNK = 16  # positions zeroed ahead at a time
-
     def __init__(
         self,
         layers: int,
@@ -35,9 +34,6 @@ class RowCache:
         cap = max(capacity, 1)
         self.k = torch.empty((layers, cap, max_len, kvh, d), dtype=dtype)
         self.v = torch.empty_like(self.k)
-        # positions 0 .. ready of every row hold finite values: attention reads masked
-        # positions too, and NaN * 0 is NaN
-        self.ready = 0
         self.lens = torch.zeros(cap, dtype=torch.long)  # per row id
         self.free = list(reversed(range(cap)))  # the lowest id is taken first
         self._pos = torch.arange(max_len, dtype=torch.long)
@@ -51,14 +47,6 @@ class RowCache:
     def used(self) -> int:
         """Rows held by hypotheses."""
         return self.lens.numel() - len(self.free)
-
-    def reserve(self, end: int) -> None:
-        """Make positions up to ``end`` finite in every row (zeroing ahead by a chunk)."""
-        if end > self.ready:
-            to = min(self.max_len, max(end, self.ready + self.CHUNK))
-            self.k[:, :, self.ready : to] = 0
-            self.v[:, :, self.ready : to] = 0
-            self.ready = to
 
     def new_rows(self, n: int) -> list[int]:
         """``n`` empty rows (new hypotheses)."""
@@ -98,13 +86,12 @@ class RowCache:
         return self.free.pop()
 
     def _grow(self) -> None:
-        old, r = self.lens.numel(), self.ready
-        cap = 2 * old
+        old = self.lens.numel()
+        cap, filled = 2 * old, int(self.lens.max())  # (a freed row's stale length: more, no harm)
         for name in ("k", "v"):
             buf = getattr(self, name)
             new = buf.new_empty((buf.shape[0], cap, *buf.shape[2:]))
-            new[:, :old, :r] = buf[:, :, :r]
-            new[:, old:, :r] = 0
+            new[:, :old, :filled] = buf[:, :, :filled]
             setattr(self, name, new)
         self.lens = torch.cat((self.lens, torch.zeros(cap - old, dtype=torch.long)))
         self.free += reversed(range(old, cap))
@@ -126,11 +113,9 @@ class StepRows:
     def _write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> int:
         """Store each row's new key and value; the positions the step reads."""
         c = self.cache
-        end = int(self.lens.max()) + 1
-        c.reserve(end)
         c.k[layer, self.rows, self.lens] = k
         c.v[layer, self.rows, self.lens] = v
-        return end
+        return int(self.lens.max()) + 1
 
     def update(
         self, layer: int, k: torch.Tensor, v: torch.Tensor
@@ -138,8 +123,11 @@ class StepRows:
         c = self.cache
         end = self._write(layer, k, v)
         pos = c._pos[:end].expand(len(self.ids), end)
-        keys, values = c.k[layer, self.rows, :end], c.v[layer, self.rows, :end]
-        return keys, values, pos, pos <= self.lens[:, None]
+        valid = pos <= self.lens[:, None]
+        unset = ~valid[:, :, None, None]  # another row's positions: zeroed in the copy
+        keys = c.k[layer, self.rows, :end].masked_fill_(unset, 0)
+        values = c.v[layer, self.rows, :end].masked_fill_(unset, 0)
+        return keys, values, pos, valid
 
     def attend(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
@@ -172,7 +160,6 @@ class _Row:
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         c = self.cache
         start, end = int(positions[0]), int(positions[-1]) + 1
-        c.reserve(end)
         c.k[layer, self.i, start:end] = k
         c.v[layer, self.i, start:end] = v
         return c.k[layer, self.i, :end], c.v[layer, self.i, :end], c._pos[:end]

@@ -124,7 +124,7 @@ class StepRows:
         end = self._write(layer, k, v)
         pos = c._pos[:end].expand(len(self.ids), end)
         valid = pos <= self.lens[:, None]
-        unset = ~valid[:, :, None, None]  # another row's positions: zeroed in the copy
+        unset = ~valid[:, :, None, None]  # past the row's length (stale, NaN too): 0 in the copy
         keys = c.k[layer, self.rows, :end].masked_fill_(unset, 0)
         values = c.v[layer, self.rows, :end].masked_fill_(unset, 0)
         return keys, values, pos, valid

@@ -5,8 +5,9 @@
    causal decode step: no window, bias or soft-cap). kc and vc are one layer of the paged cache
    viewed as (slots, KVH, D); q and out are (B, H, D); all row-major and contiguous.
 
-   Reads each key and value once, straight from its block: no gathered or padded copy. The
-   (b, g) tasks are independent, so a sequence's result never depends on the rest of the batch.
+   Reads the keys and values straight from their blocks: no gathered or padded copy (with
+   AVX-512, one query head at a time: the query heads of one KV head read its keys again, from
+   the CPU's caches). The (b, g) tasks are independent, so a sequence's result never depends on the rest of the batch.
    OpenMP threads come from the runtime torch already loaded (the same libgomp.so.1). */
 #include <math.h>
 #include <stdint.h>
@@ -95,18 +96,16 @@ static inline __attribute__((always_inline)) void head16(const float *q, const f
     for (int64_t i = 0; i < nv; i++) _mm512_storeu_ps(out + 16 * i, acc[i]);
 }
 
-/* head16 with D a constant for the common head sizes; 0 where D has no vector path */
-static int head_vec(const float *q, const float *kc, const float *vc, const int64_t *sl,
-                    int64_t n, int64_t stride, int64_t off, int64_t D, float scale, float *p,
-                    float *out) {
+/* head16 with D a constant for the common head sizes (any other multiple of 16 up to 256 runs
+   the same code with D a variable) */
+static void head_vec(const float *q, const float *kc, const float *vc, const int64_t *sl,
+                     int64_t n, int64_t stride, int64_t off, int64_t D, float scale, float *p,
+                     float *out) {
     switch (D) {
-    case 32: head16(q, kc, vc, sl, n, stride, off, 32, scale, p, out); return 1;
-    case 64: head16(q, kc, vc, sl, n, stride, off, 64, scale, p, out); return 1;
-    case 128: head16(q, kc, vc, sl, n, stride, off, 128, scale, p, out); return 1;
-    default:
-        if (D % 16 != 0 || D > 256) return 0;
-        head16(q, kc, vc, sl, n, stride, off, D, scale, p, out);
-        return 1;
+    case 32: head16(q, kc, vc, sl, n, stride, off, 32, scale, p, out); break;
+    case 64: head16(q, kc, vc, sl, n, stride, off, 64, scale, p, out); break;
+    case 128: head16(q, kc, vc, sl, n, stride, off, 128, scale, p, out); break;
+    default: head16(q, kc, vc, sl, n, stride, off, D, scale, p, out);
     }
 }
 #endif

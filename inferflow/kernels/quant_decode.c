@@ -22,6 +22,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "attend.h"
 #include "rows.h"
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -316,38 +317,6 @@ int qmat_gemm(const QMat *w, const float *x, int64_t M, uint16_t *xb, float *xs,
 #endif
 }
 
-/* query head h over the n keys listed in slots (the last one is this token's) */
-static void attend_head(const float *q, const float *kc, const float *vc, const int64_t *slots,
-                        int64_t n, int64_t h, const Dims *d, float *p, float *out) {
-    const int64_t D = d->head_dim, KVH = d->kv_heads, g = h / (d->heads / KVH);
-    float mx = -INFINITY, sum = 0.f;
-    for (int64_t t = 0; t < n; t++) {
-        const float *k = kc + (slots[t] * KVH + g) * D;
-        if (t + 8 < n) { /* keys are scattered (paged blocks): fetch ahead of use */
-            const char *ahead = (const char *)(kc + (slots[t + 8] * KVH + g) * D);
-            for (int64_t b = 0; b < D * 4; b += 64) __builtin_prefetch(ahead + b);
-        }
-        float s = 0.f;
-        for (int64_t i = 0; i < D; i++) s += q[i] * k[i];
-        p[t] = s * d->scale;
-        if (p[t] > mx) mx = p[t];
-    }
-    for (int64_t t = 0; t < n; t++) {
-        p[t] = expf(p[t] - mx);
-        sum += p[t];
-    }
-    const float inv = 1.f / sum;
-    for (int64_t i = 0; i < D; i++) out[i] = 0.f;
-    for (int64_t t = 0; t < n; t++) {
-        const float *v = vc + (slots[t] * KVH + g) * D, w = p[t] * inv;
-        if (t + 8 < n) {
-            const char *ahead = (const char *)(vc + (slots[t + 8] * KVH + g) * D);
-            for (int64_t b = 0; b < D * 4; b += 64) __builtin_prefetch(ahead + b);
-        }
-        for (int64_t i = 0; i < D; i++) out[i] += w * v[i];
-    }
-}
-
 /* x (hidden) in place through every layer. kc / vc: layer 0 of the cache, layer l at
    l * layer_stride floats, slot s of KV head g at (s * KV heads + g) * head_dim; this token's
    K / V go to slots[n - 1]. scratch: at least hidden + (heads + 2 kv_heads) head_dim + heads
@@ -375,7 +344,9 @@ void decode_stack(const Layer *layers, int64_t L, const Dims *d, float *x, const
             memcpy(v + w * KVH * D, qkv + (H + KVH) * D, sizeof(float) * KVH * D);
         }
 #pragma omp for schedule(static)
-        for (int64_t j = 0; j < H; j++) attend_head(qkv + j * D, k, v, slots, n, j, d, p + j * n, att + j * D);
+        for (int64_t j = 0; j < H; j++) /* (the last slot is this token's) */
+            attend_head_any(qkv + j * D, k, v, slots, n, KVH * D, j / (H / KVH) * D, D, d->scale,
+                            p + j * n, att + j * D);
         gemv_in_team(&ly->o, att, xs, x, 1);
 #pragma omp single
         rms_norm_row(x, ly->ffn_norm, d->hidden, d->eps, d->norm_offset, h);

@@ -1,0 +1,130 @@
+/* One query head's attention over keys and values listed by slot, float32, shared by
+   paged_attention.c (a decode step of many sequences) and quant_decode.c (one token through a
+   whole decoder): scores, softmax (max subtracted) and the weighted sum of the values. */
+#ifndef INFERFLOW_ATTEND_H
+#define INFERFLOW_ATTEND_H
+#include <math.h>
+#include <stdint.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+/* exp of 16 floats <= 0 (Cephes' expf polynomial on x - n ln 2, then times 2^n): within 2 ulp
+   of expf; below -87.3 it returns about 1e-38 instead of a denormal or 0 */
+static inline __m512 exp16(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+    return _mm512_scalef_ps(p, n);
+}
+#endif
+
+/* p[0..n) = exp(p - mx), returns their sum */
+static inline float exp_sum(float *p, int64_t n, float mx) {
+    float sum = 0.f;
+    int64_t t = 0;
+#if defined(__AVX512F__)
+    __m512 acc = _mm512_setzero_ps();
+    for (; t < n; t += 16) {
+        const __mmask16 m = n - t >= 16 ? 0xFFFF : (__mmask16)((1u << (n - t)) - 1);
+        const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, p + t), _mm512_set1_ps(mx)));
+        _mm512_mask_storeu_ps(p + t, m, e);
+        acc = _mm512_add_ps(acc, _mm512_maskz_mov_ps(m, e));
+    }
+    sum = _mm512_reduce_add_ps(acc);
+#endif
+    for (; t < n; t++) {
+        p[t] = expf(p[t] - mx);
+        sum += p[t];
+    }
+    return sum;
+}
+
+/* One query head q (D floats) over the n keys listed in sl: key t at kc + sl[t] * stride + off,
+   its value likewise in vc (stride: floats between slots; off: the KV head's first float). p
+   holds the n scores, out gets the head's D outputs. With AVX-512 and D a multiple of 16 (at
+   most 256) the query and the output stay in registers and each score is one vector dot
+   product (inlined with D a constant where the caller's is, so that the loops over D unroll);
+   otherwise plain loops. Keys are scattered over blocks: each is fetched 8 keys ahead. */
+static inline __attribute__((always_inline)) void attend_head(const float *q, const float *kc,
+                                                              const float *vc, const int64_t *sl,
+                                                              int64_t n, int64_t stride,
+                                                              int64_t off, const int64_t D,
+                                                              float scale, float *p, float *out) {
+    float mx = -INFINITY;
+#if defined(__AVX512F__)
+    if (D % 16 == 0 && D <= 256) {
+        const int64_t nv = D / 16;
+        __m512 qv[16], acc[16];
+        for (int64_t i = 0; i < nv; i++) qv[i] = _mm512_loadu_ps(q + 16 * i);
+        for (int64_t t = 0; t < n; t++) {
+            const float *k = kc + sl[t] * stride + off;
+            if (t + 8 < n) {
+                const char *ahead = (const char *)(kc + sl[t + 8] * stride + off);
+                for (int64_t c = 0; c < D * 4; c += 64) __builtin_prefetch(ahead + c);
+            }
+            __m512 s = _mm512_mul_ps(qv[0], _mm512_loadu_ps(k));
+            for (int64_t i = 1; i < nv; i++) s = _mm512_fmadd_ps(qv[i], _mm512_loadu_ps(k + 16 * i), s);
+            const float x = _mm512_reduce_add_ps(s) * scale;
+            p[t] = x;
+            if (x > mx) mx = x;
+        }
+        const float inv = 1.f / exp_sum(p, n, mx);
+        for (int64_t i = 0; i < nv; i++) acc[i] = _mm512_setzero_ps();
+        for (int64_t t = 0; t < n; t++) {
+            const float *v = vc + sl[t] * stride + off;
+            if (t + 8 < n) {
+                const char *ahead = (const char *)(vc + sl[t + 8] * stride + off);
+                for (int64_t c = 0; c < D * 4; c += 64) __builtin_prefetch(ahead + c);
+            }
+            const __m512 w = _mm512_set1_ps(p[t] * inv);
+            for (int64_t i = 0; i < nv; i++)
+                acc[i] = _mm512_fmadd_ps(w, _mm512_loadu_ps(v + 16 * i), acc[i]);
+        }
+        for (int64_t i = 0; i < nv; i++) _mm512_storeu_ps(out + 16 * i, acc[i]);
+        return;
+    }
+#endif
+    for (int64_t t = 0; t < n; t++) {
+        const float *k = kc + sl[t] * stride + off;
+        if (t + 8 < n) {
+            const char *ahead = (const char *)(kc + sl[t + 8] * stride + off);
+            for (int64_t c = 0; c < D * 4; c += 64) __builtin_prefetch(ahead + c);
+        }
+        float s = 0.f;
+        for (int64_t i = 0; i < D; i++) s += q[i] * k[i];
+        p[t] = s * scale;
+        if (p[t] > mx) mx = p[t];
+    }
+    const float inv = 1.f / exp_sum(p, n, mx);
+    for (int64_t i = 0; i < D; i++) out[i] = 0.f;
+    for (int64_t t = 0; t < n; t++) {
+        const float *v = vc + sl[t] * stride + off, w = p[t] * inv;
+        if (t + 8 < n) {
+            const char *ahead = (const char *)(vc + sl[t + 8] * stride + off);
+            for (int64_t c = 0; c < D * 4; c += 64) __builtin_prefetch(ahead + c);
+        }
+        for (int64_t i = 0; i < D; i++) out[i] += w * v[i];
+    }
+}
+
+/* attend_head with D a constant for the common head sizes */
+static inline void attend_head_any(const float *q, const float *kc, const float *vc,
+                                   const int64_t *sl, int64_t n, int64_t stride, int64_t off,
+                                   int64_t D, float scale, float *p, float *out) {
+    switch (D) {
+    case 32: attend_head(q, kc, vc, sl, n, stride, off, 32, scale, p, out); break;
+    case 64: attend_head(q, kc, vc, sl, n, stride, off, 64, scale, p, out); break;
+    case 128: attend_head(q, kc, vc, sl, n, stride, off, 128, scale, p, out); break;
+    default: attend_head(q, kc, vc, sl, n, stride, off, D, scale, p, out);
+    }
+}
+#endif

@@ -264,6 +264,8 @@ class Decoding:
         self.stats.steps += 1
         self.stats.rows += len(seqs)
         self.stats.peak_rows = max(self.stats.peak_rows, rows.cache.used)
+        if one_each:  # every row is a sequence's last
+            return h
         return h[torch.tensor([sl.start + sl.length - 1 for sl in slices])]
 
     def candidates(self, beams: list[Beam], h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

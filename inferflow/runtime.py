@@ -111,8 +111,8 @@ class LanguageModel:
         """For each source, its best hypotheses (at most ``num_return``, best first; generated
         ids with the end token, if it ended); an empty source gets none. ``batch_size``: sources
         searched together (default: all at once). ``refill``: search streaming (VAR-STREAM,
-        inferflow.engine.var_stream), at most ``batch_size`` (default 32) x beam width beams a
-        step, refilled with waiting sources when the live beams drop to ``refill`` x that;
+        inferflow.engine.var_stream), refilled with waiting sources up to ``batch_size``
+        (default 32) x beam width live beams when they drop to ``refill`` x that;
         the hypotheses are the same, only the speed differs. ``stop``: asked before every step;
         True ends the search with ``Stopped``."""
         todo = [i for i, s in enumerate(sources) if s]

@@ -142,27 +142,35 @@ def test_stream_equals_batched_non_streaming(bart) -> None:
     assert_same(stream_search(bart, SOURCES, p, refill=0.25, batch_size=32), want)
 
 
-def test_steps_expand_at_most_n_beams_of_one_length(bart, monkeypatch) -> None:
-    """Every step computes beams of one hypothesis length, at most n = B x K of them; a refill
-    brings the live beams back to n (newcomers join with one beam each), so the stream holds
-    more than n rows at times but never more than K x n; and it takes fewer, fuller steps
-    than the static batches of B sources."""
-    from inferflow.engine.search import Decoding
+def test_steps_expand_every_beam_of_the_smallest_length(bart, monkeypatch) -> None:
+    """Every step expands all live beams of the smallest hypothesis length and no other; a
+    refill brings the live beams back to n = B x K (newcomers join with one beam each), so a
+    step and the cache hold more than n beams at times but never more than K x n; and it takes
+    fewer, fuller steps than the static batches of B sources."""
+    from inferflow.engine.var_stream import _Stream
 
-    seen: list[tuple[int, set[int]]] = []
-    forward = Decoding.forward
+    steps: list[tuple[int, int, int]] = []  # (beams stepped, their lengths, live beams)
+    expand = _Stream._expand
 
-    def record(self, rows, beams, first):  # type: ignore[no-untyped-def]
-        seen.append((len(beams), {len(b.out) for b in beams}))
-        return forward(self, rows, beams, first)
+    def record(self, places):  # type: ignore[no-untyped-def]
+        live = [len(b.out) for b in self.beams]
+        stepped = {live[i] for i in places}
+        shortest = [i for i, n in enumerate(live) if n == min(live)]
+        assert stepped == {min(live)} and sorted(places) == shortest
+        steps.append((len(places), len(stepped), len(live)))
+        return expand(self, places)
 
-    monkeypatch.setattr(Decoding, "forward", record)
+    monkeypatch.setattr(_Stream, "_expand", record)
     B, p = 8, _params(1.0, 2)
     n = B * K
     stats = SearchStats()
-    stream_search(bart, SOURCES, p, refill=0.25, batch_size=B, stats=stats)
-    assert all(size <= n and len(lengths) == 1 for size, lengths in seen)
-    assert seen[0] == (n, {0})  # the first refill: n sources, one beam each
+    # (refill whenever an input is over: a batch's inputs here often end together, at the limit)
+    stream_search(bart, SOURCES, p, refill=1.0, batch_size=B, stats=stats)
+    assert len(steps) == stats.steps
+    assert steps[0] == (n, 1, n)  # the first refill: n sources, one beam each
+    assert max(size for size, _, _ in steps) > n  # the newcomers widened past n in one step
+    assert all(size <= live <= K * n for size, _, live in steps)
+    assert any(size < live for size, _, live in steps)  # longer beams waited
     assert n < stats.peak_rows <= K * n
     static_stats = SearchStats()
     for at in range(0, len(SOURCES), B):

@@ -7,9 +7,10 @@ longer than the model's maximum is an error naming the line, before anything run
 
 Variable width: ``--prune-delta D`` drops candidates more than D (log-probability) below the
 line's best candidate of each step, ``--max-per-parent M`` keeps at most M live children per
-beam. ``--refill EPS`` streams (VAR-STREAM): the batch holds up to --batch-size x --beam beams
-and takes in waiting lines whenever the live beams drop to EPS x that, each step expanding the
-shortest beams only; outputs are those of the same search without --refill, printed at the end.
+beam. ``--refill EPS`` streams (VAR-STREAM): waiting lines join until --batch-size x --beam
+beams are live whenever the live beams drop to EPS x that, each step expanding every beam of the
+shortest length and only those; outputs are those of the same search without --refill, printed
+at the end.
 """
 
 from __future__ import annotations
@@ -78,7 +79,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         type=float,
         default=None,
         metavar="EPS",
-        help="stream: refill the batch (--batch-size x --beam beams) with waiting lines when the "
+        help="stream: refill with waiting lines up to --batch-size x --beam live beams when the "
         "live beams drop to EPS x that (0 .. 1); same outputs, off by default",
     )
     p.add_argument("--ids", action="store_true", help="lines are space-separated token ids")

@@ -2,12 +2,12 @@
 2020, "A Streaming Approach For Efficient Batched Beam Search"): ``stream_search(model, inputs,
 params, refill=EPS, batch_size=B)``.
 
-A step expands at most n = B x W beams (W = beam width). Inputs wait in a queue; whenever the
-live beams drop to at most EPS x n, new inputs join (their sources encoded in one pass) until n
-beams are live again, each joining with one beam. Each step expands only beams of the smallest
-hypothesis length, at most n of them (whole inputs), so a step batches beams of one length;
-longer inputs wait until the newcomers catch up. As the newcomers widen (up to W beams each) the
-live beams outgrow n, and a length takes several full steps: the cache holds up to W x n rows.
+Inputs wait in a queue; whenever the live beams drop to at most EPS x n (n = B x W, W = beam
+width), new inputs join (their sources encoded in one pass) until n beams are live again, each
+joining with one beam. Each step expands every live beam of the smallest hypothesis length, and
+only those, so a step batches beams of one length; longer inputs wait until the newcomers catch
+up. As the newcomers widen (up to W beams each) a step grows past n beams, up to W x n: at most n
+inputs are in the batch, each with at most W beams, which is also the most rows the cache holds.
 A static batch instead runs until its slowest input is done, its last steps nearly empty.
 
 Every decision of an input (candidates, pruning, finished hypotheses, its length limit) depends
@@ -79,9 +79,9 @@ class _Stream:
         """Refill, once few beams are live: new inputs until n beams are live again (an input
         joins with one beam, its start)."""
         live = len(self.beams)
-        if not self.queue or live > self.low:  # (low >= 0: an empty batch always refills)
+        n = min(len(self.queue), self.capacity - live)
+        if n <= 0 or live > self.low:  # (low >= 0: an empty batch refills while inputs wait)
             return
-        n = min(len(self.queue), max(1, self.capacity - live))
         srcs = [self.queue.popleft() for _ in range(n)]
         self.beams += self.core.start(srcs, self.inputs)
         self.rows += self.cache.new_rows(n)
@@ -91,17 +91,10 @@ class _Stream:
         log.debug("refill: %d inputs join %d live beams", n, live)
 
     def _group(self) -> list[int]:
-        """Places in ``beams`` of the next step's beams: those of the smallest hypothesis
-        length, whole inputs first come first, at most n (an input's live beams have one
-        length, and never outnumber n)."""
+        """Places in ``beams`` of the next step's beams: every beam of the smallest hypothesis
+        length (an input's live beams have one length)."""
         shortest = min(len(b.out) for b in self.beams)
-        places: list[int] = []
-        for _, at in input_runs(self.beams):
-            if len(self.beams[at[0]].out) == shortest:
-                if len(places) + len(at) > self.capacity:
-                    break
-                places += at
-        return places
+        return [i for i, b in enumerate(self.beams) if len(b.out) == shortest]
 
     def _expand(self, places: list[int]) -> list[tuple[int, list[Hypothesis]]]:
         """One step over the beams at ``places``: the inputs that are over, with their
@@ -180,9 +173,9 @@ def stream_search(
     stats: SearchStats | None = None,
     stop: StopCheck | None = None,
 ) -> list[list[Hypothesis]]:
-    """``beam_search``'s result (same hypotheses, same order) computed streaming: at most
-    ``batch_size`` x beam width beams in a step, refilled with waiting inputs when the live
-    beams drop to ``refill`` x that capacity (0 <= refill <= 1)."""
+    """``beam_search``'s result (same hypotheses, same order) computed streaming: refilled with
+    waiting inputs up to ``batch_size`` x beam width live beams whenever the live beams drop to
+    ``refill`` x that (0 <= refill <= 1), each step expanding the beams of the smallest length."""
     out: list[list[Hypothesis]] = [[] for _ in inputs]
     for i, hyps in iter_stream_search(
         model, inputs, params, end_ids, refill, batch_size, fused, stats, stop

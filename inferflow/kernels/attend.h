@@ -48,12 +48,22 @@ static inline float exp_sum(float *p, int64_t n, float mx) {
     return sum;
 }
 
+/* fetch the key (or value) 8 places ahead of t in sl: keys are scattered over blocks */
+static inline __attribute__((always_inline)) void fetch_ahead(const float *c, const int64_t *sl,
+                                                              int64_t t, int64_t n, int64_t stride,
+                                                              int64_t off, int64_t D) {
+    if (t + 8 < n) {
+        const char *ahead = (const char *)(c + sl[t + 8] * stride + off);
+        for (int64_t b = 0; b < D * 4; b += 64) __builtin_prefetch(ahead + b);
+    }
+}
+
 /* One query head q (D floats) over the n keys listed in sl: key t at kc + sl[t] * stride + off,
    its value likewise in vc (stride: floats between slots; off: the KV head's first float). p
    holds the n scores, out gets the head's D outputs. With AVX-512 and D a multiple of 16 (at
    most 256) the query and the output stay in registers and each score is one vector dot
    product (inlined with D a constant where the caller's is, so that the loops over D unroll);
-   otherwise plain loops. Keys are scattered over blocks: each is fetched 8 keys ahead. */
+   otherwise plain loops. */
 static inline __attribute__((always_inline)) void attend_head(const float *q, const float *kc,
                                                               const float *vc, const int64_t *sl,
                                                               int64_t n, int64_t stride,
@@ -67,10 +77,7 @@ static inline __attribute__((always_inline)) void attend_head(const float *q, co
         for (int64_t i = 0; i < nv; i++) qv[i] = _mm512_loadu_ps(q + 16 * i);
         for (int64_t t = 0; t < n; t++) {
             const float *k = kc + sl[t] * stride + off;
-            if (t + 8 < n) {
-                const char *ahead = (const char *)(kc + sl[t + 8] * stride + off);
-                for (int64_t c = 0; c < D * 4; c += 64) __builtin_prefetch(ahead + c);
-            }
+            fetch_ahead(kc, sl, t, n, stride, off, D);
             __m512 s = _mm512_mul_ps(qv[0], _mm512_loadu_ps(k));
             for (int64_t i = 1; i < nv; i++) s = _mm512_fmadd_ps(qv[i], _mm512_loadu_ps(k + 16 * i), s);
             const float x = _mm512_reduce_add_ps(s) * scale;
@@ -81,10 +88,7 @@ static inline __attribute__((always_inline)) void attend_head(const float *q, co
         for (int64_t i = 0; i < nv; i++) acc[i] = _mm512_setzero_ps();
         for (int64_t t = 0; t < n; t++) {
             const float *v = vc + sl[t] * stride + off;
-            if (t + 8 < n) {
-                const char *ahead = (const char *)(vc + sl[t + 8] * stride + off);
-                for (int64_t c = 0; c < D * 4; c += 64) __builtin_prefetch(ahead + c);
-            }
+            fetch_ahead(vc, sl, t, n, stride, off, D);
             const __m512 w = _mm512_set1_ps(p[t] * inv);
             for (int64_t i = 0; i < nv; i++)
                 acc[i] = _mm512_fmadd_ps(w, _mm512_loadu_ps(v + 16 * i), acc[i]);
@@ -95,10 +99,7 @@ static inline __attribute__((always_inline)) void attend_head(const float *q, co
 #endif
     for (int64_t t = 0; t < n; t++) {
         const float *k = kc + sl[t] * stride + off;
-        if (t + 8 < n) {
-            const char *ahead = (const char *)(kc + sl[t + 8] * stride + off);
-            for (int64_t c = 0; c < D * 4; c += 64) __builtin_prefetch(ahead + c);
-        }
+        fetch_ahead(kc, sl, t, n, stride, off, D);
         float s = 0.f;
         for (int64_t i = 0; i < D; i++) s += q[i] * k[i];
         p[t] = s * scale;
@@ -108,10 +109,7 @@ static inline __attribute__((always_inline)) void attend_head(const float *q, co
     for (int64_t i = 0; i < D; i++) out[i] = 0.f;
     for (int64_t t = 0; t < n; t++) {
         const float *v = vc + sl[t] * stride + off, w = p[t] * inv;
-        if (t + 8 < n) {
-            const char *ahead = (const char *)(vc + sl[t + 8] * stride + off);
-            for (int64_t c = 0; c < D * 4; c += 64) __builtin_prefetch(ahead + c);
-        }
+        fetch_ahead(vc, sl, t, n, stride, off, D);
         for (int64_t i = 0; i < D; i++) out[i] += w * v[i];
     }
 }

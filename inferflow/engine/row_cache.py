@@ -108,20 +108,22 @@ class StepRows:
         self.cache, self.ids = cache, rows
         self.rows = torch.tensor(rows, dtype=torch.long)
         self.lens = cache.lens[self.rows]
-        self._read: torch.Tensor | None = None
+        self.end = int(self.lens.max()) + 1  # positions a one-token step reads (every layer)
+        self._read = None  # the kernel's list of them, flat in a layer
+        if cache.kernel is not None:
+            self._read = self.rows[:, None] * cache.max_len + cache._pos[: self.end]
 
-    def _write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> int:
-        """Store each row's new key and value; the positions the step reads."""
+    def _write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store each row's new key and value."""
         c = self.cache
         c.k[layer, self.rows, self.lens] = k
         c.v[layer, self.rows, self.lens] = v
-        return int(self.lens.max()) + 1
 
     def update(
         self, layer: int, k: torch.Tensor, v: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        c = self.cache
-        end = self._write(layer, k, v)
+        c, end = self.cache, self.end
+        self._write(layer, k, v)
         pos = c._pos[:end].expand(len(self.ids), end)
         valid = pos <= self.lens[:, None]
         unset = ~valid[:, :, None, None]  # past the row's length (stale, NaN too): 0 in the copy
@@ -135,11 +137,9 @@ class StepRows:
         """Each row's keys read in place by the kernel (no padded copy); None, with nothing
         written, where it cannot run."""
         c = self.cache
-        if c.kernel is None:
+        if c.kernel is None or self._read is None:
             return None
-        end = self._write(layer, k, v)
-        if self._read is None:  # every layer of the step reads the same positions
-            self._read = self.rows[:, None] * c.max_len + c._pos[:end]
+        self._write(layer, k, v)
         ck, cv = c.k[layer].flatten(0, 1), c.v[layer].flatten(0, 1)
         return c.kernel(q, ck, cv, self._read, self.lens + 1, scale)
 

@@ -23,7 +23,16 @@ def resolve_ref(ref: str, base_dir: Path, *, what: str = "file") -> Path:
                 f"{what}: python package {pkg!r} of {ref!r} is not installed "
                 f"(install the model packages with `make models`)"
             )
-        return Path(next(iter(spec.submodule_search_locations))) / rel
+        root = Path(next(iter(spec.submodule_search_locations))).resolve()
+        try:
+            path = (root / rel).resolve()
+        except (OSError, ValueError) as e:  # a NUL byte, a symlink loop
+            raise SpecError(f"{what}: cannot resolve {ref!r}: {e}") from None
+        if not path.is_relative_to(root):  # '..' or a link out of the package
+            raise SpecError(
+                f"{what}: {ref!r} resolves to {path}, outside the folder {root} of package {pkg!r}"
+            )
+        return path
     p = expand_user(ref, what)
     return p if p.is_absolute() else (base_dir / p)
 

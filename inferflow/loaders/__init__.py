@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import os
+import re
 import struct
 from collections.abc import Sequence
 from pathlib import Path
@@ -22,6 +23,11 @@ from inferflow.loaders.torch_pickle import MAGIC_NUMBER, describe_allowed, resol
 from inferflow.loaders.zip_safe import ZIP_MAGIC, torch_archive
 
 __all__ = ["LOADERS", "Weight", "WeightSource", "detect_format", "open_files"]
+
+# A raw pickle stream: PROTO 2-5 (what pickle.dump writes), or protocol 0/1 opening with a global
+# (GLOBAL, or MARK + INST: a class instance). Its opcodes need not fit in the bytes read here (a
+# FRAME announces the whole stream): the pickle loader reads it all and names what it refuses.
+_PICKLE_START = re.compile(rb"\x80[\x02-\x05]|\(?[ci][A-Za-z_][\w.]*\n[A-Za-z_][\w.]*\n")
 
 
 def open_files(format: str, paths: Sequence[str | Path]) -> WeightSource:
@@ -70,7 +76,9 @@ def detect_format(path: str | Path) -> str:
     if len(head) >= 9:
         (n,) = struct.unpack("<Q", head[:8])
         if 2 <= n <= size - 8 and head[8:9] == b"{":
-            return "safetensors"
+            return "safetensors"  # before a raw pickle: a 640-byte header starts with 80 02
+    if _PICKLE_START.match(head):
+        return "pickle"
     raise CheckpointError(
         f"cannot tell the checkpoint format of {path} (starts with {head[:8]!r}); "
         f"supported: {', '.join(LOADERS.names())} (GGUF, torch.save zip or legacy, "

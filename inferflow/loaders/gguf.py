@@ -374,7 +374,23 @@ def _tensor_infos(
                 f"[{start}, {start + nbytes}) but the file has only {size} bytes (truncated?)"
             )
         out[name] = GGUFTensorInfo(name, tuple(reversed(ne)), type_id, type_name, start, nbytes)
+    _refuse_overlaps(path, out)
     return out
+
+
+def _refuse_overlaps(path: Path, infos: dict[str, GGUFTensorInfo]) -> None:
+    """ggml refuses tensors whose data overlap (gguf.c wants them packed in order); sharing bytes
+    would also let a small file declare any number of gigabytes of weights."""
+    spans = sorted((i.offset, i.offset + i.nbytes, i.name) for i in infos.values() if i.nbytes)
+    last = (0, 0, "")  # the span reaching furthest so far
+    for span in spans:
+        if span[0] < last[1]:
+            raise CheckpointError(
+                f"{path}: tensors {last[2]!r} (bytes [{last[0]}, {last[1]})) and {span[2]!r} "
+                f"(bytes [{span[0]}, {span[1]})) overlap; each tensor needs bytes of its own"
+            )
+        if span[1] > last[1]:
+            last = span
 
 
 def read_gguf_metadata(path: str | Path) -> dict[str, Any]:

@@ -3,8 +3,9 @@
 ``pickle.load`` resolves globals through the import machinery and calls whatever REDUCE names;
 that is arbitrary code execution on untrusted files. This module walks the opcode stream itself:
 globals are looked up in a table the caller provides (``resolve``), the only callables are
-``SafeCallable`` objects from that table, and every length is checked against the bytes that are
-actually there before anything is allocated. Opcode semantics follow CPython's
+``SafeCallable`` objects from that table, every length is checked against the bytes that are
+actually there before anything is allocated, and the work a stream asks for is counted against
+``PickleLimits`` (``pickle_limits``). Opcode semantics follow CPython's
 ``Lib/pickle.py`` (``_Unpickler``) and the protocol descriptions in ``Lib/pickletools.py``.
 """
 
@@ -17,10 +18,11 @@ import pickletools
 import struct
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any, NoReturn
+from typing import Any, NoReturn, TypeVar
 
 from inferflow.errors import CheckpointError, UnsafePickleError
+from inferflow.loaders import pickle_limits as lim
+from inferflow.loaders.pickle_limits import HASH_MODULUS, PickleLimits
 
 log = logging.getLogger(__name__)
 
@@ -46,26 +48,13 @@ class SafeCallable:
         return f"<allow-listed {self.qualname}>"
 
 
-@dataclass(frozen=True)
-class PickleLimits:
-    """Bounds that keep a hostile stream from exhausting memory before we notice."""
-
-    max_stack: int = 10_000_000  # objects on the stack plus under all marks
-    max_marks: int = 100_000  # nesting depth of MARKs
-    max_memo: int = 10_000_000
-    max_line: int = 1 << 16  # text opcodes (protocol 0) read a line
-    max_long_bytes: int = 1 << 12  # LONG4: a 32 KiB-bit integer is already absurd in a state dict
-    # hash() of nested tuples recurses in C without a depth check: CPython segfaults on a
-    # million-deep tuple used as a dict key, so nesting is bounded here instead
-    max_tuple_depth: int = 1000
-
-
 # the stream: anything with slicing, indexing to int and ``find`` (bytes or a memory map)
 Buffer = bytes | bytearray | mmap.mmap
 
 # resolve(module, name) -> the allow-listed object, or None when the global is refused
 Resolver = Callable[[str, str], Any]
 PersistentLoad = Callable[[Any], Any]
+T = TypeVar("T")
 
 # opcode byte -> name, for every opcode of protocols 0-5 (pickletools only describes them)
 OPCODE_NAMES: dict[int, str] = {ord(op.code): op.name for op in pickletools.opcodes}
@@ -108,6 +97,7 @@ class _Machine:
         self.allowed = allowed
         self.persistent_load = persistent_load
         self.limits = limits
+        self.objects = self.items = self.alloc = 0  # what the stream built: see PickleLimits
         self.stack: list[Any] = []
         self.metastack: list[list[Any]] = []
         self.depth_items = 0  # objects held under marks, counted against max_stack
@@ -161,6 +151,25 @@ class _Machine:
             raise self.fail("stack underflow")
         return self.stack[-1]
 
+    def new(self, obj: T, nbytes: int, items: int = 0, objects: int = 1) -> T:
+        """Count a newly built object (and the entries put in it) against the limits."""
+        self.objects += objects
+        self.items += items
+        self.alloc += nbytes
+        limits = self.limits
+        if (
+            self.objects > limits.max_objects
+            or self.items > limits.max_items
+            or self.alloc > limits.max_alloc_bytes
+        ):
+            raise self.fail(lim.exceeded(limits, self.objects, self.items, self.alloc))
+        return obj
+
+    def check_keys(self, keys: list[Any]) -> None:
+        why = lim.refuse_keys(keys)
+        if why:
+            raise self.fail(why)
+
     def pop_mark(self) -> list[Any]:
         if not self.metastack:
             raise self.fail("no MARK to pop to")
@@ -176,16 +185,20 @@ class _Machine:
                 depth = max(depth, self.tuple_depth.get(id(x), (1,))[0] + 1)
         if depth > self.limits.max_tuple_depth:
             raise self.fail(f"tuples nested deeper than {self.limits.max_tuple_depth}")
-        t = tuple(items)
+        t = self.new(
+            tuple(items), lim.SIZE_TUPLE + lim.SIZE_SLOT * len(items) + lim.SIZE_ENTRY * (depth > 1)
+        )
         if depth > 1:
             self.tuple_depth[id(t)] = (depth, t)
         return t
 
     def memo_put(self, idx: int, obj: Any) -> None:
-        if idx < 0:
-            raise self.fail(f"negative memo index {idx}")
-        if idx not in self.memo and len(self.memo) >= self.limits.max_memo:
-            raise self.fail(f"memo grew past {self.limits.max_memo} entries")
+        if not 0 <= idx < HASH_MODULUS:  # a larger index could be made to collide in the memo
+            raise self.fail(f"memo index {idx} outside 0..{HASH_MODULUS - 1}")
+        if idx not in self.memo:
+            if len(self.memo) >= self.limits.max_memo:
+                raise self.fail(f"memo grew past {self.limits.max_memo} entries")
+            self.new(None, lim.SIZE_ENTRY + lim.SIZE_NUMBER, items=1, objects=0)
         self.memo[idx] = obj
 
     def memo_get(self, idx: int) -> Any:
@@ -225,7 +238,7 @@ class _Machine:
 
     # ---- main loop -----------------------------------------------------------------------
     def run(self) -> Any:
-        while True:
+        for _ in range(self.limits.max_opcodes):
             if self.pos >= self.end:
                 raise CheckpointError(
                     f"truncated pickle: stream ended at byte offset {self.pos} without STOP"
@@ -244,6 +257,9 @@ class _Machine:
                 raise
             except _DATA_ERRORS as e:
                 raise self.fail(f"{type(e).__name__}: {e}") from e
+        raise self.fail(
+            f"ran more than {self.limits.max_opcodes} opcodes (PickleLimits.max_opcodes)"
+        )
 
 
 def _decode_str(m: _Machine, raw: bytes) -> str:
@@ -288,12 +304,12 @@ def _op_int(m: _Machine) -> None:
     elif raw == b"01":
         m.push(True)
     else:
-        m.push(int(raw))
+        m.push(m.new(int(raw), lim.SIZE_NUMBER))
 
 
 def _op_long(m: _Machine) -> None:
     raw = m.line()
-    m.push(int(raw[:-1] if raw.endswith(b"L") else raw))
+    m.push(m.new(int(raw[:-1] if raw.endswith(b"L") else raw), lim.SIZE_NUMBER + len(raw)))
 
 
 def _op_long_n(nbytes_len: int) -> Callable[[_Machine], None]:
@@ -301,13 +317,13 @@ def _op_long_n(nbytes_len: int) -> Callable[[_Machine], None]:
         n = m.uint(nbytes_len)
         if n > m.limits.max_long_bytes:
             raise m.fail(f"integer of {n} bytes exceeds the limit {m.limits.max_long_bytes}")
-        m.push(int.from_bytes(m.take(n), "little", signed=True))
+        m.push(m.new(int.from_bytes(m.take(n), "little", signed=True), lim.SIZE_NUMBER + n))
 
     return op
 
 
 def _op_binint(m: _Machine) -> None:
-    m.push(int.from_bytes(m.take(4), "little", signed=True))
+    m.push(m.new(int.from_bytes(m.take(4), "little", signed=True), lim.SIZE_NUMBER))
 
 
 def _op_persid(m: _Machine, pid: Any) -> None:
@@ -316,7 +332,7 @@ def _op_persid(m: _Machine, pid: Any) -> None:
             f"persistent id at byte offset {m.op_pos} refused: this stream may not reference "
             "external objects"
         )
-    m.push(m.persistent_load(pid))
+    m.push(m.new(m.persistent_load(pid), lim.SIZE_CALL))
 
 
 def _op_reduce(m: _Machine) -> None:
@@ -329,7 +345,9 @@ def _op_reduce(m: _Machine) -> None:
         )
     if not isinstance(args, tuple):
         raise m.fail(f"REDUCE arguments must be a tuple, got {type(args).__name__}")
-    m.push(func.call(args))
+    out = func.call(args)
+    n = len(out) if isinstance(out, dict | set | frozenset) else 0  # OrderedDict(pairs), set(list)
+    m.push(m.new(out, lim.SIZE_CALL + lim.SIZE_ENTRY * n, items=n))
 
 
 def _op_newobj(m: _Machine, kwargs: dict[str, Any]) -> None:
@@ -341,7 +359,7 @@ def _op_newobj(m: _Machine, kwargs: dict[str, Any]) -> None:
         )
     if not isinstance(args, tuple):
         raise m.fail("NEWOBJ arguments must be a tuple")
-    m.push(cls.new(args, kwargs))
+    m.push(m.new(cls.new(args, kwargs), lim.SIZE_CALL))
 
 
 def _op_newobj_ex(m: _Machine) -> None:
@@ -392,37 +410,42 @@ def _op_stack_global(m: _Machine) -> None:
     m.push(m.global_(module, name))
 
 
-def _op_fill(container: type[Any], marked: bool) -> Callable[[_Machine], None]:
-    """APPEND(S), SETITEM(S), ADDITEMS: add the items above to the container below them."""
+def _fill(m: _Machine, container: type[Any], items: list[Any]) -> None:
+    """APPEND(S), SETITEM(S), ADDITEMS: add ``items`` to the container below them."""
+    target: Any = m.top()
+    if not isinstance(target, container):
+        raise m.fail(f"adds items to a {type(target).__name__}, expected {container.__name__}")
+    if container is list:
+        m.new(None, lim.SIZE_SLOT * len(items), items=len(items), objects=0)
+        target.extend(items)
+        return
+    keys = items[::2] if container is dict else items
+    if container is dict and len(items) % 2:
+        raise m.fail("odd number of items for a dict")
+    m.new(None, lim.SIZE_ENTRY * len(keys), items=len(keys), objects=0)
+    m.check_keys(keys)
+    target.update(zip(keys, items[1::2], strict=True) if container is dict else items)
 
-    def op(m: _Machine) -> None:
-        # SETITEM pops value then key; reversed, both spellings give items in stream order
-        items = (
-            m.pop_mark()
-            if marked
-            else [m.pop() for _ in range(2 if container is dict else 1)][::-1]
-        )
-        target: Any = m.top()
-        if not isinstance(target, container):
-            raise m.fail(f"adds items to a {type(target).__name__}, expected {container.__name__}")
-        if container is dict:
-            if len(items) % 2:
-                raise m.fail("odd number of items for a dict")
-            for i in range(0, len(items), 2):
-                target[items[i]] = items[i + 1]
-        elif container is list:
-            target.extend(items)
-        else:
-            target.update(items)
 
-    return op
+def _op_setitem(m: _Machine) -> None:
+    value = m.pop()
+    _fill(m, dict, [m.pop(), value])
 
 
 def _op_dict(m: _Machine) -> None:
     items = m.pop_mark()
     if len(items) % 2:
         raise m.fail("DICT with an odd number of items")
-    m.push({items[i]: items[i + 1] for i in range(0, len(items), 2)})
+    keys = items[::2]
+    m.check_keys(keys)
+    d = dict(zip(keys, items[1::2], strict=True))
+    m.push(m.new(d, lim.SIZE_DICT + lim.SIZE_ENTRY * len(keys), len(keys)))
+
+
+def _op_frozenset(m: _Machine) -> None:
+    items = m.pop_mark()
+    m.check_keys(items)
+    m.push(m.new(frozenset(items), lim.SIZE_SET + lim.SIZE_ENTRY * len(items), len(items)))
 
 
 def _op_tuple_n(n: int) -> Callable[[_Machine], None]:
@@ -434,6 +457,10 @@ def _op_tuple_n(n: int) -> Callable[[_Machine], None]:
         m.push(items)
 
     return op
+
+
+def _list(m: _Machine, items: list[Any]) -> list[Any]:
+    return m.new(items, lim.SIZE_LIST + lim.SIZE_SLOT * len(items), len(items))
 
 
 def _op_pop(m: _Machine) -> None:
@@ -448,11 +475,11 @@ def _bytes_op(len_bytes: int, kind: str) -> Callable[[_Machine], None]:
         raw = m.take(m.uint(len_bytes))
         if kind == "str":
             # also SHORT_BINSTRING: a Python 2 str, decoded as UTF-8 like torch.load does
-            m.push(_decode_str(m, raw))
+            m.push(m.new(_decode_str(m, raw), lim.SIZE_STR + len(raw)))
         elif kind == "bytes":
-            m.push(raw)
+            m.push(m.new(raw, lim.SIZE_STR + len(raw)))
         else:
-            m.push(bytearray(raw))
+            m.push(m.new(bytearray(raw), lim.SIZE_STR + len(raw)))
 
     return op
 
@@ -462,8 +489,8 @@ def _op_pop_mark(m: _Machine) -> None:
 
 
 def _op_binstring(m: _Machine) -> None:
-    n = int.from_bytes(m.take(4), "little", signed=True)
-    m.push(_decode_str(m, m.take(n)))
+    raw = m.take(int.from_bytes(m.take(4), "little", signed=True))
+    m.push(m.new(_decode_str(m, raw), lim.SIZE_STR + len(raw)))
 
 
 _DISPATCH: dict[int, Callable[[_Machine], None]] = {
@@ -471,22 +498,24 @@ _DISPATCH: dict[int, Callable[[_Machine], None]] = {
     ord("0"): _op_pop,
     ord("1"): _op_pop_mark,
     ord("2"): lambda m: m.push(m.top()),
-    ord("F"): lambda m: m.push(float(m.line())),
-    ord("G"): lambda m: m.push(struct.unpack(">d", m.take(8))[0]),
+    ord("F"): lambda m: m.push(m.new(float(m.line()), lim.SIZE_NUMBER)),
+    ord("G"): lambda m: m.push(m.new(struct.unpack(">d", m.take(8))[0], lim.SIZE_NUMBER)),
     ord("I"): _op_int,
     ord("J"): _op_binint,
     ord("K"): lambda m: m.push(m.uint(1)),
-    ord("M"): lambda m: m.push(m.uint(2)),
+    ord("M"): lambda m: m.push(m.new(m.uint(2), lim.SIZE_NUMBER)),
     ord("L"): _op_long,
     0x8A: _op_long_n(1),
     0x8B: _op_long_n(4),
     ord("N"): lambda m: m.push(None),
     0x88: lambda m: m.push(True),
     0x89: lambda m: m.push(False),
-    ord("S"): lambda m: m.push(_text_string(m, m.line())),
+    ord("S"): lambda m: m.push(m.new(_text_string(m, m.line()), lim.SIZE_STR + m.pos - m.op_pos)),
     ord("T"): _op_binstring,
     ord("U"): _bytes_op(1, "str"),
-    ord("V"): lambda m: m.push(codecs.raw_unicode_escape_decode(m.line())[0]),
+    ord("V"): lambda m: m.push(
+        m.new(codecs.raw_unicode_escape_decode(m.line())[0], lim.SIZE_STR + m.pos - m.op_pos)
+    ),
     ord("X"): _bytes_op(4, "str"),
     0x8C: _bytes_op(1, "str"),
     0x8D: _bytes_op(8, "str"),
@@ -499,17 +528,17 @@ _DISPATCH: dict[int, Callable[[_Machine], None]] = {
     0x85: _op_tuple_n(1),
     0x86: _op_tuple_n(2),
     0x87: _op_tuple_n(3),
-    ord("]"): lambda m: m.push([]),
-    ord("l"): lambda m: m.push(m.pop_mark()),
-    ord("a"): _op_fill(list, marked=False),
-    ord("e"): _op_fill(list, marked=True),
-    ord("}"): lambda m: m.push({}),
+    ord("]"): lambda m: m.push(m.new([], lim.SIZE_LIST)),
+    ord("l"): lambda m: m.push(_list(m, m.pop_mark())),
+    ord("a"): lambda m: _fill(m, list, [m.pop()]),
+    ord("e"): lambda m: _fill(m, list, m.pop_mark()),
+    ord("}"): lambda m: m.push(m.new({}, lim.SIZE_DICT)),
     ord("d"): _op_dict,
-    ord("s"): _op_fill(dict, marked=False),
-    ord("u"): _op_fill(dict, marked=True),
-    0x8F: lambda m: m.push(set()),
-    0x90: _op_fill(set, marked=True),
-    0x91: lambda m: m.push(frozenset(m.pop_mark())),
+    ord("s"): _op_setitem,
+    ord("u"): lambda m: _fill(m, dict, m.pop_mark()),
+    0x8F: lambda m: m.push(m.new(set(), lim.SIZE_SET)),
+    0x90: lambda m: _fill(m, set, m.pop_mark()),
+    0x91: _op_frozenset,
     ord("g"): lambda m: m.push(m.memo_get(int(m.line()))),
     ord("h"): lambda m: m.push(m.memo_get(m.uint(1))),
     ord("j"): lambda m: m.push(m.memo_get(m.uint(4))),

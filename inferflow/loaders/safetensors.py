@@ -30,6 +30,15 @@ log = logging.getLogger(__name__)
 
 MAX_HEADER_BYTES = 100_000_000  # the reference implementation's own limit
 
+# json.loads makes a Python object of every value (an empty "{}" becomes a 64-byte dict), so a
+# header is checked for how many it holds before it is parsed. The smallest real tensor entry,
+# '"x":{"dtype":"U8","shape":[],"data_offsets":[0,0]},' (51 bytes), holds 1 object, 2 arrays and
+# 5 strings (10 quotes): a header denser than that per HEADER_BYTES_PER_ENTRY bytes is not real.
+HEADER_BYTES_PER_ENTRY = 40
+_PER_ENTRY: tuple[tuple[bytes, str, int], ...] = (
+    (b"{", "objects", 1), (b"[", "arrays", 2), (b'"', "string quotes", 10),
+)  # fmt: skip
+
 # safetensors dtype -> bits per element (safetensors/src/tensor.rs ``Dtype::bitsize``)
 DTYPE_BITS: dict[str, int] = {
     "BOOL": 8, "U8": 8, "I8": 8, "F8_E5M2": 8, "F8_E4M3": 8, "F8_E8M0": 8,
@@ -77,6 +86,19 @@ def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def _check_density(path: Path, raw: bytes) -> None:
+    """Refuse a header with more objects, arrays or strings than real tensor entries need."""
+    entries = len(raw) // HEADER_BYTES_PER_ENTRY + 2  # + the outer object and __metadata__
+    for char, what, per_entry in _PER_ENTRY:
+        found, limit = raw.count(char), per_entry * entries + 16
+        if found > limit:
+            raise CheckpointError(
+                f"{path}: safetensors header of {len(raw)} bytes holds {found} {char.decode()!r} "
+                f"({what}); at most {limit} allowed ({per_entry} per {HEADER_BYTES_PER_ENTRY} "
+                "header bytes, as many as real tensor entries need)"
+            )
+
+
 def _entry(path: Path, name: str, info: Any) -> TensorEntry:
     def bad(why: str) -> CheckpointError:
         return CheckpointError(f"{path}: tensor {name!r}: {why}")
@@ -120,16 +142,24 @@ def read_header(path: str | Path) -> SafetensorsHeader:
                     f"{path}: not a safetensors file: {size} bytes, shorter than the 8-byte header length"
                 )
             (n,) = struct.unpack("<Q", head)
-            if n > min(size - 8, MAX_HEADER_BYTES):
+            if n > size - 8:
                 raise CheckpointError(
                     f"{path}: not a safetensors file or truncated: header length {n} exceeds "
-                    f"the {size - 8} bytes after it (limit {MAX_HEADER_BYTES})"
+                    f"the {size - 8} bytes after it"
+                )
+            if n > MAX_HEADER_BYTES:
+                raise CheckpointError(
+                    f"{path}: safetensors header length {n} exceeds the limit of "
+                    f"{MAX_HEADER_BYTES} bytes"
                 )
             raw = f.read(n)
     except OSError as e:
         raise CheckpointError(f"cannot read {path}: {e.strerror}") from e
+    _check_density(path, raw)
     try:
-        header = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicates)
+        text = raw.decode("utf-8")
+        del raw  # json.loads(bytes) would decode a second copy
+        header = json.loads(text, object_pairs_hook=_no_duplicates)
     except (UnicodeDecodeError, ValueError, RecursionError) as e:
         raise CheckpointError(f"{path}: safetensors header is not valid JSON: {e}") from e
     if not isinstance(header, dict):

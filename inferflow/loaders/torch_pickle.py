@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from inferflow.errors import CheckpointError, UnsafePickleError
+from inferflow.loaders.pickle_limits import refuse_keys
 from inferflow.loaders.pickle_vm import SafeCallable
 
 log = logging.getLogger(__name__)
@@ -184,7 +185,16 @@ def _collection(qualname: str, make: Callable[[Any], Any]) -> _Func:
         _nargs(qualname, args, 0, 1)
         if args and not isinstance(args[0], list | tuple | set | frozenset | dict):
             raise _bad(qualname, f"argument of type {type(args[0]).__name__}")
-        return make(args[0] if args else ())
+        arg = args[0] if args else ()
+        items = list(arg)
+        if make is OrderedDict and not isinstance(arg, dict):  # a list of (key, value)
+            if not all(isinstance(p, list | tuple) and len(p) == 2 for p in items):
+                raise _bad(qualname, f"items {short_repr(items)} are not (key, value) pairs")
+            items = [k for k, _ in items]
+        why = refuse_keys(items)  # make() hashes them: no keys a stream could make collide
+        if why:
+            raise _bad(qualname, why)
+        return make(arg)
 
     return _Func(qualname, call, lambda: make(()))
 

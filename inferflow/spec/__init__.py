@@ -70,9 +70,11 @@ def load_spec(ref: str | Path, hparam_overrides: dict[str, Any] | None = None) -
     return parse_spec(read_doc(path), path.parent, path, hparam_overrides)
 
 
-# A spec nests a handful of levels and holds a few hundred values. YAML aliases can make a
-# document recursive (``&a [*a]``) or exponentially large once expanded ("billion laughs"), and
-# the parser itself recurses per nesting level: all refused before anything walks the tree.
+# A spec is a few kilobytes, nests a handful of levels and holds a few hundred values. YAML
+# aliases can make a document recursive (``&a [*a]``) or exponentially large once expanded
+# ("billion laughs"), and the composer recurses per nesting level: all refused from the parser's
+# events, before a node is composed.
+MAX_SPEC_BYTES = 1 << 20
 MAX_YAML_DEPTH = 32
 MAX_YAML_VALUES = 100_000
 # libyaml where installed: PyYAML's pure-Python scanner is quadratic in flow nesting
@@ -81,48 +83,60 @@ _LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
 def _read_yaml(path: Path) -> Any:
     try:
-        text = path.read_text(encoding="utf-8")
-        depth = 0  # the events first: the nesting is known before anything recurses over it
-        for event in yaml.parse(text, Loader=_LOADER):
-            if isinstance(event, yaml.CollectionStartEvent):
-                depth += 1
-                if depth > MAX_YAML_DEPTH:
-                    raise SpecError(f"{path}: YAML nested deeper than {MAX_YAML_DEPTH} levels")
-            elif isinstance(event, yaml.CollectionEndEvent):
-                depth -= 1
-        doc = yaml.load(text, Loader=_LOADER)  # a safe loader, C or Python
+        with open(path, "rb") as f:
+            raw = f.read(MAX_SPEC_BYTES + 1)  # not stat(): a device or pipe reports no size
+        if len(raw) > MAX_SPEC_BYTES:
+            raise SpecError(f"{path}: larger than {MAX_SPEC_BYTES} bytes, the limit for a spec")
+        text = raw.decode("utf-8")
+        _check_events(text, path)
+        return yaml.load(text, Loader=_LOADER)  # a safe loader, C or Python
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         raise SpecError(f"{path}: not valid YAML{where}: {getattr(e, 'problem', e)}") from None
     except (OSError, UnicodeDecodeError) as e:
         raise SpecError(f"{path}: cannot read: {e}") from None
-    _check_size(doc, path)
-    return doc
 
 
-def _check_size(doc: Any, path: Path) -> None:
-    """Refuse a document deeper than MAX_YAML_DEPTH or larger than MAX_YAML_VALUES expanded."""
-    sizes: dict[int, int] = {}  # id -> expanded size of a container seen (aliases share one)
-
-    def size(node: Any, depth: int) -> int:
-        if not isinstance(node, dict | list):
-            return 1
-        if id(node) in sizes:
-            return sizes[id(node)]
-        if depth >= MAX_YAML_DEPTH:
-            raise SpecError(
-                f"{path}: nested deeper than {MAX_YAML_DEPTH} levels (or a recursive YAML alias)"
-            )
-        n = 1 + sum(size(v, depth + 1) + 1 for v in (node.values() if isinstance(node, dict) else node))  # fmt: skip
-        if n > MAX_YAML_VALUES:
+def _check_events(text: str, path: Path) -> None:
+    """Refuse a document nested deeper than MAX_YAML_DEPTH or holding more than MAX_YAML_VALUES
+    values once its aliases are expanded, counting as the parser streams its events."""
+    values = 0  # expanded so far
+    anchors: dict[str, tuple[int, int]] = {}  # anchor -> (expanded values, nesting) of its node
+    open_: list[list[Any]] = []  # per open collection: [anchor, values before it, deepest level]
+    for event in yaml.parse(text, Loader=_LOADER):
+        size, depth = 1, len(open_)
+        if isinstance(event, yaml.AliasEvent):
+            if any(c[0] == event.anchor for c in open_):
+                raise SpecError(f"{path}: recursive YAML alias *{event.anchor}")
+            size, nesting = anchors.get(event.anchor, (1, 0))  # undefined: the composer says so
+            depth += nesting
+        elif isinstance(event, yaml.CollectionStartEvent):
+            depth += 1
+            open_.append([event.anchor, values, depth])
+        elif isinstance(event, yaml.CollectionEndEvent):
+            anchor, before, deepest = open_.pop()
+            if anchor is not None:
+                anchors[anchor] = (values - before, deepest - len(open_))
+            if open_:
+                open_[-1][2] = max(open_[-1][2], deepest)
+            continue
+        elif isinstance(event, yaml.ScalarEvent):
+            if event.anchor is not None:
+                anchors[event.anchor] = (1, 0)
+        else:
+            continue  # stream and document boundaries
+        values += size
+        if values > MAX_YAML_VALUES:
             raise SpecError(
                 f"{path}: more than {MAX_YAML_VALUES} values once YAML aliases are expanded"
             )
-        sizes[id(node)] = n
-        return n
-
-    size(doc, 0)
+        if depth > MAX_YAML_DEPTH:
+            raise SpecError(
+                f"{path}: YAML nested deeper than {MAX_YAML_DEPTH} levels (aliases expanded)"
+            )
+        if open_ and depth > open_[-1][2]:
+            open_[-1][2] = depth
 
 
 def _merge(base: dict[str, Any], child: dict[str, Any]) -> dict[str, Any]:

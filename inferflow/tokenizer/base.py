@@ -10,12 +10,15 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import processors
 
 from inferflow.errors import TokenizerError
+
+if TYPE_CHECKING:
+    from inferflow.tokenizer.chat import TemplateBudget
 
 logger = logging.getLogger(__name__)
 
@@ -231,8 +234,11 @@ class Tokenizer:
         self,
         messages: list[dict[str, Any]],
         add_generation_prompt: bool = True,
+        budget: TemplateBudget | None = None,
         **kwargs: Any,
     ) -> str:
+        """The prompt for ``messages``; a server passes a ``budget`` (see ``render_chat_template``)
+        because the template comes with the checkpoint."""
         from inferflow.tokenizer.chat import render_chat_template
 
         if self.chat_template is None:
@@ -249,6 +255,7 @@ class Tokenizer:
             self.chat_template,
             messages,
             add_generation_prompt=add_generation_prompt,
+            budget=budget,
             **{**specials, **kwargs},
         )
 

@@ -5,11 +5,18 @@ Templates come from downloaded files, so they are untrusted code: they run in ji
 environment mirrors the one transformers' ``apply_chat_template`` uses (``trim_blocks``,
 ``lstrip_blocks``, loop controls, a non-escaping ``tojson``, ``raise_exception``,
 ``strftime_now``), so a template renders here exactly as on the Hub.
+
+The sandbox does not stop a template from looping for hours or building gigabyte strings, so a
+server passes a ``TemplateBudget``: the render then runs in a worker process that is killed past
+the budget (``inferflow.tokenizer.template_worker``).
 """
 
 from __future__ import annotations
 
 import json
+import math
+import sys
+from dataclasses import dataclass, fields
 from datetime import datetime
 from functools import lru_cache
 from typing import Any
@@ -20,6 +27,8 @@ import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from inferflow.errors import TokenizerError
+
+_MAX_DETAIL_CHARS = 2000
 
 
 class _GenerationTag(jinja2.ext.Extension):
@@ -55,6 +64,25 @@ def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
 
 
+@dataclass(frozen=True)
+class TemplateBudget:
+    """Limits on one render of an untrusted chat template."""
+
+    seconds: float = 2.0  # wall clock, from sending the request to the reply
+    max_output_chars: int = 1 << 22
+    max_memory_bytes: int = 512 << 20  # address space the render may add to the worker's
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+                raise TokenizerError(f"template budget {f.name}: must be > 0, got {value!r}")
+
+
+class TemplateLimitError(TokenizerError):
+    """A chat template went past its ``TemplateBudget``; the message names the limit."""
+
+
 @lru_cache(maxsize=16)
 def compile_chat_template(source: str) -> jinja2.Template:
     env = ImmutableSandboxedEnvironment(
@@ -69,6 +97,8 @@ def compile_chat_template(source: str) -> jinja2.Template:
         return env.from_string(source)
     except jinja2.TemplateSyntaxError as e:
         raise TokenizerError(f"chat template does not parse (line {e.lineno}): {e.message}") from e
+    except Exception as e:  # deep nesting (RecursionError), constant folding (`(10**5000)|string`)
+        raise TokenizerError(f"chat template failed to compile: {type(e).__name__}: {e}") from e
 
 
 def _plain(value: Any) -> Any:
@@ -94,22 +124,56 @@ def render_chat_template(
     messages: list[dict[str, Any]],
     *,
     add_generation_prompt: bool = True,
+    budget: TemplateBudget | None = None,
     **variables: Any,
 ) -> str:
     """Render ``messages`` with ``template``; ``variables`` are ``bos_token``, ``eos_token``,
-    ``tools`` and whatever else the template reads."""
+    ``tools`` and whatever else the template reads.
+
+    Without a ``budget`` the template runs in this thread, unbounded (the CLI's own model);
+    with one it runs in a worker process, and going past a limit raises ``TemplateLimitError``.
+    Any failure of the template itself raises ``TokenizerError``.
+    """
     for i, message in enumerate(messages):
         if not isinstance(message, dict):
             raise TokenizerError(f"chat message {i} is a {type(message).__name__}, expected a dict")
-    compiled = compile_chat_template(template)
     # transformers always passes these, and templates test them with `is none`
-    variables.setdefault("tools", None)
-    variables.setdefault("documents", None)
+    plain = {"tools": None, "documents": None, **{k: _plain(v) for k, v in variables.items()}}
+    if budget is None:
+        return _render(template, _plain(messages), add_generation_prompt, plain)
+    # imported here: template_worker imports this module
+    from inferflow.tokenizer.template_worker import render_in_worker
+
+    return render_in_worker(template, _plain(messages), add_generation_prompt, plain, budget)
+
+
+def _render(
+    template: str,
+    messages: list[Any],
+    add_generation_prompt: bool,
+    variables: dict[str, Any],
+    max_output_chars: int = sys.maxsize,
+) -> str:
+    """Render plain (JSON-types) inputs in this process; every failure of the template, a
+    MemoryError included, becomes a ``TokenizerError`` chained to it."""
+    compiled = compile_chat_template(template)
+    pieces: list[str] = []
+    size = 0
     try:
-        return compiled.render(
-            messages=_plain(messages),
-            add_generation_prompt=add_generation_prompt,
-            **{k: _plain(v) for k, v in variables.items()},
+        for piece in compiled.generate(
+            messages=messages, add_generation_prompt=add_generation_prompt, **variables
+        ):
+            size += len(piece)
+            if size > max_output_chars:
+                break
+            pieces.append(piece)
+    except Exception as e:  # untrusted code: range(10**9), deep recursion, a MemoryError...
+        detail = str(e) if isinstance(e, jinja2.TemplateError) else f"{type(e).__name__}: {e}"
+        # raise_exception() can pass a message of any size
+        raise TokenizerError(f"chat template failed: {detail[:_MAX_DETAIL_CHARS]}") from e
+    if size > max_output_chars:
+        raise TemplateLimitError(
+            f"chat template: output of at least {size} characters exceeds the limit of "
+            f"{max_output_chars}"
         )
-    except jinja2.TemplateError as e:
-        raise TokenizerError(f"chat template failed: {e}") from e
+    return "".join(pieces)

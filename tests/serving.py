@@ -20,12 +20,12 @@ NAME = "smollm2-embed"  # the default model, declared for /v1/embeddings too
 
 @contextlib.contextmanager
 def run_server(
-    tmp: Path, *args: str, spec_extra: str = "", spec: str | None = None
+    tmp: Path, *args: str, spec_extra: str = "", spec: str | None = None, verbose: bool = False
 ) -> Iterator[tuple[str, subprocess.Popen]]:
     """Serve ``spec`` (a built-in name or a path; default: the default model as NAME, with
     mean-pooled embeddings, plus ``spec_extra`` YAML lines) with the extra CLI ``args``; yields
     (base URL, process) once /health says ok and stops the process (SIGINT, then kill) at the
-    end."""
+    end. ``verbose``: the log (``server-PORT.log`` in ``tmp``) has INFO lines too."""
     if spec is None:
         path = tmp / "embed.yaml"
         path.write_text(
@@ -36,7 +36,8 @@ def run_server(
     port = free_port()
     log_path = tmp / f"server-{port}.log"
     log = open(log_path, "w")  # noqa: SIM115
-    cmd = [sys.executable, "-m", "inferflow.cli.main", "serve", spec, "--port", str(port)]
+    cmd = [sys.executable, "-m", "inferflow.cli.main", *(["-v"] if verbose else []), "serve"]
+    cmd += [spec, "--port", str(port)]
     proc = subprocess.Popen([*cmd, *args], stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:

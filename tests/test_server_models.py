@@ -132,7 +132,7 @@ def test_runner_stops_a_running_batch_when_its_client_disconnects() -> None:
     import threading
 
     from inferflow.server.metrics import Metrics
-    from inferflow.server.runner import EngineRunner, until_disconnect
+    from inferflow.server.runner import ClientGone, EngineRunner, until_disconnect
 
     started, stopped = threading.Event(), threading.Event()
 
@@ -152,7 +152,7 @@ def test_runner_stops_a_running_batch_when_its_client_disconnects() -> None:
         async def gone() -> bool:
             return started.is_set()  # the client leaves once its call runs
 
-        with pytest.raises(asyncio.CancelledError):
+        with pytest.raises(ClientGone):
             await until_disconnect(runner.batch("k", [[1]], long_call), gone)
         await asyncio.get_running_loop().run_in_executor(None, stopped.wait, 5)
         runner.stop()

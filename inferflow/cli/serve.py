@@ -15,6 +15,7 @@ from inferflow.errors import InferflowError
 from inferflow.parallel.layout import resolve_layout
 from inferflow.runtime import load, quant_for
 from inferflow.spec import load_spec, partition_spec
+from inferflow.tokenizer.chat import TemplateBudget
 
 DEFAULT_SPEC = "smollm2-135m-instruct"
 UNITS = {"": 1 << 30, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30}
@@ -100,6 +101,27 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--max-body-bytes", type=int, default=4 << 20, help="request body limit, bytes (4 MiB)"
     )
     p.add_argument(
+        "--shutdown-grace",
+        type=float,
+        default=10.0,
+        metavar="SECONDS",
+        help="on SIGTERM / Ctrl-C, new requests get 503 and running ones may finish for this "
+        "long before they end with finish reason 'abort' (10)",
+    )
+    p.add_argument(
+        "--template-timeout",
+        type=float,
+        default=TemplateBudget.seconds,
+        metavar="SECONDS",
+        help=f"time limit of one chat template rendering ({TemplateBudget.seconds:g})",
+    )
+    p.add_argument(
+        "--template-max-chars",
+        type=int,
+        default=TemplateBudget.max_output_chars,
+        help=f"size limit of a rendered chat prompt ({TemplateBudget.max_output_chars})",
+    )
+    p.add_argument(
         "--cors-origin",
         action="append",
         default=[],
@@ -129,6 +151,7 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from inferflow.server.app import ServerConfig, create_app
+    from inferflow.server.shutdown import DrainingServer
 
     spec = load_spec(args.spec)  # a bad spec fails here, before the port opens
     if args.dense_batch is not None:
@@ -146,8 +169,16 @@ def run(args: argparse.Namespace) -> int:
             # torchrun started this process as another rank: load serves rank 0's steps on
             # this rank's share until rank 0 closes, then ends the process (never returns)
             load(spec, args.dtype, args.quant)
-    if args.port < 1:
-        raise InferflowError(f"--port: must be >= 1, got {args.port}")
+    for flag in ("port", "max_body_bytes", "template_max_chars"):
+        if getattr(args, flag) < 1:
+            raise InferflowError(
+                f"--{flag.replace('_', '-')}: must be >= 1, got {getattr(args, flag)}"
+            )
+    for flag in ("shutdown_grace", "template_timeout"):
+        if not 0 < getattr(args, flag) < 86400:
+            raise InferflowError(
+                f"--{flag.replace('_', '-')}: seconds in (0, 86400), got {getattr(args, flag)}"
+            )
     engine = engine_config(args)
     cfg = ServerConfig(
         spec,
@@ -158,12 +189,13 @@ def run(args: argparse.Namespace) -> int:
         args.api_key,
         args.max_body_bytes,
         tuple(args.cors_origin),
+        args.shutdown_grace,
+        TemplateBudget(seconds=args.template_timeout, max_output_chars=args.template_max_chars),
     )
-    uvicorn.run(
-        create_app(cfg),
-        host=args.host,
-        port=args.port,
-        timeout_graceful_shutdown=10,
-        log_level="info",
+    app = create_app(cfg)
+    # (uvicorn's own shutdown then only closes idle connections: drain ended the requests)
+    config = uvicorn.Config(
+        app, host=args.host, port=args.port, timeout_graceful_shutdown=5, log_level="info"
     )
+    DrainingServer(config, app.state.inferflow, args.shutdown_grace).run()
     return 0

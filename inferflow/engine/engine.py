@@ -127,11 +127,14 @@ class Engine:
                 else "the KV cache (--kv-cache-memory) holds"
             )
             raise RequestError(f"the prompt has {len(ids)} tokens; {where} {self.max_len}")
-        bad = sorted(t for t in params.logit_bias if not 0 <= t < vocab)
-        if bad:  # (sampling would fail mid-decode)
-            raise RequestError(
-                f"logit_bias: token id {bad[0]} is outside the vocabulary 0..{vocab - 1}"
-            )
+        for name, toks in (
+            ("logit_bias", params.logit_bias), ("stop_token_ids", params.stop_token_ids)
+        ):  # fmt: skip
+            bad = sorted(t for t in toks if not 0 <= t < vocab)
+            if bad:  # (sampling would fail mid-decode)
+                raise RequestError(
+                    f"{name}: token id {bad[0]} is outside the vocabulary 0..{vocab - 1}"
+                )
         if params.beam_width > 1:
             # every beam must fit at once, each with blocks of its own (a preempted beam is
             # recomputed alone while its siblings wait for it, holding theirs)
@@ -191,8 +194,10 @@ class Engine:
         self._aborted.clear()
         batch = self.scheduler.schedule()
         if batch:
-            logits = self._execute(batch)
-            outputs += self._update(batch, logits)
+            batch, logits, failed = self._execute(batch)
+            outputs += failed
+            if batch:
+                outputs += self._update(batch, logits)
         for out in outputs:  # a request whose samples all ended has had its last event
             group = self.requests.get(out.request_id, [])
             if out.finished and all(r.status == FINISHED for r in group):
@@ -223,10 +228,34 @@ class Engine:
     # --- execute and update -------------------------------------------------------------------
 
     @torch.inference_mode()
-    def _execute(self, batch: list[Scheduled]) -> torch.Tensor:
-        if self.config.deterministic:  # the same shapes for a request whatever else runs
-            return torch.cat([self._forward([s]) for s in batch])
-        return self._forward(batch)
+    def _execute(
+        self, batch: list[Scheduled]
+    ) -> tuple[list[Scheduled], torch.Tensor, list[RequestOutput]]:
+        """The batch's logits (one row per sampled sequence). If the batched forward pass
+        fails, each request runs alone: those that fail alone end with finish reason "error",
+        the others go on (a rerun rewrites the same K/V at the same positions). Returns the
+        sequences that ran, their logits and the failed requests' final outputs."""
+        if not self.config.deterministic:
+            try:
+                return batch, self._forward(batch), []
+            except Exception:
+                log.warning(
+                    "a step of %d sequences failed; running each alone", len(batch), exc_info=True
+                )
+        ran: list[tuple[Scheduled, torch.Tensor]] = []
+        failed: list[RequestOutput] = []
+        for s in batch:  # (deterministic: the same shapes whatever else runs)
+            if s.req.status == FINISHED:  # (a sibling's failure ended its group)
+                continue
+            try:
+                ran.append((s, self._forward([s])))
+            except Exception:
+                log.exception("request %s failed in the forward pass; the others go on", s.req.id)
+                failed += self.fail_group(s.req.group)
+        ran = [(s, x) for s, x in ran if s.req.status != FINISHED]
+        rows = [x for _, x in ran]
+        logits = torch.cat(rows) if rows else torch.empty(0)
+        return [s for s, _ in ran], logits, failed
 
     def _forward(self, batch: list[Scheduled]) -> torch.Tensor:
         ids: list[int] = []
@@ -275,7 +304,11 @@ class Engine:
             draws += [(r, i) for r in (req, *forks)]
         outputs = self._sample_all(draws, logits)
         for gid in beams:
-            outputs += self._beam_step(gid)
+            try:
+                outputs += self._beam_step(gid)
+            except Exception:  # one search's failure ends only that search
+                log.exception("beam search %s failed; the others go on", gid)
+                outputs += self.fail_group(gid)
         return outputs
 
     def _sample_all(
@@ -403,18 +436,21 @@ class Engine:
             self._finish(req, "error")
             return RequestOutput(req.group, [], "", True, "error", index=req.index)
 
-    def fail_all(self) -> list[RequestOutput]:
-        """End every request with finish reason "error" (after a failed forward pass)."""
+    def fail_group(self, gid: str) -> list[RequestOutput]:
+        """End every live sample (or beam) of request ``gid`` with finish reason "error"."""
+        self.beams.pop(gid, None)
         outs = []
-        for group in list(self.requests.values()):
-            for req in group:
-                if req.status != FINISHED:
-                    self.scheduler.remove(req)
-                    self._finish(req, "error")
-                    outs.append(RequestOutput(req.group, [], "", True, "error", index=req.index))
-        self.requests.clear()
-        self.beams.clear()
+        for req in self.requests.pop(gid, []):
+            if req.status != FINISHED:
+                self.scheduler.remove(req)
+                self._finish(req, "error")
+                outs.append(RequestOutput(req.group, [], "", True, "error", index=req.index))
         return outs
+
+    def fail_all(self) -> list[RequestOutput]:
+        """End every request with finish reason "error" (the last resort when a step fails
+        outside any one request's work)."""
+        return [out for gid in list(self.requests) for out in self.fail_group(gid)]
 
     def _emit(self, req: Request, tok: int) -> RequestOutput:
         p = req.params

@@ -34,6 +34,18 @@ from inferflow.engine.fsd import NGramAntiLM, fsd_choose
 from inferflow.errors import RequestError
 
 MAX_N = 64
+# bounds on what one request may ask, so that no field can make a step's work unbounded
+# (README "Security model"); limits tied to the model (context, vocabulary) are Engine.check's
+MAX_FSD_N = 16  # FSD's n-gram order: each token counts n n-grams of up to n tokens
+MAX_FSD_K = 100  # FSD's candidates, scored one by one
+MAX_STOP = 16  # stop strings
+MAX_STOP_CHARS = 1000  # characters of one stop string
+MAX_STOP_TOKEN_IDS = 1024
+MAX_LOGIT_BIAS = 300  # logit_bias entries (OpenAI's bound)
+MAX_LENGTH_PENALTY = 10.0  # |length_penalty|: a score divides by len ** length_penalty
+MAX_REPETITION_PENALTY = 100.0
+MAX_MIROSTAT_TAU = 64.0  # target surprise in bits (a vocabulary of 2**64 tokens)
+MAX_MIROSTAT_ETA = 10.0
 GREEDY, VECTOR, OWN = "greedy", "vector", "own"  # how a row is drawn (Sampler.kind)
 # a seed is an int64 (sample i of n draws with seed + i, inside torch.Generator's range)
 SEED_RANGE = (-(2**63), 2**63 - 1)
@@ -87,17 +99,19 @@ class SamplingParams:
             raise bad("min_p", "in [0, 1) (0 turns it off)")
         if self.mirostat not in (0, 1, 2):
             raise bad("mirostat", "one of 0 (off), 1, 2")
-        for name in ("mirostat_tau", "mirostat_eta"):
-            if not math.isfinite(getattr(self, name)) or getattr(self, name) <= 0:
-                raise bad(name, "a finite number > 0")
-        if not math.isfinite(self.length_penalty):
-            raise bad("length_penalty", "a finite number")
+        for name, most in (("mirostat_tau", MAX_MIROSTAT_TAU), ("mirostat_eta", MAX_MIROSTAT_ETA)):
+            if not 0 < getattr(self, name) <= most:  # (False for NaN)
+                raise bad(name, f"in (0, {most}]")
+        if not -MAX_LENGTH_PENALTY <= self.length_penalty <= MAX_LENGTH_PENALTY:
+            raise bad("length_penalty", f"in [-{MAX_LENGTH_PENALTY}, {MAX_LENGTH_PENALTY}]")
         if not 0 <= self.fsd_alpha < 1:
             raise bad("fsd_alpha", "in [0, 1) (0 turns FSD off)")
-        if self.fsd_k < 1 or self.fsd_n < 1:
-            raise RequestError("fsd_k and fsd_n: must be >= 1")
-        if not math.isfinite(self.repetition_penalty) or self.repetition_penalty <= 0:
-            raise bad("repetition_penalty", "a number > 0 (1 turns it off)")
+        if not 1 <= self.fsd_k <= MAX_FSD_K:
+            raise bad("fsd_k", f"in [1, {MAX_FSD_K}]")
+        if not 1 <= self.fsd_n <= MAX_FSD_N:
+            raise bad("fsd_n", f"in [1, {MAX_FSD_N}]")
+        if not 0 < self.repetition_penalty <= MAX_REPETITION_PENALTY:
+            raise bad("repetition_penalty", f"in (0, {MAX_REPETITION_PENALTY}] (1 turns it off)")
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2 <= getattr(self, name) <= 2:
                 raise bad(name, "in [-2, 2]")
@@ -122,6 +136,18 @@ class SamplingParams:
                 raise RequestError("beam search does not take stop strings or logprobs")
         if any(not s for s in self.stop):
             raise RequestError("stop: stop strings must not be empty")
+        if len(self.stop) > MAX_STOP or any(len(s) > MAX_STOP_CHARS for s in self.stop):
+            raise RequestError(
+                f"stop: at most {MAX_STOP} strings of at most {MAX_STOP_CHARS} characters each"
+            )
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise RequestError(
+                f"stop_token_ids: {len(self.stop_token_ids)} ids; at most {MAX_STOP_TOKEN_IDS}"
+            )
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise RequestError(
+                f"logit_bias: {len(self.logit_bias)} entries; at most {MAX_LOGIT_BIAS}"
+            )
         for tok, b in self.logit_bias.items():
             if not math.isfinite(b) or not -100 <= b <= 100:
                 raise RequestError(

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import hmac
+import json
 import logging
 import threading
 import time
@@ -32,7 +33,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from inferflow.engine.embed import embed_batch, resolve_pooling
 from inferflow.engine.engine import Engine, EngineConfig
 from inferflow.engine.scheduler import QueueFull
-from inferflow.errors import InferflowError
+from inferflow.errors import InferflowError, Stopped
 from inferflow.model.batch import check_inputs
 from inferflow.runtime import LanguageModel, load
 from inferflow.server.generation import Generation
@@ -49,10 +50,11 @@ from inferflow.server.protocol import (
     error_body,
     prompt_list,
 )
-from inferflow.server.runner import EngineRunner, ModelFailed, until_disconnect
+from inferflow.server.runner import ClientGone, EngineRunner, ModelFailed, until_disconnect
 from inferflow.server.seq2seq import complete as seq2seq_complete
 from inferflow.spec import Spec
 from inferflow.tokenizer import Tokenizer
+from inferflow.tokenizer.chat import TemplateBudget
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +76,9 @@ class ServerConfig:
     api_key: str | None = None
     max_body_bytes: int = 4 << 20
     cors_origins: tuple[str, ...] = ()
+    # SIGTERM: running requests may finish for this long, then end with finish reason "abort"
+    shutdown_grace: float = 10.0
+    template: TemplateBudget = field(default_factory=TemplateBudget)  # chat template limits
 
 
 class APIError(Exception):
@@ -100,6 +105,8 @@ class ServerState:
         self.runner: EngineRunner | None = None
         self.load_error: str | None = None
         self.started = time.time()
+        self.draining = False  # SIGTERM: new requests get 503 while running ones finish
+        self.active = 0  # HTTP requests in flight (but /health and /metrics)
 
     def load(self, loop: asyncio.AbstractEventLoop) -> None:
         try:
@@ -178,7 +185,7 @@ def create_app(cfg: ServerConfig) -> FastAPI:
     auth = cfg.api_key is not None
     trim_schema(app, auth)
     _errors(app)
-    app.add_middleware(Guard, api_key=cfg.api_key, limit=cfg.max_body_bytes)
+    app.add_middleware(Guard, state=state)
     if cfg.cors_origins:
         app.add_middleware(
             CORSMiddleware,
@@ -191,6 +198,8 @@ def create_app(cfg: ServerConfig) -> FastAPI:
     async def health() -> JSONResponse:
         if state.load_error:
             return JSONResponse({"status": "failed", "error": state.load_error}, 500)
+        if state.draining:
+            return JSONResponse({"status": "draining"}, 503, headers={"Retry-After": "1"})
         if state.runner is None:
             return JSONResponse({"status": "loading"}, 503, headers={"Retry-After": "1"})
         return JSONResponse({"status": "ok"})
@@ -217,11 +226,15 @@ def create_app(cfg: ServerConfig) -> FastAPI:
     )
     async def completions(body: CompletionBody, request: Request) -> Any:
         lm, runner = state.generating(body.model, chat=False)
-        prompts = _prompt_ids(state, body.prompt)
+        prompts = await _prompt_ids(state, body.prompt)
         if lm.spec.network.type == "encoder_decoder":
             return await seq2seq_complete(lm, runner, state.name, body, prompts, request)
         params = body.sampling(
-            body.max_tokens or 16, body.logprobs, lm.spec.hparams.vocab_size, lm.spec.generation
+            body.max_tokens or 16,
+            body.logprobs,
+            lm.spec.hparams.vocab_size,
+            state.max_len(),
+            lm.spec.generation,
         )
         gen = Generation(runner, lm.tokenizer, state.name, False, prompts, params)
         return await _respond(gen, request, body.stream, body.stream_options)
@@ -233,7 +246,7 @@ def create_app(cfg: ServerConfig) -> FastAPI:
     )
     async def chat(body: ChatBody, request: Request) -> Any:
         lm, runner = state.generating(body.model, chat=True)
-        ids = _chat_ids(state, body.messages)
+        ids = await _chat_ids(state, body.messages)
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "top_logprobs: needs logprobs set to true", param="top_logprobs")
         room = state.max_len() - len(ids)
@@ -243,7 +256,9 @@ def create_app(cfg: ServerConfig) -> FastAPI:
             or max(1, min(room, lm.spec.generation.max_new_tokens))
         )
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        params = body.sampling(max_tokens, logprobs, lm.spec.hparams.vocab_size, lm.spec.generation)
+        params = body.sampling(
+            max_tokens, logprobs, lm.spec.hparams.vocab_size, state.max_len(), lm.spec.generation
+        )
         gen = Generation(runner, lm.tokenizer, state.name, True, [ids], params)
         return await _respond(gen, request, body.stream, body.stream_options)
 
@@ -265,7 +280,7 @@ def create_app(cfg: ServerConfig) -> FastAPI:
                 f"dimensions: this model's embeddings have {dim} dimensions, got {body.dimensions}",
                 param="dimensions",
             )
-        inputs = _prompt_ids(state, body.input)
+        inputs = await _prompt_ids(state, body.input)
         h = lm.spec.hparams
         check_inputs(inputs, h.vocab_size, h.max_positions, "input")
 
@@ -293,44 +308,73 @@ def create_app(cfg: ServerConfig) -> FastAPI:
         }
 
     @app.post("/tokenize", responses=responses(auth, body=True))
-    async def tokenize(body: TokenizeBody) -> dict[str, Any]:
+    async def tokenize(body: TokenizeBody) -> Response:
         state.ready(body.model)
         if isinstance(body, TokenizeChat):
-            ids = _chat_ids(state, body.messages)
+            ids = await _chat_ids(state, body.messages)
         else:
-            ids = state.tokenizer().encode(body.prompt, add_special_tokens=body.add_special_tokens)
-        return {"tokens": ids, "count": len(ids), "max_model_len": state.max_len()}
+            texts = [body.prompt]
+            ids = (
+                await asyncio.to_thread(
+                    state.tokenizer().encode_batch, texts, body.add_special_tokens
+                )
+            )[0]
+        out = {"tokens": ids, "count": len(ids), "max_model_len": state.max_len()}
+        return await _json(out)
 
     @app.post("/detokenize", responses=responses(auth, body=True))
     async def detokenize(body: DetokenizeBody) -> dict[str, Any]:
         lm, _ = state.ready(body.model)
-        vocab = lm.spec.hparams.vocab_size
+        vocab, most = lm.spec.hparams.vocab_size, state.max_len()
+        if len(body.tokens) > most:
+            raise APIError(
+                400,
+                f"tokens: {len(body.tokens)} exceed the model's context, {most}",
+                param="tokens",
+            )
         bad = [t for t in body.tokens if not 0 <= t < vocab]
         if bad:
             raise APIError(
                 400, f"tokens: {bad[:5]} are outside the vocabulary 0..{vocab - 1}", param="tokens"
             )
-        return {"prompt": state.tokenizer().decode(body.tokens)}
+        return {"prompt": await asyncio.to_thread(state.tokenizer().decode, body.tokens)}
 
     return app
 
 
-def _prompt_ids(
+# Tokenizing and rendering templates run in worker threads, never on the event loop: the
+# tokenizer's encode_batch releases the GIL (its encode holds it, starving the loop), and
+# templates render in a worker process with a budget.
+
+
+async def _prompt_ids(
     state: ServerState, prompt: str | list[str] | list[int] | list[list[int]]
 ) -> list[list[int]]:
     """A prompt or input field (any of OpenAI's four shapes) as token-id lists."""
-    return [
-        p if isinstance(p, list) else state.tokenizer().encode(p, add_special_tokens=True)
-        for p in prompt_list(prompt)
-    ]
+    prompts = prompt_list(prompt)
+    texts = [p for p in prompts if isinstance(p, str)]
+    if not texts:
+        return prompts  # type: ignore[return-value]
+    encoded = iter(await asyncio.to_thread(state.tokenizer().encode_batch, texts, True))
+    return [p if isinstance(p, list) else next(encoded) for p in prompts]
 
 
-def _chat_ids(state: ServerState, messages: list[Any]) -> list[int]:
+async def _chat_ids(state: ServerState, messages: list[Any]) -> list[int]:
     tok = state.tokenizer()
-    text = tok.apply_chat_template(
-        [m.as_template_input() for m in messages], add_generation_prompt=True
+    text = await asyncio.to_thread(
+        tok.apply_chat_template,
+        [m.as_template_input() for m in messages],
+        add_generation_prompt=True,
+        budget=state.cfg.template,
     )
-    return tok.encode(text, add_special_tokens=False)  # the template writes BOS where needed
+    # (the template writes BOS where needed)
+    return (await asyncio.to_thread(tok.encode_batch, [text], False))[0]
+
+
+async def _json(obj: Any) -> Response:
+    """A JSON response encoded in a worker thread (a large one would hold the event loop)."""
+    body = await asyncio.to_thread(json.dumps, obj, ensure_ascii=False, separators=(",", ":"))
+    return Response(body, media_type="application/json")
 
 
 async def _respond(gen: Generation, request: Request, stream: bool, options: Any) -> Any:
@@ -374,6 +418,20 @@ def _errors(app: FastAPI) -> None:
     async def bad(_: Request, e: InferflowError) -> JSONResponse:
         return JSONResponse(error_body(str(e), "invalid_request_error"), 400)
 
+    @app.exception_handler(ClientGone)
+    async def gone(request: Request, _: ClientGone) -> Response:
+        log.info("%s %s: the client disconnected", request.method, request.url.path)
+        return Response(status_code=499)  # (nobody reads it)
+
+    @app.exception_handler(Stopped)
+    async def stopped(_: Request, e: Stopped) -> JSONResponse:
+        # a batched call stopped for the shutdown (a client that left gets ClientGone)
+        return JSONResponse(
+            error_body(f"the server is shutting down: {e}", "server_error"),
+            503,
+            headers={"Retry-After": "5"},
+        )
+
     @app.exception_handler(ModelFailed)
     async def failed(_: Request, e: ModelFailed) -> JSONResponse:
         return JSONResponse(error_body(str(e), "server_error"), 500)
@@ -381,22 +439,40 @@ def _errors(app: FastAPI) -> None:
 
 class Guard:
     """Pure ASGI middleware (it must not buffer streaming responses): the API key on every
-    route but /health, and the body size limit, by Content-Length and while the body streams."""
+    route but /health, 503 while the server drains, the body size limit (by Content-Length and
+    while the body streams), and the count of requests in flight."""
 
-    def __init__(self, app: ASGIApp, api_key: str | None, limit: int) -> None:
-        self.app, self.key, self.limit = app, api_key, limit
+    def __init__(self, app: ASGIApp, state: ServerState) -> None:
+        self.app, self.state = app, state
+        self.key, self.limit = state.cfg.api_key, state.cfg.max_body_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
+        if scope["type"] != "http" or scope["path"] == "/health":
             return await self.app(scope, receive, send)
         headers = dict(scope["headers"])
-        if self.key is not None and scope["path"] != "/health":
+        if self.key is not None:
             given = headers.get(b"authorization", b"")
             if not hmac.compare_digest(given, f"Bearer {self.key}".encode()):
                 msg = "invalid or missing API key (send the header Authorization: Bearer KEY)"
                 return await JSONResponse(error_body(msg, "authentication_error"), 401)(
                     scope, receive, send
                 )
+        if scope["path"] == "/metrics":
+            return await self.app(scope, receive, send)
+        if self.state.draining:
+            msg = "the server is shutting down; retry on another instance or later"
+            return await JSONResponse(
+                error_body(msg, "server_error"), 503, headers={"Retry-After": "5"}
+            )(scope, receive, send)
+        self.state.active += 1
+        try:
+            await self._limited(scope, receive, send, headers)
+        finally:
+            self.state.active -= 1
+
+    async def _limited(
+        self, scope: Scope, receive: Receive, send: Send, headers: dict[bytes, bytes]
+    ) -> None:
         size = headers.get(b"content-length", b"")
         if size.isdigit() and int(size) > self.limit:
             msg = f"the request body has {int(size)} bytes; the limit is {self.limit}"

@@ -46,6 +46,7 @@ class Batcher:
         self.lock = threading.Lock()
         self.waiting = 0  # inputs in the queue
         self.abandoned: set[Future[list[Any]]] = set()  # running jobs nobody waits for
+        self.running: list[Job] = []  # the jobs run_pending took and has not finished
 
     def submit(self, key: Hashable, inputs: list[list[int]], call: GroupCall) -> Future[list[Any]]:
         """Queue ``inputs`` (validated by the caller); the future gets one result per input."""
@@ -77,18 +78,45 @@ class Batcher:
             if not future.cancel() and not future.done():
                 self.abandoned.add(future)
 
+    def abandon_all(self) -> None:
+        """``abandon`` every job, queued or running (the server is shutting down)."""
+        with self.lock:
+            futures = [job.future for job in (*self.jobs, *self.running)]
+        for future in futures:
+            self.abandon(future)
+
+    def busy(self) -> bool:
+        with self.lock:
+            return bool(self.jobs or self.running)
+
     def run_pending(self) -> None:
         """On the model thread: run every queued job, one call per key."""
         with self.lock:
             jobs, self.jobs, self.waiting = self.jobs, [], 0
+            self.running = jobs
         groups: dict[Hashable, list[Job]] = {}
         for job in jobs:
             if job.future.set_running_or_notify_cancel():  # False: cancelled, drop it
                 groups.setdefault(job.key, []).append(job)
-        for group in groups.values():
-            self._run_group(group)
+        try:
+            for group in groups.values():
+                self._run_group(group)
+        finally:
+            with self.lock:
+                self.running = []
 
     def _run_group(self, group: list[Job]) -> None:
+        """One call over the group's inputs; if it fails, each job alone, so that a failure
+        stays with the job that caused it."""
+        if not self._call(group):
+            log.warning("a batched call over %d jobs failed; running each alone", len(group))
+            for job in group:
+                if not job.future.done():
+                    self._call([job])
+
+    def _call(self, group: list[Job]) -> bool:
+        """Run one call over ``group``'s inputs and settle their futures; False (nothing
+        settled) when it failed and the group has several jobs to retry alone."""
         inputs = [ids for job in group for ids in job.inputs]
 
         def stop() -> bool:
@@ -104,6 +132,8 @@ class Batcher:
             log.info("a batched call over %d inputs stopped: %s", len(inputs), e)
             outcome = e
         except Exception as e:  # the group's requests fail; the server goes on
+            if len(group) > 1:
+                return False
             log.exception("a batched call over %d inputs failed", len(inputs))
             outcome = e
         at = 0
@@ -115,3 +145,4 @@ class Batcher:
                     job.future.set_result(outcome[at : at + len(job.inputs)])
                 at += len(job.inputs)
                 self.abandoned.discard(job.future)
+        return True

@@ -14,7 +14,12 @@ from typing import Any
 from inferflow.engine.request import RequestOutput
 from inferflow.engine.sampling import SamplingParams
 from inferflow.server.protocol import error_body, sse_event
-from inferflow.server.runner import EngineRunner, ModelFailed, Stream, until_disconnect
+from inferflow.server.runner import (
+    ClientGone,
+    EngineRunner,
+    ModelFailed,
+    until_disconnect,
+)
 from inferflow.tokenizer import Tokenizer
 
 # what a client gets when the engine ended one of its samples with finish reason "error"
@@ -47,13 +52,7 @@ class Generation:
         self.n = params.n
         self.prompt_tokens = sum(map(len, prompts))
         self.queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
-        self.streams: list[Stream] = []
-        try:
-            for ids in prompts:
-                self.streams.append(runner.submit(ids, params, self.queue))
-        except Exception:
-            self.abort()
-            raise
+        self.streams = runner.submit(prompts, params, self.queue)  # (all or none)
         self.order = {s.id: i for i, s in enumerate(self.streams)}
         self.choices = [Choice(i) for i in range(len(prompts) * self.n)]
         self.left = len(self.choices)
@@ -138,7 +137,7 @@ class Generation:
 
         try:
             await until_disconnect(consume(), disconnected)
-        except asyncio.CancelledError:
+        except (asyncio.CancelledError, ClientGone):
             self.abort()  # (at once: the cancelled task's own cleanup runs later)
             raise
         if any(c.finish_reason == "error" for c in self.choices):

@@ -7,9 +7,23 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator
 
-from inferflow.engine.sampling import MAX_N, SEED_RANGE, SamplingParams
+from inferflow.engine.sampling import (
+    MAX_FSD_K,
+    MAX_FSD_N,
+    MAX_LENGTH_PENALTY,
+    MAX_LOGIT_BIAS,
+    MAX_MIROSTAT_ETA,
+    MAX_MIROSTAT_TAU,
+    MAX_N,
+    MAX_REPETITION_PENALTY,
+    MAX_STOP,
+    MAX_STOP_CHARS,
+    MAX_STOP_TOKEN_IDS,
+    SEED_RANGE,
+    SamplingParams,
+)
 from inferflow.errors import RequestError
 from inferflow.spec.types import GenerationDefaults
 
@@ -39,18 +53,53 @@ class ErrorResponse(BaseModel):
     error: ErrorObject
 
 
+# Bounds of request fields that hold whatever the model: the body (--max-body-bytes) bounds
+# the rest, and the model's context and vocabulary bound lengths and token ids (checked before
+# queueing: SamplingBody.sampling, Engine.check). README "Security model" lists them all.
+MAX_PROMPTS = 1024  # texts or token lists in one prompt / input (and at most --max-waiting)
+MAX_MESSAGES = 4096  # chat messages, and text parts of one message
+MAX_NAME_CHARS = 256  # a message's name, the user field, the model name
+MAX_TOKEN_ID = 2**31 - 1  # token ids past any vocabulary are refused as numbers, not converted
+
+
+def _no_surrogates(value: Any, where: str) -> None:
+    """Refuse a lone UTF-16 surrogate (JSON's "\\udfff"), which no UTF-8 text can hold."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ValueError(
+                f"a lone surrogate ({value[e.start]!r}) in {where} is not valid Unicode text"
+            ) from None
+    elif isinstance(value, list):
+        for v in value:
+            _no_surrogates(v, where)
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            _no_surrogates(k, where)
+            _no_surrogates(v, where)
+
+
 class Body(BaseModel):
     # strict: JSON types as the schema states them ("5" is not an integer, 1 not a boolean);
     # NaN / Infinity (which Python's JSON parser accepts) are refused for every number
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
+    @field_validator("*", mode="after")
+    @classmethod
+    def _text(cls, value: Any, info: Any) -> Any:
+        _no_surrogates(value, "the text")
+        return value
 
+
+Name = Annotated[str, Field(max_length=MAX_NAME_CHARS)]
 Text = Annotated[str, Field(min_length=1)]
-TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]
+TokenIds = Annotated[list[TokenId], Field(min_length=1)]
 # OpenAI's four prompt shapes: a text, texts, token ids, lists of token ids
 Prompt = (
-    Text | Annotated[list[Text], Field(min_length=1)] | TokenIds
-    | Annotated[list[TokenIds], Field(min_length=1)]
+    Text | Annotated[list[Text], Field(min_length=1, max_length=MAX_PROMPTS)] | TokenIds
+    | Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_PROMPTS)]
 )  # fmt: skip
 
 
@@ -68,49 +117,78 @@ SAME_NAME = (
 
 
 class SamplingBody(Body):
-    model: str | None = None
-    max_tokens: int | None = Field(None, ge=1)
+    model: Name | None = None
+    max_tokens: int | None = Field(None, ge=1, description="at most the model's context")
     # unset: the spec's generation defaults (as vLLM takes the model's generation config)
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
     n: int = Field(1, ge=1, le=MAX_N)
-    stop: Text | list[Text] | None = None
+    stop: (
+        Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
+        | Annotated[
+            list[Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]],
+            Field(max_length=MAX_STOP),
+        ]
+        | None
+    ) = None
     seed: int | None = Field(None, ge=SEED_RANGE[0], le=SEED_RANGE[1])
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
-    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
+    logit_bias: (
+        Annotated[
+            dict[Annotated[str, Field(max_length=10)], Annotated[float, Field(ge=-100, le=100)]],
+            Field(max_length=MAX_LOGIT_BIAS),
+        ]
+        | None
+    ) = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
+    user: Name | None = None
     # engine extras
-    top_k: int | None = Field(None, ge=0)
+    top_k: int | None = Field(None, ge=0, description="at most the vocabulary size")
     min_p: float = Field(0.0, ge=0, lt=1)
     typical_p: float = Field(1.0, gt=0, le=1)
     tfs_z: float = Field(1.0, gt=0, le=1)
     mirostat: int = Field(0, ge=0, le=2)  # (not Literal: that takes false for 0)
-    mirostat_tau: float = Field(5.0, gt=0)
-    mirostat_eta: float = Field(0.1, gt=0)
+    mirostat_tau: float = Field(5.0, gt=0, le=MAX_MIROSTAT_TAU)
+    mirostat_eta: float = Field(0.1, gt=0, le=MAX_MIROSTAT_ETA)
     fsd_alpha: float = Field(0.0, ge=0, lt=1)
-    fsd_k: int = Field(6, ge=1)
-    fsd_n: int = Field(3, ge=1)
-    fsd_random_steps: int = Field(0, ge=0)
-    repetition_penalty: float = Field(1.0, gt=0)
-    min_tokens: int = Field(0, ge=0)
+    fsd_k: int = Field(6, ge=1, le=MAX_FSD_K)
+    fsd_n: int = Field(3, ge=1, le=MAX_FSD_N)
+    fsd_random_steps: int = Field(0, ge=0, description="at most the model's context")
+    repetition_penalty: float = Field(1.0, gt=0, le=MAX_REPETITION_PENALTY)
+    min_tokens: int = Field(0, ge=0, description="at most the model's context")
     ignore_eos: bool = False
-    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
     beam_width: int = Field(1, ge=1, le=MAX_N)  # > 1: beam search, the n best beams returned
-    length_penalty: float = 1.0
+    length_penalty: float = Field(1.0, ge=-MAX_LENGTH_PENALTY, le=MAX_LENGTH_PENALTY)
 
     def stop_strings(self) -> list[str]:
         """``stop`` as a list (OpenAI takes one string or several)."""
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
     def sampling(
-        self, max_tokens: int, logprobs: int | None, vocab: int, defaults: GenerationDefaults
+        self,
+        max_tokens: int,
+        logprobs: int | None,
+        vocab: int,
+        context: int,
+        defaults: GenerationDefaults,
     ) -> SamplingParams:
+        """The request's SamplingParams; RequestError (400) for a value out of its bounds,
+        those tied to the model included (``vocab`` tokens, ``context`` positions)."""
+        for name, value, most in (
+            ("max_tokens", max_tokens, context),
+            ("min_tokens", self.min_tokens, context),
+            ("fsd_random_steps", self.fsd_random_steps, context),
+            ("top_k", self.top_k or 0, vocab),
+        ):
+            if value > most:
+                what = "vocabulary size" if name == "top_k" else "context (tokens)"
+                raise RequestError(f"{name}: {value} exceeds the model's {what}, {most}")
         bias = {}
-        for k, v in (self.logit_bias or {}).items():
-            if not k.lstrip("-").isdigit() or not 0 <= int(k) < vocab:
+        for k, v in (self.logit_bias or {}).items():  # (keys are at most 10 characters)
+            if not k.isdigit() or not 0 <= int(k) < vocab:
                 raise RequestError(f"logit_bias: key {k!r} is not a token id in 0..{vocab - 1}")
             bias[int(k)] = v
         unset = {  # fields a request may leave to the spec's generation defaults
@@ -142,8 +220,8 @@ class TextPart(Body):
 
 class Message(Body):
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart] | None = None
-    name: str | None = None
+    content: str | Annotated[list[TextPart], Field(max_length=MAX_MESSAGES)] | None = None
+    name: Name | None = None
 
     def as_template_input(self) -> dict[str, Any]:
         text = (
@@ -155,7 +233,7 @@ class Message(Body):
 
 
 class ChatBody(SamplingBody):
-    messages: list[Message] = Field(min_length=1)
+    messages: list[Message] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
@@ -163,21 +241,21 @@ class ChatBody(SamplingBody):
 
 class EmbeddingBody(Body):
     input: Prompt
-    model: str | None = None
+    model: Name | None = None
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = None
-    user: str | None = None
+    user: Name | None = None
 
 
 class TokenizeText(Body):
-    model: str | None = None
+    model: Name | None = None
     prompt: str
     add_special_tokens: bool = True
 
 
 class TokenizeChat(Body):
-    model: str | None = None
-    messages: list[Message] = Field(min_length=1)
+    model: Name | None = None
+    messages: list[Message] = Field(min_length=1, max_length=MAX_MESSAGES)
 
 
 def _tokenize_form(body: Any) -> str:
@@ -192,7 +270,7 @@ TokenizeBody = Annotated[
 
 
 class DetokenizeBody(Body):
-    model: str | None = None
+    model: Name | None = None
     tokens: list[int]
 
 
@@ -249,7 +327,7 @@ def describe_invalid(errors: list[dict[str, Any]]) -> tuple[str | None, str]:
             forms = dict.fromkeys(split(e)[1][0].replace("constrained-", "") for e in members)
             got = json.dumps(first.get("input"), default=str)[:80]
             return param or None, f"{param}: expected one of {', '.join(forms)} (got {got})"
-    msg = str(first.get("msg", "invalid request"))
+    msg = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
     if first.get("type") == "extra_forbidden":
         msg = "unknown field; see the API reference for the allowed fields"
     text = f"{param}: {msg}" if param else msg

@@ -25,7 +25,7 @@ from inferflow.engine.engine import Engine
 from inferflow.engine.request import RequestOutput
 from inferflow.engine.sampling import SamplingParams
 from inferflow.engine.scheduler import QueueFull
-from inferflow.errors import InferflowError
+from inferflow.errors import InferflowError, RequestError
 from inferflow.server.batcher import Batcher, GroupCall
 from inferflow.server.metrics import Metrics
 
@@ -43,6 +43,11 @@ class Stream:
     last: dict[int, float] = field(default_factory=dict)  # per sample: time of its last token
 
 
+class ClientGone(Exception):
+    """The client disconnected before its response was ready: nothing is sent, one line is
+    logged (at INFO)."""
+
+
 class ModelFailed(Exception):
     """The model failed on a request (an engine step, a batched call): HTTP 500 with type
     "server_error". The cause is logged on the model thread; the client gets no internals."""
@@ -56,6 +61,8 @@ class EngineRunner:
         self.wake = threading.Event()
         self.batcher = Batcher(max_waiting, self.wake.set)
         self.stopping = False
+        # requests posted to the inbox and taken from it (each written by one thread only)
+        self.posted = self.taken = 0
         self.loop: asyncio.AbstractEventLoop | None = None
         self.thread = threading.Thread(target=self._run, name="inferflow-engine", daemon=True)
 
@@ -73,22 +80,44 @@ class EngineRunner:
     # --- called from the event loop --------------------------------------------------------
 
     def submit(
-        self, ids: list[int], params: SamplingParams, out: asyncio.Queue[RequestOutput]
-    ) -> Stream:
-        """Queue a request (validated first) whose outputs go to ``out``; QueueFull when the
-        waiting queue is at its bound."""
+        self, prompts: list[list[int]], params: SamplingParams, out: asyncio.Queue[RequestOutput]
+    ) -> list[Stream]:
+        """Queue one request per prompt, all or none: each is validated and the waiting queue
+        must hold them all (else QueueFull, nothing queued). Their outputs go to ``out``."""
         assert self.engine is not None, "generation requests need an engine"
-        self.engine.check(ids, params)
+        for ids in prompts:
+            self.engine.check(ids, params)
         bound = self.engine.scheduler.cfg.max_waiting
-        if len(self.engine.scheduler.waiting) + self.inbox.qsize() >= bound:
-            raise QueueFull(f"the waiting queue is full ({bound} requests); retry later")
-        stream = Stream(f"req-{uuid.uuid4().hex}", params.n, out)
-        self.streams[stream.id] = stream
-        self._post("add", stream.id, ids, params)
-        return stream
+        if len(prompts) > bound:
+            raise RequestError(
+                f"prompt: {len(prompts)} prompts exceed the waiting queue's bound "
+                f"(--max-waiting {bound}); send at most {bound} per request"
+            )
+        waiting = len(self.engine.scheduler.waiting) + self.posted - self.taken
+        if waiting + len(prompts) > bound:
+            raise QueueFull(
+                f"the waiting queue is full ({waiting} of {bound} requests waiting, "
+                f"{len(prompts)} more asked); retry later"
+            )
+        streams = [Stream(f"req-{uuid.uuid4().hex}", params.n, out) for _ in prompts]
+        for stream, ids in zip(streams, prompts, strict=True):
+            self.streams[stream.id] = stream
+            self.posted += 1
+            self._post("add", stream.id, ids, params)
+        return streams
 
     def abort(self, rid: str) -> None:
         self._post("abort", rid)
+
+    def abort_all(self) -> None:
+        """End everything in flight: engine requests with finish reason "abort", batched calls
+        (embeddings, searches) stopped at their next check."""
+        self._post("abort_all")
+        self.batcher.abandon_all()
+
+    def busy(self) -> bool:
+        """Whether any request is still in flight (engine streams or batched jobs)."""
+        return bool(self.streams) or self.batcher.busy()
 
     async def batch(self, key: Hashable, inputs: list[list[int]], call: GroupCall) -> list[Any]:
         """``call``'s results for ``inputs``, batched with other jobs of the same ``key``
@@ -149,6 +178,7 @@ class EngineRunner:
             if kind == "add":
                 assert self.engine is not None
                 _, rid, ids, params = msg
+                self.taken += 1
                 try:
                     self.engine.add_request(ids, params, request_id=rid)
                     self.metrics.prompt_tokens.inc(len(ids))
@@ -196,7 +226,7 @@ class EngineRunner:
 async def until_disconnect(work: Awaitable[Any], gone: Callable[[], Awaitable[bool]]) -> Any:
     """``work``'s result; if ``gone()`` turns true first (the client disconnected), ``work`` is
     cancelled (whatever it holds is released in its own cleanup: engine requests aborted,
-    a batched job not yet taken dropped) and so is the caller."""
+    a batched job not yet taken dropped) and ClientGone is raised."""
     task = asyncio.ensure_future(work)
 
     async def watch() -> None:
@@ -211,5 +241,5 @@ async def until_disconnect(work: Awaitable[Any], gone: Callable[[], Awaitable[bo
         if not task.done():
             task.cancel()
     if task.cancelled() or not task.done():
-        raise asyncio.CancelledError("the client disconnected")
+        raise ClientGone("the client disconnected")
     return task.result()

@@ -1,0 +1,71 @@
+"""Graceful shutdown: the first SIGTERM (or Ctrl-C) stops admissions and lets the requests in
+flight finish for a grace period; what is still running then ends with finish reason "abort"
+(a stream gets its final chunk and ``[DONE]``), and the process exits. A second signal skips
+the wait."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from types import FrameType
+
+import uvicorn
+
+from inferflow.server.app import ServerState
+
+log = logging.getLogger(__name__)
+
+# after the abort, how long the aborted responses may take to write their last bytes
+FLUSH_SECONDS = 3.0
+
+
+async def drain(state: ServerState, grace: float, hurry: asyncio.Event) -> None:
+    """Refuse new requests (503), wait up to ``grace`` seconds (or until ``hurry`` is set) for
+    the requests in flight, then abort the rest and wait for their responses to end."""
+    state.draining = True
+    log.info(
+        "shutting down: new requests get 503; %d in flight may finish within %.0f s",
+        state.active,
+        grace,
+    )
+    deadline = time.monotonic() + grace
+    while state.active and time.monotonic() < deadline and not hurry.is_set():
+        await asyncio.sleep(0.05)
+    if state.active and state.runner is not None:
+        log.info("aborting the %d requests still in flight", state.active)
+        state.runner.abort_all()
+        deadline = time.monotonic() + FLUSH_SECONDS
+        while state.active and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server, with ``drain`` between the first exit signal and uvicorn's own
+    shutdown (which would otherwise cut running streams when its timeout ends)."""
+
+    def __init__(self, config: uvicorn.Config, state: ServerState, grace: float) -> None:
+        super().__init__(config)
+        self.state, self.grace = state, grace
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.hurry: asyncio.Event | None = None
+
+    async def startup(self, sockets: list | None = None) -> None:  # type: ignore[type-arg]
+        self.loop = asyncio.get_running_loop()
+        self.hurry = asyncio.Event()
+        await super().startup(sockets)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        loop, hurry = self.loop, self.hurry
+        if loop is None or hurry is None or self.should_exit:
+            return super().handle_exit(sig, frame)
+        if self.state.draining:  # a second signal: abort now
+            loop.call_soon_threadsafe(hurry.set)
+            return
+        self.state.draining = True  # (at once: the task below starts on the loop's next turn)
+
+        def start() -> None:
+            task = loop.create_task(drain(self.state, self.grace, hurry))
+            task.add_done_callback(lambda _: setattr(self, "should_exit", True))
+
+        loop.call_soon_threadsafe(start)

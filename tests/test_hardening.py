@@ -1,0 +1,260 @@
+"""One bad request never hurts another (issue 24), against a real `inferflow serve`: each
+reproduction of the outside probe is answered fast with a 400 naming the problem, while
+concurrent greedy streams produce exactly the text they produce without the attacker and
+/health answers within a second throughout; SIGTERM under 64 streams ends every stream with a
+finish reason and ``[DONE]``; a client that disconnects costs one INFO line, not a traceback.
+
+The served spec's chat template is hostile on purpose (a model file's template is untrusted
+code): it loops forever, doubles a string, asks for range(10**9) or prints 10**5000 when the
+last message says so, and is ChatML otherwise."""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.conftest import smollm2_path
+from tests.serving import check_error, run_server
+
+pytestmark = pytest.mark.slow
+
+TEMPLATE = """\
+{%- set c = messages[-1]['content'] -%}
+{%- if c == 'LOOP' -%}
+{%- for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor -%}
+{%- elif c == 'DOUBLE' -%}
+{%- set ns = namespace(s='xxxxxxxx') -%}
+{%- for i in range(60) %}{% set ns.s = ns.s ~ ns.s %}{% endfor -%}{{ ns.s }}
+{%- elif c == 'RANGE' -%}{{ range(10**9) | list | length }}
+{%- elif c == 'BIG' -%}{{ (10 ** (c | length * 1700)) | string }}
+{%- else -%}
+{%- for m in messages %}<|im_start|>{{ m['role'] }}
+{{ m['content'] }}<|im_end|>
+{% endfor %}<|im_start|>assistant
+{% endif -%}
+"""
+SPEC_EXTRA = "tokenizer:\n  from: gguf\n  chat_template: |\n" + "".join(
+    f"    {line}\n" for line in TEMPLATE.splitlines()
+)
+PROMPTS = ["The history of the lighthouse", "A recipe for bread", "Rivers of Europe", "Dear diary"]
+
+
+def _chat(content: str) -> dict:
+    return {"messages": [{"role": "user", "content": content}], "max_tokens": 4}
+
+
+# name -> (route, body, status, words the message must hold)
+ATTACKS: dict[str, tuple[str, object, int, tuple[str, ...]]] = {
+    "fsd_n 2**62": (
+        "/v1/completions",
+        {"prompt": "hi", "max_tokens": 2, "fsd_alpha": 0.5, "fsd_n": 4611686018427387904},
+        400,
+        ("fsd_n", "16"),
+    ),
+    "length_penalty 1e308": (
+        "/v1/completions",
+        {"prompt": "x", "max_tokens": 2, "beam_width": 2, "length_penalty": 1e308},
+        400,
+        ("length_penalty", "10"),
+    ),
+    "template loop": ("/v1/chat/completions", _chat("LOOP"), 400, ("time limit",)),
+    "template doubling": ("/v1/chat/completions", _chat("DOUBLE"), 400, ("limit",)),
+    "template range(10**9)": ("/v1/chat/completions", _chat("RANGE"), 400, ("chat template",)),
+    "template 10**5100": ("/v1/chat/completions", _chat("BIG"), 400, ("chat template",)),
+    "tokenize surrogate": ("/tokenize", '{"prompt": "a\\udfff b"}', 400, ("surrogate",)),
+    "chat surrogate": (
+        "/v1/chat/completions",
+        '{"messages": [{"role": "user", "content": "a\\udfff b"}]}',
+        400,
+        ("surrogate",),
+    ),
+    "logit_bias 5000 digits": (
+        "/v1/completions",
+        '{"prompt": "hi", "logit_bias": {"' + "7" * 5000 + '": 1}}',
+        400,
+        ("logit_bias", "10 characters"),
+    ),
+    "300 prompts": (
+        "/v1/completions",
+        {"prompt": [[1, 2, 3]] * 300, "max_tokens": 2},
+        400,
+        ("300 prompts", "--max-waiting"),
+    ),
+    "max_tokens past the context": (
+        "/v1/completions",
+        {"prompt": "hi", "max_tokens": 10**9},
+        400,
+        ("max_tokens", "context"),
+    ),
+}
+# the template budget (--template-timeout 1, 512 MiB) plus slack: a worker renders until it
+# reaches a limit, and is replaced after it
+SLOW = {"template loop": 2.5, "template doubling": 2.5}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path, int]]:
+    smollm2_path()  # skips when the model package is missing
+    tmp = tmp_path_factory.mktemp("hardening")
+    args = ("--deterministic", "--template-timeout", "1", "--max-waiting", "256")
+    with run_server(tmp, *args, spec_extra=SPEC_EXTRA, verbose=True) as (url, proc):
+        yield url, next(tmp.glob("server-*.log")), proc.pid
+
+
+def _stream(url: str, prompt: str, tokens: int = 64) -> tuple[str, str | None, bool]:
+    """A greedy streamed completion: (text, finish reason, whether [DONE] came)."""
+    body = {"prompt": prompt, "max_tokens": tokens, "temperature": 0, "stream": True}
+    body["ignore_eos"] = True
+    text, reason, done = "", None, False
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=300) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line == "data: [DONE]":
+                done = True
+            elif line.startswith("data: "):
+                choice = json.loads(line[6:])["choices"][0]
+                text += choice["text"]
+                reason = choice["finish_reason"] or reason
+    return text, reason, done
+
+
+class Health:
+    """Polls /health every 0.1 s from its own thread; ``worst`` is the slowest answer."""
+
+    def __init__(self, url: str) -> None:
+        self.url, self.worst, self.failures = url, 0.0, 0
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._poll, daemon=True)
+
+    def _poll(self) -> None:
+        with httpx.Client(timeout=10) as c:
+            while not self.stop.is_set():
+                t0 = time.perf_counter()
+                try:
+                    ok = c.get(f"{self.url}/health").status_code == 200
+                except httpx.HTTPError:
+                    ok = False
+                self.worst = max(self.worst, time.perf_counter() - t0)
+                self.failures += not ok
+                time.sleep(0.1)
+
+    def __enter__(self) -> Health:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self.thread.join()
+
+
+def _send(url: str, route: str, body: object) -> tuple[httpx.Response, float]:
+    t0 = time.perf_counter()
+    if isinstance(body, str):  # raw JSON (what json.dumps cannot write: a lone surrogate)
+        r = httpx.post(
+            f"{url}{route}", content=body, headers={"content-type": "application/json"}, timeout=30
+        )
+    else:
+        r = httpx.post(f"{url}{route}", json=body, timeout=30)
+    return r, time.perf_counter() - t0
+
+
+def test_every_attack_fails_fast_and_alone(server: tuple[str, Path, int]) -> None:
+    url, _, _ = server
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+        alone = list(pool.map(lambda p: _stream(url, p), PROMPTS))
+    assert all(done and reason == "length" for _, reason, done in alone)
+    big = "word " * 800_000  # a 4 MB /tokenize: legitimate, heavy, off the event loop
+    with Health(url) as health, ThreadPoolExecutor(len(PROMPTS) + 1) as pool:
+        streams = [pool.submit(_stream, url, p) for p in PROMPTS]
+        tokenized = pool.submit(_send, url, "/tokenize", {"prompt": big})
+        time.sleep(0.5)  # (the streams are running)
+        for name, (route, body, status, words) in ATTACKS.items():
+            r, took = _send(url, route, body)
+            check_error(r, status, *words)
+            assert took < SLOW.get(name, 1.0), (name, took)
+            assert all(not s.done() for s in streams), f"{name}: the streams ended too soon"
+        r, _ = tokenized.result()
+        assert r.status_code == 200 and r.json()["count"] >= 800_000
+        with_attacker = [s.result() for s in streams]
+    assert with_attacker == alone  # greedy and --deterministic: the very same text
+    assert health.failures == 0 and health.worst < 1.0, health.worst
+
+
+def test_the_hostile_template_costs_the_server_nothing(server: tuple[str, Path, int]) -> None:
+    """After the template bombs the server's memory has not grown by the doubled string, and
+    a normal chat still renders with the model's template (the worker pool recovered)."""
+    url, _, pid = server
+    psutil = pytest.importorskip("psutil")
+    rss = psutil.Process(pid).memory_info().rss
+    for content in ("LOOP", "DOUBLE", "RANGE", "BIG"):
+        check_error(_send(url, "/v1/chat/completions", _chat(content))[0], 400, "chat template")
+    assert psutil.Process(pid).memory_info().rss - rss < 100 << 20
+    r = httpx.post(f"{url}/v1/chat/completions", json=_chat("Name three oceans."), timeout=60)
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"]
+    ids = httpx.post(f"{url}/tokenize", json={"messages": _chat("Hi")["messages"]}).json()
+    text = httpx.post(f"{url}/detokenize", json={"tokens": ids["tokens"]}).json()["prompt"]
+    assert text == "user\nHi\nassistant\n"  # (special tokens are not shown)
+
+
+def test_a_client_disconnect_logs_one_line(server: tuple[str, Path, int]) -> None:
+    url, log, _ = server
+    before = log.read_text()
+    body = {"prompt": "Tell me a long story", "max_tokens": 200, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{url}/v1/completions", json=body, timeout=0.5)
+    deadline = time.monotonic() + 10
+    while "the client disconnected" not in log.read_text()[len(before) :]:
+        assert time.monotonic() < deadline, log.read_text()[len(before) :]
+        time.sleep(0.1)
+    new = log.read_text()[len(before) :]
+    assert new.count("the client disconnected") == 1
+    assert "Traceback" not in log.read_text()
+
+
+def test_sigterm_under_64_streams_ends_every_stream(tmp_path: Path) -> None:
+    """SIGTERM: new requests get 503 with Retry-After while the 64 streams run on for the grace
+    period; then each ends with finish reason "abort" and [DONE], and the process exits within
+    grace + 5 s."""
+    smollm2_path()
+    grace = 2.0
+    with run_server(tmp_path, "--shutdown-grace", str(grace)) as (url, proc):
+        first = threading.Barrier(65)
+
+        def stream(i: int) -> tuple[str | None, bool]:
+            body = {"prompt": f"Story {i}:", "max_tokens": 2000, "ignore_eos": True, "stream": True}
+            reason, done, seen = None, False, False
+            with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as r:
+                assert r.status_code == 200
+                for line in r.iter_lines():
+                    if line == "data: [DONE]":
+                        done = True
+                    elif line.startswith("data: "):
+                        if not seen:
+                            seen = True
+                            first.wait(60)
+                        reason = json.loads(line[6:])["choices"][0]["finish_reason"] or reason
+            return reason, done
+
+        with ThreadPoolExecutor(64) as pool:
+            results = [pool.submit(stream, i) for i in range(64)]
+            first.wait(120)  # every stream has its first token
+            t0 = time.monotonic()
+            proc.send_signal(signal.SIGTERM)
+            time.sleep(0.3)
+            refused = httpx.post(f"{url}/v1/completions", json={"prompt": "hi"}, timeout=5)
+            check_error(refused, 503, "shutting down")
+            assert refused.headers["retry-after"]
+            assert httpx.get(f"{url}/health").status_code == 503
+            ends = [r.result() for r in results]
+        proc.wait(grace + 10)
+        took = time.monotonic() - t0
+    assert ends == [("abort", True)] * 64
+    assert proc.returncode == 0 and took <= grace + 5, took

@@ -21,83 +21,14 @@ from pathlib import Path
 import httpx
 import pytest
 
+from inferflow.server.attacks import ATTACKS, hostile_tokenizer
 from tests.conftest import smollm2_path
 from tests.serving import check_error, run_server
 
 pytestmark = pytest.mark.slow
 
-TEMPLATE = """\
-{%- set c = messages[-1]['content'] -%}
-{%- if c == 'LOOP' -%}
-{%- for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor -%}
-{%- elif c == 'DOUBLE' -%}
-{%- set ns = namespace(s='xxxxxxxx') -%}
-{%- for i in range(60) %}{% set ns.s = ns.s ~ ns.s %}{% endfor -%}{{ ns.s }}
-{%- elif c == 'RANGE' -%}{{ range(10**9) | list | length }}
-{%- elif c == 'BIG' -%}{{ (10 ** (c | length * 1700)) | string }}
-{%- else -%}
-{%- for m in messages %}<|im_start|>{{ m['role'] }}
-{{ m['content'] }}<|im_end|>
-{% endfor %}<|im_start|>assistant
-{% endif -%}
-"""
-SPEC_EXTRA = "tokenizer:\n  from: gguf\n  chat_template: |\n" + "".join(
-    f"    {line}\n" for line in TEMPLATE.splitlines()
-)
+SPEC_EXTRA = hostile_tokenizer()
 PROMPTS = ["The history of the lighthouse", "A recipe for bread", "Rivers of Europe", "Dear diary"]
-
-
-def _chat(content: str) -> dict:
-    return {"messages": [{"role": "user", "content": content}], "max_tokens": 4}
-
-
-# name -> (route, body, status, words the message must hold)
-ATTACKS: dict[str, tuple[str, object, int, tuple[str, ...]]] = {
-    "fsd_n 2**62": (
-        "/v1/completions",
-        {"prompt": "hi", "max_tokens": 2, "fsd_alpha": 0.5, "fsd_n": 4611686018427387904},
-        400,
-        ("fsd_n", "16"),
-    ),
-    "length_penalty 1e308": (
-        "/v1/completions",
-        {"prompt": "x", "max_tokens": 2, "beam_width": 2, "length_penalty": 1e308},
-        400,
-        ("length_penalty", "10"),
-    ),
-    "template loop": ("/v1/chat/completions", _chat("LOOP"), 400, ("time limit",)),
-    "template doubling": ("/v1/chat/completions", _chat("DOUBLE"), 400, ("limit",)),
-    "template range(10**9)": ("/v1/chat/completions", _chat("RANGE"), 400, ("chat template",)),
-    "template 10**5100": ("/v1/chat/completions", _chat("BIG"), 400, ("chat template",)),
-    "tokenize surrogate": ("/tokenize", '{"prompt": "a\\udfff b"}', 400, ("surrogate",)),
-    "chat surrogate": (
-        "/v1/chat/completions",
-        '{"messages": [{"role": "user", "content": "a\\udfff b"}]}',
-        400,
-        ("surrogate",),
-    ),
-    "logit_bias 5000 digits": (
-        "/v1/completions",
-        '{"prompt": "hi", "logit_bias": {"' + "7" * 5000 + '": 1}}',
-        400,
-        ("logit_bias", "10 characters"),
-    ),
-    "300 prompts": (
-        "/v1/completions",
-        {"prompt": [[1, 2, 3]] * 300, "max_tokens": 2},
-        400,
-        ("300 prompts", "--max-waiting"),
-    ),
-    "max_tokens past the context": (
-        "/v1/completions",
-        {"prompt": "hi", "max_tokens": 10**9},
-        400,
-        ("max_tokens", "context"),
-    ),
-}
-# the template budget (--template-timeout 1, 512 MiB) plus slack: a worker renders until it
-# reaches a limit, and is replaced after it
-SLOW = {"template loop": 2.5, "template doubling": 2.5}
 
 
 @pytest.fixture(scope="module")
@@ -176,10 +107,10 @@ def test_every_attack_fails_fast_and_alone(server: tuple[str, Path, int]) -> Non
         streams = [pool.submit(_stream, url, p) for p in PROMPTS]
         tokenized = pool.submit(_send, url, "/tokenize", {"prompt": big})
         time.sleep(0.5)  # (the streams are running)
-        for name, (route, body, status, words) in ATTACKS.items():
-            r, took = _send(url, route, body)
-            check_error(r, status, *words)
-            assert took < SLOW.get(name, 1.0), (name, took)
+        for name, a in ATTACKS.items():
+            r, took = _send(url, a.route, a.body)
+            check_error(r, a.status, *a.words)
+            assert took < a.seconds, (name, took)
             assert all(not s.done() for s in streams), f"{name}: the streams ended too soon"
         r, _ = tokenized.result()
         assert r.status_code == 200 and r.json()["count"] >= 800_000
@@ -195,11 +126,14 @@ def test_the_hostile_template_costs_the_server_nothing(server: tuple[str, Path, 
     psutil = pytest.importorskip("psutil")
     rss = psutil.Process(pid).memory_info().rss
     for content in ("LOOP", "DOUBLE", "RANGE", "BIG"):
-        check_error(_send(url, "/v1/chat/completions", _chat(content))[0], 400, "chat template")
+        chat = {"messages": [{"role": "user", "content": content}]}
+        check_error(_send(url, "/v1/chat/completions", chat)[0], 400, "chat template")
     assert psutil.Process(pid).memory_info().rss - rss < 100 << 20
-    r = httpx.post(f"{url}/v1/chat/completions", json=_chat("Name three oceans."), timeout=60)
+    chat = {"messages": [{"role": "user", "content": "Name three oceans."}], "max_tokens": 8}
+    r = httpx.post(f"{url}/v1/chat/completions", json=chat, timeout=60)
     assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"]
-    ids = httpx.post(f"{url}/tokenize", json={"messages": _chat("Hi")["messages"]}).json()
+    hi = [{"role": "user", "content": "Hi"}]
+    ids = httpx.post(f"{url}/tokenize", json={"messages": hi}).json()
     text = httpx.post(f"{url}/detokenize", json={"tokens": ids["tokens"]}).json()["prompt"]
     assert text == "user\nHi\nassistant\n"  # (special tokens are not shown)
 

@@ -209,7 +209,7 @@ class SamplingBody(Body):
 
 class CompletionBody(SamplingBody):
     prompt: Prompt
-    max_tokens: int | None = Field(16, ge=1)  # OpenAI's default for completions
+    max_tokens: int | None = Field(16, ge=1, description="at most the model's context")
     logprobs: int | None = Field(None, ge=0, le=20)
 
 
@@ -234,7 +234,7 @@ class Message(Body):
 
 class ChatBody(SamplingBody):
     messages: list[Message] = Field(min_length=1, max_length=MAX_MESSAGES)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1, description="at most the model's context")
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
 

@@ -18,14 +18,13 @@ import asyncio
 import shlex
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
 
-from inferflow.server.attacks import ATTACKS, hostile_tokenizer
+from inferflow.server.attacks import ATTACKS, Health, hostile_tokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from serve_load import Load, run, settle, start_server  # noqa: E402
@@ -74,28 +73,6 @@ async def attack(url: str, until: float, a: Attacker) -> None:
                 await asyncio.sleep(0.2)
 
 
-class Health:
-    """/health every 0.1 s from a thread of its own; ``worst`` is the slowest answer."""
-
-    def __init__(self, url: str) -> None:
-        self.url, self.worst, self.failures, self.polls = url, 0.0, 0, 0
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self._poll, daemon=True)
-
-    def _poll(self) -> None:
-        with httpx.Client(timeout=30) as c:
-            while not self.stop.is_set():
-                t0 = time.perf_counter()
-                try:
-                    ok = c.get(f"{self.url}/health").status_code == 200
-                except httpx.HTTPError:
-                    ok = False
-                self.worst = max(self.worst, time.perf_counter() - t0)
-                self.failures += not ok
-                self.polls += 1
-                time.sleep(0.1)
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--clients", type=int, default=64)
@@ -124,12 +101,10 @@ def main() -> int:
                     run(url, args.clients, args.duration, 0, load), attack(url, until, attacker)
                 )
 
-            health.thread.start()
-            (t, wall), _ = asyncio.run(chaos())
+            with health:
+                (t, wall), _ = asyncio.run(chaos())
             after = settle(url)
         finally:
-            health.stop.set()
-            health.thread.join()
             proc.terminate()
             proc.wait(30)
     print(f"command: python {' '.join(shlex.quote(a) for a in sys.argv)}")

@@ -21,7 +21,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from inferflow.server.attacks import ATTACKS, hostile_tokenizer
+from inferflow.server.attacks import ATTACKS, Health, hostile_tokenizer
 from tests.conftest import smollm2_path
 from tests.serving import check_error, run_server
 
@@ -55,35 +55,6 @@ def _stream(url: str, prompt: str, tokens: int = 64) -> tuple[str, str | None, b
                 text += choice["text"]
                 reason = choice["finish_reason"] or reason
     return text, reason, done
-
-
-class Health:
-    """Polls /health every 0.1 s from its own thread; ``worst`` is the slowest answer."""
-
-    def __init__(self, url: str) -> None:
-        self.url, self.worst, self.failures = url, 0.0, 0
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self._poll, daemon=True)
-
-    def _poll(self) -> None:
-        with httpx.Client(timeout=10) as c:
-            while not self.stop.is_set():
-                t0 = time.perf_counter()
-                try:
-                    ok = c.get(f"{self.url}/health").status_code == 200
-                except httpx.HTTPError:
-                    ok = False
-                self.worst = max(self.worst, time.perf_counter() - t0)
-                self.failures += not ok
-                time.sleep(0.1)
-
-    def __enter__(self) -> Health:
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop.set()
-        self.thread.join()
 
 
 def _send(url: str, route: str, body: object) -> tuple[httpx.Response, float]:

@@ -1,6 +1,7 @@
 """Hostile requests the server must answer alone (issue 24's outside probe): each with the
-status it must get and words its error message must hold. Used by tests/test_hardening.py and
-benchmarks/serve_chaos.py (so this module imports nothing heavy: the load client stays light).
+status it must get and words its error message must hold; and ``Health``, which watches how
+fast /health answers meanwhile. Used by tests/test_hardening.py and benchmarks/serve_chaos.py
+(so this module imports nothing heavy: the load client stays light).
 
 The template attacks need the served spec's chat template to be ``HOSTILE_TEMPLATE`` (a model
 file's template is untrusted code): it loops forever, doubles a string, asks for range(10**9)
@@ -8,6 +9,8 @@ or prints 10**5100 when the last message says so, and is ChatML otherwise."""
 
 from __future__ import annotations
 
+import threading
+import time
 from typing import Any, NamedTuple
 
 HOSTILE_TEMPLATE = """\
@@ -90,3 +93,36 @@ ATTACKS: dict[str, Attack] = {
         "/v1/completions", {"prompt": "hi", "max_tokens": 10**9}, 400, ("max_tokens", "context")
     ),
 }
+
+
+class Health:
+    """Polls ``url``/health every 0.1 s from a thread of its own (a context manager); ``worst``
+    is the slowest answer in seconds, ``failures`` the answers that were not 200."""
+
+    def __init__(self, url: str) -> None:
+        self.url, self.worst, self.failures, self.polls = url, 0.0, 0, 0
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._poll, daemon=True)
+
+    def _poll(self) -> None:
+        import httpx  # (a client's dependency, not the server's)
+
+        with httpx.Client(timeout=30) as c:
+            while not self.stop.is_set():
+                t0 = time.perf_counter()
+                try:
+                    ok = c.get(f"{self.url}/health").status_code == 200
+                except httpx.HTTPError:
+                    ok = False
+                self.worst = max(self.worst, time.perf_counter() - t0)
+                self.failures += not ok
+                self.polls += 1
+                time.sleep(0.1)
+
+    def __enter__(self) -> Health:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self.thread.join()

@@ -3,12 +3,28 @@
 
 from __future__ import annotations
 
+import errno
 import importlib.util
+import json
 from pathlib import Path
+from typing import Any
 
 from inferflow.errors import SpecError
 
 PACKAGE_SCHEME = "package://"
+# a JSON file beside a checkpoint (config.json, a sharded index, tokenizer_config.json): a few
+# kilobytes to a few megabytes; json holds up to ~8x its size in objects while it parses
+MAX_JSON_BYTES = 16 << 20
+
+
+def read_json(path: Path, limit: int = MAX_JSON_BYTES) -> Any:
+    """A small JSON file, parsed. OSError past ``limit`` bytes (errno EFBIG, the limit named)
+    or when unreadable; ValueError (UnicodeDecodeError, JSONDecodeError) when not JSON."""
+    with open(path, "rb") as f:
+        raw = f.read(limit + 1)  # (not stat(): a device or a pipe reports no size)
+    if len(raw) > limit:
+        raise OSError(errno.EFBIG, f"larger than {limit} bytes, the limit for this file")
+    return json.loads(raw.decode("utf-8"))
 
 
 def resolve_ref(ref: str, base_dir: Path, *, what: str = "file") -> Path:

@@ -410,3 +410,25 @@ def test_text_is_not_taken_for_a_pickle(tmp_path: Path) -> None:
     text.write_bytes(b"cat\nnot a pickle\n" * 20)  # 'c' then one line: no GLOBAL opcode
     with pytest.raises(CheckpointError, match="cannot tell the checkpoint format"):
         detect_format(text)
+
+
+def test_json_files_beside_a_checkpoint_are_size_capped(tmp_path: Path) -> None:
+    """config.json, a sharded index and tokenizer_config.json are read only up to 16 MiB (json
+    holds several times a file's size while it parses): past it, a clean error naming the
+    limit, before anything is parsed."""
+    from inferflow.loaders.hf import read_index
+    from inferflow.paths import MAX_JSON_BYTES
+    from inferflow.spec.hparams import read_hf_config
+    from inferflow.tokenizer.files import _read_config
+
+    big = tmp_path / "big.json"
+    big.write_bytes(b"[" + b"1," * (MAX_JSON_BYTES // 2) + b"1]")
+    with pytest.raises(SpecError, match=f"larger than {MAX_JSON_BYTES} bytes"):
+        read_hf_config(big)
+    with pytest.raises(CheckpointError, match=f"larger than {MAX_JSON_BYTES} bytes"):
+        read_index(big)
+    with pytest.raises(InferflowError, match=f"larger than {MAX_JSON_BYTES} bytes"):
+        _read_config(big)
+    small = tmp_path / "config.json"
+    small.write_text(json.dumps({"hidden_size": 8}))
+    assert read_hf_config(small) == {"hidden_size": 8}

@@ -315,7 +315,7 @@ def test_serve_checks_the_layout_load_will_use(
 
     monkeypatch.setattr("inferflow.parallel.runtime.launch", launched)
     served: list[object] = []
-    monkeypatch.setattr("uvicorn.run", lambda app, **kw: served.append(app))
+    monkeypatch.setattr("inferflow.server.shutdown.serve", lambda app, *a: served.append(app))
     path = _with_quant(specs["gqa"], tmp_path, quant)
     rc = main(["serve", str(path), "--devices", "cpu&cpu", "--quant", flag])
     spec = dataclasses.replace(load_spec(path), partition=PartitionSpec(devices="cpu&cpu"))

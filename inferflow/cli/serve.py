@@ -148,10 +148,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
 
 
 def run(args: argparse.Namespace) -> int:
-    import uvicorn
-
     from inferflow.server.app import ServerConfig, create_app
-    from inferflow.server.shutdown import DrainingServer
+    from inferflow.server.shutdown import serve
 
     spec = load_spec(args.spec)  # a bad spec fails here, before the port opens
     if args.dense_batch is not None:
@@ -192,10 +190,5 @@ def run(args: argparse.Namespace) -> int:
         args.shutdown_grace,
         TemplateBudget(seconds=args.template_timeout, max_output_chars=args.template_max_chars),
     )
-    app = create_app(cfg)
-    # (uvicorn's own shutdown then only closes idle connections: drain ended the requests)
-    config = uvicorn.Config(
-        app, host=args.host, port=args.port, timeout_graceful_shutdown=5, log_level="info"
-    )
-    DrainingServer(config, app.state.inferflow, args.shutdown_grace).run()
+    serve(create_app(cfg), args.host, args.port, args.shutdown_grace)
     return 0

@@ -7,7 +7,6 @@ sharded ``model.safetensors.index.json``, then ``pytorch_model.bin`` and its ind
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from collections.abc import Iterator, Sequence
@@ -16,6 +15,7 @@ from typing import Any
 
 from inferflow.errors import CheckpointError
 from inferflow.loaders.base import LOADERS, Weight, WeightSource
+from inferflow.paths import read_json
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +30,7 @@ CHECKPOINT_FILES: tuple[tuple[str, str, bool], ...] = (
 
 def _read_json(path: Path) -> Any:
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        return read_json(path)
     except OSError as e:
         raise CheckpointError(f"cannot read {path}: {e.strerror}") from e
     except (UnicodeDecodeError, ValueError) as e:

@@ -263,7 +263,7 @@ def create_app(cfg: ServerConfig) -> FastAPI:
         return await _respond(gen, request, body.stream, body.stream_options)
 
     @app.post("/v1/embeddings", responses=responses(auth, body=True, queued=True))
-    async def embeddings(body: EmbeddingBody, request: Request) -> dict[str, Any]:
+    async def embeddings(body: EmbeddingBody, request: Request) -> Response:
         lm, runner = state.ready(body.model)
         pooling, normalize = resolve_pooling(lm.spec)  # 400 where the spec declares none
         if pooling == "none":
@@ -300,12 +300,13 @@ def create_app(cfg: ServerConfig) -> FastAPI:
             )
             data.append({"object": "embedding", "index": i, "embedding": value})
         used = sum(map(len, inputs))
-        return {
+        out = {
             "object": "list",
             "data": data,
             "model": state.name,
             "usage": {"prompt_tokens": used, "total_tokens": used},
         }
+        return await _json(out)  # (up to 1024 vectors: not on the event loop)
 
     @app.post("/tokenize", responses=responses(auth, body=True))
     async def tokenize(body: TokenizeBody) -> Response:

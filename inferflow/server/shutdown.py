@@ -9,6 +9,7 @@ import asyncio
 import logging
 import time
 from types import FrameType
+from typing import Any
 
 import uvicorn
 
@@ -69,3 +70,12 @@ class DrainingServer(uvicorn.Server):
             task.add_done_callback(lambda _: setattr(self, "should_exit", True))
 
         loop.call_soon_threadsafe(start)
+
+
+def serve(app: Any, host: str, port: int, grace: float) -> None:
+    """Serve ``app`` (create_app's) until a signal, draining as above."""
+    # (uvicorn's own shutdown then only closes idle connections: drain ended the requests)
+    config = uvicorn.Config(
+        app, host=host, port=port, timeout_graceful_shutdown=5, log_level="info"
+    )
+    DrainingServer(config, app.state.inferflow, grace).run()

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from inferflow.errors import SpecError
+from inferflow.paths import read_json
 
 # our name -> candidate config.json keys (dotted = nested); first present and non-null wins
 HF_CONFIG_KEYS: dict[str, tuple[str, ...]] = {
@@ -141,8 +142,7 @@ def from_gguf_metadata(meta: dict[str, Any]) -> dict[str, Any]:
 
 def read_hf_config(path: Path) -> dict[str, Any]:
     try:
-        with open(path, encoding="utf-8") as f:
-            config = json.load(f)
+        config = read_json(path)
     except FileNotFoundError:
         raise SpecError(f"config file {path} does not exist") from None
     except OSError as e:  # a directory, a path through a file, a name too long, no permission

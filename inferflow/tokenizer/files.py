@@ -14,6 +14,7 @@ from tokenizers import AddedToken, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as BackendTokenizer
 
 from inferflow.errors import TokenizerError
+from inferflow.paths import read_json
 from inferflow.registry import Registry, RegistryError
 from inferflow.tokenizer.base import EOG_TOKEN_TEXTS, Tokenizer
 
@@ -94,7 +95,7 @@ def tokenizer_from_json(
         raise TokenizerError(f"cannot read {path}: {e}") from e
     if tokenizer_config is None:
         cfg_path = path.parent / "tokenizer_config.json"
-        tokenizer_config = json.loads(cfg_path.read_text("utf-8")) if cfg_path.is_file() else {}
+        tokenizer_config = _read_config(cfg_path) if cfg_path.is_file() else {}
     cfg = tokenizer_config
     template = _pick_chat_template(cfg.get("chat_template"))
     jinja_path = path.parent / "chat_template.jinja"
@@ -194,7 +195,7 @@ def _load_tokenizer_json(files: Sequence[Path], metadata: dict[str, Any] | None)
         raise TokenizerError("tokenizer kind 'tokenizer_json' needs a tokenizer.json in its files")
     config = None
     if config_path is not None:
-        config = json.loads(_existing(config_path, "tokenizer_config.json").read_text("utf-8"))
+        config = _read_config(_existing(config_path, "tokenizer_config.json"))
     return tokenizer_from_json(main, config)
 
 
@@ -253,3 +254,13 @@ def load_tokenizer(
         _existing(p, "tokenizer file")
     tok = loader(paths, metadata)
     return apply_overrides(tok, overrides) if overrides else tok
+
+
+def _read_config(path: Path) -> Any:
+    """A tokenizer_config.json (size-capped, parsed)."""
+    try:
+        return read_json(path)
+    except OSError as e:
+        raise TokenizerError(f"cannot read {path}: {e.strerror}") from None
+    except ValueError as e:
+        raise TokenizerError(f"{path} is not valid JSON: {e}") from None

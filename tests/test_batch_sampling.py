@@ -184,10 +184,14 @@ def test_distributions_equal_the_filters_composed(v: int, seed: int) -> None:
     z[18] /= 10
     got, width = _vocab_probs(B.distributions(z, ROW_K, ROW_P, ROW_M), b, v)
     for i in range(b):
-        want = _reference(z[i], ROW_K[i], ROW_P[i], ROW_M[i])
-        assert set((got[i] > 0).nonzero().flatten().tolist()) <= set(_kept_ids(want)), i
-        assert set(_kept_ids(want, 1e-12)) <= set((got[i] > 0).nonzero().flatten().tolist()), i
-        torch.testing.assert_close(got[i], want, rtol=1e-4, atol=1e-9)
+        kept = set((got[i] > 0).nonzero().flatten().tolist())
+        # a token whose mass before it is within float32 rounding of top_p may go either way
+        # (the two sums run in different orders): the reference at p - 1e-5 and p + 1e-5 too
+        ps = [ROW_P[i]] + ([ROW_P[i] - 1e-5, ROW_P[i] + 1e-5] if ROW_P[i] < 1 else [])
+        wants = [_reference(z[i], ROW_K[i], q, ROW_M[i]) for q in ps]
+        matching = [w for w in wants if set(_kept_ids(w, 1e-12)) <= kept <= set(_kept_ids(w))]
+        assert matching, i
+        torch.testing.assert_close(got[i], matching[0], rtol=1e-4, atol=1e-9)
     # widths: a sharp nucleus stays in the first candidates; a flat one takes a full sort
     assert width[2] == min(256, v) and width[7] == v
     # a row alone is what it is in the batch

@@ -85,10 +85,6 @@ class Batcher:
         for future in futures:
             self.abandon(future)
 
-    def busy(self) -> bool:
-        with self.lock:
-            return bool(self.jobs or self.running)
-
     def run_pending(self) -> None:
         """On the model thread: run every queued job, one call per key."""
         with self.lock:

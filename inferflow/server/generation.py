@@ -14,12 +14,7 @@ from typing import Any
 from inferflow.engine.request import RequestOutput
 from inferflow.engine.sampling import SamplingParams
 from inferflow.server.protocol import error_body, sse_event
-from inferflow.server.runner import (
-    ClientGone,
-    EngineRunner,
-    ModelFailed,
-    until_disconnect,
-)
+from inferflow.server.runner import ClientGone, EngineRunner, ModelFailed, until_disconnect
 from inferflow.tokenizer import Tokenizer
 
 # what a client gets when the engine ended one of its samples with finish reason "error"

@@ -87,7 +87,7 @@ class Body(BaseModel):
 
     @field_validator("*", mode="after")
     @classmethod
-    def _text(cls, value: Any, info: Any) -> Any:
+    def _text(cls, value: Any) -> Any:
         _no_surrogates(value, "the text")
         return value
 

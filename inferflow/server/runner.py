@@ -115,10 +115,6 @@ class EngineRunner:
         self._post("abort_all")
         self.batcher.abandon_all()
 
-    def busy(self) -> bool:
-        """Whether any request is still in flight (engine streams or batched jobs)."""
-        return bool(self.streams) or self.batcher.busy()
-
     async def batch(self, key: Hashable, inputs: list[list[int]], call: GroupCall) -> list[Any]:
         """``call``'s results for ``inputs``, batched with other jobs of the same ``key``
         (``Batcher``); QueueFull when its queue is at the bound. Cancelled (the client went

@@ -73,18 +73,21 @@ def test_every_attack_fails_fast_and_alone(server: tuple[str, Path, int]) -> Non
     with ThreadPoolExecutor(len(PROMPTS)) as pool:
         alone = list(pool.map(lambda p: _stream(url, p), PROMPTS))
     assert all(done and reason == "length" for _, reason, done in alone)
-    big = "word " * 800_000  # a 4 MB /tokenize: legitimate, heavy, off the event loop
-    with Health(url) as health, ThreadPoolExecutor(len(PROMPTS) + 1) as pool:
+    big = "word " * 800_000  # 4 MB to tokenize, as text and as chat: heavy, off the event loop
+    with Health(url) as health, ThreadPoolExecutor(len(PROMPTS) + 2) as pool:
         streams = [pool.submit(_stream, url, p) for p in PROMPTS]
         tokenized = pool.submit(_send, url, "/tokenize", {"prompt": big})
+        chat = {"messages": [{"role": "user", "content": big}]}  # through the template worker
+        templated = pool.submit(_send, url, "/tokenize", chat)
         time.sleep(0.5)  # (the streams are running)
         for name, a in ATTACKS.items():
             r, took = _send(url, a.route, a.body)
             check_error(r, a.status, *a.words)
             assert took < a.seconds, (name, took)
             assert all(not s.done() for s in streams), f"{name}: the streams ended too soon"
-        r, _ = tokenized.result()
-        assert r.status_code == 200 and r.json()["count"] >= 800_000
+        for heavy in (tokenized, templated):
+            r, _ = heavy.result()
+            assert r.status_code == 200 and r.json()["count"] >= 800_000
         with_attacker = [s.result() for s in streams]
     assert with_attacker == alone  # greedy and --deterministic: the very same text
     assert health.failures == 0 and health.worst < 1.0, health.worst

@@ -5,6 +5,7 @@ the same GGUF (greedy text, logprobs, embeddings, chat template) — not against
 from __future__ import annotations
 
 import json
+import re
 import signal
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,9 +30,14 @@ KEY = "sk-test-key"
 
 
 @pytest.fixture(scope="module")
-def url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def served_from(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("srv")  # (the server's log is written here)
+
+
+@pytest.fixture(scope="module")
+def url(served_from: Path) -> Iterator[str]:
     smollm2_path()  # skips when the model package is missing
-    with _server(tmp_path_factory.mktemp("srv"), "--quant", "none") as (u, _):
+    with _server(served_from, "--quant", "none") as (u, _):
         yield u
 
 
@@ -329,3 +335,15 @@ def test_every_sampling_field_reaches_sampling_params() -> None:
     by_hand |= {"min_tokens", "stop_token_ids"}
     assert set(SamplingBody.model_fields) - by_hand == {*SAME_NAME, *SPEC_DEFAULTED}
     assert {*SAME_NAME, *SPEC_DEFAULTED} <= {f.name for f in dataclasses.fields(SamplingParams)}
+
+
+def test_startup_says_what_loads_and_when_it_is_ready(url: str, served_from: Path) -> None:
+    """At the default log level: the file, its format and size as loading starts, then one line
+    with the load time, the peak RSS and the URL once requests can be served (issue 28)."""
+    text = next(served_from.glob("server-*.log")).read_text()
+    loading = re.search(r"loading \S+: (\S+) \(gguf, (\d+) MiB\)", text)
+    assert loading and loading.group(1).endswith(".gguf")
+    assert int(loading.group(2)) == round(Path(loading.group(1)).stat().st_size / 2**20)
+    ready = re.findall(r"loaded in [\d.]+ s \(peak RSS \d+ MiB\); ready on (\S+)", text)
+    assert ready == [url]
+    assert text.index("loading") < text.index("ready on")

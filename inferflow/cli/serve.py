@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 import os
 import re
 
@@ -189,6 +190,10 @@ def run(args: argparse.Namespace) -> int:
         tuple(args.cors_origin),
         args.shutdown_grace,
         TemplateBudget(seconds=args.template_timeout, max_output_chars=args.template_max_chars),
+        f"http://{args.host}:{args.port}",
     )
+    # what loads, how long it took and when requests can be served: said at the default level
+    server_log = logging.getLogger("inferflow.server")
+    server_log.setLevel(min(server_log.getEffectiveLevel(), logging.INFO))
     serve(create_app(cfg), args.host, args.port, args.shutdown_grace)
     return 0

@@ -14,6 +14,7 @@ import base64
 import hmac
 import json
 import logging
+import resource
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -79,6 +80,7 @@ class ServerConfig:
     # SIGTERM: running requests may finish for this long, then end with finish reason "abort"
     shutdown_grace: float = 10.0
     template: TemplateBudget = field(default_factory=TemplateBudget)  # chat template limits
+    url: str | None = None  # where it listens (said once requests can be served)
 
 
 class APIError(Exception):
@@ -111,13 +113,24 @@ class ServerState:
     def load(self, loop: asyncio.AbstractEventLoop) -> None:
         try:
             t0 = time.perf_counter()
+            src = self.cfg.spec.source
+            size = sum(f.stat().st_size for f in src.files if f.is_file())
+            files = ", ".join(str(f) for f in src.files)
+            log.info("loading %s: %s (%s, %.0f MiB)", self.name, files, src.format, size / 2**20)
             lm = load(self.cfg.spec, self.cfg.dtype, self.cfg.quant)
             decoder = lm.spec.network.type == "decoder_only"
             engine = Engine(lm.model, lm.tokenizer, self.cfg.engine) if decoder else None
             runner = EngineRunner(engine, self.metrics, self.cfg.engine.scheduler.max_waiting)
             runner.start(loop)
             self.lm, self.runner = lm, runner
-            log.info("model %s loaded in %.1fs", self.name, time.perf_counter() - t0)
+            peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10  # (KiB on Linux)
+            log.info(
+                "model %s loaded in %.1f s (peak RSS %.0f MiB)%s",
+                self.name,
+                time.perf_counter() - t0,
+                peak,
+                f"; ready on {self.cfg.url}" if self.cfg.url else "",
+            )
         except Exception as e:
             log.exception("loading %s failed", self.name)
             self.load_error = str(e)

@@ -172,7 +172,7 @@ def test_a_failed_batched_call_answers_openai_500_and_a_bad_request_400() -> Non
     from fastapi.testclient import TestClient
 
     from inferflow.errors import RequestError
-    from inferflow.server.app import _errors
+    from inferflow.server.guard import install_error_handlers
     from inferflow.server.metrics import Metrics
     from inferflow.server.runner import EngineRunner
 
@@ -191,7 +191,7 @@ def test_a_failed_batched_call_answers_openai_500_and_a_bad_request_400() -> Non
         raise RequestError("input 0: too long")
 
     app = FastAPI(lifespan=lifespan)
-    _errors(app)
+    install_error_handlers(app)
 
     @app.post("/broken")
     async def run_broken() -> list[int]:

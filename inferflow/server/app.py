@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import hmac
 import json
 import logging
 import resource
@@ -24,20 +23,16 @@ from typing import Any
 
 import torch
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from inferflow.engine.embed import embed_batch, resolve_pooling
 from inferflow.engine.engine import Engine, EngineConfig
-from inferflow.engine.scheduler import QueueFull
-from inferflow.errors import InferflowError, Stopped
 from inferflow.model.batch import check_inputs
 from inferflow.runtime import LanguageModel, load
 from inferflow.server.generation import Generation
+from inferflow.server.guard import APIError, Guard, install_error_handlers
 from inferflow.server.metrics import Metrics
 from inferflow.server.openapi import HEALTH, responses, trim_schema
 from inferflow.server.protocol import (
@@ -47,11 +42,9 @@ from inferflow.server.protocol import (
     EmbeddingBody,
     TokenizeBody,
     TokenizeChat,
-    describe_invalid,
-    error_body,
     prompt_list,
 )
-from inferflow.server.runner import ClientGone, EngineRunner, ModelFailed, until_disconnect
+from inferflow.server.runner import EngineRunner, until_disconnect
 from inferflow.server.seq2seq import complete as seq2seq_complete
 from inferflow.spec import Spec
 from inferflow.tokenizer import Tokenizer
@@ -81,21 +74,6 @@ class ServerConfig:
     shutdown_grace: float = 10.0
     template: TemplateBudget = field(default_factory=TemplateBudget)  # chat template limits
     url: str | None = None  # where it listens (said once requests can be served)
-
-
-class APIError(Exception):
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        kind: str = "invalid_request_error",
-        param: str | None = None,
-        code: str | None = None,
-        headers: dict[str, str] | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status, self.message, self.kind, self.param = status, message, kind, param
-        self.code, self.headers = code, headers
 
 
 class ServerState:
@@ -197,7 +175,7 @@ def create_app(cfg: ServerConfig) -> FastAPI:
     app.state.inferflow = state
     auth = cfg.api_key is not None
     trim_schema(app, auth)
-    _errors(app)
+    install_error_handlers(app)
     app.add_middleware(Guard, state=state)
     if cfg.cors_origins:
         app.add_middleware(
@@ -398,111 +376,3 @@ async def _respond(gen: Generation, request: Request, stream: bool, options: Any
             gen.sse(usage), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
         )
     return await gen.response(request.is_disconnected)
-
-
-# --- errors and middleware ------------------------------------------------------------------
-
-KINDS = {401: "authentication_error", 404: "not_found_error"}  # others: invalid_request_error
-
-
-def _errors(app: FastAPI) -> None:
-    @app.exception_handler(APIError)
-    async def api_error(_: Request, e: APIError) -> JSONResponse:
-        return JSONResponse(
-            error_body(e.message, e.kind, e.param, e.code), e.status, headers=e.headers
-        )
-
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
-        kind = KINDS.get(e.status_code, "invalid_request_error")
-        return JSONResponse(error_body(str(e.detail), kind), e.status_code, headers=e.headers)
-
-    @app.exception_handler(RequestValidationError)
-    async def invalid(_: Request, e: RequestValidationError) -> JSONResponse:
-        param, text = describe_invalid(list(e.errors()))
-        return JSONResponse(error_body(text, "invalid_request_error", param), 400)
-
-    @app.exception_handler(QueueFull)
-    async def full(_: Request, e: QueueFull) -> JSONResponse:
-        return JSONResponse(
-            error_body(str(e), "rate_limit_error"), 429, headers={"Retry-After": "1"}
-        )
-
-    @app.exception_handler(InferflowError)
-    async def bad(_: Request, e: InferflowError) -> JSONResponse:
-        return JSONResponse(error_body(str(e), "invalid_request_error"), 400)
-
-    @app.exception_handler(ClientGone)
-    async def gone(request: Request, _: ClientGone) -> Response:
-        log.info("%s %s: the client disconnected", request.method, request.url.path)
-        return Response(status_code=499)  # (nobody reads it)
-
-    @app.exception_handler(Stopped)
-    async def stopped(_: Request, e: Stopped) -> JSONResponse:
-        # a batched call stopped for the shutdown (a client that left gets ClientGone)
-        return JSONResponse(
-            error_body(f"the server is shutting down: {e}", "server_error"),
-            503,
-            headers={"Retry-After": "5"},
-        )
-
-    @app.exception_handler(ModelFailed)
-    async def failed(_: Request, e: ModelFailed) -> JSONResponse:
-        return JSONResponse(error_body(str(e), "server_error"), 500)
-
-
-class Guard:
-    """Pure ASGI middleware (it must not buffer streaming responses): the API key on every
-    route but /health, 503 while the server drains, the body size limit (by Content-Length and
-    while the body streams), and the count of requests in flight."""
-
-    def __init__(self, app: ASGIApp, state: ServerState) -> None:
-        self.app, self.state = app, state
-        self.key, self.limit = state.cfg.api_key, state.cfg.max_body_bytes
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] == "/health":
-            return await self.app(scope, receive, send)
-        headers = dict(scope["headers"])
-        if self.key is not None:
-            given = headers.get(b"authorization", b"")
-            if not hmac.compare_digest(given, f"Bearer {self.key}".encode()):
-                msg = "invalid or missing API key (send the header Authorization: Bearer KEY)"
-                return await JSONResponse(error_body(msg, "authentication_error"), 401)(
-                    scope, receive, send
-                )
-        if scope["path"] == "/metrics":
-            return await self.app(scope, receive, send)
-        if self.state.draining:
-            msg = "the server is shutting down; retry on another instance or later"
-            return await JSONResponse(
-                error_body(msg, "server_error"), 503, headers={"Retry-After": "5"}
-            )(scope, receive, send)
-        self.state.active += 1
-        try:
-            await self._limited(scope, receive, send, headers)
-        finally:
-            self.state.active -= 1
-
-    async def _limited(
-        self, scope: Scope, receive: Receive, send: Send, headers: dict[bytes, bytes]
-    ) -> None:
-        size = headers.get(b"content-length", b"")
-        if size.isdigit() and int(size) > self.limit:
-            msg = f"the request body has {int(size)} bytes; the limit is {self.limit}"
-            return await JSONResponse(error_body(msg, "invalid_request_error"), 413)(
-                scope, receive, send
-            )
-        seen = 0
-
-        async def limited() -> Message:
-            nonlocal seen
-            msg = await receive()
-            seen += len(msg.get("body", b""))
-            if seen > self.limit:
-                raise StarletteHTTPException(
-                    413, f"the request body exceeds the limit of {self.limit} bytes"
-                )
-            return msg
-
-        await self.app(scope, limited, send)

@@ -30,24 +30,31 @@ ROOT = Path(__file__).resolve().parent.parent
 SERVER = "--kv-cache-memory 16MiB --max-waiting 6"
 
 
-def test_128_clients_served_or_refused_within_memory_bound(tmp_path: Path) -> None:
-    smollm2_path()  # skips when the model package is missing
-    out = tmp_path / "load.json"
-    cmd = [
-        *(sys.executable, str(ROOT / "benchmarks" / "serve_load.py"), "--limits"),
-        *("--clients", "128", "--requests-per-client", "1"),
-        *("--prompt-words", "60-140", "--max-tokens", "16-40", "--kill-fraction", "0.25"),
-        *("--server-args", SERVER, "--json", str(out)),
-    ]
+def _benchmark(script: str, *args: str) -> str:
+    """Run benchmarks/``script`` with ``args``; its table (printed: pytest -s shows it), after
+    asserting it exited 0."""
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
     }
+    cmd = [sys.executable, str(ROOT / "benchmarks" / script), *args]
     r = subprocess.run(
         cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900, check=False
     )
-    print(r.stdout)  # the table (pytest -s shows it)
+    print(r.stdout)
     assert r.returncode == 0, r.stdout + r.stderr[-5000:]
+    return r.stdout
+
+
+def test_128_clients_served_or_refused_within_memory_bound(tmp_path: Path) -> None:
+    smollm2_path()  # skips when the model package is missing
+    out = tmp_path / "load.json"
+    _benchmark(
+        "serve_load.py",
+        *("--limits", "--clients", "128", "--requests-per-client", "1"),
+        *("--prompt-words", "60-140", "--max-tokens", "16-40", "--kill-fraction", "0.25"),
+        *("--server-args", SERVER, "--json", str(out)),
+    )
     res = json.loads(out.read_text())
     assert res["sent"] == 128 and res["lost"] == 0
     assert res["failed"] == res["truncated"] == res["garbled"] == 0
@@ -65,19 +72,5 @@ def test_chaos_64_clients_disconnects_and_an_attacker(tmp_path: Path) -> None:
     against a hostile chat template. It exits 1 on any 5xx, lost, cut or garbled response, an
     attack answered otherwise than expected, KV blocks left in use or /health slower than 1 s."""
     smollm2_path()
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-    }
-    r = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "serve_chaos.py")],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
-    )
-    print(r.stdout)
-    assert r.returncode == 0, r.stdout + r.stderr[-5000:]
-    assert "attacks as expected" in r.stdout  # (the table was printed: the run completed)
+    out = _benchmark("serve_chaos.py")
+    assert "attacks as expected" in out  # (the table was printed: the run completed)

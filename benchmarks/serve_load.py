@@ -184,8 +184,11 @@ async def run(
     return t, time.perf_counter() - t0
 
 
-def start_server(spec: str | None, extra: list[str]) -> tuple[subprocess.Popen, str, float]:
-    """Start `inferflow serve` and time process start -> first streamed token."""
+def start_server(
+    spec: str | None, extra: list[str], log: str | None = None
+) -> tuple[subprocess.Popen, str, float]:
+    """Start `inferflow serve` (its output to the file ``log``, else discarded) and time process
+    start -> first streamed token."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     cmd = [
@@ -199,7 +202,11 @@ def start_server(spec: str | None, extra: list[str]) -> tuple[subprocess.Popen, 
         *extra,
     ]
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    if log:
+        with open(log, "w") as sink:  # (the child keeps its own descriptor)
+            proc = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT)
+    else:
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     while True:
         try:
             with httpx.stream(
@@ -280,6 +287,7 @@ def main() -> int:
     ap.add_argument("--url", default=None, help="a running server (default: start one)")
     ap.add_argument("--spec", default=None)
     ap.add_argument("--server-args", default="", help="extra `inferflow serve` flags")
+    ap.add_argument("--server-log", default=None, help="write the server's output to this file")
     args = ap.parse_args()
     if args.limits and args.url:
         ap.error("--limits samples the server process: leave out --url")
@@ -289,7 +297,7 @@ def main() -> int:
     url = args.url
     server_args = shlex.split(args.server_args)
     if url is None:
-        proc, url, startup = start_server(args.spec, server_args)
+        proc, url, startup = start_server(args.spec, server_args, args.server_log)
     peak, after = [0], {}
     try:
         load.max_model_len = httpx.get(f"{url}/v1/models").json()["data"][0]["max_model_len"]

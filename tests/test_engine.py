@@ -101,6 +101,33 @@ def test_preemption_when_kv_cache_is_small(model) -> None:
     assert eng.cache.alloc.num_free == free0
 
 
+def test_preempted_requests_do_not_fill_the_waiting_bound(model) -> None:
+    """--max-waiting bounds requests not yet started: a running request preempted back into
+    the queue was admitted already, so a new one is still accepted (the server's admission
+    check counts the same way; before, such a request failed after a 200 with "engine
+    failed")."""
+    h = model.spec.hparams
+    per_block = 2 * h.n_layers * 16 * h.n_kv_heads * h.head_dim * 4
+    eng = _engine(model, kv_cache_bytes=4 * per_block, max_batched_tokens=128, max_waiting=1)
+    params = SamplingParams(max_new_tokens=30, ignore_eos=True)  # 60 tokens: 4 blocks each
+    prompts = [[7] * 30, [9] * 30, [5] * 3]
+    reqs = []
+    for p in prompts[:2]:
+        reqs.append(eng.requests[eng.add_request(p, params)][0])
+        eng.step()  # (it starts: the queue has room for the next)
+    while not eng.scheduler.preemptions:
+        eng.step()
+    assert len(eng.scheduler.waiting) == 1 and eng.scheduler.queued == 0
+    reqs.append(eng.requests[eng.add_request(prompts[2], params)][0])
+    with pytest.raises(QueueFull):  # the bound still holds for new requests
+        eng.add_request([6], params)
+    while eng.has_unfinished():
+        eng.step()
+    for r, p in zip(reqs, prompts, strict=True):
+        assert r.finish_reason == "length" and r.output_ids == _alone(model, p, params)
+    assert eng.scheduler.queued == 0 and eng.cache.alloc.num_free == 4
+
+
 def test_prefix_caching_shares_blocks_and_keeps_outputs(model) -> None:
     shared = _prompts(1, seed=11)[0] * 3  # > 2 blocks of common prefix
     prompts = [shared + [1, 2], shared + [3]]

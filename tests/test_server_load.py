@@ -32,7 +32,7 @@ SERVER = "--kv-cache-memory 16MiB --max-waiting 6"
 
 def _benchmark(script: str, *args: str) -> str:
     """Run benchmarks/``script`` with ``args``; its table (printed: pytest -s shows it), after
-    asserting it exited 0."""
+    asserting it exited 0 (else the failure shows the end of ``--server-log``, if given)."""
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
@@ -42,7 +42,9 @@ def _benchmark(script: str, *args: str) -> str:
         cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900, check=False
     )
     print(r.stdout)
-    assert r.returncode == 0, r.stdout + r.stderr[-5000:]
+    log = Path(args[args.index("--server-log") + 1]) if "--server-log" in args else None
+    server = log.read_text()[-5000:] if log and log.exists() else ""
+    assert r.returncode == 0, r.stdout + r.stderr[-5000:] + "\nserver output:\n" + server
     return r.stdout
 
 
@@ -53,7 +55,7 @@ def test_128_clients_served_or_refused_within_memory_bound(tmp_path: Path) -> No
         "serve_load.py",
         *("--limits", "--clients", "128", "--requests-per-client", "1"),
         *("--prompt-words", "60-140", "--max-tokens", "16-40", "--kill-fraction", "0.25"),
-        *("--server-args", SERVER, "--json", str(out)),
+        *("--server-args", SERVER, "--json", str(out), "--server-log", str(tmp_path / "log")),
     )
     res = json.loads(out.read_text())
     assert res["sent"] == 128 and res["lost"] == 0

@@ -21,6 +21,7 @@ class Request:
     output_ids: list[int] = field(default_factory=list)
     kv: SeqBlocks = field(default_factory=SeqBlocks)
     status: str = WAITING
+    started: bool = False  # has run (a preempted request waits again, already admitted)
     finish_reason: str | None = None
     detok: Any = None  # incremental decoder when the engine has a tokenizer
     text: str = ""  # decoded output so far

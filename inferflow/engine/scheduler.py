@@ -44,19 +44,23 @@ class Scheduler:
         # chunks start at multiples of max_batched_tokens, later tokens go one at a time)
         self.fixed_chunks = fixed_chunks
         self.waiting: deque[Request] = deque()
+        self.queued = 0  # requests in ``waiting`` that never ran (preempted ones come back too)
         self.running: list[Request] = []
         self.preemptions = 0
 
     def add(self, req: Request) -> None:
-        if len(self.waiting) >= self.cfg.max_waiting:
+        """Queue a new request. ``max_waiting`` bounds the new requests not yet started; one
+        preempted back into ``waiting`` was admitted already and does not count."""
+        if self.queued >= self.cfg.max_waiting:
             raise QueueFull(
                 f"the waiting queue is full ({self.cfg.max_waiting} requests); retry later"
             )
         self.waiting.append(req)
+        self.queued += 1
 
     def join(self, req: Request) -> None:
         """A fork (a sample or beam sharing a running request's blocks) runs from now on."""
-        req.status = RUNNING
+        req.status, req.started = RUNNING, True
         self.running.append(req)
 
     def remove(self, req: Request) -> None:
@@ -64,6 +68,8 @@ class Scheduler:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
+            if not req.started:
+                self.queued -= 1
         self.cache.release(req.kv)
 
     def _preempt(self, victim: Request) -> None:
@@ -106,7 +112,9 @@ class Scheduler:
                 self.cache.release(req.kv)  # drop shared prefix blocks; retried next step
                 break
             self.waiting.popleft()
-            req.status = RUNNING
+            if not req.started:
+                self.queued -= 1
+            req.status, req.started = RUNNING, True
             self.running.append(req)
             out.append(
                 Scheduled(

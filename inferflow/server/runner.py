@@ -93,7 +93,7 @@ class EngineRunner:
                 f"prompt: {len(prompts)} prompts exceed the waiting queue's bound "
                 f"(--max-waiting {bound}); send at most {bound} per request"
             )
-        waiting = len(self.engine.scheduler.waiting) + self.posted - self.taken
+        waiting = self.engine.scheduler.queued + self.posted - self.taken
         if waiting + len(prompts) > bound:
             raise QueueFull(
                 f"the waiting queue is full ({waiting} of {bound} requests waiting, "
@@ -174,18 +174,19 @@ class EngineRunner:
             if kind == "add":
                 assert self.engine is not None
                 _, rid, ids, params = msg
-                self.taken += 1
                 try:
                     self.engine.add_request(ids, params, request_id=rid)
                     self.metrics.prompt_tokens.inc(len(ids))
-                except Exception as e:  # QueueFull after the check raced, or a bad request
-                    log.warning("request %s refused: %s", rid, e)
+                except Exception as e:  # (submit checked it: a bug, not the client's doing)
+                    log.exception("request %s could not be queued: %s", rid, e)
                     self._deliver(
                         [
                             RequestOutput(rid, [], "", True, "error", index=i)
                             for i in range(params.n)
                         ]
                     )
+                finally:  # (after the add: submit's count never sees the request in neither)
+                    self.taken += 1
             elif kind == "abort" and self.engine is not None:
                 self.engine.abort(msg[1])
             elif kind == "abort_all" and self.engine is not None:

@@ -72,6 +72,19 @@ def test_validate_prints_resolved_spec() -> None:
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert out["hparams"]["n_kv_heads"] == 3 and out["hparams"]["attention_kind"] == "GQA"
+    # every tensor of the GGUF bound by name and shape (30 layers x 9, embedding, final norm)
+    assert out["binding"]["checkpoint_tensors"] == 272
+
+
+def test_validate_binds_the_checkpoint(tmp_path: Path) -> None:
+    """validate builds the network on the meta device and binds the checkpoint: a spec whose
+    network does not match its checkpoint fails there, naming the tensors."""
+    smollm2_path()
+    spec = tmp_path / "untied.yaml"
+    spec.write_text("base: smollm2-135m-instruct\nname: untied\nnetwork: {output: {tied: false}}\n")
+    r = run_cli("validate", str(spec))
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert "lacks 1 tensor(s) the network needs: dec.output.weight" in r.stderr
 
 
 def test_inspect_lists_tensors_and_metadata() -> None:

@@ -3,18 +3,25 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
-from inferflow.blocks.linear import Linear
+from inferflow.blocks.linear import Embedding, Linear
 from inferflow.engine.generate import new_cache, prefill
+from inferflow.errors import WeightBindingError
 from inferflow.loaders import open_files
+from inferflow.model import build
+from inferflow.model.binding import plan_weights
+from inferflow.model.materialise import materialise
+from inferflow.model.names import NameMap
 from inferflow.quant import quantize
-from inferflow.quant.apply import _stack_rows, keep_checkpoint
+from inferflow.quant.apply import stack_rows
 from inferflow.quant.linear import QuantLinear
 from inferflow.quant.tensor import QuantTensor
 from inferflow.runtime import load
 from inferflow.spec import load_spec
+from inferflow.spec.types import MapEntry, TensorsSpec
 from tests.conftest import smollm2_path
 
 
@@ -63,27 +70,74 @@ def _q(rows: int, fmt: str, seed: int) -> tuple[torch.Tensor, object]:
 
 def test_stack_rows_concatenates_one_format_only() -> None:
     (_, qa), (_, qb) = _q(16, "Q4_1", 1), _q(8, "Q4_1", 2)
-    both = _stack_rows({0: qa, 16: qb}, 24)  # type: ignore[dict-item]
+    both = stack_rows({0: qa, 16: qb}, 24)  # type: ignore[dict-item]
     assert both is not None and both.shape == (24, 64)
     assert torch.equal(both.dequantize(), torch.cat([qa.dequantize(), qb.dequantize()]))  # type: ignore[attr-defined]
     _, q8 = _q(8, "Q8_0", 3)
-    assert _stack_rows({0: qa, 16: q8}, 24) is None  # type: ignore[dict-item]  mixed formats
-    assert _stack_rows({0: qa}, 24) is None  # type: ignore[dict-item]  rows missing
+    assert stack_rows({0: qa, 16: q8}, 24) is None  # type: ignore[dict-item]  mixed formats
+    assert stack_rows({0: qa}, 24) is None  # type: ignore[dict-item]  rows missing
 
 
-def test_keep_checkpoint_skips_slow_formats_and_mixed_shards() -> None:
-    model = nn.Module()
-    for name, inp in (("fast", 64), ("mixed", 64), ("slow", 256)):
-        model.add_module(name, Linear(inp, 24))
-    (_, a), (_, b), (_, c) = _q(16, "Q4_1", 1), _q(8, "Q4_1", 2), _q(8, "Q8_0", 3)
-    # Q6_K (16-weight groups) has no int4pack view: dequantize-per-call would be slower than float
-    q6 = QuantTensor(torch.zeros(24 * 210, dtype=torch.uint8), "Q6_K", (24, 256))
-    quantized = {
-        "fast.weight": {0: a, 16: b},
-        "mixed.weight": {0: a, 16: c},
-        "slow.weight": {0: q6},
+class _DictSource:
+    """A checkpoint held in a dict (the WeightSource calls materialise makes)."""
+
+    metadata: dict[str, object] = {}
+
+    def __init__(self, tensors: dict[str, torch.Tensor | QuantTensor]) -> None:
+        self.tensors, self.reads = tensors, 0
+
+    def names(self) -> list[str]:
+        return list(self.tensors)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.tensors[name].shape)
+
+    def get(self, name: str) -> torch.Tensor | QuantTensor:
+        self.reads += 1
+        return self.tensors[name]
+
+
+def test_materialise_keeps_fast_formats_only_and_reads_the_rest() -> None:
+    """On a network built on the meta device: a Linear whose checkpoint weight is stored whole
+    in a fast (int4pack) format becomes a QuantLinear over those very blocks; a slow format
+    (Q6_K) and a float weight are read into float parameters equal to the checkpoint's values;
+    a quantized embedding keeps its blocks and looks up exactly the dequantized rows."""
+    with build._meta_parameters():
+        model = nn.Module()
+        for name, inp in (("fast", 64), ("plain", 64), ("slow", 256)):
+            model.add_module(name, Linear(inp, 24, bias=name == "fast"))
+        model.add_module("table", Embedding(24, 64))
+    assert all(p.is_meta for p in model.parameters())
+    (_, a), (_, b) = _q(16, "Q4_1", 1), _q(8, "Q4_1", 2)
+    q4 = QuantTensor(torch.cat([a.data, b.data]), "Q4_1", (24, 64))
+    # Q6_K (no writer here): random codes and sub-scales, each block's f16 d (last 2 bytes) set
+    raw = torch.randint(0, 256, (24, 210), dtype=torch.uint8, generator=torch.Generator())
+    raw[:, 208:] = torch.tensor([0.01], dtype=torch.float16).view(torch.uint8)
+    q6 = QuantTensor(raw.reshape(-1), "Q6_K", (24, 256))
+    assert q6.dequantize().abs().sum() > 0
+    plain, bias = torch.randn(24, 64), torch.randn(24)
+    src = {
+        "fast.weight": q4,
+        "fast.bias": bias,
+        "plain.weight": plain,
+        "slow.weight": q6,
+        "table.weight": a,  # 16 rows: does not fit 24
     }
-    report = keep_checkpoint(model, quantized)  # type: ignore[arg-type]
+    names = NameMap(TensorsSpec(map=tuple(MapEntry(k, k) for k in src)))
+    with pytest.raises(WeightBindingError, match=r"table.weight: shape \[16, 64\] does not fit"):
+        plan_weights(model, _DictSource(src), names)  # (checked before anything is read)
+    src["table.weight"] = q4
+    source = _DictSource(src)
+    plan = plan_weights(model, source, names)
+    assert source.reads == 0  # planning reads names and shapes only
+    assert materialise(model, source, plan, keep=True) == 1
     assert isinstance(model.fast, QuantLinear) and model.fast.format == "Q4_1"
-    assert isinstance(model.mixed, Linear) and isinstance(model.slow, Linear)
-    assert [r.path for r in report.layers] == ["fast"]
+    x = torch.randn(3, 64)
+    want = x.bfloat16().float() @ q4.dequantize().t() + bias
+    assert (model.fast(x) - want).abs().max() <= 2**-6 * want.abs().max()
+    assert type(model.plain) is Linear and torch.equal(model.plain.weight, plain)
+    assert type(model.slow) is Linear and torch.equal(model.slow.weight, q6.dequantize())
+    ids = torch.tensor([[5, 0], [23, 5]])
+    assert model.table.blocks is q4 and not hasattr(model.table, "weight")
+    assert torch.equal(model.table(ids), q4.dequantize()[ids])
+    assert not any(p.is_meta for p in model.parameters())

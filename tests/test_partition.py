@@ -19,6 +19,7 @@ from inferflow.engine.kv_cache import PagedKVCache, SeqBlocks
 from inferflow.engine.sampling import SamplingParams
 from inferflow.errors import InferflowError, SpecError
 from inferflow.model.batch import FlatBatch, NoCache, SeqSlice
+from inferflow.model.binding import set_param
 from inferflow.model.build import build_network, held_elsewhere, load_model
 from inferflow.parallel.layout import Layout, parse_devices, resolve_layout
 from inferflow.parallel.runtime import launch, stack_part, weight_bytes
@@ -341,15 +342,14 @@ def test_relative_bias_on_every_stage(specs: dict[str, Spec]) -> None:
 
     rel = with_position("relative")
     layout = resolve_layout(PartitionSpec(devices="cpu;cpu"), rel)
-    whole = build_network(rel)
+    whole = build_network(rel)  # (parameters on the meta device: random values here)
     g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for t in whole.parameters():
-            t.copy_(torch.randn(t.shape, generator=g) * 0.2)
+    for name, t in list(whole.named_parameters()):
+        set_param(whole, name, torch.randn(t.shape, generator=g) * 0.2)
     state = whole.state_dict()
     parts = [build_network(rel, part=stack_part(layout, r)) for r in range(2)]
     for part in parts:
-        part.load_state_dict({k: state[k] for k in part.state_dict()})
+        part.load_state_dict({k: state[k] for k in part.state_dict()}, assign=True)
         assert isinstance(part.dec.pos_embed, RelativeBias)
     ids = torch.tensor([3, 1, 4, 1, 5, 9, 2, 6])
     batch = FlatBatch(ids, torch.arange(len(ids)), [SeqSlice(0, len(ids))], [NoCache()])

@@ -10,6 +10,9 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from inferflow.errors import QuantError
+from inferflow.quant.tensor import QuantTensor
+
 
 class Linear(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
@@ -23,9 +26,33 @@ class Linear(nn.Module):
 
 
 class Embedding(nn.Module):
+    """A lookup table: a float ``weight``, or (``keep_blocks``) a checkpoint's quantized rows,
+    of which a lookup dequantizes only those it reads (the same values as the float table)."""
+
     def __init__(self, num: int, dim: int) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(num, dim))
+        self.blocks: QuantTensor | None = None
+        self.dtype = self.weight.dtype
+
+    def keep_blocks(self, table: QuantTensor) -> None:
+        """Serve lookups from ``table`` (num, dim); the float ``weight`` goes."""
+        if tuple(table.shape) != tuple(self.weight.shape):
+            raise QuantError(
+                f"embedding blocks of shape {list(table.shape)} for a table of "
+                f"{list(self.weight.shape)}"
+            )
+        self.blocks = table
+        del self.weight
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cpu") if self.blocks is not None else self.weight.device
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(ids, self.weight)
+        if self.blocks is None:
+            return F.embedding(ids, self.weight)
+        num, dim = self.blocks.shape
+        rows = self.blocks.data.reshape(num, -1)[ids.reshape(-1)]  # (N, bytes per row)
+        picked = QuantTensor(rows, self.blocks.format, (rows.shape[0], dim))
+        return picked.dequantize(self.dtype).reshape(*ids.shape, dim)

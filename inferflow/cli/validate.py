@@ -1,4 +1,5 @@
-"""``inferflow validate SPEC``: check a spec and print it resolved against its checkpoint."""
+"""``inferflow validate SPEC``: check a spec, bind its checkpoint by name and shape (on the meta
+device: no tensor data is read) and print the spec resolved against the checkpoint."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from inferflow.model.build import check_binding
 from inferflow.spec import load_spec
 
 
@@ -35,7 +37,9 @@ def _plain(x: Any) -> Any:
 
 def run(args: argparse.Namespace) -> int:
     spec = load_spec(args.spec)
+    plan = check_binding(spec)  # a WeightBindingError names every tensor that does not bind
     out = _plain(spec)
     out["hparams"]["attention_kind"] = spec.hparams.attention_kind
+    out["binding"] = {"checkpoint_tensors": len(plan.consumed), "parameters": len(plan.parts)}
     print(json.dumps(out, indent=2, ensure_ascii=False))
     return 0

@@ -1,11 +1,19 @@
-"""Strict weight binding: every checkpoint tensor lands in exactly one parameter (rows), and
-every parameter is filled, or a WeightBindingError names what is missing or unused."""
+"""Strict weight binding in two passes over a network built on the meta device.
+
+``plan_weights`` maps every checkpoint tensor to exactly one parameter (or a row range of one)
+and checks every shape on meta tensors, reading no data: a missing, unused or mis-shaped tensor
+is a WeightBindingError naming it. ``materialise`` then gives each parameter its storage once,
+in its final form: a linear weight the checkpoint stores in blocks a fast kernel reads becomes a
+QuantLinear over those blocks (no float copy), everything else is read, dequantized and copied
+into a tensor of the run dtype. Nothing holds a second copy of the model.
+"""
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -44,17 +52,36 @@ def _listing(names: list[str]) -> str:
     return head + (f", ... and {len(names) - _SHOW} more" if len(names) > _SHOW else "")
 
 
-class _Target:
+class _Target(NamedTuple):
     """Where one canonical tensor goes: a parameter, optionally a row range, optionally a reorder."""
 
-    def __init__(
-        self,
-        param: str,
-        rows: slice | None,
-        shard: str | None,
-        prepare: Callable[[torch.Tensor], torch.Tensor] | None,
-    ) -> None:
-        self.param, self.rows, self.shard, self.prepare = param, rows, shard, prepare
+    param: str
+    rows: slice | None
+    shard: str | None
+    prepare: Callable[[torch.Tensor], torch.Tensor] | None
+
+
+class Bound(NamedTuple):
+    """One checkpoint tensor and the (part of a) parameter it fills."""
+
+    name: str  # the checkpoint's
+    canon: str
+    transpose: bool
+    target: _Target
+    as_stored: bool  # lands unchanged: no transpose, reorder or tensor-parallel slice
+
+
+@dataclass
+class WeightPlan:
+    """Checkpoint tensors per parameter (in row order), and every checkpoint name consumed
+    (those another rank holds included)."""
+
+    parts: dict[str, list[Bound]] = field(default_factory=dict)
+    consumed: set[str] = field(default_factory=set)
+
+
+class _Misfit(Exception):
+    pass
 
 
 def _resolve(model: nn.Module, params: dict[str, nn.Parameter], canon: str) -> _Target | None:
@@ -84,24 +111,47 @@ def _take_slice(model: nn.Module, param: str, shard: str | None, t: torch.Tensor
     return t if take is None else take(path[1], path[2], shard, t)
 
 
-def bind_weights(
+def _fit(model: nn.Module, b: Bound, t: torch.Tensor, dest: torch.Size) -> torch.Tensor:
+    """Checkpoint tensor ``t`` as its destination (of shape ``dest``) takes it. The same steps
+    check every shape on meta tensors before any data is read."""
+    if b.transpose:
+        t = t.t()
+    if b.target.prepare is not None:
+        try:
+            t = b.target.prepare(t)
+        except RuntimeError:  # a reorder that cannot view the tensor: a wrong shape
+            raise _Misfit(
+                f"{b.name}: shape {list(t.shape)} does not fit the fused {b.canon}"
+            ) from None
+    whole = t
+    t = _take_slice(model, b.target.param, b.target.shard, t)
+    if t.shape != dest and t.squeeze().shape == torch.empty(dest, device="meta").squeeze().shape:
+        t = t.reshape(dest)  # e.g. BART's final_logits_bias, stored (1, vocab)
+    if t.shape != dest:
+        cut = "" if t is whole else f" (this rank's part of {list(whole.shape)})"
+        raise _Misfit(
+            f"{b.name}: shape {list(t.shape)}{cut} does not fit {b.canon} of shape {list(dest)}"
+        )
+    return t
+
+
+def _dest_shape(param: torch.Tensor, rows: slice | None) -> torch.Size:
+    return param.shape if rows is None else param[rows].shape
+
+
+def plan_weights(
     model: nn.Module,
     source: WeightSource,
     name_map: NameMap,
-    quantized: dict[str, dict[int, QuantTensor]] | None = None,
     elsewhere: Callable[[str], bool] | None = None,
-) -> set[str]:
-    """Copy the checkpoint into the model's parameters; returns the checkpoint names consumed.
+) -> WeightPlan:
+    """Which checkpoint tensors fill which parameters, every shape checked, no data read.
 
-    With ``quantized``, every checkpoint tensor stored quantized that lands unchanged (no
-    transpose, reorder or tensor-parallel slice) in a parameter is also recorded there as
-    ``{param: {first row: QuantTensor}}``, so a caller can keep the blocks
-    (inferflow.quant.apply.keep_checkpoint). ``elsewhere(canonical name)``: tensors another rank
-    of a partitioned model holds; they are neither read nor reported unused.
-    """
+    ``elsewhere(canonical name)``: tensors another rank of a partitioned model holds; they are
+    neither read nor reported unused."""
     params = dict(model.named_parameters())
+    plan = WeightPlan()
     filled: dict[str, set[str | None]] = {}
-    consumed: set[str] = set()
     unused: list[str] = []
     errors: list[str] = []
     for name in source.names():
@@ -112,47 +162,38 @@ def bind_weights(
             continue
         canon, transpose = mapped
         if elsewhere is not None and elsewhere(canon):
-            consumed.add(name)
+            plan.consumed.add(name)
             continue
         target = _resolve(model, params, canon)
         if target is None:
             unused.append(f"{name} (as {canon})")
             continue
-        shard_key = target.shard
-        if shard_key in filled.get(target.param, set()):
+        if target.shard in filled.get(target.param, set()):
             errors.append(f"{name}: {canon} is given twice")
             continue
-        w = source.get(name)
-        t = w.dequantize() if isinstance(w, QuantTensor) else w
-        if transpose:
-            t = t.t()
-        param = params[target.param]
-        dest = param.data if target.rows is None else param.data[target.rows]
-        if target.prepare is not None:
-            try:
-                t = target.prepare(t)
-            except RuntimeError:  # a reorder that cannot view the tensor: a wrong shape
-                errors.append(f"{name}: shape {list(t.shape)} does not fit the fused {canon}")
-                continue
-        whole = t
-        t = _take_slice(model, target.param, target.shard, t)
-        if t.shape != dest.shape and t.squeeze().shape == dest.squeeze().shape:
-            t = t.reshape(dest.shape)  # e.g. BART's final_logits_bias, stored (1, vocab)
-        if tuple(t.shape) != tuple(dest.shape):
-            cut = "" if t is whole else f" (this rank's part of {list(whole.shape)})"
-            errors.append(
-                f"{name}: shape {list(t.shape)}{cut} does not fit {canon} of shape "
-                f"{list(dest.shape)}"
-            )
+        b = Bound(name, canon, transpose, target, False)
+        meta = torch.empty(source.shape(name), device="meta")
+        dest = _dest_shape(params[target.param], target.rows)
+        try:
+            fitted = _fit(model, b, meta, dest)
+        except _Misfit as e:
+            errors.append(str(e))
             continue
-        with torch.no_grad():
-            dest.copy_(t)
-        if quantized is not None and isinstance(w, QuantTensor) and not transpose:
-            if target.prepare is None and t is whole:
-                first = 0 if target.rows is None else target.rows.start
-                quantized.setdefault(target.param, {})[first] = w
-        filled.setdefault(target.param, set()).add(shard_key)
-        consumed.add(name)
+        plan.parts.setdefault(target.param, []).append(b._replace(as_stored=fitted is meta))
+        filled.setdefault(target.param, set()).add(target.shard)
+        plan.consumed.add(name)
+    for parts in plan.parts.values():  # row order: how stacked blocks are concatenated
+        parts.sort(key=lambda b: 0 if b.target.rows is None else b.target.rows.start)
+    _report(params, filled, errors, unused)
+    return plan
+
+
+def _report(
+    params: dict[str, nn.Parameter],
+    filled: dict[str, set[str | None]],
+    errors: list[str],
+    unused: list[str],
+) -> None:
     missing: list[str] = []
     unfilled: set[str] = set()
     for pname in params:
@@ -190,5 +231,39 @@ def bind_weights(
             "; ".join(problems) + " (check network.tensors (map / ignore) and settings such as "
             "attention.bias, output.tied, hparams)"
         )
-    log.debug("bound %d checkpoint tensors into %d parameters", len(consumed), len(params))
-    return consumed
+
+
+def stored_blocks(source: WeightSource, parts: Sequence[Bound], rows: int) -> QuantTensor | None:
+    """The checkpoint's own blocks for a whole parameter of ``rows`` rows, when every part is
+    stored quantized in one format and lands as stored; else None."""
+    if not parts or not all(b.as_stored for b in parts):
+        return None
+    blocks: dict[int, QuantTensor] = {}
+    for b in parts:
+        w = source.get(b.name)
+        if not isinstance(w, QuantTensor):
+            return None
+        blocks[0 if b.target.rows is None else b.target.rows.start] = w
+    from inferflow.quant.apply import stack_rows
+
+    return stack_rows(blocks, rows)
+
+
+def read_param(
+    model: nn.Module, source: WeightSource, param: nn.Parameter, parts: Sequence[Bound]
+) -> torch.Tensor:
+    """The parameter's values, read from the checkpoint into one tensor of its dtype."""
+    out = torch.empty(param.shape, dtype=param.dtype)
+    for b in parts:
+        w = source.get(b.name)
+        t = w.dequantize() if isinstance(w, QuantTensor) else w
+        dest = out if b.target.rows is None else out[b.target.rows]
+        with torch.no_grad():
+            dest.copy_(_fit(model, b, t, dest.shape))
+    return out
+
+
+def set_param(model: nn.Module, pname: str, value: torch.Tensor) -> None:
+    path, _, leaf = pname.rpartition(".")
+    module = model.get_submodule(path) if path else model
+    module._parameters[leaf] = nn.Parameter(value, requires_grad=False)

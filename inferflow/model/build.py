@@ -8,16 +8,17 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
+from torch import nn
 
 from inferflow.blocks import POSITIONS
 from inferflow.errors import SpecError
 from inferflow.loaders import open_files
-from inferflow.model.binding import bind_weights
+from inferflow.model.binding import WeightPlan, plan_weights
 from inferflow.model.decoder import DecoderOnly
 from inferflow.model.encoder import EncoderDecoder, EncoderOnly
+from inferflow.model.materialise import materialise
 from inferflow.model.names import NameMap
 from inferflow.model.stack import StackPart
-from inferflow.quant.tensor import QuantTensor
 from inferflow.registry import Registry
 from inferflow.spec.types import QuantSpec, Spec
 
@@ -55,10 +56,30 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(saved)
 
 
+@contextmanager
+def _meta_parameters() -> Iterator[None]:
+    """Every parameter registered meanwhile lives on the meta device (shape and dtype, no
+    storage: binding gives each its storage once, in its final form); buffers such as rope
+    frequencies are computed as usual (accelerate's init_empty_weights does the same)."""
+    register = nn.Module.register_parameter
+
+    def on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        if param is not None and param.device.type != "meta":
+            param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        register(module, name, param)
+
+    nn.Module.register_parameter = on_meta  # type: ignore[method-assign,assignment]
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register  # type: ignore[method-assign]
+
+
 def build_network(
     spec: Spec, dtype: torch.dtype = torch.float32, part: StackPart | None = None
 ) -> BuiltNetwork:
-    with _default_dtype(dtype):
+    """The network with its parameters on the meta device (``load_model`` fills them)."""
+    with _default_dtype(dtype), _meta_parameters():
         if part is not None:  # one rank's share of a partitioned decoder (inferflow.parallel)
             return DecoderOnly(spec, part)
         return NETWORKS.get(spec.network.type)(spec)
@@ -85,6 +106,18 @@ def held_elsewhere(part: StackPart, spec: Spec) -> Callable[[str], bool]:
     return elsewhere
 
 
+def check_binding(spec: Spec) -> WeightPlan:
+    """Build the network on the meta device and bind every checkpoint tensor by name and shape,
+    reading no tensor data (what ``inferflow validate`` runs): a WeightBindingError names every
+    missing, unused or mis-shaped tensor."""
+    model = build_network(spec)
+    source = open_files(spec.source.format, spec.source.files)
+    try:
+        return plan_weights(model, source, NameMap(spec.network.tensors))
+    finally:
+        source.close()
+
+
 def load_model(
     spec: Spec,
     dtype: torch.dtype = torch.float32,
@@ -99,17 +132,12 @@ def load_model(
     elsewhere = None if part is None else held_elsewhere(part, spec)
     q = spec.quant if quant is None else quant
     # a runtime format replaces the checkpoint's own quantization everywhere
-    keep: dict[str, dict[int, QuantTensor]] | None = (
-        {} if q.weights is None and q.checkpoint == "keep" else None
-    )
+    keep = q.weights is None and q.checkpoint == "keep"
     ties = tuple(getattr(model, "tied_outputs", ()))
     source = open_files(spec.source.format, spec.source.files)
     try:
-        bind_weights(model, source, NameMap(spec.network.tensors), keep, elsewhere)
-        if keep:
-            from inferflow.quant.apply import keep_checkpoint
-
-            keep_checkpoint(model, keep, ties, q.kernel)
+        plan = plan_weights(model, source, NameMap(spec.network.tensors), elsewhere)
+        materialise(model, source, plan, keep, q.kernel, ties)
     finally:
         source.close()
     if q.weights or q.overrides:

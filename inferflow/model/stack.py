@@ -219,7 +219,7 @@ class Stack(nn.Module):
         # the table may stay in host memory (partition.embeddings: host); the batch is on the
         # device that computes
         ids = batch.token_ids
-        x = self.embedding(ids.to(self.embedding.weight.device)).to(ids.device)  # (N, hidden)
+        x = self.embedding(ids.to(self.embedding.device)).to(ids.device)  # (N, hidden)
         if self.embed_scale is not None:
             x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
         pe = self.pos_embed.embed(batch.positions)

@@ -24,7 +24,7 @@ from torch import nn
 from inferflow.blocks.linear import Linear
 from inferflow.errors import QuantError
 from inferflow.quant import QuantTensor, get_format, quantize
-from inferflow.quant.linear import QuantLinear, select_kernel
+from inferflow.quant.linear import QuantLinear
 
 log = logging.getLogger(__name__)
 
@@ -112,7 +112,7 @@ def _set(model: nn.Module, path: str, module: nn.Module) -> None:
     setattr(model.get_submodule(parent) if parent else model, name, module)
 
 
-def _forget_fused(model: nn.Module) -> None:
+def forget_fused(model: nn.Module) -> None:
     """Stacks decide on their one-call decode at first use; a stack that ran before its layers
     were swapped decides again."""
     from inferflow.model.stack import Stack
@@ -122,7 +122,7 @@ def _forget_fused(model: nn.Module) -> None:
             m.forget_fused()
 
 
-def _stack_rows(parts: dict[int, QuantTensor], rows: int) -> QuantTensor | None:
+def stack_rows(parts: dict[int, QuantTensor], rows: int) -> QuantTensor | None:
     """Row blocks of one parameter as one QuantTensor, or None unless they are of one format
     and cover all ``rows`` in order (a fused q/k/v with a Q6_K v among Q4_K stays float)."""
     starts = sorted(parts)
@@ -137,44 +137,6 @@ def _stack_rows(parts: dict[int, QuantTensor], rows: int) -> QuantTensor | None:
         return ordered[0]
     data = torch.cat([p.data.reshape(p.shape[0], -1) for p in ordered])
     return QuantTensor(data, fmt, (rows, ordered[0].shape[1]))
-
-
-def keep_checkpoint(
-    model: nn.Module,
-    quantized: dict[str, dict[int, QuantTensor]],
-    tie_outputs: Sequence[tuple[str, str]] = (),
-    kernel: str | None = None,
-) -> QuantReport:
-    """Give every ``Linear`` whose checkpoint weight was stored quantized (as recorded by
-    ``bind_weights(quantized=...)``) a QuantLinear over those very blocks, where the format has
-    the fast int4pack kernel; other formats (e.g. Q6_K, Q2_K) stay dequantized float, which is
-    faster on CPU than their dequantize-per-call path. A tied head whose embedding was stored
-    quantized gets a QuantLinear over the embedding's blocks (the embedding stays float)."""
-    layers: list[LayerReport] = []
-    heads = dict(tie_outputs)
-    for pname, parts in quantized.items():
-        path, _, leaf = pname.rpartition(".")
-        mod = model.get_submodule(path)
-        targets: list[tuple[str, Linear | None]] = []
-        if isinstance(mod, Linear) and leaf == "weight":
-            targets.append((path, mod))
-        targets += [(h, None) for h, e in heads.items() if e == path and leaf == "weight"]
-        for target, lin in targets:
-            rows = lin.out_features if lin is not None else model.get_parameter(pname).shape[0]
-            qt = _stack_rows(parts, rows)
-            if qt is None or select_kernel(qt.qformat) != "int4pack":
-                continue
-            if lin is None and _get(model, target) is not None:
-                continue  # the head is not tied after all
-            q = QuantLinear(qt, None if lin is None else lin.bias, kernel)
-            _set(model, target, q)
-            before = 0 if lin is None else lin.weight.nbytes  # a tied head's bytes are extra
-            shape = (qt.shape[0], qt.shape[1])
-            layers.append(LayerReport(target, shape, qt.format, q.kernel_name, before, q.nbytes))
-    _forget_fused(model)
-    report = QuantReport(layers)
-    log.info("kept %d checkpoint-quantized linear layers in their blocks", len(layers))
-    return report
 
 
 def _get(model: nn.Module, path: str) -> nn.Module | None:
@@ -212,7 +174,7 @@ def quantize_model(model: nn.Module, policy: QuantPolicy) -> QuantReport:
         # the embedding stays float, so the head's bytes are all extra
         shape = (weight.shape[0], weight.shape[1])
         layers.append(LayerReport(head, shape, fmt, q.kernel_name, 0, q.nbytes))
-    _forget_fused(model)
+    forget_fused(model)
     report = QuantReport(layers)
     n = sum(r.format is not None for r in layers)
     log.info(

@@ -66,6 +66,7 @@ TILE_BYTES = 4 << 20  # float32 rows dequantized at once by the ``dequant`` kern
 INT4_GROUPS = (32, 64, 128, 256)  # group sizes _weight_int4pack_mm_for_cpu accepts
 _INT4_ROWS = 16  # _convert_weight_to_int4pack_for_cpu needs out_features % 16 == 0: pad
 _CHECK_BLOCKS = 64  # blocks compared against the codec when a layer is built
+_CHUNK_ROWS = 1024  # rows repacked at a time (a multiple of _INT4_ROWS)
 
 Kernel = Callable[[torch.Tensor], torch.Tensor]  # (M, in) -> (M, out), same dtype
 
@@ -171,9 +172,19 @@ def affine_parts(w: QuantTensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
     view = AFFINE_VIEWS.get(w.format)
     fmt = w.qformat
     rows, cols = w.shape
-    codes, scale, mn = view.unpack(w.data.reshape(-1, fmt.bytes_per_block))
     g = cols // view.group
-    return codes.reshape(rows, cols), scale.reshape(rows, g), mn.reshape(rows, g)
+    codes = torch.empty(rows, cols, dtype=torch.uint8)
+    scale, mn = torch.empty(rows, g), torch.empty(rows, g)
+    blocks = w.data.reshape(rows, -1)
+    for r in range(0, rows, _CHUNK_ROWS):  # (the unpacking's temporaries stay a chunk's size)
+        c, s, m = view.unpack(blocks[r : r + _CHUNK_ROWS].reshape(-1, fmt.bytes_per_block))
+        n = c.numel() // cols
+        codes[r : r + n], scale[r : r + n], mn[r : r + n] = (
+            c.reshape(n, cols),
+            s.reshape(n, g),
+            m.reshape(n, g),
+        )
+    return codes, scale, mn
 
 
 def _view_matches(w: QuantTensor, view: AffineView) -> bool:
@@ -238,22 +249,32 @@ def pack_int4(
     """
     view = AFFINE_VIEWS.get(w.format)
     codes, scale, mn = affine or affine_parts(w)  # (out, in), (out, G), (out, G)
+    # per plane: its codes from a chunk of ``codes`` (made per chunk), its scales and zeros
+    parts: list[tuple[Callable[[torch.Tensor], torch.Tensor], torch.Tensor, torch.Tensor]]
     if view.levels <= 16:
         half = view.levels // 2
-        parts = [(codes + (8 - half), scale, mn + half * scale)]
+        parts = [(lambda c: c + (8 - half), scale, mn + half * scale)]
     else:
         half = -(-view.levels // 16) // 2  # half the levels of plane hi
-        hi = (codes >> 4) + (8 - half)
-        parts = [(hi, 16 * scale, mn + 16 * half * scale), (codes & 0x0F, scale, 8 * scale)]
-    c = torch.cat([p[0] for p in parts], dim=1).to(torch.int32)  # (out, planes * in)
+        parts = [
+            (lambda c: (c >> 4) + (8 - half), 16 * scale, mn + 16 * half * scale),
+            (lambda c: c & 0x0F, scale, 8 * scale),
+        ]
     s = torch.cat([p[1] for p in parts], dim=1)  # (out, planes * G)
     z = torch.cat([p[2] for p in parts], dim=1)
-    out = c.shape[0]
+    out, cols = codes.shape
     pad = -out % _INT4_ROWS  # zero rows (code 0, scale 0, zero 0) give 0 and are sliced off
     if pad:
-        c = nn.functional.pad(c, (0, 0, 0, pad))
         s, z = (nn.functional.pad(t, (0, 0, 0, pad)) for t in (s, z))
-    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(c.contiguous(), 1)
+    # row chunks (their int32 codes are 4 bytes per weight and plane), packed row by row
+    packed = torch.empty(out + pad, len(parts) * cols // 2, dtype=torch.uint8)
+    for r in range(0, out, _CHUNK_ROWS):
+        rows = codes[r : r + _CHUNK_ROWS]
+        c = torch.cat([p[0](rows) for p in parts], dim=1).to(torch.int32)
+        if r + _CHUNK_ROWS >= out and pad:
+            c = nn.functional.pad(c, (0, 0, 0, pad))
+        chunk = torch.ops.aten._convert_weight_to_int4pack_for_cpu(c.contiguous(), 1)
+        packed[r : r + chunk.shape[0]] = chunk
     sz = torch.stack([s, z], dim=-1).transpose(0, 1).to(torch.bfloat16).contiguous()
     return Int4Pack(packed, sz, view.group, len(parts), out)
 

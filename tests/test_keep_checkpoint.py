@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 from torch import nn
@@ -13,7 +15,7 @@ from inferflow.errors import WeightBindingError
 from inferflow.loaders import open_files
 from inferflow.model import build
 from inferflow.model.binding import plan_weights
-from inferflow.model.materialise import materialise
+from inferflow.model.materialise import _Loading, materialise
 from inferflow.model.names import NameMap
 from inferflow.quant import quantize
 from inferflow.quant.apply import stack_rows
@@ -97,7 +99,7 @@ class _DictSource:
         return self.tensors[name]
 
 
-def test_materialise_keeps_fast_formats_only_and_reads_the_rest() -> None:
+def test_materialise_keeps_fast_formats_only_and_reads_the_rest(monkeypatch, caplog) -> None:  # noqa: ANN001
     """On a network built on the meta device: a Linear whose checkpoint weight is stored whole
     in a fast (int4pack) format becomes a QuantLinear over those very blocks; a slow format
     (Q6_K) and a float weight are read into float parameters equal to the checkpoint's values;
@@ -130,7 +132,11 @@ def test_materialise_keeps_fast_formats_only_and_reads_the_rest() -> None:
     source = _DictSource(src)
     plan = plan_weights(model, source, names)
     assert source.reads == 0  # planning reads names and shapes only
-    assert materialise(model, source, plan, keep=True) == 1
+    monkeypatch.setattr(_Loading, "PROGRESS_S", 0.0)  # a progress line per parameter
+    with caplog.at_level(logging.INFO, logger="inferflow.model.materialise"):
+        assert materialise(model, source, plan, keep=True) == 1
+    progress = [r.getMessage() for r in caplog.records if "loading weights" in r.getMessage()]
+    assert progress[-1].startswith("loading weights: 100% (5 of 5 tensors)")
     assert isinstance(model.fast, QuantLinear) and model.fast.format == "Q4_1"
     x = torch.randn(3, 64)
     want = x.bfloat16().float() @ q4.dequantize().t() + bias
@@ -138,6 +144,8 @@ def test_materialise_keeps_fast_formats_only_and_reads_the_rest() -> None:
     assert type(model.plain) is Linear and torch.equal(model.plain.weight, plain)
     assert type(model.slow) is Linear and torch.equal(model.slow.weight, q6.dequantize())
     ids = torch.tensor([[5, 0], [23, 5]])
-    assert model.table.blocks is q4 and not hasattr(model.table, "weight")
+    blocks = model.table.blocks  # (a copy of the checkpoint blocks: no view pins the file)
+    assert blocks is not None and torch.equal(blocks.data, q4.data.reshape(blocks.data.shape))
+    assert not hasattr(model.table, "weight")
     assert torch.equal(model.table(ids), q4.dequantize()[ids])
     assert not any(p.is_meta for p in model.parameters())

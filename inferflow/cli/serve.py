@@ -193,7 +193,8 @@ def run(args: argparse.Namespace) -> int:
         f"http://{args.host}:{args.port}",
     )
     # what loads, how long it took and when requests can be served: said at the default level
-    server_log = logging.getLogger("inferflow.server")
-    server_log.setLevel(min(server_log.getEffectiveLevel(), logging.INFO))
+    for name in ("inferflow.server", "inferflow.model.materialise"):  # (+ loading progress)
+        said = logging.getLogger(name)
+        said.setLevel(min(said.getEffectiveLevel(), logging.INFO))
     serve(create_app(cfg), args.host, args.port, args.shutdown_grace)
     return 0

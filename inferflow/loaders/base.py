@@ -2,7 +2,8 @@
 
 Tensors are float ``torch.Tensor`` (mmap-backed where the format allows) or ``QuantTensor`` for
 already-quantized data. Names are the checkpoint's own; the model's name map turns them into
-canonical names.
+canonical names. A source that maps its file may also have ``release(name)``: the loader calls
+it once a tensor is in its final form, so the file's pages need not stay resident.
 """
 
 from __future__ import annotations

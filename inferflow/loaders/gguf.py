@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import mmap
 import struct
 import warnings
 from collections.abc import Iterator, Sequence
@@ -474,6 +475,19 @@ class GGUFSource:
         for name in self.names():
             yield name, self.get(name)
 
+    def release(self, name: str) -> None:
+        """Drop ``name``'s pages from this process's resident memory once it has been read
+        into its final form: they stay in the page cache, and a view still held faults them
+        back in. A load then never holds the whole file resident beside the model."""
+        mapping = getattr(self._mm, "_mmap", None)  # np.memmap's mmap.mmap
+        if mapping is None or not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        info, page = self.info(name), mmap.PAGESIZE
+        start = -(-info.offset // page) * page  # the whole pages inside the tensor's bytes
+        end = (info.offset + info.nbytes) // page * page  # (pages shared with a neighbour stay)
+        if end > start:
+            mapping.madvise(mmap.MADV_DONTNEED, start, end - start)
+
     def close(self) -> None:
         # np.memmap has no close(): dropping our reference unmaps once no tensor views remain
         self._mm = None
@@ -527,6 +541,9 @@ class ShardedGGUFSource:
 
     def get(self, name: str, dtype: torch.dtype | None = None) -> Weight:
         return self._shard(name).get(name, dtype)
+
+    def release(self, name: str) -> None:
+        self._shard(name).release(name)
 
     def shape(self, name: str) -> tuple[int, ...]:
         return self._shard(name).shape(name)

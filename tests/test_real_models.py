@@ -12,7 +12,7 @@ from inferflow.engine.generate import generate_tokens
 from inferflow.engine.sampling import SamplingParams
 from inferflow.model.batch import FlatBatch
 from inferflow.runtime import LanguageModel, load
-from tests.conftest import gemma3_path, smollm2_path
+from tests.conftest import gemma3_path, qwen_coder_path, smollm2_path
 
 tf = pytest.importorskip("transformers")
 pytest.importorskip("gguf")
@@ -30,7 +30,11 @@ PROMPTS = [
     "Once upon a time, in a small village,",
     "The three primary colors are",
 ]
-MODELS = {"smollm2-135m-instruct": smollm2_path, "gemma-3-270m": gemma3_path}
+MODELS = {
+    "smollm2-135m-instruct": smollm2_path,
+    "gemma-3-270m": gemma3_path,
+    "qwen2.5-coder-0.5b-instruct": qwen_coder_path,
+}
 
 
 @pytest.fixture(scope="module", params=list(MODELS))
@@ -57,6 +61,19 @@ def test_teacher_forced_logits_match(pair) -> None:
         got = ours.model(batch)
     diff = (got - expected).abs().amax(-1)  # per position
     assert float(diff.max()) <= 1e-3, f"max abs logit difference per position: {diff.max():.2e}"
+
+
+@pytest.mark.slow
+def test_prompt_ids_match_transformers_tokenizer(pair) -> None:
+    """Our tokenizer built from the GGUF metadata encodes as transformers' tokenizer built from
+    the same GGUF (chat markup and code included)."""
+    ours, _ = pair
+    path = MODELS[ours.spec.name]()
+    ref = tf.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    texts = [*PROMPTS, TEXT, "<|im_start|>user\nhi<|im_end|>\n", "  x = [1,2]  # ünïcode\n\t"]
+    for text in texts:
+        want = ref(text, add_special_tokens=ours.tokenizer.add_bos)["input_ids"]
+        assert ours.tokenizer.encode(text) == want, text
 
 
 @pytest.mark.slow

@@ -54,7 +54,6 @@ def child(ref: str) -> None:
 
     from inferflow.engine.sampling import SamplingParams
     from inferflow.engine.search import SearchParams
-    from inferflow.model.materialise import resident_bytes
     from inferflow.runtime import load
     from inferflow.spec import load_spec
 
@@ -63,7 +62,12 @@ def child(ref: str) -> None:
     lm = load(spec)
     t2 = time.perf_counter()
     peak_load, loaded = _peak(), _rss()
-    weights = sum(resident_bytes(lm.model))
+    try:
+        from inferflow.model.materialise import resident_bytes
+
+        weights = float(sum(resident_bytes(lm.model)))
+    except ImportError:  # (an older checkout measured for comparison)
+        weights = float("nan")
     ids = [5, 6, 7, 8]
     with torch.inference_mode():
         if spec.network.type == "decoder_only":
@@ -154,10 +158,11 @@ def main() -> None:
     print(cols)
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for ref in refs:
+        name = Path(ref).stem if ref.endswith(".yaml") else ref
         try:
             runs = [_run_child(ref) for _ in range(args.rounds)]
         except RuntimeError as e:
-            print(f"| {Path(ref).stem} | skipped: {str(e).splitlines()[0]} ||||||||")
+            print(f"| {name} | skipped: {str(e).splitlines()[0]} ||||||||")
             continue
         med = {k: statistics.median(r[k] for r in runs) for k in runs[0] if k != "gguf"}
         gguf = runs[0]["gguf"]
@@ -165,7 +170,7 @@ def main() -> None:
         if args.llama_cli and gguf:
             peer = f"{llama_peak(args.llama_cli, str(gguf)) / MIB:.0f}"
         print(
-            f"| {Path(ref).stem} | {med['file'] / MIB:.0f} | {med['floor'] / MIB:.0f} | "
+            f"| {name} | {med['file'] / MIB:.0f} | {med['floor'] / MIB:.0f} | "
             f"{med['weights'] / MIB:.0f} | "
             f"{med['load_s']:.2f} | {med['peak_load'] / MIB:.0f} | {med['loaded'] / MIB:.0f} | "
             f"{med['first_token_s']:.2f} | {med['peak'] / MIB:.0f} | {peer} |"

@@ -16,7 +16,7 @@ from inferflow.loaders import open_files
 from inferflow.model.binding import WeightPlan, plan_weights
 from inferflow.model.decoder import DecoderOnly
 from inferflow.model.encoder import EncoderDecoder, EncoderOnly
-from inferflow.model.materialise import materialise
+from inferflow.model.materialise import materialise, trim_heap
 from inferflow.model.names import NameMap
 from inferflow.model.stack import StackPart
 from inferflow.registry import Registry
@@ -134,16 +134,20 @@ def load_model(
     # a runtime format replaces the checkpoint's own quantization everywhere
     keep = q.weights is None and q.checkpoint == "keep"
     ties = tuple(getattr(model, "tied_outputs", ()))
+    policy = None
+    if q.weights or q.overrides:
+        from inferflow.quant.apply import QuantPolicy
+
+        policy = QuantPolicy(q.weights, list(q.overrides), ties, q.kernel)
     source = open_files(spec.source.format, spec.source.files)
     try:
         plan = plan_weights(model, source, NameMap(spec.network.tensors), elsewhere)
-        materialise(model, source, plan, keep, q.kernel, ties)
+        materialise(model, source, plan, keep, q.kernel, ties, policy)
     finally:
         source.close()
-    if q.weights or q.overrides:
-        from inferflow.quant.apply import QuantPolicy, quantize_model
+    if policy is not None:  # (each layer was quantized as it was read: the tied heads now)
+        from inferflow.quant.apply import quantize_model
 
-        policy = QuantPolicy(q.weights, list(q.overrides), ties, q.kernel)
         quantize_model(model, policy)
     if q.dense_batch is not None:
         from inferflow.quant.linear import QuantLinear
@@ -152,6 +156,7 @@ def load_model(
             if isinstance(m, QuantLinear):
                 m.attach_dense(q.dense_batch)
     model.eval()
+    trim_heap()  # the loading's freed temporaries go back to the system
     log.info(
         "loaded %s (%s) in %.2f s",
         spec.name,

@@ -40,6 +40,9 @@ def format_table(names: list[str] | tuple[str, ...] | None = None) -> list[Forma
     return rows
 
 
+QUANTIZE_CHUNK = 1 << 16  # blocks quantized at a time
+
+
 def quantize(tensor: torch.Tensor, fmt: str | QuantFormat) -> QuantTensor:
     """Quantize a float tensor to ``fmt`` along its last dimension, keeping its (torch) shape.
 
@@ -61,7 +64,10 @@ def quantize(tensor: torch.Tensor, fmt: str | QuantFormat) -> QuantTensor:
             f"dimension to a multiple of {f.block_size} yourself)"
         )
     blocks = tensor.detach().contiguous().reshape(-1, f.block_size)
-    data = f.quantize_blocks(blocks)  # (n_blocks, bytes_per_block)
+    # blocks are independent: a chunk at a time keeps the codec's temporaries small
+    data = torch.empty(blocks.shape[0], f.bytes_per_block, dtype=torch.uint8)
+    for i in range(0, blocks.shape[0], QUANTIZE_CHUNK):
+        data[i : i + QUANTIZE_CHUNK] = f.quantize_blocks(blocks[i : i + QUANTIZE_CHUNK])
     rows = math.prod(shape[:-1]) if shape else 1
     return QuantTensor(data.reshape(rows, -1), f.name, shape)
 

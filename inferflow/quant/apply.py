@@ -144,6 +144,13 @@ def _get(model: nn.Module, path: str) -> nn.Module | None:
     return getattr(model.get_submodule(parent) if parent else model, name, None)
 
 
+def quantize_linear(path: str, lin: Linear, policy: QuantPolicy) -> QuantLinear | None:
+    """The QuantLinear the policy makes of layer ``path`` (None: it stays float). Loading calls
+    it per layer as soon as the layer's float weight is read (no float model first)."""
+    fmt = policy.format_for(path)
+    return None if fmt is None else _quant_linear(path, lin.weight, lin.bias, fmt, policy.kernel)
+
+
 def quantize_model(model: nn.Module, policy: QuantPolicy) -> QuantReport:
     """Replace every ``Linear`` whose path the policy maps to a format, in place.
 
@@ -153,15 +160,14 @@ def quantize_model(model: nn.Module, policy: QuantPolicy) -> QuantReport:
     layers: list[LayerReport] = []
     targets = [(p, m) for p, m in model.named_modules() if isinstance(m, Linear)]
     for path, lin in targets:
-        fmt = policy.format_for(path)
         shape = (lin.out_features, lin.in_features)
         before = lin.weight.nbytes
-        if fmt is None:
+        q = quantize_linear(path, lin, policy)
+        if q is None:
             layers.append(LayerReport(path, shape, None, None, before, before))
             continue
-        q = _quant_linear(path, lin.weight, lin.bias, fmt, policy.kernel)
         _set(model, path, q)
-        layers.append(LayerReport(path, shape, fmt, q.kernel_name, before, q.nbytes))
+        layers.append(LayerReport(path, shape, q.format, q.kernel_name, before, q.nbytes))
     for head, embed in policy.tie_outputs:
         fmt = policy.format_for(head)
         if fmt is None or _get(model, head) is not None:

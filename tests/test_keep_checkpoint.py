@@ -11,11 +11,12 @@ from torch import nn
 
 from inferflow.blocks.linear import Embedding, Linear
 from inferflow.engine.generate import new_cache, prefill
-from inferflow.errors import WeightBindingError
+from inferflow.errors import CheckpointError, WeightBindingError
 from inferflow.loaders import open_files
 from inferflow.model import build
+from inferflow.model import materialise as materialise_module
 from inferflow.model.binding import plan_weights
-from inferflow.model.materialise import _Loading, materialise
+from inferflow.model.materialise import KERNEL_COPY_FACTOR, _Loading, check_memory, materialise
 from inferflow.model.names import NameMap
 from inferflow.quant import quantize
 from inferflow.quant.apply import stack_rows
@@ -94,6 +95,10 @@ class _DictSource:
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self.tensors[name].shape)
 
+    def dtype_name(self, name: str) -> str:
+        t = self.tensors[name]
+        return t.format if isinstance(t, QuantTensor) else "F32"
+
     def get(self, name: str) -> torch.Tensor | QuantTensor:
         self.reads += 1
         return self.tensors[name]
@@ -149,3 +154,31 @@ def test_materialise_keeps_fast_formats_only_and_reads_the_rest(monkeypatch, cap
     assert not hasattr(model.table, "weight")
     assert torch.equal(model.table(ids), q4.dequantize()[ids])
     assert not any(p.is_meta for p in model.parameters())
+
+
+def test_declared_sizes_that_cannot_fit_fail_before_allocating(monkeypatch) -> None:  # noqa: ANN001
+    """From the plan alone (shapes and stored formats, nothing read or allocated): a float
+    parameter counts its dtype's bytes, one stored in blocks KERNEL_COPY_FACTOR times its stored
+    bytes; over the available memory, the error names the largest tensors."""
+    with build._meta_parameters():
+        model = nn.Module()
+        model.add_module("big", Linear(64, 4096))
+        model.add_module("small", Linear(64, 32))
+    q = quantize(torch.randn(32, 64), "Q4_1")
+    src = _DictSource({"big.weight": torch.randn(4096, 64), "small.weight": q})
+    names = NameMap(
+        TensorsSpec(
+            map=(MapEntry("big.weight", "big.weight"), MapEntry("small.weight", "small.weight"))
+        )
+    )
+    plan = plan_weights(model, src, names)
+    need = 4096 * 64 * 4 + KERNEL_COPY_FACTOR * 32 * 64 * 20 // 32  # float32; Q4_1: 20 B / 32
+    check_memory(model, src, plan, need)  # fits exactly
+    with pytest.raises(CheckpointError, match=r"the largest tensors: big.weight \[4096, 64\]"):
+        check_memory(model, src, plan, need - 1)
+    assert src.reads == 0 and all(p.is_meta for p in model.parameters())
+    # load_model asks the system: a real model refused the same way, before any weight is read
+    smollm2_path()  # (skips without the model package)
+    monkeypatch.setattr(materialise_module, "available_memory", lambda: 64 << 20)
+    with pytest.raises(CheckpointError, match="needs about 0.[0-9] GiB and 0.1 GiB"):
+        load("smollm2-135m-instruct")

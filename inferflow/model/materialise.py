@@ -19,16 +19,18 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
+import math
 import time
 from collections.abc import Callable, Sequence
 
 from torch import nn
 
 from inferflow.blocks.linear import Embedding, Linear
-from inferflow.errors import WeightBindingError
+from inferflow.errors import CheckpointError, WeightBindingError
 from inferflow.loaders.base import WeightSource
 from inferflow.model.binding import WeightPlan, read_param, set_param, stored_blocks
 from inferflow.quant.apply import QuantPolicy, forget_fused, quantize_linear
+from inferflow.quant.formats import FORMATS, QuantFormat
 from inferflow.quant.linear import QuantLinear, select_kernel
 from inferflow.quant.tensor import QuantTensor
 
@@ -57,6 +59,7 @@ def materialise(
     layers kept the checkpoint's blocks. ``ties``: (head path, embedding path) pairs of tied
     heads, which are absent modules until a QuantLinear is put there. ``policy``: runtime
     quantization, applied to each linear layer as soon as its float weight is read."""
+    check_memory(model, source, plan, available_memory())
     done: set[str] = set()  # parameters given storage (or replaced)
     kept, loading = 0, _Loading(source, plan)
     if keep:
@@ -134,6 +137,63 @@ def resident_summary(model: nn.Module, kept: int) -> str:
         f"their kernels read them: {quant:.0f} MiB, {kept} of them over the checkpoint's "
         f"blocks; float tensors {floats:.0f} MiB; quantized embedding rows {blocks:.0f} MiB)"
     )
+
+
+# kept quantized layers: their kernels' copies hold up to ~4x the stored blocks (5-bit codes:
+# an 8-bit plane and two int4 planes, 2.5 bytes per weight against the file's 0.69)
+KERNEL_COPY_FACTOR = 4
+
+
+def available_memory() -> int | None:
+    """MemAvailable of /proc/meminfo in bytes; None where the system does not say."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _block_format(dtype: str) -> QuantFormat | None:
+    """The format of a tensor stored in quantized blocks (None: a plain dtype)."""
+    f = FORMATS.get(dtype) if dtype in FORMATS else None
+    return f if f is not None and f.block_size > 1 else None
+
+
+def check_memory(
+    model: nn.Module, source: WeightSource, plan: WeightPlan, available: int | None
+) -> None:
+    """Refuse, before anything is allocated, a load whose declared sizes need more memory than
+    ``available``: float parameters at their dtype's size, parameters stored in blocks at up
+    to KERNEL_COPY_FACTOR times their stored size. The error names the largest tensors."""
+    if available is None:
+        return
+    need: list[tuple[int, str]] = []
+    for pname, parts in plan.parts.items():
+        param = model.get_parameter(pname)
+        fmts = [_block_format(source.dtype_name(b.name)) for b in parts]
+        if all(fmts):
+            size = KERNEL_COPY_FACTOR * sum(
+                math.prod(source.shape(b.name)) * f.bytes_per_block // f.block_size
+                for b, f in zip(parts, fmts, strict=True)
+                if f is not None
+            )
+        else:
+            size = param.numel() * param.element_size()
+        need.append((size, pname))
+    total = sum(n for n, _ in need)
+    if total > available:
+        gib = 1 << 30
+        largest = ", ".join(
+            f"{name} {list(model.get_parameter(name).shape)} ({n / gib:.2f} GiB)"
+            for n, name in sorted(need, reverse=True)[:3]
+        )
+        raise CheckpointError(
+            f"loading this model needs about {total / gib:.1f} GiB and {available / gib:.1f} GiB "
+            f"of memory is available; the largest tensors: {largest}"
+        )
 
 
 def _absent(model: nn.Module, path: str) -> bool:

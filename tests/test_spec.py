@@ -191,3 +191,42 @@ def test_yaml_is_never_executed(tmp_path: Path) -> None:
     with pytest.raises(SpecError):
         load_spec(p)
     assert not (tmp_path / "PWNED").exists() and not Path("PWNED").exists()
+
+
+def test_duplicate_yaml_keys_are_an_error(tmp_path: Path) -> None:
+    """PyYAML keeps the last of two equal keys silently; a spec refuses them, at any depth,
+    naming the key and both lines (YAML merge keys may still be overridden)."""
+    p = tmp_path / "dup.yaml"
+    p.write_text("name: a\nnetwork:\n  norm: rms\n  type: decoder_only\n  norm: layer\n")
+    with pytest.raises(
+        SpecError, match=r"line 5, .*duplicate key 'norm' \(first given at line 3\)"
+    ):
+        load_spec(p)
+    p.write_text("name: a\nname: b\n")
+    with pytest.raises(SpecError, match="duplicate key 'name'"):
+        load_spec(p)
+    merged = tmp_path / "merge.yaml"  # an anchor merged in, then one key overridden: allowed
+    merged.write_text("x: &d {a: 1, b: 2}\ny: {<<: *d, b: 3}\n")
+    from inferflow.spec import read_doc
+
+    assert read_doc(merged)["y"] == {"a": 1, "b": 3}
+
+
+def test_null_removes_what_the_base_spec_gives(tmp_path: Path) -> None:
+    """A child spec removes an inherited map entry or setting by giving it null."""
+    src = smollm2_path()
+    base = _smol_doc()
+    base["source"]["files"] = [str(src)]
+    base["network"]["tensors"]["map"] = {"token_embd.weight": "dec.tok_embed.weight"}
+    base["hparams"] = {"norm_eps": 1e-3}
+    (tmp_path / "base.yaml").write_text(yaml.safe_dump(base))
+    child = tmp_path / "child.yaml"
+    child.write_text("base: base.yaml\nname: child\nhparams: {norm_eps: null}\n")
+    spec = load_spec(child)
+    assert [e.source for e in spec.network.tensors.map] == ["token_embd.weight"]
+    assert spec.hparams.norm_eps == pytest.approx(1e-5)  # the GGUF's own value again
+    child.write_text(
+        "base: base.yaml\nname: child\nnetwork: {tensors: {map: {token_embd.weight: null}}}\n"
+    )
+    spec = load_spec(child)
+    assert spec.network.tensors.map == () and spec.hparams.norm_eps == pytest.approx(1e-3)

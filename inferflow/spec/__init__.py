@@ -78,7 +78,34 @@ MAX_SPEC_BYTES = 1 << 20
 MAX_YAML_DEPTH = 32
 MAX_YAML_VALUES = 100_000
 # libyaml where installed: PyYAML's pure-Python scanner is quadratic in flow nesting
-_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+_BASE_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+
+class _Loader(_BASE_LOADER):  # type: ignore[misc,valid-type]
+    """A safe loader that refuses a key given twice in one mapping (PyYAML keeps the last one
+    silently: a spec's earlier setting would vanish)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue  # (<<: merged keys may be overridden: that is what merging is for)
+            key = self.construct_object(key_node, deep=True)
+            try:
+                first = seen.setdefault(key, key_node.start_mark.line + 1)
+            except TypeError:  # an unhashable key: the constructor reports it
+                continue
+            if first != key_node.start_mark.line + 1:
+                raise yaml.constructor.ConstructorError(
+                    None,
+                    None,
+                    f"duplicate key {key!r} (first given at line {first})",
+                    key_node.start_mark,
+                )
+        return super().construct_mapping(node, deep)  # type: ignore[no-any-return]
+
+
+_LOADER = _Loader
 
 
 def _read_yaml(path: Path) -> Any:
@@ -140,14 +167,20 @@ def _check_events(text: str, path: Path) -> None:
 
 
 def _merge(base: dict[str, Any], child: dict[str, Any]) -> dict[str, Any]:
+    """The child's keys win, maps merge, and a null in the child removes the base's key (e.g. a
+    ``network.tensors.map`` entry or an ``hparams`` override the base spec gives)."""
     out = dict(base)
     for k, v in child.items():
-        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+        if v is None:
+            out.pop(k, None)
+        else:
+            inner = isinstance(v, dict) and isinstance(out.get(k), dict)
+            out[k] = _merge(out[k], v) if inner else v
     return out
 
 
 def read_doc(path: Path, _seen: tuple[Path, ...] = ()) -> Any:
-    """A spec document with its ``base:`` chain merged in (the child's keys win, maps merge)."""
+    """A spec document with its ``base:`` chain merged in (``_merge``)."""
     doc = _read_yaml(path)
     if not isinstance(doc, dict) or "base" not in doc:
         return doc

@@ -139,8 +139,13 @@ def test_engine_batch_matches_transformers_greedy(arch: str, hf_models, write_sp
             {},
             "lacks 2 tensor(s) the network needs: dec.0.self_attn.wqkv.bias (shards k, q, v)",
         ),
-        # tied head: lm_head.weight is left over
-        ({"output": {"tied": True}}, {}, "does not use: lm_head.weight (as dec.output.weight)"),
+        # tied head: lm_head.weight is left over (named with the rule that mapped it)
+        (
+            {"output": {"tied": True}},
+            {},
+            "does not use: lm_head.weight (as dec.output.weight, by network.tensors.preset "
+            "hf_llama: 'lm_head.weight')",
+        ),
         # a map that leaves tensors unmatched names them
         (
             {"tensors": {"preset": "gguf"}},
@@ -151,7 +156,19 @@ def test_engine_batch_matches_transformers_greedy(arch: str, hf_models, write_sp
         (
             {},
             {"ffn_hidden": 80},
-            "model.layers.0.mlp.up_proj.weight: shape [96, 64] does not fit dec.0.feed_forward.w3.weight of shape [80, 64]",
+            "model.layers.0.mlp.up_proj.weight: shape [96, 64] does not fit dec.0.feed_forward.w3.weight of shape [80, 64] (mapped by network.tensors.preset hf_llama: 'model.layers.{i}.mlp.up_proj.weight')",
+        ),
+        # a spec's own map entry is named by its YAML path
+        (
+            {
+                "tensors": {
+                    "preset": "hf_llama",
+                    "map": {"model.norm.weight": "dec.0.ffn_norm.bias"},
+                }
+            },
+            {},
+            "does not use: model.norm.weight (as dec.0.ffn_norm.bias, by "
+            "network.tensors.map['model.norm.weight'])",
         ),
     ],
 )

@@ -165,11 +165,12 @@ def plan_weights(
             plan.consumed.add(name)
             continue
         target = _resolve(model, params, canon)
+        where = name_map.origin(name)  # the YAML path of the rule, for the messages
         if target is None:
-            unused.append(f"{name} (as {canon})")
+            unused.append(f"{name} (as {canon}, by {where})")
             continue
         if target.shard in filled.get(target.param, set()):
-            errors.append(f"{name}: {canon} is given twice")
+            errors.append(f"{name}: {canon} is given twice (by {where})")
             continue
         b = Bound(name, canon, transpose, target, False)
         meta = torch.empty(source.shape(name), device="meta")
@@ -177,7 +178,7 @@ def plan_weights(
         try:
             fitted = _fit(model, b, meta, dest)
         except _Misfit as e:
-            errors.append(str(e))
+            errors.append(f"{e} (mapped by {where})")
             continue
         plan.parts.setdefault(target.param, []).append(b._replace(as_stored=fitted is meta))
         filled.setdefault(target.param, set()).add(target.shard)

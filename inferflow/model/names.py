@@ -96,6 +96,10 @@ class NameMap:
         if tensors.preset:
             table.update({k: MapEntry(k, v) for k, v in PRESETS.get(tensors.preset).items()})
         table.update({e.source: e for e in tensors.map})
+        # where each rule comes from, for errors: the spec's map entry or the preset
+        self.origins = {k: f"network.tensors.preset {tensors.preset}: {k!r}" for k in table} | {
+            e.source: f"network.tensors.map[{e.source!r}]" for e in tensors.map
+        }
         self.prefix = tensors.prefix
         self.rules = [_Rule(self._compile(e.source), e.target, e.transpose) for e in table.values()]
         self.exact = {e.source: e for e in table.values() if "{i}" not in e.source}
@@ -118,6 +122,17 @@ class NameMap:
             if m:
                 return rule.target.replace("{i}", m.group("i")), rule.transpose
         return None
+
+    def origin(self, name: str) -> str:
+        """The spec rule that maps checkpoint tensor ``name`` (its YAML path), or ''."""
+        if self.prefix and name.startswith(self.prefix):
+            name = name[len(self.prefix) :]
+        if name in self.exact:
+            return self.origins[name]
+        for source, rule in zip(self.origins, self.rules, strict=True):
+            if rule.pattern.match(name):
+                return self.origins[source]
+        return ""
 
     def ignored(self, name: str) -> bool:
         if self.prefix and name.startswith(self.prefix):

@@ -17,7 +17,7 @@ Everything else is read into a tensor of the run dtype, one parameter at a time.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
+import functools
 import logging
 import math
 import time
@@ -201,19 +201,21 @@ def _absent(model: nn.Module, path: str) -> bool:
     return getattr(model.get_submodule(parent) if parent else model, name, None) is None
 
 
-def _malloc_trim() -> Callable[[], object]:
-    """glibc's malloc_trim(0), else a no-op. Loading frees many large temporaries of mixed
-    sizes; glibc keeps such freed memory in its heap (its mmap threshold grows after each
-    large free), 0.65 GB of it after runtime-quantizing SmolLM2, unless trimmed."""
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        trim = libc.malloc_trim
-    except (OSError, AttributeError):
-        return lambda: None
-    return lambda: trim(0)
+@functools.cache
+def _malloc_trim() -> Callable[[int], int] | None:
+    # looked up in the process itself (no library search, which starts a subprocess), on first
+    # use (not at import: parsing a spec imports this module)
+    return getattr(ctypes.CDLL(None), "malloc_trim", None)
 
 
-trim_heap = _malloc_trim()  # (called once a second while loading, and once loaded)
+def trim_heap() -> None:
+    """glibc's malloc_trim(0), elsewhere nothing. Loading frees many large temporaries of mixed
+    sizes; glibc keeps such freed memory in its heap (its mmap threshold grows after each large
+    free), 0.65 GB of it after runtime-quantizing SmolLM2, unless trimmed. Called at most once a
+    second while loading, and once loaded."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
 
 
 class _Loading:

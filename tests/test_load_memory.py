@@ -43,7 +43,10 @@ def test_synthetic_1_5b_gguf_loads_lean_and_generates(tmp_path: Path) -> None:
     if _available_memory() < 6 * GIB:
         pytest.skip("needs 6 GiB of available memory to load a 1.5B-weight model")
     spec = write(tmp_path, "1.5b")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    }
     r = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "load.py"), "--child", str(spec)],
         capture_output=True,

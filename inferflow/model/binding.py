@@ -20,8 +20,9 @@ from torch import nn
 
 from inferflow.errors import WeightBindingError
 from inferflow.loaders.base import WeightSource
-from inferflow.model.names import NameMap
+from inferflow.model.names import NameMap, Use
 from inferflow.quant.tensor import QuantTensor
+from inferflow.spec.types import MapEntry
 
 log = logging.getLogger(__name__)
 
@@ -66,9 +67,9 @@ class Bound(NamedTuple):
 
     name: str  # the checkpoint's
     canon: str
-    transpose: bool
+    entry: MapEntry  # the rule's steps (transpose, slice, chunk, reshape, scale)
     target: _Target
-    as_stored: bool  # lands unchanged: no transpose, reorder or tensor-parallel slice
+    as_stored: bool  # lands unchanged: no step, reorder or tensor-parallel slice
 
 
 @dataclass
@@ -114,8 +115,7 @@ def _take_slice(model: nn.Module, param: str, shard: str | None, t: torch.Tensor
 def _fit(model: nn.Module, b: Bound, t: torch.Tensor, dest: torch.Size) -> torch.Tensor:
     """Checkpoint tensor ``t`` as its destination (of shape ``dest``) takes it. The same steps
     check every shape on meta tensors before any data is read."""
-    if b.transpose:
-        t = t.t()
+    t = _steps(b, t)
     if b.target.prepare is not None:
         try:
             t = b.target.prepare(t)
@@ -133,6 +133,67 @@ def _fit(model: nn.Module, b: Bound, t: torch.Tensor, dest: torch.Size) -> torch
             f"{b.name}: shape {list(t.shape)}{cut} does not fit {b.canon} of shape {list(dest)}"
         )
     return t
+
+
+def _steps(b: Bound, t: torch.Tensor) -> torch.Tensor:
+    """The map entry's steps, in their documented order (MapEntry)."""
+    e, shape = b.entry, list(t.shape)
+    if e.transpose:
+        if t.dim() != 2:
+            raise _Misfit(f"{b.name}: transpose needs a 2-D tensor, the stored one is {shape}")
+        t = t.t()
+    for step, cut in (("slice", e.slice), ("chunk", e.chunk)):
+        if cut is None:
+            continue
+        axis = cut[0]
+        if axis >= t.dim():
+            raise _Misfit(f"{b.name}: {step} axis {axis} of a tensor of shape {list(t.shape)}")
+        n = t.shape[axis]
+        if step == "slice":
+            start, stop = cut[1], cut[2]
+        else:
+            parts, index = cut[1], cut[2]
+            if n % parts:
+                raise _Misfit(
+                    f"{b.name}: chunk: axis {axis} of shape {list(t.shape)} does not split "
+                    f"into {parts} equal parts"
+                )
+            start, stop = index * n // parts, (index + 1) * n // parts
+        if stop > n:
+            raise _Misfit(
+                f"{b.name}: slice {start}:{stop} of axis {axis} is out of range for shape "
+                f"{list(t.shape)}"
+            )
+        t = t.narrow(axis, start, stop - start)
+    if e.reshape is not None:
+        try:
+            t = t.reshape(e.reshape)
+        except RuntimeError:
+            raise _Misfit(
+                f"{b.name}: shape {list(t.shape)} cannot be reshaped to {list(e.reshape)}"
+            ) from None
+    if e.scale is not None:
+        t = t * e.scale
+    return t
+
+
+def _layers(params: dict[str, nn.Parameter]) -> dict[str, list[int]]:
+    """The layer indices of each stack ("enc" / "dec"), from the parameter names."""
+    out: dict[str, set[int]] = {}
+    for p in params:
+        stack, _, rest = p.partition(".")
+        head = rest.partition(".")[0]
+        if head.isdigit():
+            out.setdefault(stack, set()).add(int(head))
+    return {k: sorted(v) for k, v in out.items()}
+
+
+def _targets(canon: str, layers: dict[str, list[int]]) -> list[str]:
+    """A canonical name, or every layer's when a shared source left its ``{i}``."""
+    if "{i}" not in canon:
+        return [canon]
+    stack = canon.partition(".")[0]
+    return [canon.replace("{i}", str(i)) for i in layers.get(stack, [])]
 
 
 def _dest_shape(param: torch.Tensor, rows: slice | None) -> torch.Size:
@@ -154,39 +215,61 @@ def plan_weights(
     filled: dict[str, set[str | None]] = {}
     unused: list[str] = []
     errors: list[str] = []
+    layers = _layers(params)
     for name in source.names():
-        mapped = name_map(name)
-        if mapped is None:
+        uses = name_map(name)
+        if uses is None:
             if not name_map.ignored(name):
                 unused.append(name)
             continue
-        canon, transpose = mapped
-        if elsewhere is not None and elsewhere(canon):
+        used = False
+        for use in uses:
+            for canon in _targets(use.target, layers):
+                if elsewhere is not None and elsewhere(canon):
+                    used = True
+                    continue
+                err = _plan_one(model, params, plan, filled, source, name, canon, use)
+                if err is None:
+                    used = True
+                elif err.startswith("unused"):
+                    unused.append(f"{name} (as {canon}, by {use.origin})")
+                else:
+                    errors.append(err)
+        if used:
             plan.consumed.add(name)
-            continue
-        target = _resolve(model, params, canon)
-        where = name_map.origin(name)  # the YAML path of the rule, for the messages
-        if target is None:
-            unused.append(f"{name} (as {canon}, by {where})")
-            continue
-        if target.shard in filled.get(target.param, set()):
-            errors.append(f"{name}: {canon} is given twice (by {where})")
-            continue
-        b = Bound(name, canon, transpose, target, False)
-        meta = torch.empty(source.shape(name), device="meta")
-        dest = _dest_shape(params[target.param], target.rows)
-        try:
-            fitted = _fit(model, b, meta, dest)
-        except _Misfit as e:
-            errors.append(f"{e} (mapped by {where})")
-            continue
-        plan.parts.setdefault(target.param, []).append(b._replace(as_stored=fitted is meta))
-        filled.setdefault(target.param, set()).add(target.shard)
-        plan.consumed.add(name)
     for parts in plan.parts.values():  # row order: how stacked blocks are concatenated
         parts.sort(key=lambda b: 0 if b.target.rows is None else b.target.rows.start)
     _report(params, filled, errors, unused)
     return plan
+
+
+def _plan_one(
+    model: nn.Module,
+    params: dict[str, nn.Parameter],
+    plan: WeightPlan,
+    filled: dict[str, set[str | None]],
+    source: WeightSource,
+    name: str,
+    canon: str,
+    use: Use,
+) -> str | None:
+    """Plan checkpoint tensor ``name`` into ``canon``; an error message, "unused" when no
+    parameter takes ``canon``, or None."""
+    target = _resolve(model, params, canon)
+    if target is None:
+        return "unused"
+    if target.shard in filled.get(target.param, set()):
+        return f"{name}: {canon} is given twice (by {use.origin})"
+    b = Bound(name, canon, use.entry, target, False)
+    meta = torch.empty(source.shape(name), device="meta")
+    try:
+        fitted = _fit(model, b, meta, _dest_shape(params[target.param], target.rows))
+    except _Misfit as e:
+        return f"{e} (mapped by {use.origin})"
+    as_stored = fitted is meta and use.entry.as_stored
+    plan.parts.setdefault(target.param, []).append(b._replace(as_stored=as_stored))
+    filled.setdefault(target.param, set()).add(target.shard)
+    return None
 
 
 def _report(

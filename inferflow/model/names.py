@@ -9,7 +9,7 @@ it. ``{i}`` stands for the layer index.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from inferflow.errors import SpecError
 from inferflow.registry import Registry
@@ -81,28 +81,33 @@ PRESETS.add(
 _INDEX = re.compile(r"\\\{i\\\}")
 
 
-@dataclass(frozen=True)
-class _Rule:
-    pattern: re.Pattern[str]
+class Use(NamedTuple):
+    """One use of a checkpoint tensor: the canonical name it fills (``{i}`` left in for a
+    source without a layer index that feeds every layer), the rule's steps, where it is said."""
+
     target: str
-    transpose: bool
+    entry: MapEntry
+    origin: str  # the YAML path of the rule, for errors
 
 
 class NameMap:
-    """Maps checkpoint names to ``(canonical name, transpose)``; None for names it ignores."""
+    """Maps a checkpoint name to its uses (several: one stored tensor feeding several slots);
+    None for names no rule maps."""
 
     def __init__(self, tensors: TensorsSpec) -> None:
-        table: dict[str, MapEntry] = {}
+        table: dict[str, list[tuple[MapEntry, str]]] = {}
         if tensors.preset:
-            table.update({k: MapEntry(k, v) for k, v in PRESETS.get(tensors.preset).items()})
-        table.update({e.source: e for e in tensors.map})
-        # where each rule comes from, for errors: the spec's map entry or the preset
-        self.origins = {k: f"network.tensors.preset {tensors.preset}: {k!r}" for k in table} | {
-            e.source: f"network.tensors.map[{e.source!r}]" for e in tensors.map
-        }
+            for k, v in PRESETS.get(tensors.preset).items():
+                table[k] = [(MapEntry(k, v), f"network.tensors.preset {tensors.preset}: {k!r}")]
+        mine: dict[str, list[MapEntry]] = {}
+        for e in tensors.map:  # the spec's entries replace the preset's for the same source
+            mine.setdefault(e.source, []).append(e)
+        for k, es in mine.items():
+            where = f"network.tensors.map[{k!r}]"
+            table[k] = [(e, where + (f"[{n}]" if len(es) > 1 else "")) for n, e in enumerate(es)]
         self.prefix = tensors.prefix
-        self.rules = [_Rule(self._compile(e.source), e.target, e.transpose) for e in table.values()]
-        self.exact = {e.source: e for e in table.values() if "{i}" not in e.source}
+        self.exact = {k: v for k, v in table.items() if "{i}" not in k}
+        self.rules = [(self._compile(k), v) for k, v in table.items() if "{i}" in k]
         self.ignore = [self._compile(p) for p in tensors.ignore]
 
     @staticmethod
@@ -111,28 +116,17 @@ class NameMap:
             raise SpecError(f"network.tensors: {pattern!r} may hold at most one {{i}}")
         return re.compile(_INDEX.sub(r"(?P<i>\\d+)", re.escape(pattern)) + r"\Z")
 
-    def __call__(self, name: str) -> tuple[str, bool] | None:
+    def __call__(self, name: str) -> list[Use] | None:
         if self.prefix and name.startswith(self.prefix):
             name = name[len(self.prefix) :]
         hit = self.exact.get(name)
-        if hit is not None:
-            return hit.target, hit.transpose
-        for rule in self.rules:
-            m = rule.pattern.match(name)
+        if hit is not None:  # (a target's {i} stays: the source feeds every layer)
+            return [Use(e.target, e, where) for e, where in hit]
+        for pattern, uses in self.rules:
+            m = pattern.match(name)
             if m:
-                return rule.target.replace("{i}", m.group("i")), rule.transpose
+                return [Use(e.target.replace("{i}", m.group("i")), e, w) for e, w in uses]
         return None
-
-    def origin(self, name: str) -> str:
-        """The spec rule that maps checkpoint tensor ``name`` (its YAML path), or ''."""
-        if self.prefix and name.startswith(self.prefix):
-            name = name[len(self.prefix) :]
-        if name in self.exact:
-            return self.origins[name]
-        for source, rule in zip(self.origins, self.rules, strict=True):
-            if rule.pattern.match(name):
-                return self.origins[source]
-        return ""
 
     def ignored(self, name: str) -> bool:
         if self.prefix and name.startswith(self.prefix):

@@ -285,10 +285,9 @@ def _fmt(name: str | None) -> str | None:
 def _network(n: dict[str, Any]) -> NetworkSpec:
     t = n["tensors"]
     entries = tuple(
-        MapEntry(k, v, False)
-        if isinstance(v, str)
-        else MapEntry(k, v["to"], bool(v.get("transpose")))
+        _map_entry(k, u)
         for k, v in t.get("map", {}).items()
+        for u in (v if isinstance(v, list) else [v])
     )
     tensors = TensorsSpec(t.get("preset"), t.get("prefix", ""), entries, tuple(t.get("ignore", ())))
     out, emb = n.get("output", {}), n.get("embedding", {})
@@ -311,6 +310,22 @@ def _network(n: dict[str, Any]) -> NetworkSpec:
         tied_output=out.get("tied", False),
         output_bias=out.get("bias", False),
         final_softcap=out.get("softcap"),
+    )
+
+
+def _map_entry(source: str, use: str | dict[str, Any]) -> MapEntry:
+    """One use of a ``network.tensors.map`` entry (schema-checked)."""
+    if isinstance(use, str):
+        return MapEntry(source, use)
+    sl, ch = use.get("slice"), use.get("chunk")
+    return MapEntry(
+        source,
+        use["to"],
+        bool(use.get("transpose")),
+        None if sl is None else (sl.get("axis", 0), sl.get("start", 0), sl["stop"]),
+        None if ch is None else (ch.get("axis", 0), ch["parts"], ch["index"]),
+        None if "reshape" not in use else tuple(use["reshape"]),
+        use.get("scale"),
     )
 
 

@@ -100,7 +100,24 @@ def build_schema() -> dict[str, Any]:
             "scale": num,
         }
     )
-    map_value = {"anyOf": [string, _obj({"to": string, "transpose": {"type": "boolean"}}, ("to",))]}
+    index = {"type": "integer", "minimum": 0}
+    use = _obj(
+        {
+            "to": string,
+            "transpose": {"type": "boolean"},
+            "slice": _obj({"axis": index, "start": index, "stop": index}, ("stop",)),
+            "chunk": _obj(
+                {"axis": index, "parts": {"type": "integer", "minimum": 1}, "index": index},
+                ("parts", "index"),
+            ),
+            "reshape": {"type": "array", "items": {"type": "integer", "minimum": -1}},
+            "scale": num,
+        },
+        ("to",),
+    )
+    # a target name, one use with steps, or a list of uses (one stored tensor, many targets)
+    one = {"anyOf": [string, use]}
+    map_value = {"anyOf": [string, use, {"type": "array", "items": one, "minItems": 1}]}
     tensors = _obj(
         {
             "preset": _enum(PRESETS.names()),
@@ -231,6 +248,15 @@ def format_error(err: jsonschema.ValidationError) -> str:
     if v == "type":
         return f"{where}: {err.instance!r} is not of type {err.validator_value}"
     if v == "anyOf":
+        # a mapping or list fails inside one alternative: say what is wrong there
+        kinds = {"object": dict, "array": list}
+        near = [
+            e
+            for e in err.context or []
+            if isinstance(err.instance, kinds.get(str(e.schema.get("type")), type(None)))
+        ]
+        if near:
+            return format_error(jsonschema.exceptions.best_match(near))
         return f"{where}: {err.instance!r} is not valid here ({err.message})"
     return f"{where}: {err.message}"
 

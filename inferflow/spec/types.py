@@ -12,11 +12,48 @@ from inferflow.errors import SpecError
 
 @dataclass(frozen=True)
 class MapEntry:
-    """One checkpoint -> canonical name rule (``{i}`` is the layer index)."""
+    """One checkpoint -> canonical tensor rule. ``{i}`` is the layer index; a source without
+    ``{i}`` mapped to a target with it feeds every layer (shared weights). Several entries of
+    one source: the stored tensor feeds several targets. The steps apply in this order:
+
+    - ``transpose``: swap the two axes (GPT-2's Conv1D stores (in, out));
+    - ``slice`` (axis, start, stop): ``t[start:stop]`` along ``axis``;
+    - ``chunk`` (axis, parts, index): cut into ``parts`` equal pieces along ``axis``, keep piece
+      ``index`` (a fused [q; k; v] in_proj_weight: parts 3, index 0, 1 or 2);
+    - ``reshape``: to these dims (one may be -1; unit axes are dropped or added as needed);
+    - ``scale``: multiply by a constant."""
 
     source: str
     target: str
-    transpose: bool = False  # e.g. GPT-2's Conv1D stores (in, out)
+    transpose: bool = False
+    slice: tuple[int, int, int] | None = None
+    chunk: tuple[int, int, int] | None = None
+    reshape: tuple[int, ...] | None = None
+    scale: float | None = None
+
+    def __post_init__(self) -> None:
+        where = f"network.tensors.map[{self.source!r}]"
+        if self.chunk is not None and not 0 <= self.chunk[2] < self.chunk[1]:
+            raise SpecError(
+                f"{where}: chunk index {self.chunk[2]} is not in 0..{self.chunk[1] - 1} "
+                f"(parts {self.chunk[1]})"
+            )
+        if self.slice is not None and not 0 <= self.slice[1] < self.slice[2]:
+            raise SpecError(
+                f"{where}: slice start {self.slice[1]} and stop {self.slice[2]}: need "
+                "0 <= start < stop"
+            )
+        if "{i}" in self.source and "{i}" not in self.target:
+            raise SpecError(
+                f"{where}: the source has {{i}} but the target {self.target!r} does not; "
+                "every layer's tensor would land in one place"
+            )
+
+    @property
+    def as_stored(self) -> bool:
+        """The tensor lands as stored: no step changes it."""
+        steps = (self.slice, self.chunk, self.reshape, self.scale)
+        return not self.transpose and all(x is None for x in steps)
 
 
 @dataclass(frozen=True)

@@ -166,6 +166,18 @@ def load_quant_llama(
 # --- random transformers models saved as safetensors and pickles (parity tests) ---
 
 
+def all_logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """Teacher-forced logits of every position of one sequence (float32 cache of 64)."""
+    from inferflow.model.batch import ContiguousKVCache, FlatBatch
+
+    h = model.spec.hparams
+    cache = ContiguousKVCache(h.n_layers, h.n_kv_heads, h.head_dim, 64, torch.float32)
+    batch = FlatBatch.single(ids, 0, cache)
+    batch.logits_rows = torch.arange(ids.numel())
+    with torch.no_grad():
+        return model(batch)
+
+
 def randomize(model: torch.nn.Module) -> None:
     # random init leaves norms at 1 / biases at 0: perturb everything so each tensor matters
     g = torch.Generator().manual_seed(0)

@@ -11,7 +11,7 @@ import torch
 from inferflow.model.batch import ContiguousKVCache, FlatBatch
 from inferflow.model.build import load_model
 from inferflow.spec import load_spec
-from tests.conftest import CHECKPOINTS, save_models, spec_doc
+from tests.conftest import CHECKPOINTS, all_logits, save_models, spec_doc
 
 tf = pytest.importorskip("transformers")
 
@@ -70,15 +70,6 @@ def hf_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[torch
     return save_models(CASES, tmp_path_factory)
 
 
-def _all_logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
-    h = model.spec.hparams
-    cache = ContiguousKVCache(h.n_layers, h.n_kv_heads, h.head_dim, 64, torch.float32)
-    batch = FlatBatch.single(ids, 0, cache)
-    batch.logits_rows = torch.arange(ids.numel())
-    with torch.no_grad():
-        return model(batch)
-
-
 @pytest.mark.parametrize("ckpt", CHECKPOINTS)
 @pytest.mark.parametrize("arch", list(CASES))
 def test_logits_match_transformers(arch: str, ckpt: str, hf_models, write_spec) -> None:
@@ -88,7 +79,7 @@ def test_logits_match_transformers(arch: str, ckpt: str, hf_models, write_spec) 
     ids = torch.randint(0, 128, (24,), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         ref = ref_model(ids[None]).logits[0]
-    ours = _all_logits(model, ids)
+    ours = all_logits(model, ids)
     rel = (ours - ref).abs().max() / ref.abs().max()
     assert rel <= 1e-4, f"{arch}/{ckpt}: max relative difference {rel:.2e}"
 
@@ -99,7 +90,7 @@ def test_incremental_decode_matches_full_forward(arch: str, hf_models, write_spe
     _, d = hf_models[arch]
     model = load_model(load_spec(write_spec(spec_doc(arch, d, "safetensors"))))
     ids = torch.randint(0, 128, (20,), generator=torch.Generator().manual_seed(2))
-    full = _all_logits(model, ids)
+    full = all_logits(model, ids)
     h = model.spec.hparams
     cache = ContiguousKVCache(h.n_layers, h.n_kv_heads, h.head_dim, 64, torch.float32)
     steps = [(0, 9), (9, 13)] + [(t, t + 1) for t in range(13, 20)]

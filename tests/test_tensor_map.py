@@ -15,10 +15,9 @@ import torch
 from safetensors.torch import save_file
 
 from inferflow.errors import SpecError, WeightBindingError
-from inferflow.model.batch import ContiguousKVCache, FlatBatch
 from inferflow.model.build import check_binding, load_model
 from inferflow.spec import load_spec
-from tests.conftest import randomize
+from tests.conftest import all_logits, randomize
 
 tf = pytest.importorskip("transformers")
 
@@ -64,20 +63,11 @@ def _write(tmp: Path, model: Any, tensors: dict[str, torch.Tensor], network: dic
     return tmp / "spec.yaml"
 
 
-def _logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
-    h = model.spec.hparams
-    cache = ContiguousKVCache(h.n_layers, h.n_kv_heads, h.head_dim, 64, torch.float32)
-    batch = FlatBatch.single(ids, 0, cache)
-    batch.logits_rows = torch.arange(ids.numel())
-    with torch.no_grad():
-        return model(batch)
-
-
 def _same_as_transformers(spec: Path, ref: Any) -> None:
     ids = torch.tensor([3, 1, 4, 1, 5, 9, 2, 6, 5, 3])
     with torch.no_grad():
         want = ref(ids[None]).logits[0]
-    got = _logits(load_model(load_spec(spec)), ids)
+    got = all_logits(load_model(load_spec(spec)), ids)
     assert (got - want).abs().max() <= 1e-4 * want.abs().max()
 
 
@@ -137,7 +127,7 @@ def test_each_step_matters(tmp_path: Path) -> None:
     ref = _llama()
     tensors = _rewritten(ref.state_dict())
     ids = torch.tensor([3, 1, 4, 1, 5])
-    good = _logits(
+    good = all_logits(
         load_model(load_spec(_write(tmp_path, ref, tensors, {"tensors": {"map": ALGEBRA}}))), ids
     )
     for key, changed in (
@@ -154,7 +144,7 @@ def test_each_step_matters(tmp_path: Path) -> None:
         d = tmp_path / key.replace("{i}", "i")
         d.mkdir()
         spec = _write(d, ref, tensors, {"tensors": {"map": {**ALGEBRA, key: changed}}})
-        assert not torch.allclose(_logits(load_model(load_spec(spec)), ids), good), key
+        assert not torch.allclose(all_logits(load_model(load_spec(spec)), ids), good), key
 
 
 def test_one_tensor_feeds_two_slots(tmp_path: Path) -> None:

@@ -184,3 +184,23 @@ def test_seed_reproducible_and_greedy() -> None:
 def test_sampling_params_validation(kw: dict, msg: str) -> None:
     with pytest.raises(RequestError, match=msg):
         SamplingParams(**kw)
+
+
+def test_norms_without_learned_parameters() -> None:
+    """layer_plain and rms_plain hold no parameter and compute the plain formulas (written
+    here in torch), in float32 whatever the activation dtype."""
+    from inferflow.blocks import NORMS
+
+    x = torch.randn(5, 32, dtype=torch.float64).float() * 3 + 1
+    for name, want in (
+        (
+            "layer_plain",
+            (x - x.mean(-1, keepdim=True))
+            / torch.sqrt(x.var(-1, unbiased=False, keepdim=True) + 1e-5),
+        ),
+        ("rms_plain", x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5)),
+    ):
+        norm = NORMS.get(name)(32, 1e-5)
+        assert not list(norm.parameters())
+        torch.testing.assert_close(norm(x), want, rtol=1e-5, atol=1e-5)
+        assert norm(x.bfloat16()).dtype == torch.bfloat16

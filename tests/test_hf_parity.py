@@ -48,6 +48,8 @@ CASES = {
     "phi": _llama_like(tf.PhiConfig, tf.PhiForCausalLM),  # partial 0.5, shared-norm parallel
     # GQA, (1 + w) norms, GeGLU, scaled embeddings, tied head
     "gemma": _llama_like(tf.GemmaConfig, tf.GemmaForCausalLM, num_key_value_heads=2, head_dim=16),
+    # LayerNorms without weight or bias (non-parametric), GQA
+    "olmo": _llama_like(tf.OlmoConfig, tf.OlmoForCausalLM, num_key_value_heads=2, eos_token_id=0),
     # multi_query (one KV head), parallel attention with one norm, tied head
     "falcon": lambda: tf.FalconForCausalLM(
         tf.FalconConfig(hidden_size=64, num_attention_heads=4, **SMALL)

@@ -1,4 +1,6 @@
-"""Normalization blocks: ``layer``, ``rms`` and ``rms_offset`` (scale by 1 + w, Gemma's HF layout).
+"""Normalization blocks: ``layer``, ``rms`` and ``rms_offset`` (scale by 1 + w, Gemma's HF layout),
+and the variants without learned parameters: ``layer_nobias`` (weight only), ``layer_plain`` and
+``rms_plain`` (neither weight nor bias: OLMo's LayerNorm, nanochat-style RMSNorm).
 
 Statistics are computed in float32 whatever the activation dtype, as the reference
 implementations do, then cast back.
@@ -82,3 +84,27 @@ class LayerNormNoBias(nn.Module):
         return nn.functional.layer_norm(
             x.float(), (x.shape[-1],), self.weight.float(), None, self.eps
         ).to(x.dtype)
+
+
+@NORMS.register("layer_plain")
+class LayerNormPlain(nn.Module):
+    """LayerNorm without a learned weight or bias."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.layer_norm(x.float(), (x.shape[-1],), None, None, self.eps).to(x.dtype)
+
+
+@NORMS.register("rms_plain")
+class RMSNormPlain(nn.Module):
+    """RMSNorm without a learned weight."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.rms_norm(x.float(), (x.shape[-1],), None, self.eps).to(x.dtype)

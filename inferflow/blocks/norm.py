@@ -86,25 +86,25 @@ class LayerNormNoBias(nn.Module):
         ).to(x.dtype)
 
 
-@NORMS.register("layer_plain")
-class LayerNormPlain(nn.Module):
-    """LayerNorm without a learned weight or bias."""
+class _PlainNorm(nn.Module):
+    """A norm without learned parameters: only its epsilon."""
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.eps = eps
+
+
+@NORMS.register("layer_plain")
+class LayerNormPlain(_PlainNorm):
+    """LayerNorm without a learned weight or bias."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return nn.functional.layer_norm(x.float(), (x.shape[-1],), None, None, self.eps).to(x.dtype)
 
 
 @NORMS.register("rms_plain")
-class RMSNormPlain(nn.Module):
+class RMSNormPlain(_PlainNorm):
     """RMSNorm without a learned weight."""
-
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return nn.functional.rms_norm(x.float(), (x.shape[-1],), None, self.eps).to(x.dtype)

@@ -228,13 +228,13 @@ def plan_weights(
                 if elsewhere is not None and elsewhere(canon):
                     used = True
                     continue
-                err = _plan_one(model, params, plan, filled, source, name, canon, use)
-                if err is None:
-                    used = True
-                elif err.startswith("unused"):
-                    unused.append(f"{name} (as {canon}, by {use.origin})")
-                else:
-                    errors.append(err)
+                try:
+                    if _plan_one(model, params, plan, filled, source, name, canon, use):
+                        used = True
+                    else:
+                        unused.append(f"{name} (as {canon}, by {use.origin})")
+                except _Misfit as e:
+                    errors.append(str(e))
         if used:
             plan.consumed.add(name)
     for parts in plan.parts.values():  # row order: how stacked blocks are concatenated
@@ -252,24 +252,24 @@ def _plan_one(
     name: str,
     canon: str,
     use: Use,
-) -> str | None:
-    """Plan checkpoint tensor ``name`` into ``canon``; an error message, "unused" when no
-    parameter takes ``canon``, or None."""
+) -> bool:
+    """Plan checkpoint tensor ``name`` into ``canon``; False when no parameter takes ``canon``.
+    Raises _Misfit naming the tensor, the shapes and the rule."""
     target = _resolve(model, params, canon)
     if target is None:
-        return "unused"
+        return False
     if target.shard in filled.get(target.param, set()):
-        return f"{name}: {canon} is given twice (by {use.origin})"
+        raise _Misfit(f"{name}: {canon} is given twice (by {use.origin})")
     b = Bound(name, canon, use.entry, target, False)
     meta = torch.empty(source.shape(name), device="meta")
     try:
         fitted = _fit(model, b, meta, _dest_shape(params[target.param], target.rows))
     except _Misfit as e:
-        return f"{e} (mapped by {use.origin})"
+        raise _Misfit(f"{e} (mapped by {use.origin})") from None
     as_stored = fitted is meta and use.entry.as_stored
     plan.parts.setdefault(target.param, []).append(b._replace(as_stored=as_stored))
     filled.setdefault(target.param, set()).add(target.shard)
-    return None
+    return True
 
 
 def _report(

@@ -59,7 +59,7 @@ def test_hparam_override(write_spec) -> None:
     [
         (
             lambda d: d["network"].update(norm="rmsnorm"),
-            "network.norm: 'rmsnorm' is not one of: layer, layer_nobias, rms, rms_offset",
+            "network.norm: 'rmsnorm' is not one of: layer, layer_nobias, layer_plain, rms, rms_offset, rms_plain",
         ),
         (
             lambda d: d["network"].update(nrom="rms"),

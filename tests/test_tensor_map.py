@@ -162,6 +162,32 @@ def test_one_tensor_feeds_two_slots(tmp_path: Path) -> None:
     _same_as_transformers(_write(tmp_path, ref, tensors, network), ref)
 
 
+def test_pad_rounds_a_vocabulary_up(tmp_path: Path) -> None:
+    """A network whose vocabulary is rounded up (192) over a checkpoint of 128 rows: the table
+    and the head padded with zero rows; the real tokens' logits equal transformers', the
+    padding's are 0."""
+    ref = _llama()
+    sd = ref.state_dict()
+    network = {
+        "tensors": {
+            "preset": "hf_llama",
+            "map": {
+                "model.embed_tokens.weight": {"to": "dec.tok_embed.weight", "pad": {"size": 192}},
+                "lm_head.weight": {"to": "dec.output.weight", "pad": {"axis": 0, "size": 192}},
+            },
+        }
+    }
+    spec = _write(tmp_path, ref, dict(sd), network)
+    text = spec.read_text() + "hparams: {vocab_size: 192}\n"
+    spec.write_text(text)
+    ids = torch.tensor([3, 1, 4, 1, 5, 9, 2, 6])
+    with torch.no_grad():
+        want = ref(ids[None]).logits[0]
+    got = all_logits(load_model(load_spec(spec)), ids)
+    assert got.shape == (8, 192) and not got[:, 128:].any()
+    assert (got[:, :128] - want).abs().max() <= 1e-4 * want.abs().max()
+
+
 def test_layer_shared_weights(tmp_path: Path) -> None:
     """One stored set of layer weights (no {i} in the source) feeds every layer, as ALBERT's
     shared layers: against transformers with the same weights copied into each layer."""
@@ -227,6 +253,11 @@ def test_multihead_attention_in_proj_for_cross_attention() -> None:
             r"shape \[128, 64\] cannot be reshaped to \[7, -1\]",
         ),
         (
+            {"to": "dec.{i}.self_attn.wq.weight", "pad": {"axis": 0, "size": 100}},
+            r"l0\.qkv: pad axis 0 to 100: the tensor of shape \[128, 64\] has no such axis or "
+            r"is already longer",
+        ),
+        (
             "dec.{i}.self_attn.wq.weight",
             r"shape \[128, 64\] does not fit dec.0.self_attn.wq.weight of shape \[64, 64\] "
             r"\(mapped by network.tensors.map\['l\{i\}.qkv'\]\)",
@@ -264,7 +295,7 @@ def test_spec_errors_for_the_algebra(tmp_path: Path) -> None:
 
     with pytest.raises(
         SpecError,
-        match=r"unknown key 'rotate'; allowed: chunk, reshape, scale, slice, to, transpose",
+        match=r"unknown key 'rotate'; allowed: chunk, pad, reshape, scale, slice, to, transpose",
     ):
         load_spec(spec_with({"embed": {"to": "dec.tok_embed.weight", "rotate": 90}}))
     with pytest.raises(SpecError, match=r"chunk index 2 is not in 0..1"):

@@ -174,6 +174,15 @@ def _steps(b: Bound, t: torch.Tensor) -> torch.Tensor:
             ) from None
     if e.scale is not None:
         t = t * e.scale
+    if e.pad is not None:
+        axis, size = e.pad
+        if axis >= t.dim() or size < t.shape[axis]:
+            raise _Misfit(
+                f"{b.name}: pad axis {axis} to {size}: the tensor of shape {list(t.shape)} "
+                "has no such axis or is already longer"
+            )
+        widths = [0, 0] * (t.dim() - 1 - axis) + [0, size - t.shape[axis]]
+        t = torch.nn.functional.pad(t, widths)
     return t
 
 

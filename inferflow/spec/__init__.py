@@ -326,6 +326,7 @@ def _map_entry(source: str, use: str | dict[str, Any]) -> MapEntry:
         None if ch is None else (ch.get("axis", 0), ch["parts"], ch["index"]),
         None if "reshape" not in use else tuple(use["reshape"]),
         use.get("scale"),
+        None if "pad" not in use else (use["pad"].get("axis", 0), use["pad"]["size"]),
     )
 
 

@@ -112,6 +112,7 @@ def build_schema() -> dict[str, Any]:
             ),
             "reshape": {"type": "array", "items": {"type": "integer", "minimum": -1}},
             "scale": num,
+            "pad": _obj({"axis": index, "size": {"type": "integer", "minimum": 1}}, ("size",)),
         },
         ("to",),
     )

@@ -21,7 +21,9 @@ class MapEntry:
     - ``chunk`` (axis, parts, index): cut into ``parts`` equal pieces along ``axis``, keep piece
       ``index`` (a fused [q; k; v] in_proj_weight: parts 3, index 0, 1 or 2);
     - ``reshape``: to these dims (one may be -1; unit axes are dropped or added as needed);
-    - ``scale``: multiply by a constant."""
+    - ``scale``: multiply by a constant;
+    - ``pad`` (axis, size): zeros appended along ``axis`` up to ``size`` (a vocabulary the
+      network rounds up)."""
 
     source: str
     target: str
@@ -30,6 +32,7 @@ class MapEntry:
     chunk: tuple[int, int, int] | None = None
     reshape: tuple[int, ...] | None = None
     scale: float | None = None
+    pad: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
         where = f"network.tensors.map[{self.source!r}]"
@@ -52,7 +55,7 @@ class MapEntry:
     @property
     def as_stored(self) -> bool:
         """The tensor lands as stored: no step changes it."""
-        steps = (self.slice, self.chunk, self.reshape, self.scale)
+        steps = (self.slice, self.chunk, self.reshape, self.scale, self.pad)
         return not self.transpose and all(x is None for x in steps)
 
 

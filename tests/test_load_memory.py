@@ -21,6 +21,8 @@ sys.path.insert(0, str(ROOT / "tools"))
 
 from synthetic_gguf import write  # noqa: E402
 
+from inferflow.model.materialise import available_memory  # noqa: E402
+
 pytestmark = pytest.mark.slow
 GIB = 1 << 30
 # while loading: the largest tensor's unpacked codes (1 byte per weight: 0.23 GB for this
@@ -29,18 +31,10 @@ GIB = 1 << 30
 ALLOWANCE = 0.75 * GIB
 
 
-def _available_memory() -> int:
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
 def test_synthetic_1_5b_gguf_loads_lean_and_generates(tmp_path: Path) -> None:
     if shutil.disk_usage(tmp_path).free < 2 * GIB:
         pytest.skip("needs 2 GiB of free disk in the temp dir for a 0.9 GB GGUF")
-    if _available_memory() < 6 * GIB:
+    if (available_memory() or 0) < 6 * GIB:
         pytest.skip("needs 6 GiB of available memory to load a 1.5B-weight model")
     spec = write(tmp_path, "1.5b")
     env = {

@@ -29,17 +29,18 @@ from inferflow.blocks.linear import Embedding, Linear
 from inferflow.errors import CheckpointError, WeightBindingError
 from inferflow.loaders.base import WeightSource
 from inferflow.model.binding import WeightPlan, read_param, set_param, stored_blocks
-from inferflow.quant.apply import QuantPolicy, forget_fused, quantize_linear
+from inferflow.quant.apply import (
+    QuantPolicy,
+    forget_fused,
+    get_module,
+    quantize_linear,
+    set_module,
+)
 from inferflow.quant.formats import FORMATS, QuantFormat
 from inferflow.quant.linear import QuantLinear, select_kernel
 from inferflow.quant.tensor import QuantTensor
 
 log = logging.getLogger(__name__)
-
-
-def _set(model: nn.Module, path: str, module: nn.Module) -> None:
-    parent, _, name = path.rpartition(".")
-    setattr(model.get_submodule(parent) if parent else model, name, module)
 
 
 def _fast(qt: QuantTensor | None) -> QuantTensor | None:
@@ -74,21 +75,21 @@ def materialise(
             bias = None
             if mod.bias is not None:
                 bias = read_param(model, source, mod.bias, plan.parts[f"{path}.bias"])
-            _set(model, path, QuantLinear(qt, bias, kernel))
+            set_module(model, path, QuantLinear(qt, bias, kernel))
             done.update((f"{path}.weight", f"{path}.bias"))
             loading.finished(f"{path}.weight", f"{path}.bias")
             kept += 1
         for head, embed in ties:
-            if not _absent(model, head):
+            if get_module(model, head) is not None:
                 continue  # the head is not tied after all
             table = model.get_submodule(embed)
             assert isinstance(table, Embedding)
             rows = table.weight.shape[0]
             qt = _fast(stored_blocks(source, plan.parts.get(f"{embed}.weight", []), rows))
             if qt is not None:
-                _set(model, head, QuantLinear(qt, None, kernel))
+                set_module(model, head, QuantLinear(qt, None, kernel))
                 kept += 1
-        float_heads = {e for h, e in ties if _absent(model, h)}
+        float_heads = {e for h, e in ties if get_module(model, h) is None}
         for path, mod in list(model.named_modules()):
             if isinstance(mod, Embedding) and path not in float_heads:
                 pname = f"{path}.weight"
@@ -104,13 +105,13 @@ def materialise(
             raise WeightBindingError(f"{pname}: no checkpoint tensor fills it")
         set_param(model, pname, read_param(model, source, param, plan.parts[pname]))
         loading.finished(pname)
-        path = pname.rpartition(".")[0]
-        lin = model.get_submodule(path) if policy is not None else None
-        if type(lin) is Linear and not any(p.is_meta for p in lin.parameters()):
-            assert policy is not None
-            q = quantize_linear(path, lin, policy)
-            if q is not None:
-                _set(model, path, q)
+        if policy is not None:  # a linear layer whose parameters are all read: quantize it
+            path = pname.rpartition(".")[0]
+            lin = model.get_submodule(path)
+            if type(lin) is Linear and not any(p.is_meta for p in lin.parameters()):
+                q = quantize_linear(path, lin, policy)
+                if q is not None:
+                    set_module(model, path, q)
     forget_fused(model)
     log.info("%s", resident_summary(model, kept))
     return kept
@@ -194,11 +195,6 @@ def check_memory(
             f"loading this model needs about {total / gib:.1f} GiB and {available / gib:.1f} GiB "
             f"of memory is available; the largest tensors: {largest}"
         )
-
-
-def _absent(model: nn.Module, path: str) -> bool:
-    parent, _, name = path.rpartition(".")
-    return getattr(model.get_submodule(parent) if parent else model, name, None) is None
 
 
 @functools.cache

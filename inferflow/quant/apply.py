@@ -107,7 +107,8 @@ def _quant_linear(
     return QuantLinear(quantize(weight.detach(), fmt), bias, kernel)
 
 
-def _set(model: nn.Module, path: str, module: nn.Module) -> None:
+def set_module(model: nn.Module, path: str, module: nn.Module) -> None:
+    """Put ``module`` at ``path`` (a dotted module path) in ``model``."""
     parent, _, name = path.rpartition(".")
     setattr(model.get_submodule(parent) if parent else model, name, module)
 
@@ -139,7 +140,8 @@ def stack_rows(parts: dict[int, QuantTensor], rows: int) -> QuantTensor | None:
     return QuantTensor(data, fmt, (rows, ordered[0].shape[1]))
 
 
-def _get(model: nn.Module, path: str) -> nn.Module | None:
+def get_module(model: nn.Module, path: str) -> nn.Module | None:
+    """The module at ``path``, or None where that child is absent (e.g. a tied head)."""
     parent, _, name = path.rpartition(".")
     return getattr(model.get_submodule(parent) if parent else model, name, None)
 
@@ -166,17 +168,17 @@ def quantize_model(model: nn.Module, policy: QuantPolicy) -> QuantReport:
         if q is None:
             layers.append(LayerReport(path, shape, None, None, before, before))
             continue
-        _set(model, path, q)
+        set_module(model, path, q)
         layers.append(LayerReport(path, shape, q.format, q.kernel_name, before, q.nbytes))
     for head, embed in policy.tie_outputs:
         fmt = policy.format_for(head)
-        if fmt is None or _get(model, head) is not None:
+        if fmt is None or get_module(model, head) is not None:
             continue  # float head, or an untied (or already quantized) head
         weight = model.get_submodule(embed).weight
         if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
             raise QuantError(f"tie_outputs: {embed}.weight is not a 2-D tensor")
         q = _quant_linear(head, weight, None, fmt, policy.kernel)
-        _set(model, head, q)
+        set_module(model, head, q)
         # the embedding stays float, so the head's bytes are all extra
         shape = (weight.shape[0], weight.shape[1])
         layers.append(LayerReport(head, shape, fmt, q.kernel_name, 0, q.nbytes))

@@ -205,6 +205,9 @@ def test_duplicate_yaml_keys_are_an_error(tmp_path: Path) -> None:
     p.write_text("name: a\nname: b\n")
     with pytest.raises(SpecError, match="duplicate key 'name'"):
         load_spec(p)
+    p.write_text("name: a\nnetwork: {norm: rms, type: decoder_only, norm: layer}\n")  # one line
+    with pytest.raises(SpecError, match=r"duplicate key 'norm' \(first given at line 2\)"):
+        load_spec(p)
     merged = tmp_path / "merge.yaml"  # an anchor merged in, then one key overridden: allowed
     merged.write_text("x: &d {a: 1, b: 2}\ny: {<<: *d, b: 3}\n")
     from inferflow.spec import read_doc

@@ -92,10 +92,11 @@ class _Loader(_BASE_LOADER):  # type: ignore[misc,valid-type]
                 continue  # (<<: merged keys may be overridden: that is what merging is for)
             key = self.construct_object(key_node, deep=True)
             try:
-                first = seen.setdefault(key, key_node.start_mark.line + 1)
+                first = seen.get(key)
+                seen.setdefault(key, key_node.start_mark.line + 1)
             except TypeError:  # an unhashable key: the constructor reports it
                 continue
-            if first != key_node.start_mark.line + 1:
+            if first is not None:
                 raise yaml.constructor.ConstructorError(
                     None,
                     None,

@@ -154,7 +154,7 @@ def main() -> None:
         refs.append(str(spec))
     print(f"command: python {' '.join(shlex.quote(a) for a in sys.argv)}")
     print(f"medians of {args.rounds} fresh processes each; MiB; seconds\n")
-    cols = "| model | file | floor | weights | load s | peak in load | loaded | first token s | peak | llama.cpp peak |"
+    cols = "| model | file | floor | weights | load s | peak in load | loaded | first token s | peak | llama.cpp peak (ratio) |"
     print(cols)
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for ref in refs:
@@ -168,7 +168,8 @@ def main() -> None:
         gguf = runs[0]["gguf"]
         peer = "-"
         if args.llama_cli and gguf:
-            peer = f"{llama_peak(args.llama_cli, str(gguf)) / MIB:.0f}"
+            theirs = llama_peak(args.llama_cli, str(gguf))  # (same file, same 2 threads' box)
+            peer = f"{theirs / MIB:.0f} (ours {med['peak'] / theirs:.2f}x)"
         print(
             f"| {name} | {med['file'] / MIB:.0f} | {med['floor'] / MIB:.0f} | "
             f"{med['weights'] / MIB:.0f} | "

@@ -204,3 +204,28 @@ def test_norms_without_learned_parameters() -> None:
         assert not list(norm.parameters())
         torch.testing.assert_close(norm(x), want, rtol=1e-5, atol=1e-5)
         assert norm(x.bfloat16()).dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("in_place", [False, True])
+def test_reverse_rope_rotates_by_minus_the_angle(in_place: bool) -> None:
+    """``direction: reverse`` turns each pair (x1, x2) by -pos * theta^(-2j/D), computed here
+    as a complex multiplication (the C kernel's in-place path and the torch path)."""
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(5, 4, HEAD_DIM, generator=g), torch.randn(5, 2, HEAD_DIM, generator=g)
+    pos = torch.tensor([0, 3, 7, 100, 2000])
+    freqs = 10000.0 ** (-torch.arange(0, HEAD_DIM, 2).double() / HEAD_DIM)
+    turn = torch.polar(torch.ones(5, HEAD_DIM // 2).double(), -pos[:, None].double() * freqs)
+
+    def expected(x: torch.Tensor) -> torch.Tensor:
+        half = HEAD_DIM // 2
+        z = torch.complex(x[..., :half].double(), x[..., half:].double()) * turn[:, None]
+        return torch.cat((z.real, z.imag), dim=-1).float()
+
+    rope = _rotary(direction="reverse")
+    if in_place:
+        q2, k2 = q.clone(), k.clone()
+        assert rope.rotate_(q2, k2, pos)
+    else:
+        q2, k2 = rope.rotate(q, k, pos)
+    torch.testing.assert_close(q2, expected(q), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(k2, expected(k), rtol=1e-4, atol=1e-4)

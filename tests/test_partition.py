@@ -337,7 +337,7 @@ def test_relative_bias_on_every_stage(specs: dict[str, Spec]) -> None:
     spec = specs["gqa"]
 
     def with_position(kind: str) -> Spec:
-        net = dataclasses.replace(spec.network, position={"type": kind})
+        net = dataclasses.replace(spec.network, positions=({"type": kind},))
         return dataclasses.replace(spec, network=net)
 
     rel = with_position("relative")

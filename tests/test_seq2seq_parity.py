@@ -34,18 +34,40 @@ ENC_DEC = dict(
     decoder_start_token_id=2,
 )
 
+ENC = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    intermediate_size=96,
+    max_position_embeddings=64,
+)
+
 # architecture template -> builder of a random transformers model (one row per architecture)
 CASES = {
-    "bert": lambda: tf.BertModel(
-        tf.BertConfig(
+    "bert": lambda: tf.BertModel(tf.BertConfig(**ENC)),
+    # learned positions from offset 2 counted in the table's rows, one token type
+    "roberta": lambda: tf.RobertaModel(tf.RobertaConfig(**ENC, type_vocab_size=1)),
+    "xlm-roberta": lambda: tf.XLMRobertaModel(tf.XLMRobertaConfig(**ENC)),
+    # own names and config keys, no token types
+    "distilbert": lambda: tf.DistilBertModel(
+        tf.DistilBertConfig(
             vocab_size=VOCAB,
-            hidden_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            intermediate_size=96,
+            dim=64,
+            n_layers=2,
+            n_heads=4,
+            hidden_dim=96,
             max_position_embeddings=64,
         )
     ),
+    # a factorised embedding: width 32, projected to 64
+    "electra": lambda: tf.ElectraModel(tf.ElectraConfig(**ENC, embedding_size=32)),
+    # one set of layer weights shared by every layer, factorised embedding, tanh GELU
+    "albert": lambda: tf.AlbertModel(
+        tf.AlbertConfig(**{**ENC, "num_hidden_layers": 3}, embedding_size=32)
+    ),
+    # learned absolute positions and a shared relative attention bias at once
+    "mpnet": lambda: tf.MPNetModel(tf.MPNetConfig(**ENC)),
     "bart": lambda: tf.BartForConditionalGeneration(tf.BartConfig(**ENC_DEC)),
     "m2m100": lambda: tf.M2M100ForConditionalGeneration(tf.M2M100Config(**ENC_DEC)),
     "marian": lambda: tf.MarianMTModel(
@@ -64,6 +86,9 @@ CASES = {
         )
     ),
 }
+
+
+ENCODERS = ("bert", "roberta", "xlm-roberta", "distilbert", "electra", "albert", "mpnet")
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +118,7 @@ def test_outputs_match_transformers(arch: str, ckpt: str, hf_models, write_spec)
     model = load_model(load_spec(write_spec(spec_doc(arch, d, ckpt))))
     src, tgt = ids(23, 1), ids(11, 2)
     with torch.no_grad():
-        if arch == "bert":
+        if arch in ENCODERS:
             ref = ref_model(src[None]).last_hidden_state[0]
             ours = model(packed([src.tolist()]))
         else:
@@ -103,7 +128,7 @@ def test_outputs_match_transformers(arch: str, ckpt: str, hf_models, write_spec)
     assert rel <= 1e-4, f"{arch}/{ckpt}: max relative difference {rel:.2e}"
 
 
-@pytest.mark.parametrize("arch", [a for a in CASES if a != "bert"])
+@pytest.mark.parametrize("arch", [a for a in CASES if a not in ENCODERS])
 def test_incremental_decode_matches_full_forward(arch: str, hf_models, write_spec) -> None:
     """The decoder fed in chunks, then one token per step, gives the full pass's logits."""
     _, d = hf_models[arch]
@@ -155,3 +180,31 @@ def test_encoder_decoder_spec_on_a_decoder_only_checkpoint(tmp_path, write_spec)
         load_model(load_spec(write_spec(doc)))
     assert "no checkpoint tensor maps to the encoder (enc.*)" in str(e.value)
     assert "network.type" in str(e.value)
+
+
+@pytest.mark.parametrize(
+    ("arch", "network", "expected"),
+    [
+        (
+            "electra",
+            {"embedding": {"projection": False}},
+            "embed_dim 32 differs from hidden 64, but network.embedding.projection is false",
+        ),
+        (
+            "mpnet",
+            {"position": [{"type": "relative"}, {"type": "relative"}]},
+            "network.position: 'relative' is listed twice",
+        ),
+        (
+            "mpnet",
+            {"position": [{"type": "learned", "offset": 64, "offset_in_table": True}]},
+            "offset 64 leaves no position in a table of 64 rows",
+        ),
+    ],
+)
+def test_composition_errors_name_the_option(arch, network, expected, hf_models, write_spec) -> None:  # noqa: ANN001
+    from inferflow.errors import SpecError
+
+    doc = {**spec_doc(arch, hf_models[arch][1], "safetensors"), "network": network}
+    with pytest.raises(SpecError, match=expected):
+        load_model(load_spec(write_spec(doc)))

@@ -6,6 +6,7 @@ from inferflow.blocks.ffn import FFNS
 from inferflow.blocks.norm import NORMS
 from inferflow.blocks.position import (
     POSITIONS,
+    ROPE_DIRECTIONS,
     ROPE_PAIRINGS,
     ROPE_SCALINGS,
     SINUSOIDAL_VARIANTS,
@@ -21,6 +22,7 @@ __all__ = [
     "POSITIONS",
     "QKV_LAYOUTS",
     "RESIDUALS",
+    "ROPE_DIRECTIONS",
     "ROPE_PAIRINGS",
     "ROPE_SCALINGS",
     "SINUSOIDAL_VARIANTS",

@@ -72,12 +72,63 @@ class PositionBlock(nn.Module):
 POSITIONS: Registry[type[PositionBlock]] = Registry("position")
 ROPE_SCALINGS: Registry[Any] = Registry("rope scaling")
 ROPE_PAIRINGS = ("half", "adjacent")
+ROPE_DIRECTIONS = ("forward", "reverse")
 
 
 @POSITIONS.register("none")
 class NoPosition(PositionBlock):
     def __init__(self, args: PositionArgs) -> None:
         super().__init__()
+
+
+class Positions(PositionBlock):
+    """Several position mechanisms at once (``network.position`` as a list, e.g. MPNet's learned
+    absolute table plus a relative attention bias): their embeddings add, their biases add, and
+    at most one of them rotates. Children are named by their type (``pos_embed.learned``,
+    ``pos_embed.relative``)."""
+
+    def __init__(self, blocks: dict[str, PositionBlock]) -> None:
+        super().__init__()
+        for name, block in blocks.items():
+            self.add_module(name, block)
+        self.parts = list(blocks.values())
+        rotating = [n for n, b in blocks.items() if type(b).rotate is not PositionBlock.rotate]
+        if len(rotating) > 1:
+            raise SpecError(
+                f"network.position: {', '.join(rotating)} both rotate q and k; a stack allows "
+                "at most one rotary mechanism"
+            )
+        # (lists: not registered a second time as children)
+        self._rotary = [blocks[n] for n in rotating]
+        self.has_bias = any(b.has_bias for b in self.parts)
+        self.input_only = all(b.input_only for b in self.parts)
+        self.splits_heads = all(b.splits_heads for b in self.parts)
+
+    def embed(self, positions: torch.Tensor) -> torch.Tensor | None:
+        out = [e for e in (b.embed(positions) for b in self.parts) if e is not None]
+        return sum(out[1:], out[0]) if out else None
+
+    def rotate(
+        self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._rotary[0].rotate(q, k, positions) if self._rotary else (q, k)
+
+    def rotate_(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor) -> bool:
+        return bool(self._rotary) and self._rotary[0].rotate_(q, k, positions)
+
+    def _sum(self, biases: list[torch.Tensor | None]) -> torch.Tensor | None:
+        out = [b for b in biases if b is not None]
+        return sum(out[1:], out[0]) if out else None
+
+    def bias(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor | None:
+        return self._sum([b.bias(q_pos, k_pos) for b in self.parts])
+
+    def group_bias(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor | None:
+        return self._sum([b.group_bias(q_pos, k_pos) for b in self.parts])
+
+    def keep_heads(self, heads: slice) -> None:
+        for b in self.parts:
+            b.keep_heads(heads)
 
 
 # --- rotary -------------------------------------------------------------------------------
@@ -157,6 +208,8 @@ class Rotary(PositionBlock):
         super().__init__()
         o = args.options
         self.pairing = o.get("pairing", "half")
+        # reverse: rotate by -angle (checkpoints trained with the other sign convention)
+        self.direction = {"forward": 1.0, "reverse": -1.0}[o.get("direction", "forward")]
         if self.pairing not in ROPE_PAIRINGS:
             raise SpecError(
                 f"network.position.pairing: {self.pairing!r} is not one of: {', '.join(ROPE_PAIRINGS)}"
@@ -182,7 +235,7 @@ class Rotary(PositionBlock):
         self, positions: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.float()[:, None] * self.inv_freq[None, :]  # (N, rd/2)
-        cos, sin = freqs.cos() * self.att_scale, freqs.sin() * self.att_scale
+        cos, sin = freqs.cos() * self.att_scale, freqs.sin() * (self.att_scale * self.direction)
         return cos.to(dtype)[:, None, :], sin.to(dtype)[:, None, :]  # (N, 1, rd/2)
 
     def _rotate_one(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

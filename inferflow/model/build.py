@@ -89,8 +89,10 @@ def held_elsewhere(part: StackPart, spec: Spec) -> Callable[[str], bool]:
     """Canonical tensor names that other ranks hold, given this rank's ``part``."""
     tied = spec.network.tied_output
     embeds: tuple[str, ...] = ("dec.type_embed.", "dec.embed_norm.")
-    if POSITIONS.get(spec.network.position["type"]).input_only:  # other blocks: every stage
-        embeds += ("dec.pos_embed.",)
+    positions = spec.network.positions
+    for entry in positions:  # input-only blocks are on the first stage; others on every stage
+        if POSITIONS.get(entry["type"]).input_only:
+            embeds += ("dec.pos_embed." + (f"{entry['type']}." if len(positions) > 1 else ""),)
     heads = ("dec.output.", "dec.output_norm.", "dec.logits_bias")
 
     def elsewhere(canon: str) -> bool:

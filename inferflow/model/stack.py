@@ -26,7 +26,7 @@ from inferflow.blocks import (
     PositionArgs,
 )
 from inferflow.blocks.linear import Embedding, Linear
-from inferflow.blocks.position import PositionBlock
+from inferflow.blocks.position import NoPosition, PositionBlock, Positions
 from inferflow.blocks.split import WHOLE, TensorSplit
 from inferflow.errors import SpecError
 from inferflow.model.batch import FlatBatch
@@ -106,6 +106,43 @@ def _scale(value: str | float | None, named: str, hidden: int) -> float | None:
     return float(value)
 
 
+def _positions(
+    net: NetworkSpec, h: HParams, causal: bool, part: StackPart
+) -> tuple[PositionBlock, PositionBlock | None]:
+    """The stack's position block (one, or ``Positions`` of several when the spec lists them)
+    and, where the spec gives ``local_theta``, the rope of its sliding-window layers."""
+    blocks: dict[str, PositionBlock] = {}
+    local: PositionBlock | None = None
+    for entry in net.positions:
+        opts = {
+            "theta": h.rope_theta,
+            "rotary_dim": h.rotary_dim,
+            "scaling": h.rope_scaling,
+            "buckets": h.rel_buckets,
+            "max_distance": h.rel_max_distance,
+            "bidirectional": not causal,
+        }
+        opts.update(entry)
+        if "partial" in entry:
+            opts.pop("rotary_dim")
+        # learned / sinusoidal tables live in the embedding width (factorised embeddings)
+        args = PositionArgs(h.embed_dim, h.n_heads, h.head_dim, h.max_positions, opts)
+        cls = POSITIONS.get(entry["type"])
+        if entry["type"] in blocks:
+            raise SpecError(f"network.position: {entry['type']!r} is listed twice")
+        # an input embedding takes part only where the embeddings are (the first stage)
+        blocks[entry["type"]] = (cls if part.embedding or not cls.input_only else NoPosition)(args)
+        if "local_theta" in entry:  # sliding-window layers' own rope base (Gemma 3)
+            local = cls(args, theta_key="local_theta")
+    if len(blocks) > 1 and local is not None:
+        raise SpecError("network.position: local_theta needs a single position mechanism")
+    pos = next(iter(blocks.values())) if len(net.positions) == 1 else Positions(blocks)
+    for block in (pos, local):
+        if block is not None and part.split.size > 1:
+            block.keep_heads(part.split.part(h.n_heads))
+    return pos, local
+
+
 @dataclass(frozen=True)
 class StackPart:
     """The share of a stack one rank of a partitioned model holds (inferflow.parallel): layers
@@ -121,7 +158,7 @@ class StackPart:
 
 class Stack(nn.Module):
     """Children: tok_embed (absent when ``embed`` is shared), pos_embed, type_embed,
-    embed_norm, "0".."L-1", output_norm, and for a decoder the head ``output`` (absent when tied)
+    embed_norm, embed_proj (a factorised embedding's projection), "0".."L-1", output_norm, and for a decoder the head ``output`` (absent when tied)
     with ``logits_bias`` for a tied head with a bias. A ``part`` keeps only what one rank holds;
     its layers keep their global names and use cache rows 0.. in order."""
 
@@ -141,37 +178,30 @@ class Stack(nn.Module):
         head = head and part.head
         self.layer_ids = range(part.first, part.last)
         if embed is None and (part.embedding or (head and net.tied_output)):
-            self.tok_embed = Embedding(h.vocab_size, h.hidden)
+            self.tok_embed = Embedding(h.vocab_size, h.embed_dim)
         self._shared = [embed]  # a list: not registered as this stack's child
-        pos_opts = {
-            "theta": h.rope_theta,
-            "rotary_dim": h.rotary_dim,
-            "scaling": h.rope_scaling,
-            "buckets": h.rel_buckets,
-            "max_distance": h.rel_max_distance,
-            "bidirectional": not causal,
-        }
-        pos_opts.update(net.position)
-        if "partial" in net.position:
-            pos_opts.pop("rotary_dim")
-        args = PositionArgs(h.hidden, h.n_heads, h.head_dim, h.max_positions, pos_opts)
-        pos_cls = POSITIONS.get(net.position["type"])
-        # an input embedding takes part only where the embeddings are (the first stage)
-        here = part.embedding or not pos_cls.input_only
-        self.pos_embed = (pos_cls if here else POSITIONS.get("none"))(args)
-        # sliding-window layers may use their own rope base (Gemma 3's local_theta)
-        self.pos_local = (
-            pos_cls(args, theta_key="local_theta") if "local_theta" in net.position else None
-        )
-        for block in (self.pos_embed, self.pos_local):
-            if block is not None and part.split.size > 1:
-                block.keep_heads(part.split.part(h.n_heads))
+        self.pos_embed, self.pos_local = _positions(net, h, causal, part)
         first = part.embedding
         self.type_embed = (
-            Embedding(h.type_vocab_size, h.hidden) if net.token_types and first else None
+            Embedding(h.type_vocab_size, h.embed_dim) if net.token_types and first else None
         )
         norm = NORMS.get(net.norm)
-        self.embed_norm = norm(h.hidden, h.norm_eps) if net.embedding_norm and first else None
+        self.embed_norm = norm(h.embed_dim, h.norm_eps) if net.embedding_norm and first else None
+        # a factorised embedding: a narrower table (ALBERT, ELECTRA), projected to the width
+        project = net.embedding_projection
+        if project == "auto":
+            project = h.embed_dim != h.hidden
+        if not project and h.embed_dim != h.hidden:
+            raise SpecError(
+                f"hparams: embed_dim {h.embed_dim} differs from hidden {h.hidden}, but "
+                "network.embedding.projection is false; set it true (or auto)"
+            )
+        if project and net.tied_output and head:
+            raise SpecError(
+                "network.embedding.projection: a projected (factorised) embedding cannot be "
+                "tied to the output head; set network.output.tied: false"
+            )
+        self.embed_proj = Linear(h.embed_dim, h.hidden, bias=True) if project and first else None
         windows = self._windows(net, h, n_layers)
         for i in self.layer_ids:
             layer = Layer(net, h, i - part.first, windows[i], causal, cross, part.split)
@@ -229,6 +259,8 @@ class Stack(nn.Module):
             x = x + self.type_embed.weight[0]  # single-segment inputs: token type 0
         if self.embed_norm is not None:
             x = self.embed_norm(x)
+        if self.embed_proj is not None:
+            x = self.embed_proj(x)
         return x
 
     def run_layers(self, x: torch.Tensor, batch: FlatBatch) -> torch.Tensor:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import fields
+from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -246,7 +246,7 @@ def parse_spec(
     found = read_checkpoint_hparams(source)
     found.update(doc.get("hparams", {}))
     found.update(hparam_overrides or {})
-    hparams = _hparams(found, where)
+    hparams = _usable_positions(_hparams(found, where), network)
     gen = GenerationDefaults(**doc.get("generation", {}))
     q = doc.get("quant", {})
     quant = QuantSpec(
@@ -298,13 +298,16 @@ def _network(n: dict[str, Any]) -> NetworkSpec:
         activation=n["activation"],
         ffn=n["ffn"],
         residual=n["residual"],
-        position=dict(n["position"]),
+        positions=tuple(
+            dict(p) for p in (n["position"] if isinstance(n["position"], list) else [n["position"]])
+        ),
         attention=AttentionSpec(**n.get("attention", {})),
         tensors=tensors,
         ffn_bias=n.get("ffn_bias", False),
         embedding_scale=emb.get("scale"),
         embedding_norm=emb.get("norm", False),
         token_types=emb.get("token_types", False),
+        embedding_projection=emb.get("projection", "auto"),
         shared_embedding=emb.get("shared", True),
         final_norm=n.get("final_norm", n["residual"] != "post_norm"),
         output_scale=out.get("scale"),
@@ -348,6 +351,22 @@ def read_checkpoint_hparams(source: SourceSpec) -> dict[str, Any]:
         raise
     except InferflowError as e:  # a broken checkpoint reported in spec terms
         raise SpecError(f"source.files: cannot read hyperparameters: {e}") from None
+
+
+def _usable_positions(h: HParams, net: NetworkSpec) -> HParams:
+    """A learned table whose declared rows include its offset rows (``offset_in_table``)
+    serves ``max_positions - offset`` positions: ``max_positions`` becomes that length (the
+    block adds the offset rows back to its table)."""
+    for p in net.positions:
+        if p.get("offset_in_table"):
+            offset = int(p.get("offset", 0))
+            if h.max_positions <= offset:
+                raise SpecError(
+                    f"network.position: offset {offset} leaves no position in a table of "
+                    f"{h.max_positions} rows (hparams.max_positions)"
+                )
+            return replace(h, max_positions=h.max_positions - offset)
+    return h
 
 
 def _hparams(found: dict[str, Any], where: str) -> HParams:

@@ -13,7 +13,7 @@ from inferflow.paths import read_json
 # our name -> candidate config.json keys (dotted = nested); first present and non-null wins
 HF_CONFIG_KEYS: dict[str, tuple[str, ...]] = {
     "vocab_size": ("vocab_size", "padded_vocab_size"),
-    "hidden": ("hidden_size", "n_embd", "d_model"),
+    "hidden": ("hidden_size", "n_embd", "d_model", "dim"),
     # encoder-decoder configs: n_layers / n_heads / ffn_hidden are the decoder's
     "n_layers": (
         "decoder_layers",
@@ -21,12 +21,27 @@ HF_CONFIG_KEYS: dict[str, tuple[str, ...]] = {
         "num_hidden_layers",
         "n_layer",
         "num_layers",
+        "n_layers",
     ),
     "n_enc_layers": ("encoder_layers", "num_layers"),
-    "n_heads": ("decoder_attention_heads", "num_attention_heads", "n_head", "num_heads"),
+    "embed_dim": ("embedding_size",),  # factorised embeddings (ALBERT, ELECTRA)
+    "n_heads": (
+        "decoder_attention_heads",
+        "num_attention_heads",
+        "n_head",
+        "num_heads",
+        "n_heads",
+    ),
     "n_kv_heads": ("num_key_value_heads", "num_kv_heads", "n_head_kv"),
     "head_dim": ("head_dim", "d_kv"),
-    "ffn_hidden": ("intermediate_size", "n_inner", "ffn_dim", "decoder_ffn_dim", "d_ff"),
+    "ffn_hidden": (
+        "intermediate_size",
+        "n_inner",
+        "ffn_dim",
+        "decoder_ffn_dim",
+        "d_ff",
+        "hidden_dim",
+    ),
     "norm_eps": ("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon", "norm_epsilon"),
     "rope_theta": ("rope_theta", "rope_parameters.rope_theta", "rotary_emb_base"),
     "rope_partial": (

@@ -79,12 +79,16 @@ def build_schema() -> dict[str, Any]:
         {
             "type": _enum(blocks.POSITIONS.names()),
             "pairing": _enum(blocks.ROPE_PAIRINGS),
+            "direction": _enum(blocks.ROPE_DIRECTIONS),  # reverse: rotate by -angle
             "theta": num,
             "local_theta": num,  # rope theta of sliding-window layers (Gemma 3)
             "partial": num,
             "rotary_dim": {"type": "integer"},
             "scaling": scaling,
             "offset": {"type": "integer"},
+            # learned: the checkpoint's max_positions rows already hold the offset rows
+            # (RoBERTa, MPNet: usable length max_positions - offset); false: added (OPT)
+            "offset_in_table": {"type": "boolean"},
             "variant": _enum(blocks.SINUSOIDAL_VARIANTS),  # sinusoidal frequencies
         },
         ("type",),
@@ -135,7 +139,8 @@ def build_schema() -> dict[str, Any]:
             "ffn": _enum(blocks.FFNS.names()),
             "ffn_bias": {"type": "boolean"},
             "residual": _enum(blocks.RESIDUALS.names()),
-            "position": position,
+            # one mechanism, or a list of them used together
+            "position": {"anyOf": [position, {"type": "array", "items": position, "minItems": 1}]},
             "attention": attention,
             "embedding": _obj(
                 {
@@ -143,6 +148,8 @@ def build_schema() -> dict[str, Any]:
                     "norm": {"type": "boolean"},  # a norm right after the embeddings
                     "token_types": {"type": "boolean"},  # BERT's segment embeddings (type 0)
                     "shared": {"type": "boolean"},  # encoder-decoder: one table for both
+                    # factorised embeddings: project embed_dim -> hidden after the norm
+                    "projection": {"anyOf": [{"type": "boolean"}, {"const": "auto"}]},
                 }
             ),
             "final_norm": {"type": "boolean"},  # default: true unless residual is post_norm
@@ -251,13 +258,11 @@ def format_error(err: jsonschema.ValidationError) -> str:
     if v == "anyOf":
         # a mapping or list fails inside one alternative: say what is wrong there
         kinds = {"object": dict, "array": list}
-        near = [
-            e
-            for e in err.context or []
-            if isinstance(err.instance, kinds.get(str(e.schema.get("type")), type(None)))
-        ]
-        if near:
-            return format_error(jsonschema.exceptions.best_match(near))
+        for i, alt in enumerate(err.validator_value):
+            if isinstance(err.instance, kinds.get(str(alt.get("type")), type(None))):
+                near = [e for e in err.context or [] if e.relative_schema_path[0] == i]
+                if near:
+                    return format_error(jsonschema.exceptions.best_match(near))
         return f"{where}: {err.instance!r} is not valid here ({err.message})"
     return f"{where}: {err.message}"
 

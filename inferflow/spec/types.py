@@ -105,13 +105,17 @@ class NetworkSpec:
     activation: str
     ffn: str
     residual: str
-    position: dict[str, Any]
+    # network.position: one mechanism, or several at once (their embeddings and biases add)
+    positions: tuple[dict[str, Any], ...]
     attention: AttentionSpec
     tensors: TensorsSpec
     ffn_bias: bool = False
     embedding_scale: str | float | None = None  # "sqrt_hidden" or a number
     embedding_norm: bool = False  # a norm right after the embeddings (BLOOM, BART, BERT)
     token_types: bool = False  # BERT's token-type (segment) embeddings; every token is type 0
+    # a projection from the embedding width to the hidden width after the embeddings' norm
+    # (factorised embeddings: ALBERT, ELECTRA); "auto": where hparams.embed_dim != hidden
+    embedding_projection: bool | str = "auto"
     shared_embedding: bool = True  # encoder-decoder: the encoder reads the decoder's table
     final_norm: bool = True  # a norm after the last layer of each stack
     output_scale: str | float | None = None  # "inv_sqrt_hidden" or a number (T5)
@@ -129,6 +133,7 @@ class HParams:
     n_layers: int
     n_heads: int
     ffn_hidden: int = 0  # 0: 4 * hidden
+    embed_dim: int = 0  # width of the embedding tables; 0: hidden (factorised: narrower)
     n_kv_heads: int = 0  # 0: same as n_heads (MHA); 1: MQA; else GQA
     head_dim: int = 0  # 0: hidden // n_heads
     norm_eps: float = 1e-5
@@ -155,6 +160,8 @@ class HParams:
             object.__setattr__(self, "ffn_hidden", 4 * self.hidden)
         if self.n_kv_heads == 0:
             object.__setattr__(self, "n_kv_heads", self.n_heads)
+        if self.embed_dim == 0:
+            object.__setattr__(self, "embed_dim", self.hidden)
         if self.head_dim == 0:
             if self.hidden % self.n_heads:
                 raise SpecError(

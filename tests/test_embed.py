@@ -1,5 +1,5 @@
 """Embeddings (``inferflow.engine.embed``, ``LanguageModel.embed``, ``inferflow embed``):
-all-MiniLM-L6-v2 sentence embeddings against transformers (mean over the attention mask, L2);
+all-MiniLM-L6-v2 and all-mpnet-base-v2 sentence embeddings against transformers (mean over the attention mask, L2);
 a packed batch equals each input alone; every pooling of a tiny random BERT and a tiny llama
 against transformers' hidden states; clear errors for bad input; the CLI prints the API's vectors.
 """
@@ -46,17 +46,26 @@ def minilm_dir() -> Path:
     return Path(next(iter(spec.submodule_search_locations))) / "model"
 
 
+def mpnet_dir() -> Path:
+    p = Path.home() / ".cache/inferflow/models/all-mpnet-base-v2"
+    if not p.exists():
+        pytest.skip(f"{p} not assembled (make models)")
+    return p
+
+
+# built-in sentence-embedding specs -> (directory of the checkpoint, embedding width)
+REAL = {MINILM: (minilm_dir, 384), "all-mpnet-base-v2": (mpnet_dir, 768)}
+
+
 @pytest.fixture(scope="module")
 def minilm() -> LanguageModel:
     minilm_dir()
     return load(MINILM)
 
 
-@pytest.fixture(scope="module")
-def minilm_ref() -> list[torch.Tensor]:
+def reference_embeddings(d: Path) -> list[torch.Tensor]:
     """sentence-transformers' pipeline in transformers: a padded batch, the mean over the
     attention mask, L2-normalised."""
-    d = minilm_dir()
     tok = tf.AutoTokenizer.from_pretrained(d)
     model = tf.AutoModel.from_pretrained(d).eval()
     enc = tok(SENTENCES, padding=True, return_tensors="pt")
@@ -67,16 +76,21 @@ def minilm_ref() -> list[torch.Tensor]:
     return list(F.normalize(mean, dim=-1))
 
 
-def test_minilm_matches_transformers(minilm: LanguageModel, minilm_ref) -> None:  # noqa: ANN001
-    assert spec_pooling(minilm.spec) == ("mean", True)
-    ref_tok = tf.AutoTokenizer.from_pretrained(minilm_dir())
+@pytest.mark.parametrize("name", list(REAL))
+def test_sentence_embeddings_match_transformers(name: str) -> None:
+    where, width = REAL[name]
+    d = where()
+    model = load(name)
+    assert spec_pooling(model.spec) == ("mean", True)
+    ref_tok = tf.AutoTokenizer.from_pretrained(d)
     for s in SENTENCES:  # our tokenizer neither pads nor truncates (tokenizer.json asks for both)
-        assert minilm.tokenizer is not None
-        assert minilm.tokenizer.encode(s) == ref_tok(s)["input_ids"]
-    assert len(minilm.tokenizer.encode(SENTENCES[-1])) > 128
-    got = minilm.embed(SENTENCES)
-    assert isinstance(got, torch.Tensor) and got.shape == (len(SENTENCES), 384)
-    cos = [float(F.cosine_similarity(g, r, dim=0)) for g, r in zip(got, minilm_ref, strict=True)]
+        assert model.tokenizer is not None
+        assert model.tokenizer.encode(s) == ref_tok(s)["input_ids"]
+    assert len(model.tokenizer.encode(SENTENCES[-1])) > 128
+    got = model.embed(SENTENCES)
+    assert isinstance(got, torch.Tensor) and got.shape == (len(SENTENCES), width)
+    ref = reference_embeddings(d)
+    cos = [float(F.cosine_similarity(g, r, dim=0)) for g, r in zip(got, ref, strict=True)]
     assert min(cos) >= 0.9999, cos
     assert torch.allclose(got.norm(dim=-1), torch.ones(len(SENTENCES)), atol=1e-5)
 

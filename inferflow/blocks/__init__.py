@@ -2,7 +2,8 @@
 
 from inferflow.blocks.activation import ACTIVATIONS
 from inferflow.blocks.attention import ATTN_BIAS, QKV_LAYOUTS, Attention, AttnArgs, CrossAttention
-from inferflow.blocks.ffn import FFNS
+from inferflow.blocks.ffn import FFNS, FFNArgs
+from inferflow.blocks.moe import MoEFFN
 from inferflow.blocks.norm import NORMS
 from inferflow.blocks.position import (
     POSITIONS,
@@ -18,6 +19,8 @@ __all__ = [
     "ACTIVATIONS",
     "ATTN_BIAS",
     "FFNS",
+    "FFNArgs",
+    "MoEFFN",
     "NORMS",
     "POSITIONS",
     "QKV_LAYOUTS",

@@ -6,26 +6,46 @@ w2 = down. The gated block fuses w1 and w3 into one ``w13`` parameter ([w1; w3] 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
 from inferflow.blocks.activation import Activation
 from inferflow.blocks.linear import Linear
+from inferflow.blocks.options import NoOptions, Options
 from inferflow.blocks.split import WHOLE, TensorSplit
 from inferflow.registry import Registry
+
+if TYPE_CHECKING:
+    from inferflow.spec.types import HParams
+
+
+@dataclass(frozen=True)
+class FFNArgs:
+    """What an FFN block is built from: widths, activation, biases, the stack's hparams and
+    the block's own options (its class's ``Options``, parsed from ``network.ffn``)."""
+
+    hidden: int
+    inner: int
+    act: Activation
+    bias: bool
+    h: HParams
+    options: Options = NoOptions()
 
 
 class GatedFFN(nn.Module):
     """With a tensor-parallel ``split``: this rank's inner units (inferflow.blocks.split)."""
 
-    def __init__(
-        self, hidden: int, inner: int, act: Activation, bias: bool, split: TensorSplit = WHOLE
-    ) -> None:
+    Options = NoOptions
+
+    def __init__(self, args: FFNArgs, split: TensorSplit = WHOLE) -> None:
         super().__init__()
-        self.full, self.split = inner, split
-        self.inner, self.act = inner // split.size, act
-        self.w13 = Linear(hidden, 2 * self.inner, bias=bias)
-        self.w2 = Linear(self.inner, hidden, bias=bias)
+        self.full, self.split = args.inner, split
+        self.inner, self.act = args.inner // split.size, args.act
+        self.w13 = Linear(args.hidden, 2 * self.inner, bias=args.bias)
+        self.w2 = Linear(self.inner, args.hidden, bias=args.bias)
 
     def shard_rows(self, shard: str) -> slice:
         return {"w1": slice(0, self.inner), "w3": slice(self.inner, 2 * self.inner)}[shard]
@@ -44,13 +64,13 @@ class GatedFFN(nn.Module):
 
 
 class PlainFFN(nn.Module):
-    def __init__(
-        self, hidden: int, inner: int, act: Activation, bias: bool, split: TensorSplit = WHOLE
-    ) -> None:
+    Options = NoOptions
+
+    def __init__(self, args: FFNArgs, split: TensorSplit = WHOLE) -> None:
         super().__init__()
-        self.act, self.full, self.split = act, inner, split
-        self.w1 = Linear(hidden, inner // split.size, bias=bias)
-        self.w2 = Linear(inner // split.size, hidden, bias=bias)
+        self.act, self.full, self.split = args.act, args.inner, split
+        self.w1 = Linear(args.hidden, args.inner // split.size, bias=args.bias)
+        self.w2 = Linear(args.inner // split.size, args.hidden, bias=args.bias)
 
     def take_slice(self, child: str, leaf: str, shard: str | None, t: torch.Tensor) -> torch.Tensor:
         if self.split.size == 1:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple
 
 import torch
@@ -26,21 +26,20 @@ from inferflow.spec.types import MapEntry
 
 log = logging.getLogger(__name__)
 
-# canonical leaf -> (fused parameter leaf, shard id): separate checkpoint tensors filling row
-# ranges of one fused parameter (vLLM's stacked_params_mapping)
-STACKED: dict[str, tuple[str, str]] = {
-    "self_attn.wq": ("self_attn.wqkv", "q"),
-    "self_attn.wk": ("self_attn.wqkv", "k"),
-    "self_attn.wv": ("self_attn.wqkv", "v"),
-    "cross_attn.wk": ("cross_attn.wkv", "k"),
-    "cross_attn.wv": ("cross_attn.wkv", "v"),
-    "feed_forward.w1": ("feed_forward.w13", "w1"),
-    "feed_forward.w3": ("feed_forward.w13", "w3"),
+# a canonical linear's name -> (the fused linear beside it, shard id): separate checkpoint tensors
+# filling row ranges of one fused parameter (vLLM's stacked_params_mapping). The fused one's
+# owner (attention, a gated FFN, an MoE expert) says which rows each shard takes (shard_rows).
+STACKED: dict[str, tuple[tuple[str, str], ...]] = {
+    "wq": (("wqkv", "q"),),
+    "wk": (("wqkv", "k"), ("wkv", "k")),  # self-attention's qkv, cross-attention's kv
+    "wv": (("wqkv", "v"), ("wkv", "v")),
+    "w1": (("w13", "w1"),),
+    "w3": (("w13", "w3"),),
 }
 SHARDS: dict[str, tuple[str, ...]] = {
-    "self_attn.wqkv": ("q", "k", "v"),
-    "cross_attn.wkv": ("k", "v"),
-    "feed_forward.w13": ("w1", "w3"),
+    "wqkv": ("q", "k", "v"),
+    "wkv": ("k", "v"),
+    "w13": ("w1", "w3"),
 }
 # a checkpoint's own fused tensor is reordered by the owning block (e.g. per-head qkv rows)
 FUSED_LOADERS: dict[str, str] = {"self_attn.wqkv": "load_fused"}
@@ -93,13 +92,12 @@ def _resolve(model: nn.Module, params: dict[str, nn.Parameter], canon: str) -> _
             if module_path.endswith("." + suffix):
                 prepare = getattr(model.get_submodule(module_path.rpartition(".")[0]), method)
         return _Target(canon, None, None, prepare)
-    for src, (dst, shard) in STACKED.items():
-        if module_path.endswith("." + src):
-            fused_path = module_path[: -len(src)] + dst
-            name = f"{fused_path}.{leaf}"
-            if name in params:
-                parent: Any = model.get_submodule(fused_path.rpartition(".")[0])
-                return _Target(name, parent.shard_rows(shard), shard, None)
+    owner, _, linear = module_path.rpartition(".")
+    for fused, shard in STACKED.get(linear, ()):
+        name = f"{owner}.{fused}.{leaf}"
+        if name in params:
+            parent: Any = model.get_submodule(owner)
+            return _Target(name, parent.shard_rows(shard), shard, None)
     return None
 
 
@@ -138,6 +136,13 @@ def _fit(model: nn.Module, b: Bound, t: torch.Tensor, dest: torch.Size) -> torch
 def _steps(b: Bound, t: torch.Tensor) -> torch.Tensor:
     """The map entry's steps, in their documented order (MapEntry)."""
     e, shape = b.entry, list(t.shape)
+    if e.pick is not None:
+        if t.dim() < 2 or e.pick >= t.shape[0]:
+            raise _Misfit(
+                f"{b.name}: expert {e.pick} of a stacked tensor of shape {shape} (the experts "
+                "along the first axis)"
+            )
+        t, shape = t[e.pick], shape[1:]
     if e.transpose:
         if t.dim() != 2:
             raise _Misfit(f"{b.name}: transpose needs a 2-D tensor, the stored one is {shape}")
@@ -197,12 +202,39 @@ def _layers(params: dict[str, nn.Parameter]) -> dict[str, list[int]]:
     return {k: sorted(v) for k, v in out.items()}
 
 
-def _targets(canon: str, layers: dict[str, list[int]]) -> list[str]:
-    """A canonical name, or every layer's when a shared source left its ``{i}``."""
-    if "{i}" not in canon:
-        return [canon]
-    stack = canon.partition(".")[0]
-    return [canon.replace("{i}", str(i)) for i in layers.get(stack, [])]
+def _targets(
+    canon: str,
+    layers: dict[str, list[int]],
+    params: dict[str, nn.Parameter],
+    stored: Sequence[int],
+) -> list[tuple[str, int | None]]:
+    """(canonical name, pick) pairs: the name itself, every layer's when a shared source left
+    its ``{i}``, and every expert's, each picking its row of the stacked tensor, when a stacked
+    source left its ``{e}``."""
+    if "{i}" in canon:
+        stack = canon.partition(".")[0]
+        names = [canon.replace("{i}", str(i)) for i in layers.get(stack, [])]
+    else:
+        names = [canon]
+    if "{e}" not in canon:
+        return [(n, None) for n in names]
+    out: list[tuple[str, int | None]] = []
+    for n in names:
+        before = n.partition("{e}")[0]
+        experts = sorted(
+            {
+                int(h)
+                for p in params
+                if p.startswith(before) and (h := p[len(before) :].partition(".")[0]).isdigit()
+            }
+        )
+        if experts and (not stored or stored[0] != len(experts)):
+            raise _Misfit(
+                f"a tensor of shape {list(stored)} stacks its experts along the first axis, "
+                f"but {before.rstrip('.')} holds {len(experts)} experts"
+            )
+        out += [(n.replace("{e}", str(e)), e) for e in experts]
+    return out
 
 
 def _dest_shape(param: torch.Tensor, rows: slice | None) -> torch.Size:
@@ -233,7 +265,14 @@ def plan_weights(
             continue
         used = False
         for use in uses:
-            for canon in _targets(use.target, layers):
+            try:
+                targets = _targets(use.target, layers, params, source.shape(name))
+            except _Misfit as e:
+                errors.append(f"{name}: {e} (mapped by {use.origin})")
+                continue
+            for canon, pick in targets:
+                if pick is not None:
+                    use = use._replace(entry=replace(use.entry, pick=pick))
                 if elsewhere is not None and elsewhere(canon):
                     used = True
                     continue
@@ -291,8 +330,8 @@ def _report(
     unfilled: set[str] = set()
     for pname in params:
         got = filled.get(pname, set())
-        leaf_module = pname.rpartition(".")[0]
-        need = next((set(s) for k, s in SHARDS.items() if leaf_module.endswith(k)), {None})
+        linear = pname.rpartition(".")[0].rpartition(".")[2]
+        need = set(SHARDS.get(linear, (None,)))
         if None in got:
             continue
         lacking = need - got

@@ -78,7 +78,13 @@ PRESETS.add(
     },
 )
 
-_INDEX = re.compile(r"\\\{i\\\}")
+_INDEX = {"i": re.compile(r"\\\{i\\\}"), "e": re.compile(r"\\\{e\\\}")}
+
+
+def _fill(target: str, found: dict[str, str]) -> str:
+    for key, value in found.items():
+        target = target.replace("{" + key + "}", value)
+    return target
 
 
 class Use(NamedTuple):
@@ -106,15 +112,19 @@ class NameMap:
             where = f"network.tensors.map[{k!r}]"
             table[k] = [(e, where + (f"[{n}]" if len(es) > 1 else "")) for n, e in enumerate(es)]
         self.prefix = tensors.prefix
-        self.exact = {k: v for k, v in table.items() if "{i}" not in k}
-        self.rules = [(self._compile(k), v) for k, v in table.items() if "{i}" in k]
+        indexed = {k for k in table if "{i}" in k or "{e}" in k}
+        self.exact = {k: v for k, v in table.items() if k not in indexed}
+        self.rules = [(self._compile(k), v) for k, v in table.items() if k in indexed]
         self.ignore = [self._compile(p) for p in tensors.ignore]
 
     @staticmethod
     def _compile(pattern: str) -> re.Pattern[str]:
-        if pattern.count("{i}") > 1:
-            raise SpecError(f"network.tensors: {pattern!r} may hold at most one {{i}}")
-        return re.compile(_INDEX.sub(r"(?P<i>\\d+)", re.escape(pattern)) + r"\Z")
+        regex = re.escape(pattern)
+        for key, placeholder in _INDEX.items():
+            if pattern.count("{" + key + "}") > 1:
+                raise SpecError(f"network.tensors: {pattern!r} may hold at most one {{{key}}}")
+            regex = placeholder.sub(f"(?P<{key}>\\\\d+)", regex)
+        return re.compile(regex + r"\Z")
 
     def __call__(self, name: str) -> list[Use] | None:
         if self.prefix and name.startswith(self.prefix):
@@ -125,7 +135,8 @@ class NameMap:
         for pattern, uses in self.rules:
             m = pattern.match(name)
             if m:
-                return [Use(e.target.replace("{i}", m.group("i")), e, w) for e, w in uses]
+                found = {k: v for k, v in m.groupdict().items() if v is not None}
+                return [Use(_fill(e.target, found), e, w) for e, w in uses]
         return None
 
     def ignored(self, name: str) -> bool:

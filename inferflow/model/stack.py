@@ -23,6 +23,7 @@ from inferflow.blocks import (
     Attention,
     AttnArgs,
     CrossAttention,
+    FFNArgs,
     PositionArgs,
 )
 from inferflow.blocks.linear import Embedding, Linear
@@ -77,9 +78,15 @@ class Layer(nn.Module):
         )
         self.self_attn = Attention(args, split)
         self.cross_attn = CrossAttention(args) if cross else None
-        self.feed_forward = FFNS.get(net.ffn)(
-            h.hidden, h.ffn_hidden, ACTIVATIONS.get(net.activation), net.ffn_bias, split
+        ffn = FFNArgs(
+            h.hidden,
+            h.ffn_hidden,
+            ACTIVATIONS.get(net.activation),
+            net.ffn_bias,
+            h,
+            net.ffn_options,
         )
+        self.feed_forward = FFNS.get(net.ffn)(ffn, split)
         self.local = window is not None
         # tensor parallelism: sums the branches' partial outputs across the group
         self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None

@@ -14,6 +14,7 @@ from typing import Any
 
 import yaml
 
+from inferflow.blocks import FFNS
 from inferflow.errors import InferflowError, SpecError
 from inferflow.paths import expand_user, resolve_ref
 from inferflow.spec import hparams as hp
@@ -292,11 +293,14 @@ def _network(n: dict[str, Any]) -> NetworkSpec:
     )
     tensors = TensorsSpec(t.get("preset"), t.get("prefix", ""), entries, tuple(t.get("ignore", ())))
     out, emb = n.get("output", {}), n.get("embedding", {})
+    ffn_doc = n["ffn"] if isinstance(n["ffn"], dict) else {"type": n["ffn"]}
+    ffn = ffn_doc["type"]
     return NetworkSpec(
         type=n["type"],
         norm=n["norm"],
         activation=n["activation"],
-        ffn=n["ffn"],
+        ffn=ffn,
+        ffn_options=FFNS.get(ffn).Options.parse(ffn_doc, "network.ffn"),  # type: ignore[attr-defined]
         residual=n["residual"],
         positions=tuple(
             dict(p) for p in (n["position"] if isinstance(n["position"], list) else [n["position"]])

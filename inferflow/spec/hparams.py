@@ -58,6 +58,11 @@ HF_CONFIG_KEYS: dict[str, tuple[str, ...]] = {
     "type_vocab_size": ("type_vocab_size",),
     "rel_buckets": ("relative_attention_num_buckets",),
     "rel_max_distance": ("relative_attention_max_distance",),
+    "n_experts": ("num_local_experts", "num_experts", "n_routed_experts"),
+    "n_experts_used": ("num_experts_per_tok",),
+    "expert_ffn_hidden": ("moe_intermediate_size",),
+    "shared_ffn_hidden": ("shared_expert_intermediate_size",),
+    "moe_normalize": ("norm_topk_prob",),
 }
 
 # our name -> candidate GGUF metadata keys (llama.cpp's LLM_KV names)
@@ -76,6 +81,10 @@ GGUF_KEYS: dict[str, tuple[str, ...]] = {
     "sliding_window": ("{arch}.attention.sliding_window",),
     "bos_id": ("tokenizer.ggml.bos_token_id",),
     "eos_id": ("tokenizer.ggml.eos_token_id",),
+    "n_experts": ("{arch}.expert_count",),
+    "n_experts_used": ("{arch}.expert_used_count",),
+    "expert_ffn_hidden": ("{arch}.expert_feed_forward_length",),
+    "shared_ffn_hidden": ("{arch}.expert_shared_feed_forward_length",),
 }
 
 # rope scaling: HF rope_type / GGUF scaling type -> ours, and option keys -> ours

@@ -3,35 +3,24 @@ error messages that name the YAML path, the bad value and the allowed values."""
 
 from __future__ import annotations
 
+from dataclasses import fields
 from typing import Any
 
 import jsonschema
 
-from inferflow.spec.types import EMBEDDING_PLACES, PARTITION_STRATEGIES, POOLINGS
+from inferflow.spec.types import EMBEDDING_PLACES, PARTITION_STRATEGIES, POOLINGS, HParams
 
-HPARAM_TYPES: dict[str, str] = {
-    "vocab_size": "integer",
-    "hidden": "integer",
-    "n_layers": "integer",
-    "n_heads": "integer",
-    "n_kv_heads": "integer",
-    "head_dim": "integer",
-    "ffn_hidden": "integer",
-    "norm_eps": "number",
-    "rope_theta": "number",
-    "rope_partial": "number",
-    "rotary_dim": "integer",
-    "max_positions": "integer",
-    "sliding_window": "integer",
-    "bos_id": "integer",
-    "eos_id": "integer",
-    "pad_id": "integer",
-    "decoder_start_id": "integer",
-    "n_enc_layers": "integer",
-    "type_vocab_size": "integer",
-    "rel_buckets": "integer",
-    "rel_max_distance": "integer",
-}
+
+def _hparam_types() -> dict[str, str]:
+    """JSON types of the hyperparameters a spec may set: HParams' fields of a scalar type
+    (declared once, there)."""
+    named = {"int": "integer", "float": "number", "bool": "boolean"}
+    out = {}
+    for f in fields(HParams):
+        kind = str(f.type).replace(" | None", "")
+        if kind in named:
+            out[f.name] = named[kind]
+    return out
 
 
 def _obj(props: dict[str, Any], required: tuple[str, ...] = ()) -> dict[str, Any]:
@@ -136,7 +125,17 @@ def build_schema() -> dict[str, Any]:
             "type": _enum(NETWORKS.names()),
             "norm": _enum(blocks.NORMS.names()),
             "activation": _enum(blocks.ACTIVATIONS.names()),
-            "ffn": _enum(blocks.FFNS.names()),
+            # a name, or {type: name, ...that block's options}
+            "ffn": {
+                "anyOf": [
+                    _enum(blocks.FFNS.names()),
+                    *(
+                        cls.Options.schema(type={"const": name})  # type: ignore[attr-defined]
+                        | {"required": ["type"]}
+                        for name, cls in blocks.FFNS.items()
+                    ),
+                ]
+            },
             "ffn_bias": {"type": "boolean"},
             "residual": _enum(blocks.RESIDUALS.names()),
             # one mechanism, or a list of them used together
@@ -187,7 +186,7 @@ def build_schema() -> dict[str, Any]:
                 },
                 ("from",),
             ),
-            "hparams": _obj({k: {"type": t} for k, t in HPARAM_TYPES.items()}),
+            "hparams": _obj({k: {"type": t} for k, t in _hparam_types().items()}),
             "network": network,
             "quant": _obj(
                 {
@@ -258,7 +257,15 @@ def format_error(err: jsonschema.ValidationError) -> str:
     if v == "anyOf":
         # a mapping or list fails inside one alternative: say what is wrong there
         kinds = {"object": dict, "array": list}
-        for i, alt in enumerate(err.validator_value):
+        alts = list(enumerate(err.validator_value))
+        if isinstance(err.instance, dict):  # {type: name, ...}: that name's alternative first
+            named = [
+                (i, a)
+                for i, a in alts
+                if a.get("properties", {}).get("type", {}).get("const") == err.instance.get("type")
+            ]
+            alts = named or alts
+        for i, alt in alts:
             if isinstance(err.instance, kinds.get(str(alt.get("type")), type(None))):
                 near = [e for e in err.context or [] if e.relative_schema_path[0] == i]
                 if near:

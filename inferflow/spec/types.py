@@ -7,14 +7,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from inferflow.blocks.options import NoOptions, Options
 from inferflow.errors import SpecError
 
 
 @dataclass(frozen=True)
 class MapEntry:
     """One checkpoint -> canonical tensor rule. ``{i}`` is the layer index; a source without
-    ``{i}`` mapped to a target with it feeds every layer (shared weights). Several entries of
-    one source: the stored tensor feeds several targets. The steps apply in this order:
+    ``{i}`` mapped to a target with it feeds every layer (shared weights). ``{e}`` is an
+    expert's index (MoE); a source without ``{e}`` mapped to a target with it stacks the
+    experts along its first axis: expert e takes ``t[e]`` (``pick``, set by the binding).
+    Several entries of one source: the stored tensor feeds several targets. The steps apply
+    in this order (after ``pick``):
 
     - ``transpose``: swap the two axes (GPT-2's Conv1D stores (in, out));
     - ``slice`` (axis, start, stop): ``t[start:stop]`` along ``axis``;
@@ -33,6 +37,7 @@ class MapEntry:
     reshape: tuple[int, ...] | None = None
     scale: float | None = None
     pad: tuple[int, int] | None = None
+    pick: int | None = None  # index along the first axis (dropped): a stacked expert's
 
     def __post_init__(self) -> None:
         where = f"network.tensors.map[{self.source!r}]"
@@ -46,16 +51,17 @@ class MapEntry:
                 f"{where}: slice start {self.slice[1]} and stop {self.slice[2]}: need "
                 "0 <= start < stop"
             )
-        if "{i}" in self.source and "{i}" not in self.target:
-            raise SpecError(
-                f"{where}: the source has {{i}} but the target {self.target!r} does not; "
-                "every layer's tensor would land in one place"
-            )
+        for index, what in (("{i}", "layer"), ("{e}", "expert")):
+            if index in self.source and index not in self.target:
+                raise SpecError(
+                    f"{where}: the source has {index} but the target {self.target!r} does "
+                    f"not; every {what}'s tensor would land in one place"
+                )
 
     @property
     def as_stored(self) -> bool:
         """The tensor lands as stored: no step changes it."""
-        steps = (self.slice, self.chunk, self.reshape, self.scale, self.pad)
+        steps = (self.pick, self.slice, self.chunk, self.reshape, self.scale, self.pad)
         return not self.transpose and all(x is None for x in steps)
 
 
@@ -110,6 +116,7 @@ class NetworkSpec:
     attention: AttentionSpec
     tensors: TensorsSpec
     ffn_bias: bool = False
+    ffn_options: Options = NoOptions()  # the FFN block's own (its class's Options)
     embedding_scale: str | float | None = None  # "sqrt_hidden" or a number
     embedding_norm: bool = False  # a norm right after the embeddings (BLOOM, BART, BERT)
     token_types: bool = False  # BERT's token-type (segment) embeddings; every token is type 0
@@ -151,6 +158,14 @@ class HParams:
     type_vocab_size: int = 2
     rel_buckets: int = 32  # relative position bias (T5)
     rel_max_distance: int = 128
+    # mixture of experts (ffn: moe): experts, experts per token, each expert's width (0:
+    # ffn_hidden), the shared expert's width (0: none), and whether the chosen experts'
+    # probabilities are renormalised to sum to 1
+    n_experts: int = 0
+    n_experts_used: int = 0
+    expert_ffn_hidden: int = 0
+    shared_ffn_hidden: int = 0
+    moe_normalize: bool = True
 
     def __post_init__(self) -> None:
         for k in ("vocab_size", "hidden", "n_layers", "n_heads"):
@@ -160,6 +175,8 @@ class HParams:
             object.__setattr__(self, "ffn_hidden", 4 * self.hidden)
         if self.n_kv_heads == 0:
             object.__setattr__(self, "n_kv_heads", self.n_heads)
+        if self.expert_ffn_hidden == 0:
+            object.__setattr__(self, "expert_ffn_hidden", self.ffn_hidden)
         if self.embed_dim == 0:
             object.__setattr__(self, "embed_dim", self.hidden)
         if self.head_dim == 0:

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from inferflow.engine.beam import Hypothesis
+from inferflow.engine.classify import classify_batch, probabilities
 from inferflow.engine.embed import embed_batch, resolve_pooling
 from inferflow.engine.generate import StepOutput, generate_tokens
 from inferflow.engine.sampling import SamplingParams
@@ -213,6 +214,21 @@ class LanguageModel:
             for t in texts
         ]
         return embed_batch(self.model, ids, pooling, normalize)
+
+    def classify(self, inputs: Sequence[str | tuple[str, str]]) -> torch.Tensor:
+        """Label probabilities (B, labels) of texts or text pairs (a cross-encoder's (query,
+        document)), in packed batches; a one-label head gives sigmoid relevance scores
+        (``inferflow.engine.classify``). Labels: ``self.spec.hparams.labels``."""
+        if isinstance(inputs, str):
+            raise RequestError("classify takes a list of texts, got one string")
+        tok = self._tok()
+        ids, types = [], []
+        for x in inputs:
+            i, t = tok.encode_pair(*x) if isinstance(x, tuple) else (tok.encode(x), None)
+            ids.append(i)
+            types.append(t or [0] * len(i))
+        pairs = any(isinstance(x, tuple) for x in inputs)
+        return probabilities(classify_batch(self.model, ids, types if pairs else None))
 
 
 def quant_for(spec: Spec, quant: str | None) -> QuantSpec | None:

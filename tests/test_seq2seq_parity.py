@@ -43,6 +43,11 @@ ENC = dict(
     max_position_embeddings=64,
 )
 
+# the same sizes under DistilBERT's config keys
+DISTILBERT = dict(
+    vocab_size=VOCAB, dim=64, n_layers=2, n_heads=4, hidden_dim=96, max_position_embeddings=64
+)
+
 # architecture template -> builder of a random transformers model (one row per architecture)
 CASES = {
     "bert": lambda: tf.BertModel(tf.BertConfig(**ENC)),
@@ -50,16 +55,7 @@ CASES = {
     "roberta": lambda: tf.RobertaModel(tf.RobertaConfig(**ENC, type_vocab_size=1)),
     "xlm-roberta": lambda: tf.XLMRobertaModel(tf.XLMRobertaConfig(**ENC)),
     # own names and config keys, no token types
-    "distilbert": lambda: tf.DistilBertModel(
-        tf.DistilBertConfig(
-            vocab_size=VOCAB,
-            dim=64,
-            n_layers=2,
-            n_heads=4,
-            hidden_dim=96,
-            max_position_embeddings=64,
-        )
-    ),
+    "distilbert": lambda: tf.DistilBertModel(tf.DistilBertConfig(**DISTILBERT)),
     # a factorised embedding: width 32, projected to 64
     "electra": lambda: tf.ElectraModel(tf.ElectraConfig(**ENC, embedding_size=32)),
     # one set of layer weights shared by every layer, factorised embedding, tanh GELU

@@ -46,6 +46,8 @@ OPERATIONS = {
     "POST /v1/completions",
     "POST /v1/chat/completions",
     "POST /v1/embeddings",
+    "POST /v1/classify",
+    "POST /v1/rerank",
     "POST /tokenize",
     "POST /detokenize",
 }

@@ -3,6 +3,7 @@
 from inferflow.blocks.activation import ACTIVATIONS
 from inferflow.blocks.attention import ATTN_BIAS, QKV_LAYOUTS, Attention, AttnArgs, CrossAttention
 from inferflow.blocks.ffn import FFNS, FFNArgs
+from inferflow.blocks.head import HEADS
 from inferflow.blocks.moe import MoEFFN
 from inferflow.blocks.norm import NORMS
 from inferflow.blocks.position import (
@@ -20,6 +21,7 @@ __all__ = [
     "ATTN_BIAS",
     "FFNS",
     "FFNArgs",
+    "HEADS",
     "MoEFFN",
     "NORMS",
     "POSITIONS",

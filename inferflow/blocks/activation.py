@@ -15,6 +15,7 @@ ACTIVATIONS: Registry[Activation] = Registry("activation")
 ACTIVATIONS.add("relu", F.relu)
 ACTIVATIONS.add("silu", F.silu)
 ACTIVATIONS.add("gelu", F.gelu)  # exact (erf)
+ACTIVATIONS.add("tanh", torch.tanh)  # (BERT's pooler)
 ACTIVATIONS.add(
     "gelu_tanh", lambda x: F.gelu(x, approximate="tanh")
 )  # HF gelu_new / gelu_pytorch_tanh

@@ -9,7 +9,8 @@ defaults of the spec section that configures the block.
         )
 
 Supported field types: ``bool``, ``int``, ``float``, ``str``, ``Literal[...]`` of strings, and
-``X | None`` of those.
+``X | None`` of those. A ``str`` field whose allowed values live in a registry names them with
+``metadata={"choices": callable returning the names}``.
 """
 
 from __future__ import annotations
@@ -50,7 +51,10 @@ class Options:
         """The JSON Schema of the section: an object of these fields (plus ``extra``
         properties, e.g. the ``type`` that picks the block), nothing else."""
         hints = cls._hints()
-        props = {f.name: _json_type(hints[f.name]) for f in dataclasses.fields(cls)}
+        props = {}
+        for f in dataclasses.fields(cls):
+            choices = f.metadata.get("choices")
+            props[f.name] = {"enum": sorted(choices())} if choices else _json_type(hints[f.name])
         return {"type": "object", "properties": {**extra, **props}, "additionalProperties": False}
 
     @classmethod

@@ -13,6 +13,7 @@ SUBCOMMANDS = (
     "serve",
     "generate",
     "embed",
+    "classify",
     "translate",
     "validate",
     "inspect",

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from inferflow.blocks.head import pool
 from inferflow.errors import RequestError
 from inferflow.model.batch import check_inputs, packed
 from inferflow.model.decoder import DecoderOnly
@@ -58,16 +59,10 @@ def resolve_pooling(
 
 def _pool(h: torch.Tensor, pooling: str) -> torch.Tensor:
     """One input's hidden states (T, hidden) -> (hidden,), or (T, hidden) for ``none``."""
-    if pooling == "mean":
-        return h.mean(dim=0)
-    if pooling == "cls":
-        return h[0]
-    if pooling == "last":
-        return h[-1]
-    return h
+    return h if pooling == "none" else pool(h, pooling)
 
 
-def _passes(inputs: list[list[int]], max_tokens: int) -> list[list[int]]:
+def passes(inputs: list[list[int]], max_tokens: int) -> list[list[int]]:
     """Indices of the inputs in each pass: consecutive inputs up to ``max_tokens`` tokens."""
     out: list[list[int]] = []
     used = max_tokens
@@ -108,7 +103,7 @@ def embed_batch(
         raise ValueError(f"max_batch_tokens must be positive, got {max_batch_tokens}")
     check_inputs(inputs, spec.hparams.vocab_size, spec.hparams.max_positions, "input")
     out: list[torch.Tensor] = [torch.empty(0)] * len(inputs)
-    for idx in _passes(inputs, max_batch_tokens):
+    for idx in passes(inputs, max_batch_tokens):
         batch = packed([inputs[i] for i in idx])
         h = model.hidden_states(batch).float()  # (N, hidden)
         for i, s in zip(idx, batch.seqs, strict=True):

@@ -57,6 +57,7 @@ class FlatBatch:
     # encoder-decoder: which source's cross-attention memory each sequence reads
     # (inferflow.model.cross: a CrossBank's rows)
     cross: CrossRows | None = None
+    token_types: torch.Tensor | None = None  # (N,) segment ids (text pairs); None: all 0
 
     @classmethod
     def single(cls, token_ids: torch.Tensor, start_pos: int, kv: KVView) -> FlatBatch:
@@ -98,16 +99,22 @@ def check_inputs(inputs: list[list[int]], vocab_size: int, limit: int, what: str
         check_input(ids, vocab_size, limit, f"{what} {i}")
 
 
-def packed(seqs: list[list[int]]) -> FlatBatch:
+def packed(seqs: list[list[int]], types: list[list[int]] | None = None) -> FlatBatch:
     """Several sequences in one flat batch without padding, each at positions 0..len-1, for a
-    pass without a cache (encoders)."""
+    pass without a cache (encoders); ``types``: each token's segment (a text pair's second
+    text is 1), for networks with token-type embeddings."""
     ids = torch.tensor([t for s in seqs for t in s], dtype=torch.long)
     pos = torch.cat([torch.arange(len(s), dtype=torch.long) for s in seqs])
     starts = [0]
     for s in seqs[:-1]:
         starts.append(starts[-1] + len(s))
     slices = [SeqSlice(a, len(s)) for a, s in zip(starts, seqs, strict=True)]
-    return FlatBatch(ids, pos, slices, [NoCache()] * len(seqs))
+    batch = FlatBatch(ids, pos, slices, [NoCache()] * len(seqs))
+    if types is not None:
+        if [len(t) for t in types] != [len(s) for s in seqs]:
+            raise ValueError("packed: one token type per token")
+        batch.token_types = torch.tensor([t for s in types for t in s], dtype=torch.long)
+    return batch
 
 
 class ContiguousKVCache:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from inferflow.blocks.head import HEADS
 from inferflow.errors import RequestError
 from inferflow.model.batch import FlatBatch, check_inputs, packed
 from inferflow.model.cross import CrossMemory
@@ -26,6 +27,9 @@ class EncoderOnly(nn.Module):
         super().__init__()
         self.spec = spec
         self.enc = Stack(spec, spec.hparams.n_layers, causal=False, head=False)
+        net, h = spec.network, spec.hparams
+        # a task head (network.head): its parameters are head.*
+        self.head = HEADS.get(net.head)(h.hidden, h.labels, net.head_options) if net.head else None
 
     def hidden_states(self, batch: FlatBatch) -> torch.Tensor:
         return self.enc.hidden_states(batch)

@@ -262,8 +262,9 @@ class Stack(nn.Module):
         pe = self.pos_embed.embed(batch.positions)
         if pe is not None:
             x = x + pe.to(x.dtype)
-        if self.type_embed is not None:
-            x = x + self.type_embed.weight[0]  # single-segment inputs: token type 0
+        if self.type_embed is not None:  # single-segment inputs: token type 0
+            types = batch.token_types
+            x = x + (self.type_embed.weight[0] if types is None else self.type_embed(types))
         if self.embed_norm is not None:
             x = self.embed_norm(x)
         if self.embed_proj is not None:

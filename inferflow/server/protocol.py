@@ -247,6 +247,30 @@ class EmbeddingBody(Body):
     user: Name | None = None
 
 
+class ClassifyBody(Body):
+    """vLLM's classify request: texts (or token ids) in, label probabilities out."""
+
+    input: Prompt
+    model: Name | None = None
+    user: Name | None = None
+
+
+class RerankDocument(Body):
+    text: Text
+
+
+class RerankBody(Body):
+    """The rerank request of Cohere / Jina / vLLM: documents scored against a query by a
+    cross-encoder, best first."""
+
+    query: Text
+    documents: Annotated[list[Text | RerankDocument], Field(min_length=1, max_length=MAX_PROMPTS)]
+    model: Name | None = None
+    top_n: Annotated[int, Field(ge=1)] | None = None
+    return_documents: bool = True
+    user: Name | None = None
+
+
 class TokenizeText(Body):
     model: Name | None = None
     prompt: str

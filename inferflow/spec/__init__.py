@@ -14,7 +14,8 @@ from typing import Any
 
 import yaml
 
-from inferflow.blocks import FFNS
+from inferflow.blocks import FFNS, HEADS
+from inferflow.blocks.options import NoOptions
 from inferflow.errors import InferflowError, SpecError
 from inferflow.paths import expand_user, resolve_ref
 from inferflow.spec import hparams as hp
@@ -295,12 +296,19 @@ def _network(n: dict[str, Any]) -> NetworkSpec:
     out, emb = n.get("output", {}), n.get("embedding", {})
     ffn_doc = n["ffn"] if isinstance(n["ffn"], dict) else {"type": n["ffn"]}
     ffn = ffn_doc["type"]
+    head_doc = n.get("head")
     return NetworkSpec(
         type=n["type"],
         norm=n["norm"],
         activation=n["activation"],
         ffn=ffn,
         ffn_options=FFNS.get(ffn).Options.parse(ffn_doc, "network.ffn"),  # type: ignore[attr-defined]
+        head=head_doc["type"] if head_doc else None,
+        head_options=(
+            HEADS.get(head_doc["type"]).Options.parse(head_doc, "network.head")
+            if head_doc
+            else NoOptions()
+        ),
         residual=n["residual"],
         positions=tuple(
             dict(p) for p in (n["position"] if isinstance(n["position"], list) else [n["position"]])

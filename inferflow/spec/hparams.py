@@ -129,6 +129,9 @@ def from_hf_config(config: dict[str, Any]) -> dict[str, Any]:
             if v is not None:
                 out[name] = v
                 break
+    labels = config.get("id2label")
+    if isinstance(labels, dict) and labels and all(str(k).isdigit() for k in labels):
+        out["labels"] = tuple(str(labels[k]) for k in sorted(labels, key=int))
     rs = config.get("rope_scaling") or config.get("rope_parameters") or {}
     kind = rs.get("rope_type") or rs.get("type")
     if kind in ROPE_SCALING_TYPES:

@@ -11,15 +11,17 @@ import jsonschema
 from inferflow.spec.types import EMBEDDING_PLACES, PARTITION_STRATEGIES, POOLINGS, HParams
 
 
-def _hparam_types() -> dict[str, str]:
-    """JSON types of the hyperparameters a spec may set: HParams' fields of a scalar type
-    (declared once, there)."""
+def _hparam_types() -> dict[str, dict[str, Any]]:
+    """JSON Schemas of the hyperparameters a spec may set: HParams' fields of a scalar type or
+    a list of strings (declared once, there)."""
     named = {"int": "integer", "float": "number", "bool": "boolean"}
-    out = {}
+    out: dict[str, dict[str, Any]] = {}
     for f in fields(HParams):
         kind = str(f.type).replace(" | None", "")
         if kind in named:
-            out[f.name] = named[kind]
+            out[f.name] = {"type": named[kind]}
+        elif kind == "tuple[str, ...]":
+            out[f.name] = {"type": "array", "items": {"type": "string"}}
     return out
 
 
@@ -141,6 +143,13 @@ def build_schema() -> dict[str, Any]:
             # one mechanism, or a list of them used together
             "position": {"anyOf": [position, {"type": "array", "items": position, "minItems": 1}]},
             "attention": attention,
+            # a task head: {type: name, ...that head's options}
+            "head": {
+                "anyOf": [
+                    cls.Options.schema(type={"const": name}) | {"required": ["type"]}
+                    for name, cls in blocks.HEADS.items()
+                ]
+            },
             "embedding": _obj(
                 {
                     "scale": {"anyOf": [{"const": "sqrt_hidden"}, num]},
@@ -186,7 +195,7 @@ def build_schema() -> dict[str, Any]:
                 },
                 ("from",),
             ),
-            "hparams": _obj({k: {"type": t} for k, t in _hparam_types().items()}),
+            "hparams": _obj(_hparam_types()),
             "network": network,
             "quant": _obj(
                 {

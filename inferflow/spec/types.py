@@ -117,6 +117,8 @@ class NetworkSpec:
     tensors: TensorsSpec
     ffn_bias: bool = False
     ffn_options: Options = NoOptions()  # the FFN block's own (its class's Options)
+    head: str | None = None  # a task head (inferflow.blocks.head): classify
+    head_options: Options = NoOptions()
     embedding_scale: str | float | None = None  # "sqrt_hidden" or a number
     embedding_norm: bool = False  # a norm right after the embeddings (BLOOM, BART, BERT)
     token_types: bool = False  # BERT's token-type (segment) embeddings; every token is type 0
@@ -166,6 +168,7 @@ class HParams:
     expert_ffn_hidden: int = 0
     shared_ffn_hidden: int = 0
     moe_normalize: bool = True
+    labels: tuple[str, ...] = ()  # a classification head's labels, in output order (id2label)
 
     def __post_init__(self) -> None:
         for k in ("vocab_size", "hidden", "n_layers", "n_heads"):
@@ -175,6 +178,7 @@ class HParams:
             object.__setattr__(self, "ffn_hidden", 4 * self.hidden)
         if self.n_kv_heads == 0:
             object.__setattr__(self, "n_kv_heads", self.n_heads)
+        object.__setattr__(self, "labels", tuple(map(str, self.labels)))
         if self.expert_ffn_hidden == 0:
             object.__setattr__(self, "expert_ffn_hidden", self.ffn_hidden)
         if self.embed_dim == 0:

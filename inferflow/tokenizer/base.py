@@ -190,6 +190,13 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self.backend.encode(text, add_special_tokens=add_special_tokens).ids)
 
+    def encode_pair(self, first: str, second: str) -> tuple[list[int], list[int]]:
+        """A text pair as one input (the tokenizer's pair template: [CLS] a [SEP] b [SEP] for
+        BERT): (ids, each token's type: 0 for the first text, 1 for the second where the
+        template says so)."""
+        enc = self.backend.encode(first, second)
+        return list(enc.ids), list(enc.type_ids)
+
     def encode_batch(
         self, texts: Sequence[str], add_special_tokens: bool = True
     ) -> list[list[int]]:

@@ -1,0 +1,63 @@
+"""``inferflow classify SPEC --text TEXT [--text ...] [--query Q --doc D ...] [--input FILE]``:
+print label probabilities of a model with a classification head (``network.head``).
+
+One JSON object a line, in input order: ``{"label": best, "probs": {label: p, ...}}``. With
+``--query``, each ``--doc`` (and each line of ``--input``) is scored as the pair (query, doc)
+by a cross-encoder: ``{"score": p}`` (a one-label head's sigmoid). Inputs longer than the
+model's maximum length are an error, never truncated.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from inferflow.cli.common import add_dtype, read_lines
+from inferflow.errors import RequestError
+from inferflow.runtime import load
+from inferflow.spec import load_spec
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "classify", help="classify texts or score (query, doc) pairs", description=__doc__
+    )
+    p.add_argument("spec", help="spec file path or built-in spec name")
+    p.add_argument("--text", action="append", default=[], help="a text to classify (repeat)")
+    p.add_argument("--query", default=None, help="score each --doc against this query")
+    p.add_argument("--doc", action="append", default=[], help="a document for --query (repeat)")
+    p.add_argument(
+        "--input", default=None, help="a file with one text (or doc) a line; - for stdin"
+    )
+    add_dtype(p)
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    lines = [line for line in read_lines(args.input) if line.strip()] if args.input else []
+    if args.query is None and args.doc:
+        raise RequestError("--doc needs --query (the text each document is scored against)")
+    if args.query is not None and args.text:
+        raise RequestError("--text and --query do not mix: classify texts or score pairs")
+    inputs: list[str | tuple[str, str]]
+    if args.query is not None:
+        inputs = [(args.query, d) for d in [*args.doc, *lines]]
+    else:
+        inputs = [*args.text, *lines]
+    if not inputs:
+        raise RequestError("nothing to classify: give --text, --query with --doc, or --input")
+    spec = load_spec(args.spec)
+    if spec.network.head is None:  # before the weights load
+        raise RequestError(
+            f"spec {spec.name!r} declares no classification head (network.head: {{type: classify}})"
+        )
+    lm = load(spec, args.dtype)
+    labels = lm.spec.hparams.labels
+    for p in lm.classify(inputs).tolist():
+        if args.query is not None and len(p) == 1:
+            print(json.dumps({"score": float(f"{p[0]:.9g}")}))
+        else:
+            best = max(range(len(p)), key=p.__getitem__)
+            probs = {label: float(f"{x:.9g}") for label, x in zip(labels, p, strict=True)}
+            print(json.dumps({"label": labels[best], "probs": probs}))
+    return 0

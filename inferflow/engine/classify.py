@@ -1,0 +1,66 @@
+"""Sequence classification and cross-encoder scores (a spec's ``network.head: {type:
+classify}``): each input's final hidden states pooled by the head, then its layers, in packed
+batches without padding (``inferflow.engine.embed.passes``), so a batch's results equal each
+input's alone. A text pair (query, document) is one input whose second text's tokens have token
+type 1 where the tokenizer says so (BERT-style cross-encoders).
+
+``probabilities``: softmax over the labels, or for a one-label head (a relevance score) the
+sigmoid of its logit, as sentence-transformers' CrossEncoder and vLLM's score API give.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from inferflow.blocks.head import ClassifyHead, pool
+from inferflow.engine.embed import MAX_BATCH_TOKENS, passes
+from inferflow.errors import RequestError
+from inferflow.model.batch import check_inputs, packed
+from inferflow.model.encoder import EncoderOnly
+from inferflow.model.network import Network
+
+
+def classify_head(model: Network) -> ClassifyHead:
+    head = model.head if isinstance(model, EncoderOnly) else None
+    if not isinstance(head, ClassifyHead):
+        raise RequestError(
+            f"model {model.spec.name!r} has no classification head: its spec declares no "
+            "network.head (e.g. {type: classify})"
+        )
+    return head
+
+
+@torch.inference_mode()
+def classify_batch(
+    model: Network,
+    inputs: list[list[int]],
+    types: list[list[int]] | None = None,
+    max_batch_tokens: int = MAX_BATCH_TOKENS,
+) -> torch.Tensor:
+    """Logits (B, labels), float32, of token-id inputs (``types``: each token's segment)."""
+    head, h = classify_head(model), model.spec.hparams
+    assert isinstance(model, EncoderOnly)
+    if not inputs:
+        raise RequestError("no inputs: give at least one")
+    check_inputs(inputs, h.vocab_size, h.max_positions, "input")
+    if types is not None:
+        limit = h.type_vocab_size if model.spec.network.token_types else 1
+        if any(t >= limit for ts in types for t in ts):
+            raise RequestError(
+                f"model {model.spec.name!r} takes token types below {limit}: it cannot tell the "
+                "two texts of a pair apart"
+            )
+    out = torch.empty(len(inputs), len(head.labels))
+    for idx in passes(inputs, max_batch_tokens):
+        batch = packed([inputs[i] for i in idx], None if types is None else [types[i] for i in idx])
+        states = model.hidden_states(batch)
+        pooled = torch.stack(
+            [pool(states[s.start : s.start + s.length], head.pooling) for s in batch.seqs]
+        )
+        out[idx] = head(pooled).float()
+    return out
+
+
+def probabilities(logits: torch.Tensor) -> torch.Tensor:
+    """Per-label probabilities (softmax), or for one label its sigmoid (a relevance score)."""
+    return torch.sigmoid(logits) if logits.shape[-1] == 1 else torch.softmax(logits, dim=-1)

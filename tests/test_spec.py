@@ -233,3 +233,17 @@ def test_null_removes_what_the_base_spec_gives(tmp_path: Path) -> None:
     )
     spec = load_spec(child)
     assert spec.network.tensors.map == () and spec.hparams.norm_eps == pytest.approx(1e-3)
+
+
+def test_readme_block_options_table_is_generated() -> None:
+    """README.md's block options table is what tools/spec_options.py makes from the blocks'
+    options classes (a new option or block shows up there without a README edit by hand)."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parent.parent / "tools" / "spec_options.py"
+    spec = importlib.util.spec_from_file_location("spec_options", path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.main(["--check"]) == 0
+    assert "| `network.ffn` | `moe` | `routing` | `softmax_topk` |" in mod.table()

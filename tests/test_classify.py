@@ -230,3 +230,25 @@ def test_cli_classify(cross_encoder, capsys: pytest.CaptureFixture[str]) -> None
     assert "--doc needs --query" in capsys.readouterr().err
     assert main(["classify", "all-minilm-l6-v2", "--text", "x"]) == 2
     assert "declares no classification head" in capsys.readouterr().err
+
+
+def test_inspect_shows_where_the_spec_puts_each_tensor(cross_encoder, capsys) -> None:  # noqa: ANN001
+    import json
+
+    from inferflow.cli.main import main
+
+    spec = cross_encoder[3]
+    assert main(["inspect", str(spec.parent), "--spec", str(spec), "--json"]) == 0
+    to = {t["name"]: t["to"] for t in json.loads(capsys.readouterr().out)["tensors"]}
+    assert to["classifier.weight"] == "head.out.weight"
+    assert to["bert.pooler.dense.bias"] == "head.dense.bias"
+    assert to["bert.encoder.layer.1.output.dense.weight"] == "enc.1.feed_forward.w2.weight"
+    plain = spec.with_name("plain.yaml")  # BERT's own template: it ignores the pooler
+    plain.write_text(
+        spec.read_text().replace("arch/bert-classifier", "arch/bert")
+        + "network: {tensors: {prefix: 'bert.'}}\n"
+    )
+    assert main(["inspect", str(spec.parent), "--spec", str(plain), "--json"]) == 0
+    to = {t["name"]: t["to"] for t in json.loads(capsys.readouterr().out)["tensors"]}
+    assert to["bert.pooler.dense.weight"] == "(ignored)"
+    assert to["classifier.weight"] == "(unmapped)"

@@ -1,9 +1,13 @@
-"""``inferflow inspect FILE``: list a checkpoint's tensors (name, shape, type) and metadata."""
+"""``inferflow inspect FILE [--spec SPEC]``: list a checkpoint's tensors (name, shape, type) and
+metadata. With ``--spec``, each tensor also shows where that spec's tensor map puts it: the
+canonical name(s) it fills, ``(ignored)`` for a name the spec's ``ignore`` lists, or
+``(unmapped)`` (which ``validate`` reports as unused)."""
 
 from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +25,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--json", action="store_true", help="print JSON")
     p.add_argument("--no-metadata", action="store_true", help="tensors only")
+    p.add_argument("--spec", default=None, help="show where this spec's tensor map puts each")
     p.set_defaults(run=run)
 
 
@@ -35,11 +40,14 @@ def _short(v: Any) -> Any:
 
 
 def run(args: argparse.Namespace) -> int:
+    where = _placement(args.spec) if args.spec else None
     fmt = detect_format(args.file)
     src = open_files(fmt, [args.file])
     try:
         tensors = [
-            {"name": n, "shape": list(src.shape(n)), "type": src.dtype_name(n)} for n in src.names()
+            {"name": n, "shape": list(src.shape(n)), "type": src.dtype_name(n)}
+            | ({"to": where(n)} if where else {})
+            for n in src.names()
         ]
         meta = {} if args.no_metadata else {k: _short(v) for k, v in src.metadata.items()}
     finally:
@@ -57,5 +65,22 @@ def run(args: argparse.Namespace) -> int:
     print(f"tensors ({len(tensors)}):")
     width = max((len(t["name"]) for t in tensors), default=0)
     for t in tensors:
-        print(f"  {t['name']:<{width}}  {t['type']:<6}  {t['shape']}")
+        to = f"  -> {t['to']}" if "to" in t else ""
+        print(f"  {t['name']:<{width}}  {t['type']:<6}  {t['shape']}{to}")
     return 0
+
+
+def _placement(spec_ref: str) -> Callable[[str], str]:
+    """Checkpoint name -> where the spec's map puts it (canonical names, or why none)."""
+    from inferflow.model.names import NameMap
+    from inferflow.spec import load_spec
+
+    names = NameMap(load_spec(spec_ref).network.tensors)
+
+    def where(name: str) -> str:
+        uses = names(name)
+        if uses is not None:
+            return ", ".join(u.target for u in uses)
+        return "(ignored)" if names.ignored(name) else "(unmapped)"
+
+    return where

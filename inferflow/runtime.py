@@ -97,7 +97,7 @@ class LanguageModel:
                 raise RequestError(
                     f"{where}: not space-separated token ids: {text[:60]!r}"
                 ) from None
-        h = self.spec.hparams
+        h = self.spec.encoder_hparams
         check_input(out, h.vocab_size, h.max_positions, where)
         return out
 

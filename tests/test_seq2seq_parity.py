@@ -69,6 +69,21 @@ CASES = {
     "marian": lambda: tf.MarianMTModel(
         tf.MarianConfig(**ENC_DEC, scale_embedding=True, activation_function="swish")
     ),
+    # per-stack numbers: the encoder's vocabulary (160), heads (8) and FFN width (112) differ
+    # from the decoder's (128, 4, 96), 3 encoder layers against 2
+    "fsmt": lambda: tf.FSMTForConditionalGeneration(
+        tf.FSMTConfig(
+            **{k: v for k, v in ENC_DEC.items() if k != "vocab_size"}
+            | dict(
+                langs=["en", "de"],
+                src_vocab_size=160,
+                tgt_vocab_size=VOCAB,
+                encoder_layers=3,
+                encoder_attention_heads=8,
+                encoder_ffn_dim=112,
+            )
+        )
+    ),
     "t5": lambda: tf.T5ForConditionalGeneration(
         tf.T5Config(
             vocab_size=VOCAB,
@@ -118,7 +133,9 @@ def test_outputs_match_transformers(arch: str, ckpt: str, hf_models, write_spec)
             ref = ref_model(src[None]).last_hidden_state[0]
             ours = model(packed([src.tolist()]))
         else:
-            ref = ref_model(input_ids=src[None], decoder_input_ids=tgt[None]).logits[0]
+            # (no cache: FSMT's decoder drops its causal mask when it fills one)
+            kw = {"use_cache": False}
+            ref = ref_model(input_ids=src[None], decoder_input_ids=tgt[None], **kw).logits[0]
             ours = decoder_logits(model, src, tgt)
     rel = (ours - ref).abs().max() / ref.abs().max()
     assert rel <= 1e-4, f"{arch}/{ckpt}: max relative difference {rel:.2e}"
@@ -179,28 +196,47 @@ def test_encoder_decoder_spec_on_a_decoder_only_checkpoint(tmp_path, write_spec)
 
 
 @pytest.mark.parametrize(
-    ("arch", "network", "expected"),
+    ("arch", "extra", "expected"),
     [
         (
             "electra",
-            {"embedding": {"projection": False}},
+            {"network": {"embedding": {"projection": False}}},
             "embed_dim 32 differs from hidden 64, but network.embedding.projection is false",
         ),
         (
             "mpnet",
-            {"position": [{"type": "relative"}, {"type": "relative"}]},
+            {"network": {"position": [{"type": "relative"}, {"type": "relative"}]}},
             "network.position: 'relative' is listed twice",
         ),
         (
             "mpnet",
-            {"position": [{"type": "learned", "offset": 64, "offset_in_table": True}]},
+            {"network": {"position": [{"type": "learned", "offset": 64, "offset_in_table": True}]}},
             "offset 64 leaves no position in a table of 64 rows",
+        ),
+        # one table for two vocabularies cannot be
+        (
+            "fsmt",
+            {"network": {"embedding": {"shared": True}}},
+            "the encoder's table (160 x 64) differs from the decoder's (128 x 64)",
+        ),
+        # the spec's encoder numbers win over the checkpoint's, and binding checks them
+        (
+            "fsmt",
+            {"hparams": {"encoder": {"ffn_hidden": 100}}},
+            "model.encoder.layers.0.fc1.weight: shape [112, 64] does not fit "
+            "enc.0.feed_forward.w1.weight of shape [100, 64]",
+        ),
+        (
+            "fsmt",
+            {"hparams": {"encoder": {"heads": 4}}},
+            "hparams.encoder: unknown key 'heads'",
         ),
     ],
 )
-def test_composition_errors_name_the_option(arch, network, expected, hf_models, write_spec) -> None:  # noqa: ANN001
-    from inferflow.errors import SpecError
+def test_composition_errors_name_the_option(arch, extra, expected, hf_models, write_spec) -> None:  # noqa: ANN001
+    from inferflow.errors import InferflowError
 
-    doc = {**spec_doc(arch, hf_models[arch][1], "safetensors"), "network": network}
-    with pytest.raises(SpecError, match=expected):
+    doc = {**spec_doc(arch, hf_models[arch][1], "safetensors"), **extra}
+    with pytest.raises(InferflowError) as e:
         load_model(load_spec(write_spec(doc)))
+    assert expected in str(e.value)

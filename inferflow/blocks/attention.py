@@ -39,6 +39,7 @@ class AttnArgs:
     softcap: float | None = None
     scale: float | None = None
     causal: bool = True  # False in encoders: every token sees the whole sequence
+    memory_hidden: int = 0  # cross-attention: the encoder output's width (0: hidden)
 
 
 def split_fused_qkv(
@@ -238,7 +239,7 @@ class CrossAttention(nn.Module):
         H, D = a.n_heads, a.head_dim
         self.rows = H * D
         self.wq = Linear(a.hidden, H * D, bias=a.bias != "none")
-        self.wkv = Linear(a.hidden, 2 * H * D, bias=a.bias != "none")
+        self.wkv = Linear(a.memory_hidden or a.hidden, 2 * H * D, bias=a.bias != "none")
         self.wo = Linear(H * D, a.hidden, bias=a.bias == "all")
         self.scale = a.scale if a.scale is not None else D**-0.5
 

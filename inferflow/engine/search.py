@@ -191,7 +191,8 @@ class Decoding:
         whatever else is searched with it."""
         h = self.model.spec.hparams
         if self.enc_dec:
-            check_inputs(inputs, h.vocab_size, h.max_positions, "source")
+            he = self.model.spec.encoder_hparams
+            check_inputs(inputs, he.vocab_size, he.max_positions, "source")
             return [min(self.params.max_new_tokens, h.max_positions - 1)] * len(inputs)
         check_inputs(inputs, h.vocab_size, h.max_positions - 1, "prompt")
         return [min(self.params.max_new_tokens, h.max_positions - len(x)) for x in inputs]

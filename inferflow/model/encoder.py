@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from inferflow.blocks.head import HEADS
-from inferflow.errors import RequestError
+from inferflow.errors import RequestError, SpecError
 from inferflow.model.batch import FlatBatch, check_inputs, packed
 from inferflow.model.cross import CrossMemory
 from inferflow.model.stack import Stack
@@ -42,10 +42,16 @@ class EncoderDecoder(nn.Module):
     def __init__(self, spec: Spec) -> None:
         super().__init__()
         self.spec = spec
-        h = spec.hparams
-        self.dec = Stack(spec, h.n_layers, causal=True, cross=True)
+        h, he = spec.hparams, spec.encoder_hparams
+        self.dec = Stack(spec, h.n_layers, causal=True, cross=True, memory_hidden=he.hidden)
         shared = self.dec.tok_embed if spec.network.shared_embedding else None
-        self.enc = Stack(spec, h.n_enc_layers, causal=False, head=False, embed=shared)
+        if shared is not None and (he.vocab_size, he.embed_dim) != (h.vocab_size, h.embed_dim):
+            raise SpecError(
+                f"network.embedding.shared: the encoder's table ({he.vocab_size} x "
+                f"{he.embed_dim}) differs from the decoder's ({h.vocab_size} x {h.embed_dim}); "
+                "set shared: false"
+            )
+        self.enc = Stack(spec, he.n_layers, causal=False, head=False, embed=shared, hparams=he)
         self.tied_outputs = [("dec.output", "dec.tok_embed")] if spec.network.tied_output else []
 
     @property
@@ -61,7 +67,7 @@ class EncoderDecoder(nn.Module):
 
     def encode(self, sources: list[list[int]]) -> list[torch.Tensor]:
         """Each source's encoder output (S_i, hidden), all sources in one packed pass."""
-        h = self.spec.hparams
+        h = self.spec.encoder_hparams
         check_inputs(sources, h.vocab_size, h.max_positions, "source")
         batch = packed(sources)
         out = self.enc.hidden_states(batch)

@@ -48,6 +48,7 @@ class Layer(nn.Module):
         causal: bool = True,
         cross: bool = False,
         split: TensorSplit = WHOLE,
+        memory_hidden: int = 0,
     ) -> None:
         super().__init__()
         self.wiring = RESIDUALS.get(net.residual)
@@ -75,6 +76,7 @@ class Layer(nn.Module):
             softcap=a.softcap,
             scale=a.scale,
             causal=causal,
+            memory_hidden=memory_hidden,
         )
         self.self_attn = Attention(args, split)
         self.cross_attn = CrossAttention(args) if cross else None
@@ -178,9 +180,11 @@ class Stack(nn.Module):
         head: bool = True,
         embed: Embedding | None = None,
         part: StackPart | None = None,
+        hparams: HParams | None = None,
+        memory_hidden: int = 0,
     ) -> None:
         super().__init__()
-        net, h = spec.network, spec.hparams
+        net, h = spec.network, hparams or spec.hparams
         part = part or StackPart(0, n_layers, True, True)
         head = head and part.head
         self.layer_ids = range(part.first, part.last)
@@ -211,7 +215,9 @@ class Stack(nn.Module):
         self.embed_proj = Linear(h.embed_dim, h.hidden, bias=True) if project and first else None
         windows = self._windows(net, h, n_layers)
         for i in self.layer_ids:
-            layer = Layer(net, h, i - part.first, windows[i], causal, cross, part.split)
+            layer = Layer(
+                net, h, i - part.first, windows[i], causal, cross, part.split, memory_hidden
+            )
             self.add_module(str(i), layer)
         self.output_norm = norm(h.hidden, h.norm_eps) if net.final_norm and part.head else None
         self.output: Linear | None = None

@@ -86,7 +86,7 @@ async def complete(
     request: Request,
 ) -> Any:
     params = search_params(body, lm)
-    h = lm.spec.hparams
+    h = lm.spec.encoder_hparams
     check_inputs(sources, h.vocab_size, h.max_positions, "prompt")
 
     def search(inputs: list[list[int]], stop: Callable[[], bool]) -> list[list[Hypothesis]]:

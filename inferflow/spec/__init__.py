@@ -246,9 +246,18 @@ def parse_spec(
 
     network = _network(doc["network"])
     found = read_checkpoint_hparams(source)
-    found.update(doc.get("hparams", {}))
+    given = dict(doc.get("hparams", {}))
+    encoder = {**found.get("encoder", {}), **given.pop("encoder", {})}  # the spec's win
+    found.update(given)
     found.update(hparam_overrides or {})
+    found["encoder"] = encoder
     hparams = _usable_positions(_hparams(found, where), network)
+    enc_hparams = None
+    if network.type == "encoder_decoder":
+        # the encoder: the common numbers, its own where the checkpoint or the spec gives them
+        own = {"n_layers": hparams.n_enc_layers, **found.get("encoder", {})}
+        enc_found = {k: v for k, v in found.items() if k not in ("n_layers", "encoder")} | own
+        enc_hparams = _usable_positions(_hparams(enc_found, where + " (encoder)"), network)
     gen = GenerationDefaults(**doc.get("generation", {}))
     q = doc.get("quant", {})
     quant = QuantSpec(
@@ -272,6 +281,7 @@ def parse_spec(
         embedding_pooling=doc.get("embeddings", {}).get("pooling"),
         embedding_normalize=doc.get("embeddings", {}).get("normalize", True),
         partition=partition_spec(doc["partition"]) if "partition" in doc else None,
+        enc_hparams=enc_hparams,
         raw=doc,
     )
 

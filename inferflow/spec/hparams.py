@@ -12,7 +12,7 @@ from inferflow.paths import read_json
 
 # our name -> candidate config.json keys (dotted = nested); first present and non-null wins
 HF_CONFIG_KEYS: dict[str, tuple[str, ...]] = {
-    "vocab_size": ("vocab_size", "padded_vocab_size"),
+    "vocab_size": ("tgt_vocab_size", "vocab_size", "padded_vocab_size"),
     "hidden": ("hidden_size", "n_embd", "d_model", "dim"),
     # encoder-decoder configs: n_layers / n_heads / ffn_hidden are the decoder's
     "n_layers": (
@@ -63,6 +63,13 @@ HF_CONFIG_KEYS: dict[str, tuple[str, ...]] = {
     "expert_ffn_hidden": ("moe_intermediate_size",),
     "shared_ffn_hidden": ("shared_expert_intermediate_size",),
     "moe_normalize": ("norm_topk_prob",),
+}
+
+# an encoder-decoder's encoder: our name -> its own config.json keys, where the config has them
+HF_ENCODER_KEYS: dict[str, tuple[str, ...]] = {
+    "vocab_size": ("src_vocab_size",),  # (its layer count: n_enc_layers)
+    "n_heads": ("encoder_attention_heads",),
+    "ffn_hidden": ("encoder_ffn_dim",),
 }
 
 # our name -> candidate GGUF metadata keys (llama.cpp's LLM_KV names)
@@ -121,14 +128,21 @@ def _first(value: Any) -> Any:
     return value[0] if isinstance(value, list) and value else value
 
 
-def from_hf_config(config: dict[str, Any]) -> dict[str, Any]:
+def _lookup(config: dict[str, Any], table: dict[str, tuple[str, ...]]) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    for name, keys in HF_CONFIG_KEYS.items():
+    for name, keys in table.items():
         for key in keys:
             v = _first(_dotted(config, key))
             if v is not None:
                 out[name] = v
                 break
+    return out
+
+
+def from_hf_config(config: dict[str, Any]) -> dict[str, Any]:
+    """Our hyperparameters from a config.json; ``encoder``: the encoder's own numbers."""
+    out = _lookup(config, HF_CONFIG_KEYS)
+    out["encoder"] = _lookup(config, HF_ENCODER_KEYS)
     labels = config.get("id2label")
     if isinstance(labels, dict) and labels and all(str(k).isdigit() for k in labels):
         out["labels"] = tuple(str(labels[k]) for k in sorted(labels, key=int))

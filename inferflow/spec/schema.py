@@ -195,7 +195,8 @@ def build_schema() -> dict[str, Any]:
                 },
                 ("from",),
             ),
-            "hparams": _obj(_hparam_types()),
+            # (encoder: an encoder-decoder's encoder, where its numbers differ)
+            "hparams": _obj({**_hparam_types(), "encoder": _obj(_hparam_types())}),
             "network": network,
             "quant": _obj(
                 {

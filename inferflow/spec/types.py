@@ -277,4 +277,12 @@ class Spec:
     embedding_pooling: str | None = None  # one of POOLINGS: served on /v1/embeddings
     embedding_normalize: bool = True  # L2-normalise pooled embeddings
     partition: PartitionSpec | None = None  # None: one process, one device
+    # an encoder-decoder's encoder, where its numbers differ (its own vocabulary, layers,
+    # heads, widths: config.json's src_vocab_size / encoder_* keys, or hparams.encoder)
+    enc_hparams: HParams | None = None
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def encoder_hparams(self) -> HParams:
+        """The encoder stack's numbers (an encoder-only network's are ``hparams``)."""
+        return self.enc_hparams if self.enc_hparams is not None else self.hparams

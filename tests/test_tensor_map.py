@@ -312,3 +312,77 @@ def test_spec_errors_for_the_algebra(tmp_path: Path) -> None:
         match=r"final_norm: shape \[1, 64\] does not fit dec.0.self_attn.wo.weight of shape \[64, 64\]",
     ):
         check_binding(shared)
+
+
+def _pickle_spec(
+    tmp: Path, model: Any, obj: Any, source: dict, network: dict | None = None
+) -> Path:
+    """``obj`` saved with torch.save (zip), the model's config.json and a llama spec over it."""
+    import yaml
+
+    model.config.save_pretrained(tmp)
+    torch.save(obj, tmp / "ckpt.pt")
+    doc = {
+        "name": "keys",
+        "base": "arch/llama",
+        "source": {"format": "pickle", "files": ["ckpt.pt"], "config": "config.json", **source},
+        **({"network": network} if network else {}),
+    }
+    (tmp / "spec.yaml").write_text(yaml.safe_dump(doc))
+    return tmp / "spec.yaml"
+
+
+def test_source_keys_choose_the_state_dicts_to_read(tmp_path: Path) -> None:
+    """A training checkpoint with two dicts of tensors ({"model": ..., "ema": ...}, beside an
+    epoch count) needs ``source.keys``: one key reads that dict as the state dict; several read
+    each, their tensors named "key.name"."""
+    model, other = _llama(), _llama()
+    with torch.no_grad():
+        for p in other.parameters():
+            p.mul_(-1.5)  # a different set of weights: the EMA
+    sd, ema = model.state_dict(), other.state_dict()
+    ckpt = {"model": sd, "ema": ema, "epoch": 3}
+    spec = _pickle_spec(tmp_path, model, ckpt, {})
+    with pytest.raises(
+        Exception, match=r"found 2 dicts of tensors.*choose with the spec's source.keys"
+    ):
+        load_model(load_spec(spec))
+    _same_as_transformers(_pickle_spec(tmp_path, model, ckpt, {"keys": ["ema"]}), other)
+    _same_as_transformers(_pickle_spec(tmp_path, model, ckpt, {"keys": ["model"]}), model)
+    # the body and the embeddings stored apart: both read, names prefixed by their key
+    split = {
+        "embeddings": {k: v for k, v in sd.items() if "embed_tokens" in k},
+        "body": {k: v for k, v in sd.items() if "embed_tokens" not in k},
+        "step": 1000,
+    }
+    network = {
+        "tensors": {
+            "preset": None,
+            "map": {
+                "embeddings.model.embed_tokens.weight": "dec.tok_embed.weight",
+                "body.model.norm.weight": "dec.output_norm.weight",
+                "body.lm_head.weight": "dec.output.weight",
+                **{
+                    f"body.{k}": v
+                    for k, v in {
+                        f"{L}.{{i}}.input_layernorm.weight": "dec.{i}.attn_norm.weight",
+                        f"{L}.{{i}}.post_attention_layernorm.weight": "dec.{i}.ffn_norm.weight",
+                        **{
+                            f"{L}.{{i}}.self_attn.{p}_proj.weight": f"dec.{{i}}.self_attn.w{p}.weight"
+                            for p in "qkvo"
+                        },
+                        f"{L}.{{i}}.mlp.gate_proj.weight": "dec.{i}.feed_forward.w1.weight",
+                        f"{L}.{{i}}.mlp.up_proj.weight": "dec.{i}.feed_forward.w3.weight",
+                        f"{L}.{{i}}.mlp.down_proj.weight": "dec.{i}.feed_forward.w2.weight",
+                    }.items()
+                },
+            },
+        }
+    }
+    spec = _pickle_spec(tmp_path, model, split, {"keys": ["embeddings", "body"]}, network)
+    _same_as_transformers(spec, model)
+    with pytest.raises(
+        Exception,
+        match=r"source.keys: 'emb' is not a top-level dict of tensors; the checkpoint has: 'embeddings', 'body'",
+    ):
+        load_model(load_spec(_pickle_spec(tmp_path, model, split, {"keys": ["emb"]}, network)))

@@ -1,5 +1,6 @@
 """``inferflow inspect FILE [--spec SPEC]``: list a checkpoint's tensors (name, shape, type) and
-metadata. With ``--spec``, each tensor also shows where that spec's tensor map puts it: the
+metadata. With ``--spec``, the spec's ``source.keys`` pick a pickle's state dicts, and each
+tensor also shows where that spec's tensor map puts it: the
 canonical name(s) it fills, ``(ignored)`` for a name the spec's ``ignore`` lists, or
 ``(unmapped)`` (which ``validate`` reports as unused)."""
 
@@ -12,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from inferflow.loaders import detect_format, open_files
+from inferflow.spec.types import TensorsSpec
 
 _MAX_LIST = 8  # long arrays (vocabularies) are summarised
 
@@ -40,9 +42,16 @@ def _short(v: Any) -> Any:
 
 
 def run(args: argparse.Namespace) -> int:
-    where = _placement(args.spec) if args.spec else None
+    spec = None
+    if args.spec:
+        from inferflow.spec import load_spec
+
+        spec = load_spec(args.spec)
+    where = _placement(spec.network.tensors) if spec else None
     fmt = detect_format(args.file)
-    src = open_files(fmt, [args.file])
+    # (the spec's choice of a pickle's state dicts applies to its own format)
+    keys = spec.source.keys if spec and fmt == spec.source.format else ()
+    src = open_files(fmt, [args.file], keys)
     try:
         tensors = [
             {"name": n, "shape": list(src.shape(n)), "type": src.dtype_name(n)}
@@ -70,12 +79,11 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _placement(spec_ref: str) -> Callable[[str], str]:
-    """Checkpoint name -> where the spec's map puts it (canonical names, or why none)."""
+def _placement(tensors: TensorsSpec) -> Callable[[str], str]:
+    """Checkpoint name -> where a spec's map puts it (canonical names, or why none)."""
     from inferflow.model.names import NameMap
-    from inferflow.spec import load_spec
 
-    names = NameMap(load_spec(spec_ref).network.tensors)
+    names = NameMap(tensors)
 
     def where(name: str) -> str:
         uses = names(name)

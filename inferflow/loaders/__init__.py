@@ -30,8 +30,9 @@ __all__ = ["LOADERS", "Weight", "WeightSource", "detect_format", "open_files"]
 _PICKLE_START = re.compile(rb"\x80[\x02-\x05]|\(?[ci][A-Za-z_][\w.]*\n[A-Za-z_][\w.]*\n")
 
 
-def open_files(format: str, paths: Sequence[str | Path]) -> WeightSource:
-    """Open ``paths`` (one file, the shards of one checkpoint, or one hf directory) lazily."""
+def open_files(format: str, paths: Sequence[str | Path], keys: Sequence[str] = ()) -> WeightSource:
+    """Open ``paths`` (one file, the shards of one checkpoint, or one hf directory) lazily;
+    ``keys``: the top-level dict(s) of tensors of a pickle checkpoint to read."""
     opener = LOADERS.get(format)  # an unknown format names the known ones
     files = [Path(p) for p in paths]
     if not files:
@@ -39,6 +40,14 @@ def open_files(format: str, paths: Sequence[str | Path]) -> WeightSource:
     for f in files:
         if not os.path.exists(f):  # False, not OSError, for a name too long etc.
             raise CheckpointError(f"checkpoint file not found: {f}")
+    if keys:
+        if format != "pickle":
+            raise CheckpointError(
+                f"source.keys picks dicts inside a pickle checkpoint; format {format!r} has none"
+            )
+        from inferflow.loaders.pickle_safe import PickleSource
+
+        return PickleSource(files, keys)
     return wrap_if_quantized(opener(files))  # our quantized safetensors hand over transparently
 
 

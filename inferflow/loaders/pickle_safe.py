@@ -70,8 +70,8 @@ class _Checkpoint:
     container = ""
     byteswap = False
 
-    def __init__(self, path: Path) -> None:
-        self.path = path
+    def __init__(self, path: Path, keys: Sequence[str] = ()) -> None:
+        self.path, self.keys = path, tuple(keys)
         self.file, self.mm, self.size = _map(path)
         self.tensors: dict[str, TensorRecord] = {}
         self.state_dict_key: str | None = None
@@ -111,7 +111,7 @@ class _Checkpoint:
         self.file.close()
 
     def _set_state_dict(self, obj: Any) -> None:
-        tensors, self.state_dict_key = find_state_dict(obj, self.path)
+        tensors, self.state_dict_key = find_state_dict(obj, self.path, self.keys)
         for name, rec in tensors.items():
             rec.check(name)
             self._refcount[rec.storage.key] = self._refcount.get(rec.storage.key, 0) + 1
@@ -122,8 +122,14 @@ def _is_tensor_dict(obj: Any) -> bool:
     return isinstance(obj, dict) and all(isinstance(v, TensorRecord) for v in obj.values())
 
 
-def find_state_dict(obj: Any, path: Path) -> tuple[dict[str, TensorRecord], str | None]:
-    """The dict of tensors in a checkpoint: the top level, or the one dict of tensors in it."""
+def find_state_dict(
+    obj: Any, path: Path, keys: Sequence[str] = ()
+) -> tuple[dict[str, TensorRecord], str | None]:
+    """The dict of tensors in a checkpoint: the top level, or the one dict of tensors in it;
+    ``keys`` (the spec's ``source.keys``) name the top-level dict(s) of tensors to read, each
+    tensor named ``key.name`` when there are several (an ``encoder`` and a ``decoder`` dict)."""
+    if keys:
+        return _chosen(obj, path, keys), ",".join(keys)
     key: str | None = None
     if isinstance(obj, dict) and not _is_tensor_dict(obj):
         nested = [k for k, v in obj.items() if v and _is_tensor_dict(v) and isinstance(k, str)]
@@ -131,7 +137,8 @@ def find_state_dict(obj: Any, path: Path) -> tuple[dict[str, TensorRecord], str 
             keys = ", ".join(short_repr(k) for k in list(obj)[:20])
             raise CheckpointError(
                 f"{path}: expected a state dict (a dict of tensors) or a dict holding exactly one, "
-                f"found {len(nested)} dicts of tensors; top-level keys: {keys}"
+                f"found {len(nested)} dicts of tensors; top-level keys: {keys} (choose with the "
+                "spec's source.keys)"
             )
         key = nested[0]
         obj = obj[key]
@@ -147,11 +154,28 @@ def find_state_dict(obj: Any, path: Path) -> tuple[dict[str, TensorRecord], str 
     return dict(obj), key
 
 
+def _chosen(obj: Any, path: Path, keys: Sequence[str]) -> dict[str, TensorRecord]:
+    tops = (
+        [k for k, v in obj.items() if isinstance(k, str) and _is_tensor_dict(v)]
+        if isinstance(obj, dict)
+        else []
+    )
+    bad = [k for k in keys if k not in tops]
+    if bad:
+        raise CheckpointError(
+            f"{path}: source.keys: {', '.join(map(repr, bad))} is not a top-level dict of "
+            f"tensors; the checkpoint has: {', '.join(map(repr, tops)) or 'none'}"
+        )
+    if len(keys) == 1:
+        return dict(obj[keys[0]])
+    return {f"{k}.{name}": rec for k in keys for name, rec in obj[k].items()}
+
+
 class _ZipCheckpoint(_Checkpoint):
     container = "zip"
 
-    def __init__(self, path: Path) -> None:
-        super().__init__(path)
+    def __init__(self, path: Path, keys: Sequence[str] = ()) -> None:
+        super().__init__(path, keys)
         try:
             self._open()
         except BaseException:
@@ -236,8 +260,8 @@ class _ZipCheckpoint(_Checkpoint):
 class _LegacyCheckpoint(_Checkpoint):
     container = "legacy"
 
-    def __init__(self, path: Path) -> None:
-        super().__init__(path)
+    def __init__(self, path: Path, keys: Sequence[str] = ()) -> None:
+        super().__init__(path, keys)
         try:
             self._open()
         except BaseException:
@@ -293,7 +317,7 @@ class _LegacyCheckpoint(_Checkpoint):
         return self._view(self.offsets[key], self.storages[key].nbytes)
 
 
-def open_checkpoint(path: str | Path) -> _Checkpoint:
+def open_checkpoint(path: str | Path, keys: Sequence[str] = ()) -> _Checkpoint:
     path = Path(path)
     if os.path.isdir(path):
         raise CheckpointError(f"{path} is a directory; a model directory is format 'hf'")
@@ -302,7 +326,7 @@ def open_checkpoint(path: str | Path) -> _Checkpoint:
     with open(path, "rb") as f:
         head = f.read(4)
     try:
-        return _ZipCheckpoint(path) if head == ZIP_MAGIC else _LegacyCheckpoint(path)
+        return (_ZipCheckpoint if head == ZIP_MAGIC else _LegacyCheckpoint)(path, keys)
     except CheckpointError as e:
         if str(path) in str(e):
             raise
@@ -312,14 +336,14 @@ def open_checkpoint(path: str | Path) -> _Checkpoint:
 class PickleSource:
     """``torch.save`` checkpoints (one, or several shards) as a WeightSource."""
 
-    def __init__(self, paths: Sequence[str | Path]) -> None:
+    def __init__(self, paths: Sequence[str | Path], keys: Sequence[str] = ()) -> None:
         if not paths:
             raise CheckpointError("no PyTorch checkpoint file given")
         self._files: list[_Checkpoint] = []
         self._owner: dict[str, _Checkpoint] = {}
         try:
             for p in paths:
-                ck = open_checkpoint(p)
+                ck = open_checkpoint(p, keys)
                 self._files.append(ck)
                 for name in ck.tensors:
                     if name in self._owner:

@@ -113,7 +113,7 @@ def check_binding(spec: Spec) -> WeightPlan:
     reading no tensor data (what ``inferflow validate`` runs): a WeightBindingError names every
     missing, unused or mis-shaped tensor."""
     model = build_network(spec)
-    source = open_files(spec.source.format, spec.source.files)
+    source = open_files(spec.source.format, spec.source.files, spec.source.keys)
     try:
         return plan_weights(model, source, NameMap(spec.network.tensors))
     finally:
@@ -141,7 +141,7 @@ def load_model(
         from inferflow.quant.apply import QuantPolicy
 
         policy = QuantPolicy(q.weights, list(q.overrides), ties, q.kernel)
-    source = open_files(spec.source.format, spec.source.files)
+    source = open_files(spec.source.format, spec.source.files, spec.source.keys)
     try:
         plan = plan_weights(model, source, NameMap(spec.network.tensors), elsewhere)
         materialise(model, source, plan, keep, q.kernel, ties, policy)

@@ -59,7 +59,7 @@ def kv_plan(spec: Spec, cfg: EngineConfig, dtype: torch.dtype) -> CachePlan:
 def weight_elements(spec: Spec) -> int:
     from inferflow.loaders import open_files  # (reads headers only)
 
-    src = open_files(spec.source.format, spec.source.files)
+    src = open_files(spec.source.format, spec.source.files, spec.source.keys)
     try:
         return sum(prod(src.shape(n)) for n in src.names())
     finally:

@@ -221,7 +221,7 @@ def parse_spec(
         if not os.path.exists(f):
             raise SpecError(f"source.files: {ref!r} resolves to {f}, which does not exist")
     config = resolve_ref(src["config"], base_dir, what="source.config") if "config" in src else None
-    source = SourceSpec(src["format"], files, config)
+    source = SourceSpec(src["format"], files, config, tuple(src.get("keys", ())))
 
     tok = doc.get("tokenizer", {"from": source.format if source.format == "gguf" else "none"})
     tok_files = tuple(

@@ -179,7 +179,13 @@ def build_schema() -> dict[str, Any]:
             "name": string,
             "description": string,
             "source": _obj(
-                {"format": _enum(LOADERS.names()), "files": files, "config": string},
+                {
+                    "format": _enum(LOADERS.names()),
+                    "files": files,
+                    "config": string,
+                    # a pickle's top-level dict(s) of tensors to read (several: "key." names)
+                    "keys": {"type": "array", "items": string, "minItems": 1},
+                },
                 ("format", "files"),
             ),
             "tokenizer": _obj(

@@ -78,6 +78,8 @@ class SourceSpec:
     format: str
     files: tuple[Path, ...]
     config: Path | None = None  # HF config.json for hyperparameters (safetensors / pickle)
+    # a pickle checkpoint's top-level dict(s) of tensors to read (several: names "key.name")
+    keys: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

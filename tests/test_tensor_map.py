@@ -386,3 +386,59 @@ def test_source_keys_choose_the_state_dicts_to_read(tmp_path: Path) -> None:
         match=r"source.keys: 'emb' is not a top-level dict of tensors; the checkpoint has: 'embeddings', 'body'",
     ):
         load_model(load_spec(_pickle_spec(tmp_path, model, split, {"keys": ["emb"]}, network)))
+
+
+def _sharded(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Plain torch: the embedding table and the head stored as two vocabulary shards each, every
+    down projection as two shards of its output rows (a tensor-parallel checkpoint's layout)."""
+    out = {k: v for k, v in sd.items() if k not in ("model.embed_tokens.weight", "lm_head.weight")}
+    for name, key in (("embed", "model.embed_tokens.weight"), ("head", "lm_head.weight")):
+        out[f"{name}.0"], out[f"{name}.1"] = sd[key][:50], sd[key][50:]
+    for i in range(LAYERS):
+        w = out.pop(f"{L}.{i}.mlp.down_proj.weight")
+        out[f"down.{i}.a"], out[f"down.{i}.b"] = w[: H // 2], w[H // 2 :]
+    return out
+
+
+def _shard_map(head_second: tuple[int, int] = (50, VOCAB)) -> dict:
+    return {
+        "embed.0": {"to": "dec.tok_embed.weight", "rows": {"stop": 50}},
+        "embed.1": {"to": "dec.tok_embed.weight", "rows": {"start": 50, "stop": VOCAB}},
+        "head.0": {"to": "dec.output.weight", "rows": {"stop": 50}},
+        "head.1": {
+            "to": "dec.output.weight",
+            "rows": {"start": head_second[0], "stop": head_second[1]},
+        },
+        "down.{i}.a": {"to": "dec.{i}.feed_forward.w2.weight", "rows": {"stop": H // 2}},
+        "down.{i}.b": {
+            "to": "dec.{i}.feed_forward.w2.weight",
+            "rows": {"start": H // 2, "stop": H},
+        },
+    }
+
+
+def test_rows_concatenate_shards(tmp_path: Path) -> None:
+    ref = _llama()
+    network = {"tensors": {"preset": "hf_llama", "map": _shard_map()}}
+    _same_as_transformers(_write(tmp_path, ref, _sharded(ref.state_dict()), network), ref)
+
+
+@pytest.mark.parametrize(
+    ("head_second", "message"),
+    [
+        ((40, VOCAB - 10), "head.1: rows 40:118 of dec.output.weight are given twice"),
+        ((60, VOCAB), "lacks 1 tensor(s) the network needs: dec.output.weight (rows 50:60 of 128)"),
+        ((50, VOCAB + 2), "head.1: rows 50:130 lie past the 128 rows of dec.output.weight"),
+    ],
+)
+def test_rows_errors(tmp_path: Path, head_second: tuple[int, int], message: str) -> None:
+    """Overlapping, missing and out-of-range rows are named before any weight is read (the
+    shapes then need not fit: an error about the rows comes first or with them)."""
+    ref = _llama()
+    tensors = _sharded(ref.state_dict())
+    a, b = head_second
+    tensors["head.1"] = torch.zeros(b - a, H)
+    network = {"tensors": {"preset": "hf_llama", "map": _shard_map(head_second)}}
+    with pytest.raises(WeightBindingError) as e:
+        check_binding(load_spec(_write(tmp_path, ref, tensors, network)))
+    assert message in str(e.value)

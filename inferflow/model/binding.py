@@ -306,6 +306,23 @@ def _plan_one(
     target = _resolve(model, params, canon)
     if target is None:
         return False
+    into = use.entry.rows
+    if into is not None:  # one of several tensors concatenated along the first axis
+        if target.rows is not None:
+            raise _Misfit(
+                f"{name}: rows: {canon} is itself a part of a fused tensor ({use.origin})"
+            )
+        n = params[target.param].shape[0]
+        if into[1] > n:
+            raise _Misfit(
+                f"{name}: rows {into[0]}:{into[1]} lie past the {n} rows of {canon} ({use.origin})"
+            )
+        taken = [_span(s) for s in filled.get(target.param, set()) if s is not None]
+        if any(a < into[1] and into[0] < b for a, b in taken):
+            raise _Misfit(
+                f"{name}: rows {into[0]}:{into[1]} of {canon} are given twice ({use.origin})"
+            )
+        target = target._replace(rows=slice(*into), shard=f"rows {into[0]}:{into[1]}")
     if target.shard in filled.get(target.param, set()):
         raise _Misfit(f"{name}: {canon} is given twice (by {use.origin})")
     b = Bound(name, canon, use.entry, target, False)
@@ -318,6 +335,14 @@ def _plan_one(
     plan.parts.setdefault(target.param, []).append(b._replace(as_stored=as_stored))
     filled.setdefault(target.param, set()).add(target.shard)
     return True
+
+
+def _span(shard: str) -> tuple[int, int]:
+    """(start, stop) of a "rows a:b" part (a tensor concatenated into a parameter)."""
+    if not shard.startswith("rows "):
+        return (0, 0)
+    a, b = shard[5:].split(":")
+    return int(a), int(b)
 
 
 def _report(
@@ -333,6 +358,17 @@ def _report(
         linear = pname.rpartition(".")[0].rpartition(".")[2]
         need = set(SHARDS.get(linear, (None,)))
         if None in got:
+            continue
+        spans = sorted(_span(s) for s in got if s is not None and s.startswith("rows "))
+        if spans:  # concatenated parts: every row exactly once (overlaps were refused)
+            n, gaps, at = params[pname].shape[0], [], 0
+            for a, b in [*spans, (params[pname].shape[0], 0)]:
+                if a > at:
+                    gaps.append(f"{at}:{a}")
+                at = max(at, b)
+            if gaps:
+                unfilled.add(pname)
+                missing.append(f"{pname} (rows {', '.join(gaps)} of {n})")
             continue
         lacking = need - got
         if lacking:

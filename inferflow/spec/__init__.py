@@ -353,6 +353,7 @@ def _map_entry(source: str, use: str | dict[str, Any]) -> MapEntry:
         None if "reshape" not in use else tuple(use["reshape"]),
         use.get("scale"),
         None if "pad" not in use else (use["pad"].get("axis", 0), use["pad"]["size"]),
+        None if "rows" not in use else (use["rows"].get("start", 0), use["rows"]["stop"]),
     )
 
 

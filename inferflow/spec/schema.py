@@ -108,6 +108,8 @@ def build_schema() -> dict[str, Any]:
             "reshape": {"type": "array", "items": {"type": "integer", "minimum": -1}},
             "scale": num,
             "pad": _obj({"axis": index, "size": {"type": "integer", "minimum": 1}}, ("size",)),
+            # the result fills these rows of the target (tensors concatenated along axis 0)
+            "rows": _obj({"start": index, "stop": index}, ("stop",)),
         },
         ("to",),
     )

@@ -27,7 +27,10 @@ class MapEntry:
     - ``reshape``: to these dims (one may be -1; unit axes are dropped or added as needed);
     - ``scale``: multiply by a constant;
     - ``pad`` (axis, size): zeros appended along ``axis`` up to ``size`` (a vocabulary the
-      network rounds up)."""
+      network rounds up);
+    - ``rows`` (start, stop): the result fills rows [start, stop) of the target, whose other rows
+      come from other tensors (several tensors concatenated along the first axis: a vocabulary
+      or a projection stored in shards); every row must be given exactly once."""
 
     source: str
     target: str
@@ -37,6 +40,7 @@ class MapEntry:
     reshape: tuple[int, ...] | None = None
     scale: float | None = None
     pad: tuple[int, int] | None = None
+    rows: tuple[int, int] | None = None  # fills rows [start, stop) of the target
     pick: int | None = None  # index along the first axis (dropped): a stacked expert's
 
     def __post_init__(self) -> None:
@@ -45,6 +49,11 @@ class MapEntry:
             raise SpecError(
                 f"{where}: chunk index {self.chunk[2]} is not in 0..{self.chunk[1] - 1} "
                 f"(parts {self.chunk[1]})"
+            )
+        if self.rows is not None and not 0 <= self.rows[0] < self.rows[1]:
+            raise SpecError(
+                f"{where}: rows start {self.rows[0]} and stop {self.rows[1]}: need "
+                "0 <= start < stop"
             )
         if self.slice is not None and not 0 <= self.slice[1] < self.slice[2]:
             raise SpecError(

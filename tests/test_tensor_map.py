@@ -258,6 +258,10 @@ def test_multihead_attention_in_proj_for_cross_attention() -> None:
             r"is already longer",
         ),
         (
+            {"to": "dec.{i}.self_attn.wq.weight", "rope_rows": {"heads": 3}},
+            r"l0\.qkv: rope_rows: 128 rows do not split into 3 heads of an even size",
+        ),
+        (
             "dec.{i}.self_attn.wq.weight",
             r"shape \[128, 64\] does not fit dec.0.self_attn.wq.weight of shape \[64, 64\] "
             r"\(mapped by network.tensors.map\['l\{i\}.qkv'\]\)",
@@ -295,7 +299,7 @@ def test_spec_errors_for_the_algebra(tmp_path: Path) -> None:
 
     with pytest.raises(
         SpecError,
-        match=r"unknown key 'rotate'; allowed: chunk, pad, reshape, scale, slice, to, transpose",
+        match=r"unknown key 'rotate'; allowed: chunk, pad, reshape, rope_rows, rows, scale, slice, to, transpose",
     ):
         load_spec(spec_with({"embed": {"to": "dec.tok_embed.weight", "rotate": 90}}))
     with pytest.raises(SpecError, match=r"chunk index 2 is not in 0..1"):
@@ -442,3 +446,48 @@ def test_rows_errors(tmp_path: Path, head_second: tuple[int, int], message: str)
     with pytest.raises(WeightBindingError) as e:
         check_binding(load_spec(_write(tmp_path, ref, tensors, network)))
     assert message in str(e.value)
+
+
+def _llama_cpp_permute(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """llama.cpp's convert_hf_to_gguf permutation of q / k rows (HF halves -> adjacent pairs)."""
+    return (
+        w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(w.shape)
+    )
+
+
+def test_rope_rows_undo_the_gguf_permutation(tmp_path: Path) -> None:
+    """q / k rows stored as llama.cpp writes them (each head's pairs adjacent): ``rope_rows``
+    with the stack's head counts brings them back to HF's layout; and the other way, HF's rows
+    turned adjacent run under ``pairing: adjacent``. Both against transformers."""
+    ref = _llama()
+    sd = ref.state_dict()
+    permuted = dict(sd)
+    for i in range(LAYERS):
+        for p, n in (("q", HEADS), ("k", KV)):
+            key = f"{L}.{i}.self_attn.{p}_proj.weight"
+            permuted[key] = _llama_cpp_permute(sd[key], n)
+    back = {
+        f"{L}.{{i}}.self_attn.{p}_proj.weight": {
+            "to": f"dec.{{i}}.self_attn.w{p}.weight",
+            "rope_rows": {"heads": heads, "to": "half"},
+        }
+        for p, heads in (("q", "n_heads"), ("k", "n_kv_heads"))
+    }
+    network = {"tensors": {"preset": "hf_llama", "map": back}}
+    _same_as_transformers(_write(tmp_path, ref, permuted, network), ref)
+    # a wrong head count scrambles the rows across heads: the logits move
+    wrong = {k: {**v, "rope_rows": {"heads": 1, "to": "half"}} for k, v in back.items()}
+    spec = _write(tmp_path, ref, permuted, {"tensors": {"preset": "hf_llama", "map": wrong}})
+    with pytest.raises(AssertionError):
+        _same_as_transformers(spec, ref)
+    forward = {
+        k: {**v, "rope_rows": {"heads": v["rope_rows"]["heads"], "to": "adjacent"}}
+        for k, v in back.items()
+    }
+    network = {
+        "position": {"type": "rope", "pairing": "adjacent"},
+        "tensors": {"preset": "hf_llama", "map": forward},
+    }
+    _same_as_transformers(_write(tmp_path, ref, dict(sd), network), ref)

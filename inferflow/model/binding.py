@@ -113,7 +113,7 @@ def _take_slice(model: nn.Module, param: str, shard: str | None, t: torch.Tensor
 def _fit(model: nn.Module, b: Bound, t: torch.Tensor, dest: torch.Size) -> torch.Tensor:
     """Checkpoint tensor ``t`` as its destination (of shape ``dest``) takes it. The same steps
     check every shape on meta tensors before any data is read."""
-    t = _steps(b, t)
+    t = _steps(b, t, _heads(model, b))
     if b.target.prepare is not None:
         try:
             t = b.target.prepare(t)
@@ -133,7 +133,36 @@ def _fit(model: nn.Module, b: Bound, t: torch.Tensor, dest: torch.Size) -> torch
     return t
 
 
-def _steps(b: Bound, t: torch.Tensor) -> torch.Tensor:
+def _heads(model: nn.Module, b: Bound) -> int:
+    """The head count a ``rope_rows`` step names (0 without one): a number, or the n_heads /
+    n_kv_heads of the stack the target is in."""
+    count = b.entry.rope_rows[0] if b.entry.rope_rows is not None else 0
+    if isinstance(count, int):
+        return count
+    spec = getattr(model, "spec", None)
+    if spec is None:
+        raise _Misfit(f"{b.name}: rope_rows: {count} needs the network's hyperparameters")
+    h = spec.encoder_hparams if b.canon.startswith("enc.") else spec.hparams
+    return int(getattr(h, count))
+
+
+def _rope_rows(b: Bound, t: torch.Tensor, heads: int) -> torch.Tensor:
+    """Each head's rows between the rope layouts: ``half`` (HF: dims i and i + d/2 rotate
+    together) from ``adjacent`` (llama.cpp's GGUF: dims 2i and 2i + 1), or back."""
+    to = b.entry.rope_rows[1] if b.entry.rope_rows is not None else "half"
+    n = t.shape[0]
+    if heads < 1 or n % (2 * heads):
+        raise _Misfit(
+            f"{b.name}: rope_rows: {n} rows do not split into {heads} heads of an even size"
+        )
+    d = n // heads
+    rest = t.shape[1:]
+    if to == "half":  # rows (head, d/2, 2) -> (head, 2, d/2)
+        return t.reshape(heads, d // 2, 2, *rest).transpose(1, 2).reshape(n, *rest)
+    return t.reshape(heads, 2, d // 2, *rest).transpose(1, 2).reshape(n, *rest)
+
+
+def _steps(b: Bound, t: torch.Tensor, heads: int = 0) -> torch.Tensor:
     """The map entry's steps, in their documented order (MapEntry)."""
     e, shape = b.entry, list(t.shape)
     if e.pick is not None:
@@ -170,6 +199,8 @@ def _steps(b: Bound, t: torch.Tensor) -> torch.Tensor:
                 f"{list(t.shape)}"
             )
         t = t.narrow(axis, start, stop - start)
+    if e.rope_rows is not None:
+        t = _rope_rows(b, t, heads)
     if e.reshape is not None:
         try:
             t = t.reshape(e.reshape)

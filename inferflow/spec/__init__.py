@@ -353,7 +353,10 @@ def _map_entry(source: str, use: str | dict[str, Any]) -> MapEntry:
         None if "reshape" not in use else tuple(use["reshape"]),
         use.get("scale"),
         None if "pad" not in use else (use["pad"].get("axis", 0), use["pad"]["size"]),
-        None if "rows" not in use else (use["rows"].get("start", 0), use["rows"]["stop"]),
+        rows=None if "rows" not in use else (use["rows"].get("start", 0), use["rows"]["stop"]),
+        rope_rows=None
+        if "rope_rows" not in use
+        else (use["rope_rows"]["heads"], use["rope_rows"].get("to", "half")),
     )
 
 

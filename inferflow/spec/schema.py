@@ -108,6 +108,19 @@ def build_schema() -> dict[str, Any]:
             "reshape": {"type": "array", "items": {"type": "integer", "minimum": -1}},
             "scale": num,
             "pad": _obj({"axis": index, "size": {"type": "integer", "minimum": 1}}, ("size",)),
+            # each head's rows between rope layouts (heads: a number, n_heads or n_kv_heads)
+            "rope_rows": _obj(
+                {
+                    "heads": {
+                        "anyOf": [
+                            {"type": "integer", "minimum": 1},
+                            {"enum": ["n_heads", "n_kv_heads"]},
+                        ]
+                    },
+                    "to": _enum(["half", "adjacent"]),
+                },
+                ("heads",),
+            ),
             # the result fills these rows of the target (tensors concatenated along axis 0)
             "rows": _obj({"start": index, "stop": index}, ("stop",)),
         },

@@ -24,6 +24,10 @@ class MapEntry:
     - ``slice`` (axis, start, stop): ``t[start:stop]`` along ``axis``;
     - ``chunk`` (axis, parts, index): cut into ``parts`` equal pieces along ``axis``, keep piece
       ``index`` (a fused [q; k; v] in_proj_weight: parts 3, index 0, 1 or 2);
+    - ``rope_rows`` (heads, to): each of ``heads`` heads' rows (a number, or ``n_heads`` /
+      ``n_kv_heads`` of the target's stack) reordered between the rope layouts: ``to: half``
+      takes llama.cpp's permuted q / k rows (adjacent pairs) back to HF's (halves), ``to:
+      adjacent`` the other way;
     - ``reshape``: to these dims (one may be -1; unit axes are dropped or added as needed);
     - ``scale``: multiply by a constant;
     - ``pad`` (axis, size): zeros appended along ``axis`` up to ``size`` (a vocabulary the
@@ -40,6 +44,7 @@ class MapEntry:
     reshape: tuple[int, ...] | None = None
     scale: float | None = None
     pad: tuple[int, int] | None = None
+    rope_rows: tuple[int | str, str] | None = None  # (heads, to): each head's rows reordered
     rows: tuple[int, int] | None = None  # fills rows [start, stop) of the target
     pick: int | None = None  # index along the first axis (dropped): a stacked expert's
 
@@ -70,7 +75,15 @@ class MapEntry:
     @property
     def as_stored(self) -> bool:
         """The tensor lands as stored: no step changes it."""
-        steps = (self.pick, self.slice, self.chunk, self.reshape, self.scale, self.pad)
+        steps = (
+            self.pick,
+            self.slice,
+            self.chunk,
+            self.rope_rows,
+            self.reshape,
+            self.scale,
+            self.pad,
+        )
         return not self.transpose and all(x is None for x in steps)
 
 

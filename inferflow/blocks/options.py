@@ -19,7 +19,7 @@ import dataclasses
 import types
 import typing
 from dataclasses import dataclass
-from typing import Any, Literal, get_args, get_origin
+from typing import Any, Literal, Self, get_args, get_origin
 
 from inferflow.errors import SpecError
 
@@ -58,7 +58,7 @@ class Options:
         return {"type": "object", "properties": {**extra, **props}, "additionalProperties": False}
 
     @classmethod
-    def parse(cls, doc: dict[str, Any], where: str) -> Options:
+    def parse(cls, doc: dict[str, Any], where: str) -> Self:
         """The options of a schema-checked section (keys outside the fields are ignored: the
         schema has refused unknown ones, and ``type`` picks the block)."""
         names = {f.name for f in dataclasses.fields(cls)}

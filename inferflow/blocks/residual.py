@@ -8,11 +8,12 @@ the layer's two branches;
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from inferflow.blocks.options import Options
 from inferflow.registry import Registry
 
 Branch = Callable[[torch.Tensor], torch.Tensor]
@@ -29,6 +30,27 @@ class Wiring:
 
 
 RESIDUALS: Registry[Wiring] = Registry("residual")
+
+
+@dataclass(frozen=True)
+class GateOptions(Options):
+    """``network.gates``: learned scalars on a layer's residual stream (nanochat /
+    modded-nanogpt style), each a parameter of the layer."""
+
+    branches: bool = field(
+        default=False,
+        metadata={
+            "doc": "each branch's output times a learned scalar before it is added "
+            "(attn_gate, ffn_gate)"
+        },
+    )
+    embedding_skip: bool = field(
+        default=False,
+        metadata={
+            "doc": "each layer's input is mix[0] * x + mix[1] * x0, x0 the embedding output "
+            "(mix: 2 learned scalars)"
+        },
+    )
 
 
 def _pre(

@@ -53,6 +53,8 @@ def _layer_parts(layer: Layer) -> _Parts | str:
         return "residual wiring other than pre_norm, or cross-attention"
     if layer.reduce is not None or a.split.size > 1:
         return "a tensor-parallel layer"
+    if layer.mix is not None or layer.attn_gate is not None:
+        return "learned residual gates"
     if a.a.qk_norm is not None or a.a.window is not None or a.a.softcap is not None:
         return "q/k-norm, sliding window or soft-cap"
     if not a.a.causal or a.a.bias != "none":

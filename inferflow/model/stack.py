@@ -92,16 +92,31 @@ class Layer(nn.Module):
         self.local = window is not None
         # tensor parallelism: sums the branches' partial outputs across the group
         self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
+        # learned scalars on the residual stream (network.gates)
+        g = net.gates
+        self.attn_gate = nn.Parameter(torch.empty(1)) if g.branches else None
+        self.ffn_gate = nn.Parameter(torch.empty(1)) if g.branches else None
+        self.mix = nn.Parameter(torch.empty(2)) if g.embedding_skip else None
 
-    def forward(self, x: torch.Tensor, batch: FlatBatch, pos: PositionBlock) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, batch: FlatBatch, pos: PositionBlock, x0: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        if self.mix is not None:  # the input mixed with the embedding output
+            assert x0 is not None
+            x = self.mix[0] * x + self.mix[1] * x0
         attn = lambda t: self.self_attn(t, batch, pos)  # noqa: E731
         ffn: Callable[[torch.Tensor], torch.Tensor] = self.feed_forward
+        ga, gf = self.attn_gate, self.ffn_gate
+        if ga is not None and gf is not None:
+            attn = lambda t: ga * self.self_attn(t, batch, pos)  # noqa: E731
+            ffn = lambda t: gf * self.feed_forward(t)  # noqa: E731
         r, cross = self.reduce, self.cross_attn
         if r is not None:
             if self.wiring.delta is not None:  # parallel branches: one all-reduce per layer
                 return x + r(self.wiring.delta(self, x, attn, ffn))
-            attn = lambda t: r(self.self_attn(t, batch, pos))  # noqa: E731
-            ffn = lambda t: r(self.feed_forward(t))  # noqa: E731
+            attn_one, ffn_one = attn, ffn
+            attn = lambda t: r(attn_one(t))  # noqa: E731
+            ffn = lambda t: r(ffn_one(t))  # noqa: E731
         if cross is None:
             return self.wiring.forward(self, x, attn, ffn)
         return self.wiring.forward(self, x, attn, ffn, lambda t: cross(t, batch))
@@ -283,9 +298,10 @@ class Stack(nn.Module):
             out = fused.run(x, batch) if fused is not None else None
             if out is not None:
                 return out
+        x0 = x  # the embedding output (network.gates.embedding_skip)
         for layer in self.layers():
             pos = self.pos_local if layer.local and self.pos_local is not None else self.pos_embed
-            x = layer(x, batch, pos)
+            x = layer(x, batch, pos, x0)
         return x
 
     def fused_decode(self) -> FusedDecode | None:

@@ -16,6 +16,7 @@ import yaml
 
 from inferflow.blocks import FFNS, HEADS
 from inferflow.blocks.options import NoOptions
+from inferflow.blocks.residual import GateOptions
 from inferflow.errors import InferflowError, SpecError
 from inferflow.paths import expand_user, resolve_ref
 from inferflow.spec import hparams as hp
@@ -313,6 +314,7 @@ def _network(n: dict[str, Any]) -> NetworkSpec:
         activation=n["activation"],
         ffn=ffn,
         ffn_options=FFNS.get(ffn).Options.parse(ffn_doc, "network.ffn"),  # type: ignore[attr-defined]
+        gates=GateOptions.parse(n.get("gates", {}), "network.gates"),
         head=head_doc["type"] if head_doc else None,
         head_options=(
             HEADS.get(head_doc["type"]).Options.parse(head_doc, "network.head")

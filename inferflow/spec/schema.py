@@ -8,6 +8,7 @@ from typing import Any
 
 import jsonschema
 
+from inferflow.blocks.residual import GateOptions
 from inferflow.spec.types import EMBEDDING_PLACES, PARTITION_STRATEGIES, POOLINGS, HParams
 
 
@@ -158,6 +159,8 @@ def build_schema() -> dict[str, Any]:
             # one mechanism, or a list of them used together
             "position": {"anyOf": [position, {"type": "array", "items": position, "minItems": 1}]},
             "attention": attention,
+            # learned scalars on the residual stream (nanochat / modded-nanogpt)
+            "gates": GateOptions.schema(),
             # a task head: {type: name, ...that head's options}
             "head": {
                 "anyOf": [

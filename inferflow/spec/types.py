@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from inferflow.blocks.options import NoOptions, Options
+from inferflow.blocks.residual import GateOptions
 from inferflow.errors import SpecError
 
 
@@ -141,6 +142,7 @@ class NetworkSpec:
     tensors: TensorsSpec
     ffn_bias: bool = False
     ffn_options: Options = NoOptions()  # the FFN block's own (its class's Options)
+    gates: GateOptions = GateOptions()  # learned scalars on the residual stream
     head: str | None = None  # a task head (inferflow.blocks.head): classify
     head_options: Options = NoOptions()
     embedding_scale: str | float | None = None  # "sqrt_hidden" or a number

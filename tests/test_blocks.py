@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from inferflow.blocks.position import POSITIONS, PositionArgs, Rotary, alibi_slopes
+from inferflow.blocks.position import POSITIONS, PositionArgs, RopeOptions, Rotary, alibi_slopes
 from inferflow.engine import logits as L
 from inferflow.engine.sampling import SamplingParams, make_sampler
 from inferflow.errors import RequestError, SpecError
@@ -18,7 +18,7 @@ HEAD_DIM = 64
 
 
 def _rotary(**opts) -> Rotary:
-    return Rotary(PositionArgs(256, 4, HEAD_DIM, 4096, {"theta": 10000.0, **opts}))
+    return Rotary(PositionArgs(256, 4, HEAD_DIM, 4096, RopeOptions(**opts), theta=10000.0))
 
 
 def _hf_config(scaling: dict) -> tf.LlamaConfig:
@@ -107,7 +107,7 @@ def test_rope_rejects_bad_pairing_and_dim() -> None:
 @pytest.mark.parametrize("name", [n for n, cls in POSITIONS.items() if cls.has_bias])
 def test_group_bias_is_each_sequences_bias(name: str) -> None:
     """A decode group's bias in one op equals bias() of each sequence alone (one query)."""
-    block = POSITIONS.get(name)(PositionArgs(32, 4, 8, 512, {"buckets": 8, "max_distance": 64}))
+    block = POSITIONS.get(name)(PositionArgs(32, 4, 8, 512, buckets=8, max_distance=64))
     for p in block.parameters():
         torch.nn.init.normal_(p, generator=torch.Generator().manual_seed(0))
     q_pos = torch.tensor([3, 0, 200])

@@ -14,7 +14,7 @@ import torch
 from inferflow import kernels
 from inferflow.blocks.attention import attend_decode_group
 from inferflow.blocks.norm import RMSNorm
-from inferflow.blocks.position import PositionArgs, Rotary
+from inferflow.blocks.position import PositionArgs, RopeOptions, Rotary
 from inferflow.engine.engine import Engine, EngineConfig
 from inferflow.engine.kv_cache import PagedKVCache, SeqBlocks, gather
 from inferflow.engine.sampling import SamplingParams
@@ -214,9 +214,7 @@ def test_engine_with_kernel_equals_engine_without(
 
 
 def _rope_case(pairing: str, partial: float) -> tuple[Rotary, torch.Tensor, torch.Tensor]:
-    rope = Rotary(
-        PositionArgs(576, 9, 64, 4096, {"theta": 10000.0, "pairing": pairing, "partial": partial})
-    )
+    rope = Rotary(PositionArgs(576, 9, 64, 4096, RopeOptions(pairing=pairing, partial=partial)))
     g = torch.Generator().manual_seed(5)
     qkv = torch.randn(37, (9 + 2 * 3) * 64, generator=g)  # a fused q / k / v projection's output
     return rope, qkv, torch.randint(0, 4000, (37,), generator=g)

@@ -13,7 +13,7 @@ import pytest
 import torch
 import yaml
 
-from inferflow.blocks.position import NoPosition, RelativeBias
+from inferflow.blocks.position import POSITIONS, NoPosition, RelativeBias
 from inferflow.engine.engine import Engine, EngineConfig
 from inferflow.engine.kv_cache import PagedKVCache, SeqBlocks
 from inferflow.engine.sampling import SamplingParams
@@ -337,7 +337,7 @@ def test_relative_bias_on_every_stage(specs: dict[str, Spec]) -> None:
     spec = specs["gqa"]
 
     def with_position(kind: str) -> Spec:
-        net = dataclasses.replace(spec.network, positions=({"type": kind},))
+        net = dataclasses.replace(spec.network, positions=((kind, POSITIONS.get(kind).Options()),))
         return dataclasses.replace(spec, network=net)
 
     rel = with_position("relative")

@@ -247,3 +247,20 @@ def test_readme_block_options_table_is_generated() -> None:
     spec.loader.exec_module(mod)
     assert mod.main(["--check"]) == 0
     assert "| `network.ffn` | `moe` | `routing` | `softmax_topk` |" in mod.table()
+
+
+def test_a_child_that_changes_a_block_type_replaces_its_options(write_spec) -> None:
+    """``base: arch/llama`` gives ``position: {type: rope, pairing: half}``: a child's
+    ``{type: learned, offset: 2}`` replaces it (pairing belongs to rope), while a child's
+    ``{pairing: adjacent}`` merges into the base's rope."""
+    from inferflow.blocks.position import LearnedOptions, RopeOptions
+
+    doc = _smol_doc()
+    doc["base"] = "arch/llama"
+    del doc["network"]
+    doc["network"] = {"position": {"type": "learned", "offset": 2}}
+    ((name, opts),) = load_spec(write_spec(doc)).network.positions
+    assert name == "learned" and opts == LearnedOptions(offset=2)
+    doc["network"] = {"position": {"pairing": "adjacent"}}
+    ((name, opts),) = load_spec(write_spec(doc, "b.yaml")).network.positions
+    assert name == "rope" and opts == RopeOptions(pairing="adjacent")

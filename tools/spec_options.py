@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from inferflow import blocks
+from inferflow.blocks.attention import AttentionOptions
 from inferflow.blocks.options import Options
 from inferflow.blocks.residual import GateOptions
 
@@ -22,17 +23,24 @@ BEGIN, END = (
     "<!-- end block options -->",
 )
 # spec key -> the registry whose blocks it names ({type: name, ...options})
-SECTIONS = {"network.ffn": blocks.FFNS, "network.head": blocks.HEADS}
+SECTIONS = {
+    "network.position": blocks.POSITIONS,
+    "network.ffn": blocks.FFNS,
+    "network.head": blocks.HEADS,
+}
 # spec key -> the options of a section that is not a choice of blocks
-SINGLE: dict[str, type[Options]] = {"network.gates": GateOptions}
+SINGLE: dict[str, type[Options]] = {
+    "network.attention": AttentionOptions,
+    "network.gates": GateOptions,
+}
 
 
 def _allowed(opts: type[Options], name: str) -> str:
     schema = opts.schema()["properties"][name]
-    values = schema.get("enum") or [
-        v for alt in schema.get("anyOf", []) for v in alt.get("enum", [])
-    ]
-    return " / ".join(f"`{v}`" for v in values) if values else str(schema.get("type", ""))
+    if "enum" in schema:
+        return " / ".join(f"`{v}`" for v in schema["enum"])
+    kinds = [a.get("type", "") for a in schema.get("anyOf", [])] or [schema.get("type", "")]
+    return " or ".join(str(k) for k in kinds if k != "null")
 
 
 def table() -> str:

@@ -8,20 +8,61 @@ sequence's cached keys (the flat-batch contract in ``inferflow.model.batch``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
 from inferflow.blocks.linear import Linear
-from inferflow.blocks.norm import NormFactory
+from inferflow.blocks.norm import NORMS, NormFactory
+from inferflow.blocks.options import Options
 from inferflow.blocks.position import PositionBlock
 from inferflow.blocks.split import WHOLE, TensorSplit
 from inferflow.model.batch import FlatBatch
 
 QKV_LAYOUTS = ("concat", "per_head", "per_group")
 ATTN_BIAS = ("none", "qkv", "all")
+
+
+@dataclass(frozen=True)
+class AttentionOptions(Options):
+    """``network.attention``: how every attention layer of the network is made."""
+
+    bias: str = field(
+        default="none",
+        metadata={
+            "doc": "none; qkv: on q, k, v; all: on the output too",
+            "choices": lambda: ATTN_BIAS,
+        },
+    )
+    qkv_layout: str = field(
+        default="concat",
+        metadata={
+            "doc": "a checkpoint's fused qkv rows: concat [q; k; v], per_head (BLOOM), "
+            "per_group (Falcon)",
+            "choices": lambda: QKV_LAYOUTS,
+        },
+    )
+    qk_norm: str | None = field(
+        default=None,
+        metadata={"doc": "a norm applied per head to q and k", "choices": lambda: NORMS.names()},
+    )
+    sliding_window: bool | int = field(
+        default=False,
+        metadata={"doc": "true: the checkpoint's window size; a number; false: none"},
+    )
+    global_every: int | None = field(
+        default=None,
+        metadata={
+            "doc": "with a window: layers i with (i + 1) % N == 0 see everything",
+            "schema": {"type": "integer", "minimum": 1},
+        },
+    )
+    softcap: float | None = field(default=None, metadata={"doc": "tanh soft-cap of the scores"})
+    scale: float | None = field(
+        default=None, metadata={"doc": "score scale (unset: 1 / sqrt(head_dim))"}
+    )
 
 
 @dataclass(frozen=True)

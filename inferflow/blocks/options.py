@@ -9,8 +9,9 @@ defaults of the spec section that configures the block.
         )
 
 Supported field types: ``bool``, ``int``, ``float``, ``str``, ``Literal[...]`` of strings, and
-``X | None`` of those. A ``str`` field whose allowed values live in a registry names them with
-``metadata={"choices": callable returning the names}``.
+unions of those (``X | None``, ``bool | int``). A ``str`` field whose allowed values live in a
+registry names them with ``metadata={"choices": callable returning the names}``; a field of
+another shape (a nested mapping) gives its JSON Schema in ``metadata={"schema": ...}``.
 """
 
 from __future__ import annotations
@@ -26,12 +27,11 @@ from inferflow.errors import SpecError
 
 def _json_type(hint: Any) -> dict[str, Any]:
     if get_origin(hint) is Literal:
-        return {"enum": list(get_args(hint))}
+        return {"enum": sorted(get_args(hint))}
     if get_origin(hint) in (typing.Union, types.UnionType):
-        args = [a for a in get_args(hint) if a is not type(None)]
-        if len(args) != 1:
-            raise TypeError(f"option type {hint} is not supported")
-        return {"anyOf": [_json_type(args[0]), {"type": "null"}]}
+        return {"anyOf": [_json_type(a) for a in get_args(hint)]}
+    if hint is type(None):
+        return {"type": "null"}
     named = {bool: "boolean", int: "integer", float: "number", str: "string"}
     if hint in named:
         return {"type": named[hint]}
@@ -53,8 +53,13 @@ class Options:
         hints = cls._hints()
         props = {}
         for f in dataclasses.fields(cls):
-            choices = f.metadata.get("choices")
-            props[f.name] = {"enum": sorted(choices())} if choices else _json_type(hints[f.name])
+            choices, given = f.metadata.get("choices"), f.metadata.get("schema")
+            if given is not None:  # (a callable: made when asked, after registries fill)
+                props[f.name] = given() if callable(given) else given
+            elif choices:
+                props[f.name] = {"enum": sorted(choices())}
+            else:
+                props[f.name] = _json_type(hints[f.name])
         return {"type": "object", "properties": {**extra, **props}, "additionalProperties": False}
 
     @classmethod

@@ -12,28 +12,92 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
 
 from inferflow import kernels
+from inferflow.blocks.options import NoOptions
+from inferflow.blocks.options import Options as _Options
 from inferflow.errors import SpecError
 from inferflow.registry import Registry
 
 
 @dataclass(frozen=True)
 class PositionArgs:
-    """What a position block may need; filled from the spec's ``network.position`` + hparams."""
+    """What a position block may need: the stack's numbers (hparams) and the block's own options
+    (its class's ``Options``, parsed from the spec's ``network.position`` entry)."""
 
-    hidden: int
+    hidden: int  # the width of an embedding table (a factorised embedding's)
     n_heads: int
     head_dim: int
     max_positions: int
-    options: dict[str, Any] = field(default_factory=dict)  # the spec's position section
+    options: _Options = NoOptions()
+    theta: float = 10000.0  # hparams.rope_theta
+    rotary_dim: int = 0  # hparams.rotary_dim (0: head_dim)
+    scaling: dict[str, Any] | None = None  # hparams.rope_scaling
+    buckets: int = 32  # hparams.rel_buckets
+    max_distance: int = 128  # hparams.rel_max_distance
+    bidirectional: bool = False  # an encoder's stack
+
+
+@dataclass(frozen=True)
+class RopeOptions(_Options):
+    pairing: Literal["half", "adjacent"] = field(
+        default="half",
+        metadata={
+            "doc": "half: dims i and i + d/2 rotate together (HF); adjacent: 2i and 2i + 1 (GPT-J, llama GGUF files)"
+        },
+    )
+    direction: Literal["forward", "reverse"] = field(
+        default="forward", metadata={"doc": "reverse: rotate by -angle"}
+    )
+    theta: float | None = field(
+        default=None, metadata={"doc": "rope base (unset: hparams.rope_theta)"}
+    )
+    local_theta: float | None = field(
+        default=None, metadata={"doc": "rope base of sliding-window layers (Gemma 3)"}
+    )
+    partial: float | None = field(
+        default=None, metadata={"doc": "rotate this fraction of each head's dims"}
+    )
+    rotary_dim: int | None = field(
+        default=None, metadata={"doc": "rotate this many dims of each head (unset: hparams)"}
+    )
+    scaling: dict[str, Any] | None = field(
+        default=None,
+        metadata={
+            "doc": "{type: linear | llama3 | yarn, factor, ...} (unset: the checkpoint's)",
+            "schema": lambda: _scaling_schema(),
+        },
+    )
+
+
+@dataclass(frozen=True)
+class LearnedOptions(_Options):
+    offset: int = field(default=0, metadata={"doc": "position p reads row p + offset"})
+    offset_in_table: bool = field(
+        default=False,
+        metadata={
+            "doc": "the checkpoint's max_positions rows count the offset rows (RoBERTa, MPNet); "
+            "false: they come on top (OPT)"
+        },
+    )
+
+
+@dataclass(frozen=True)
+class SinusoidalOptions(_Options):
+    offset: int = field(default=0, metadata={"doc": "positions shifted (fairseq: padding_idx + 1)"})
+    variant: Literal["fairseq", "paper"] = field(
+        default="fairseq",
+        metadata={"doc": "fairseq: frequencies 10000^(-i/(d/2-1)); paper: 10000^(-2i/d)"},
+    )
 
 
 class PositionBlock(nn.Module):
+    Options: type[_Options] = NoOptions  # the block's own options (its spec entry's keys)
+
     has_bias = False  # True for blocks whose bias() is not None
     # True for blocks that only add embed() to the first layer's input: the later stages of a
     # layer-split model leave them (and their weights) out; every other block is on every stage
@@ -139,6 +203,29 @@ def _inv_freq(dim: int, theta: float) -> torch.Tensor:
     return 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
 
 
+def _scaling_schema() -> dict[str, Any]:
+    num = {"type": "number"}
+    props: dict[str, Any] = {
+        "type": {"enum": ROPE_SCALINGS.names()},
+        "factor": num,
+        "low_freq_factor": num,
+        "high_freq_factor": num,
+        "original_max_positions": {"type": "integer"},
+        "beta_fast": num,
+        "beta_slow": num,
+        "attention_factor": num,
+        "mscale": num,
+        "mscale_all_dim": num,
+        "truncate": {"type": "boolean"},
+    }
+    return {
+        "type": "object",
+        "properties": props,
+        "required": ["type"],
+        "additionalProperties": False,
+    }
+
+
 @ROPE_SCALINGS.register("linear")
 def _linear(
     inv: torch.Tensor, opts: dict[str, Any], dim: int, theta: float
@@ -196,6 +283,8 @@ def _yarn(
 
 @POSITIONS.register("rope")
 class Rotary(PositionBlock):
+    Options = RopeOptions
+
     """Rotary embedding on the first ``rotary_dim`` dims of each head.
 
     ``pairing: half`` rotates (i, i + d/2) (HF / GPT-NeoX layout); ``adjacent`` rotates
@@ -204,27 +293,31 @@ class Rotary(PositionBlock):
 
     inv_freq: torch.Tensor
 
-    def __init__(self, args: PositionArgs, theta_key: str = "theta") -> None:
+    def __init__(self, args: PositionArgs, local: bool = False) -> None:
         super().__init__()
-        o = args.options
-        self.pairing = o.get("pairing", "half")
+        o = args.options if isinstance(args.options, RopeOptions) else RopeOptions()
+        self.pairing = o.pairing
         # reverse: rotate by -angle (checkpoints trained with the other sign convention)
-        self.direction = {"forward": 1.0, "reverse": -1.0}[o.get("direction", "forward")]
+        self.direction = {"forward": 1.0, "reverse": -1.0}[o.direction]
         if self.pairing not in ROPE_PAIRINGS:
             raise SpecError(
                 f"network.position.pairing: {self.pairing!r} is not one of: {', '.join(ROPE_PAIRINGS)}"
             )
-        self.rotary_dim = int(
-            o.get("rotary_dim") or round(args.head_dim * float(o.get("partial", 1.0)))
-        )
+        if o.rotary_dim:
+            self.rotary_dim = int(o.rotary_dim)
+        elif o.partial is not None:
+            self.rotary_dim = round(args.head_dim * float(o.partial))
+        else:
+            self.rotary_dim = args.rotary_dim or args.head_dim
         if self.rotary_dim % 2 or not 0 < self.rotary_dim <= args.head_dim:
             raise SpecError(
                 f"network.position: rotary dim {self.rotary_dim} must be even and in 1..{args.head_dim}"
             )
-        self.theta = float(o[theta_key])
+        theta = o.local_theta if local else o.theta
+        self.theta = float(theta if theta is not None else args.theta)
         inv = _inv_freq(self.rotary_dim, self.theta)
         self.att_scale = 1.0
-        scaling = o.get("scaling")
+        scaling = o.scaling if o.scaling is not None else args.scaling
         if scaling:
             fn = ROPE_SCALINGS.get(scaling["type"])
             inv, self.att_scale = fn(inv, scaling, self.rotary_dim, self.theta)
@@ -343,11 +436,12 @@ class Sinusoidal(PositionBlock):
 
     freqs: torch.Tensor
     input_only = True
+    Options = SinusoidalOptions
 
     def __init__(self, args: PositionArgs) -> None:
         super().__init__()
-        self.offset = int(args.options.get("offset", 0))
-        variant = args.options.get("variant", "fairseq")
+        o = args.options if isinstance(args.options, SinusoidalOptions) else SinusoidalOptions()
+        self.offset, variant = o.offset, o.variant
         if variant not in SINUSOIDAL_VARIANTS:
             raise SpecError(
                 f"network.position.variant: {variant!r} is not one of: {', '.join(SINUSOIDAL_VARIANTS)}"
@@ -368,10 +462,12 @@ class Learned(PositionBlock):
     """Learned absolute table; ``offset`` shifts positions (OPT stores 2 unused rows first)."""
 
     input_only = True
+    Options = LearnedOptions
 
     def __init__(self, args: PositionArgs) -> None:
         super().__init__()
-        self.offset = int(args.options.get("offset", 0))
+        o = args.options if isinstance(args.options, LearnedOptions) else LearnedOptions()
+        self.offset = o.offset
         self.weight = nn.Parameter(torch.zeros(args.max_positions + self.offset, args.hidden))
 
     def embed(self, positions: torch.Tensor) -> torch.Tensor | None:
@@ -390,10 +486,8 @@ class RelativeBias(PositionBlock):
 
     def __init__(self, args: PositionArgs) -> None:
         super().__init__()
-        o = args.options
-        self.buckets = int(o.get("buckets", 32))
-        self.max_distance = int(o.get("max_distance", 128))
-        self.bidirectional = bool(o.get("bidirectional", False))
+        self.buckets, self.max_distance = args.buckets, args.max_distance
+        self.bidirectional = args.bidirectional
         self.weight = nn.Parameter(torch.zeros(self.buckets, args.n_heads))
 
     def _bucket(self, rel: torch.Tensor) -> torch.Tensor:

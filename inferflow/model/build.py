@@ -90,9 +90,9 @@ def held_elsewhere(part: StackPart, spec: Spec) -> Callable[[str], bool]:
     tied = spec.network.tied_output
     embeds: tuple[str, ...] = ("dec.type_embed.", "dec.embed_norm.")
     positions = spec.network.positions
-    for entry in positions:  # input-only blocks are on the first stage; others on every stage
-        if POSITIONS.get(entry["type"]).input_only:
-            embeds += ("dec.pos_embed." + (f"{entry['type']}." if len(positions) > 1 else ""),)
+    for name, _ in positions:  # input-only blocks are on the first stage; others on every stage
+        if POSITIONS.get(name).input_only:
+            embeds += ("dec.pos_embed." + (f"{name}." if len(positions) > 1 else ""),)
     heads = ("dec.output.", "dec.output_norm.", "dec.logits_bias")
 
     def elsewhere(canon: str) -> bool:

@@ -27,7 +27,13 @@ from inferflow.blocks import (
     PositionArgs,
 )
 from inferflow.blocks.linear import Embedding, Linear
-from inferflow.blocks.position import NoPosition, PositionBlock, Positions
+from inferflow.blocks.position import (
+    NoPosition,
+    PositionBlock,
+    Positions,
+    RopeOptions,
+    Rotary,
+)
 from inferflow.blocks.split import WHOLE, TensorSplit
 from inferflow.errors import SpecError
 from inferflow.model.batch import FlatBatch
@@ -137,27 +143,28 @@ def _positions(
     and, where the spec gives ``local_theta``, the rope of its sliding-window layers."""
     blocks: dict[str, PositionBlock] = {}
     local: PositionBlock | None = None
-    for entry in net.positions:
-        opts = {
-            "theta": h.rope_theta,
-            "rotary_dim": h.rotary_dim,
-            "scaling": h.rope_scaling,
-            "buckets": h.rel_buckets,
-            "max_distance": h.rel_max_distance,
-            "bidirectional": not causal,
-        }
-        opts.update(entry)
-        if "partial" in entry:
-            opts.pop("rotary_dim")
+    for name, opts in net.positions:
         # learned / sinusoidal tables live in the embedding width (factorised embeddings)
-        args = PositionArgs(h.embed_dim, h.n_heads, h.head_dim, h.max_positions, opts)
-        cls = POSITIONS.get(entry["type"])
-        if entry["type"] in blocks:
-            raise SpecError(f"network.position: {entry['type']!r} is listed twice")
+        args = PositionArgs(
+            h.embed_dim,
+            h.n_heads,
+            h.head_dim,
+            h.max_positions,
+            opts,
+            theta=h.rope_theta,
+            rotary_dim=h.rotary_dim,
+            scaling=h.rope_scaling,
+            buckets=h.rel_buckets,
+            max_distance=h.rel_max_distance,
+            bidirectional=not causal,
+        )
+        cls = POSITIONS.get(name)
+        if name in blocks:
+            raise SpecError(f"network.position: {name!r} is listed twice")
         # an input embedding takes part only where the embeddings are (the first stage)
-        blocks[entry["type"]] = (cls if part.embedding or not cls.input_only else NoPosition)(args)
-        if "local_theta" in entry:  # sliding-window layers' own rope base (Gemma 3)
-            local = cls(args, theta_key="local_theta")
+        blocks[name] = (cls if part.embedding or not cls.input_only else NoPosition)(args)
+        if isinstance(opts, RopeOptions) and opts.local_theta is not None:
+            local = Rotary(args, local=True)  # sliding-window layers' own rope base (Gemma 3)
     if len(blocks) > 1 and local is not None:
         raise SpecError("network.position: local_theta needs a single position mechanism")
     pos = next(iter(blocks.values())) if len(net.positions) == 1 else Positions(blocks)

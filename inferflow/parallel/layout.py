@@ -210,9 +210,9 @@ def split_problem(spec: Spec, stages: int, tensor_parallel: int, quant_block: in
             f"{t} tensor-parallel devices cannot split the FFN width {h.ffn_hidden}; use a "
             "divisor of it"
         )
-    for entry in spec.network.positions:
-        if not POSITIONS.get(entry["type"]).splits_heads:
-            return f"tensor parallelism does not split the {entry['type']} position bias"
+    for name, _ in spec.network.positions:
+        if not POSITIONS.get(name).splits_heads:
+            return f"tensor parallelism does not split the {name} position bias"
     for what, width in (
         ("attention output", h.n_heads * h.head_dim // t),
         ("FFN down projection", h.ffn_hidden // t),

@@ -14,8 +14,9 @@ from typing import Any
 
 import yaml
 
-from inferflow.blocks import FFNS, HEADS
+from inferflow.blocks import FFNS, HEADS, POSITIONS
 from inferflow.blocks.options import NoOptions
+from inferflow.blocks.position import LearnedOptions
 from inferflow.blocks.residual import GateOptions
 from inferflow.errors import InferflowError, SpecError
 from inferflow.paths import expand_user, resolve_ref
@@ -170,15 +171,27 @@ def _check_events(text: str, path: Path) -> None:
             open_[-1][2] = depth
 
 
+# network sections that pick a block by ``type`` (their other keys are that block's options)
+BLOCK_SECTIONS = ("position", "ffn", "head")
+
+
 def _merge(base: dict[str, Any], child: dict[str, Any]) -> dict[str, Any]:
     """The child's keys win, maps merge, and a null in the child removes the base's key (e.g. a
-    ``network.tensors.map`` entry or an ``hparams`` override the base spec gives)."""
+    ``network.tensors.map`` entry or an ``hparams`` override the base spec gives). A block
+    section whose ``type`` the child changes is replaced whole: the base's options belong to
+    the other block."""
     out = dict(base)
     for k, v in child.items():
         if v is None:
             out.pop(k, None)
         else:
             inner = isinstance(v, dict) and isinstance(out.get(k), dict)
+            if (
+                inner
+                and k in BLOCK_SECTIONS
+                and v.get("type", out[k].get("type")) != out[k].get("type")
+            ):
+                inner = False
             out[k] = _merge(out[k], v) if inner else v
     return out
 
@@ -323,9 +336,10 @@ def _network(n: dict[str, Any]) -> NetworkSpec:
         ),
         residual=n["residual"],
         positions=tuple(
-            dict(p) for p in (n["position"] if isinstance(n["position"], list) else [n["position"]])
+            (p["type"], POSITIONS.get(p["type"]).Options.parse(p, "network.position"))
+            for p in (n["position"] if isinstance(n["position"], list) else [n["position"]])
         ),
-        attention=AttentionSpec(**n.get("attention", {})),
+        attention=AttentionSpec.parse(n.get("attention", {}), "network.attention"),
         tensors=tensors,
         ffn_bias=n.get("ffn_bias", False),
         embedding_scale=emb.get("scale"),
@@ -385,9 +399,9 @@ def _usable_positions(h: HParams, net: NetworkSpec) -> HParams:
     """A learned table whose declared rows include its offset rows (``offset_in_table``)
     serves ``max_positions - offset`` positions: ``max_positions`` becomes that length (the
     block adds the offset rows back to its table)."""
-    for p in net.positions:
-        if p.get("offset_in_table"):
-            offset = int(p.get("offset", 0))
+    for _, p in net.positions:
+        if isinstance(p, LearnedOptions) and p.offset_in_table:
+            offset = p.offset
             if h.max_positions <= offset:
                 raise SpecError(
                     f"network.position: offset {offset} leaves no position in a table of "

@@ -8,7 +8,9 @@ from typing import Any
 
 import jsonschema
 
+from inferflow.blocks.attention import AttentionOptions
 from inferflow.blocks.residual import GateOptions
+from inferflow.registry import Registry
 from inferflow.spec.types import EMBEDDING_PLACES, PARTITION_STRATEGIES, POOLINGS, HParams
 
 
@@ -35,6 +37,17 @@ def _obj(props: dict[str, Any], required: tuple[str, ...] = ()) -> dict[str, Any
     }
 
 
+def _typed(registry: Registry[Any]) -> dict[str, Any]:
+    """{type: name, ...}: one alternative per registered block, each allowing its class's
+    ``Options`` (declared once, next to the block)."""
+    return {
+        "anyOf": [
+            cls.Options.schema(type={"const": name}) | {"required": ["type"]}
+            for name, cls in registry.items()
+        ]
+    }
+
+
 def _enum(values: list[str] | tuple[str, ...]) -> dict[str, Any]:
     return {"enum": sorted(values)}
 
@@ -51,51 +64,9 @@ def build_schema() -> dict[str, Any]:
     num = {"type": "number"}
     string = {"type": "string"}
     files = {"type": "array", "items": string, "minItems": 1}
-    scaling = _obj(
-        {
-            "type": _enum(blocks.ROPE_SCALINGS.names()),
-            "factor": num,
-            "low_freq_factor": num,
-            "high_freq_factor": num,
-            "original_max_positions": {"type": "integer"},
-            "beta_fast": num,
-            "beta_slow": num,
-            "attention_factor": num,
-            "mscale": num,
-            "mscale_all_dim": num,
-            "truncate": {"type": "boolean"},
-        },
-        ("type",),
-    )
-    position = _obj(
-        {
-            "type": _enum(blocks.POSITIONS.names()),
-            "pairing": _enum(blocks.ROPE_PAIRINGS),
-            "direction": _enum(blocks.ROPE_DIRECTIONS),  # reverse: rotate by -angle
-            "theta": num,
-            "local_theta": num,  # rope theta of sliding-window layers (Gemma 3)
-            "partial": num,
-            "rotary_dim": {"type": "integer"},
-            "scaling": scaling,
-            "offset": {"type": "integer"},
-            # learned: the checkpoint's max_positions rows already hold the offset rows
-            # (RoBERTa, MPNet: usable length max_positions - offset); false: added (OPT)
-            "offset_in_table": {"type": "boolean"},
-            "variant": _enum(blocks.SINUSOIDAL_VARIANTS),  # sinusoidal frequencies
-        },
-        ("type",),
-    )
-    attention = _obj(
-        {
-            "bias": _enum(blocks.ATTN_BIAS),
-            "qkv_layout": _enum(blocks.QKV_LAYOUTS),
-            "qk_norm": _enum(blocks.NORMS.names()),
-            "sliding_window": {"type": ["boolean", "integer"]},
-            "global_every": {"type": "integer", "minimum": 1},
-            "softcap": num,
-            "scale": num,
-        }
-    )
+    # one mechanism {type: name, ...that block's options}
+    position = _typed(blocks.POSITIONS)
+    attention = AttentionOptions.schema()
     index = {"type": "integer", "minimum": 0}
     use = _obj(
         {
@@ -144,30 +115,21 @@ def build_schema() -> dict[str, Any]:
             "norm": _enum(blocks.NORMS.names()),
             "activation": _enum(blocks.ACTIVATIONS.names()),
             # a name, or {type: name, ...that block's options}
-            "ffn": {
-                "anyOf": [
-                    _enum(blocks.FFNS.names()),
-                    *(
-                        cls.Options.schema(type={"const": name})  # type: ignore[attr-defined]
-                        | {"required": ["type"]}
-                        for name, cls in blocks.FFNS.items()
-                    ),
-                ]
-            },
+            "ffn": {"anyOf": [_enum(blocks.FFNS.names()), *_typed(blocks.FFNS)["anyOf"]]},
             "ffn_bias": {"type": "boolean"},
             "residual": _enum(blocks.RESIDUALS.names()),
             # one mechanism, or a list of them used together
-            "position": {"anyOf": [position, {"type": "array", "items": position, "minItems": 1}]},
+            "position": {
+                "anyOf": [
+                    *position["anyOf"],
+                    {"type": "array", "items": position, "minItems": 1},
+                ]
+            },
             "attention": attention,
             # learned scalars on the residual stream (nanochat / modded-nanogpt)
             "gates": GateOptions.schema(),
             # a task head: {type: name, ...that head's options}
-            "head": {
-                "anyOf": [
-                    cls.Options.schema(type={"const": name}) | {"required": ["type"]}
-                    for name, cls in blocks.HEADS.items()
-                ]
-            },
+            "head": _typed(blocks.HEADS),
             "embedding": _obj(
                 {
                     "scale": {"anyOf": [{"const": "sqrt_hidden"}, num]},
@@ -293,12 +255,12 @@ def format_error(err: jsonschema.ValidationError) -> str:
         kinds = {"object": dict, "array": list}
         alts = list(enumerate(err.validator_value))
         if isinstance(err.instance, dict):  # {type: name, ...}: that name's alternative first
-            named = [
-                (i, a)
-                for i, a in alts
-                if a.get("properties", {}).get("type", {}).get("const") == err.instance.get("type")
-            ]
-            alts = named or alts
+            consts = {i: a.get("properties", {}).get("type", {}).get("const") for i, a in alts}
+            names = sorted(str(c) for c in consts.values() if c is not None)
+            kind = err.instance.get("type")
+            if names and kind not in names:
+                return f"{where}.type: {kind!r} is not one of: {', '.join(names)}"
+            alts = [(i, a) for i, a in alts if consts[i] == kind] or alts
         for i, alt in alts:
             if isinstance(err.instance, kinds.get(str(alt.get("type")), type(None))):
                 near = [e for e in err.context or [] if e.relative_schema_path[0] == i]

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from inferflow.blocks.attention import AttentionOptions
 from inferflow.blocks.options import NoOptions, Options
 from inferflow.blocks.residual import GateOptions
 from inferflow.errors import SpecError
@@ -118,15 +119,7 @@ class TokenizerSpec:
     specials: tuple[tuple[str, str], ...] = ()
 
 
-@dataclass(frozen=True)
-class AttentionSpec:
-    bias: str = "none"
-    qkv_layout: str = "concat"
-    qk_norm: str | None = None  # a norm name, or None
-    sliding_window: bool | int = False  # True: size from hparams
-    global_every: int | None = None  # with a window: layers i where (i+1) % N == 0 see everything
-    softcap: float | None = None
-    scale: float | None = None
+AttentionSpec = AttentionOptions  # network.attention (declared once, next to the block)
 
 
 @dataclass(frozen=True)
@@ -137,7 +130,7 @@ class NetworkSpec:
     ffn: str
     residual: str
     # network.position: one mechanism, or several at once (their embeddings and biases add)
-    positions: tuple[dict[str, Any], ...]
+    positions: tuple[tuple[str, Options], ...]  # (block name, its options)
     attention: AttentionSpec
     tensors: TensorsSpec
     ffn_bias: bool = False

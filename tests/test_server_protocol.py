@@ -136,3 +136,69 @@ def test_openapi_schema_is_what_the_server_answers(client: TestClient) -> None:
     assert set(s["paths"]["/metrics"]["get"]["responses"]["200"]["content"]) == {"text/plain"}
     body = s["components"]["schemas"]["CompletionBody"]
     assert body["additionalProperties"] is False and body["required"] == ["prompt"]
+
+
+def _valid(client: TestClient, path: str, body: object) -> None:
+    r = client.post(path, json=body, headers=AUTH)
+    assert r.status_code == 503, r.text  # valid: it reached the route (the model is loading)
+
+
+def test_null_means_not_set_for_every_optional_field(client: TestClient) -> None:
+    """Many SDKs send explicit nulls for unset options: every optional field of each route
+    takes null (its default applies), OpenAI fields not implemented here take null only, and
+    unknown fields are still refused by name. The schema says so."""
+    s = client.get("/openapi.json", headers=AUTH).json()["components"]["schemas"]
+    routes = {
+        "/v1/completions": ("CompletionBody", {"prompt": "hi"}),
+        "/v1/chat/completions": ("ChatBody", {"messages": [{"role": "user", "content": "x"}]}),
+        "/v1/embeddings": ("EmbeddingBody", {"input": "hi"}),
+        "/v1/classify": ("ClassifyBody", {"input": "hi"}),
+        "/v1/rerank": ("RerankBody", {"query": "q", "documents": ["d"]}),
+    }
+    for path, (name, base) in routes.items():
+        optional = set(s[name]["properties"]) - set(s[name].get("required", []))
+        assert optional, name
+        for field in optional:
+            assert "null" in str(s[name]["properties"][field]), (name, field)
+        _valid(client, path, {**base, **dict.fromkeys(optional)})
+    _valid(client, "/v1/chat/completions", {**routes["/v1/chat/completions"][1], "tools": None})
+    _bad(
+        client,
+        "/v1/chat/completions",
+        {**routes["/v1/chat/completions"][1], "tools": []},
+        "tools",
+        "unknown",
+    )
+    _bad(client, "/v1/completions", {"prompt": "a", "frobnicate": None}, "frobnicate", "unknown")
+    _bad(client, "/v1/completions", {"prompt": None}, "prompt")  # a required field stays required
+
+
+@pytest.fixture(scope="module")
+def loaded(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
+    d: Path = tmp_path_factory.mktemp("tiny-loaded")
+    tiny_llama(d)
+    with TestClient(create_app(ServerConfig(load_spec(d / "spec.yaml")))) as c:
+        for _ in range(600):
+            if c.get("/health").status_code == 200:
+                break
+            import time
+
+            time.sleep(0.05)
+        yield c
+
+
+def test_routes_without_v1_and_system_fingerprint(loaded: TestClient) -> None:
+    """A client whose base URL lacks /v1 reaches the same routes (as llama-server serves
+    them); responses carry a system_fingerprint that stays the same across requests."""
+    body = {"prompt": [5, 6, 7], "max_tokens": 3, "temperature": 0}
+    a = loaded.post("/v1/completions", json=body).json()
+    b = loaded.post("/completions", json=body).json()
+    assert a["choices"][0]["text"] == b["choices"][0]["text"]
+    fp = a["system_fingerprint"]
+    assert fp.startswith("fp_") and b["system_fingerprint"] == fp
+    assert loaded.get("/models").json() == loaded.get("/v1/models").json()
+    stream = loaded.post("/completions", json={**body, "stream": True}).text
+    chunks = [line[6:] for line in stream.splitlines() if line.startswith("data: {")]
+    assert chunks and all(f'"system_fingerprint":"{fp}"' in c.replace(" ", "") for c in chunks)
+    paths = loaded.get("/openapi.json").json()["paths"]
+    assert "/v1/completions" in paths and "/completions" not in paths  # listed once

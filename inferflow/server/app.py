@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import hashlib
 import json
 import logging
+import os
 import resource
 import threading
 import time
@@ -20,14 +22,17 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.routing import APIRoute
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from inferflow import __version__
 from inferflow.engine.classify import classify_batch, classify_head, probabilities
 from inferflow.engine.embed import embed_batch, resolve_pooling
 from inferflow.engine.engine import Engine, EngineConfig
@@ -67,6 +72,27 @@ SERVES = {
 }
 
 
+def system_fingerprint(cfg: ServerConfig) -> str:
+    """OpenAI's ``system_fingerprint``: stable while the served model and engine stay the same —
+    a hash of the engine version, the resolved spec, the checkpoint files (names, sizes,
+    modification times), the dtype and the quantization."""
+    files = [
+        (str(f), *((st.st_size, st.st_mtime_ns) if (st := _stat(f)) else ()))
+        for f in cfg.spec.source.files
+    ]
+    text = json.dumps(
+        [__version__, cfg.spec.raw, files, cfg.dtype, cfg.quant], sort_keys=True, default=str
+    )
+    return "fp_" + hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+def _stat(path: Path) -> os.stat_result | None:
+    try:
+        return path.stat()
+    except OSError:
+        return None
+
+
 @dataclass
 class ServerConfig:
     spec: Spec
@@ -94,6 +120,7 @@ class ServerState:
         self.started = time.time()
         self.draining = False  # SIGTERM: new requests get 503 while running ones finish
         self.active = 0  # HTTP requests in flight (but /health and /metrics)
+        self.fingerprint = system_fingerprint(cfg)
 
     def load(self, loop: asyncio.AbstractEventLoop) -> None:
         try:
@@ -226,7 +253,8 @@ def create_app(cfg: ServerConfig) -> FastAPI:
         lm, runner = state.generating(body.model, chat=False)
         prompts = await _prompt_ids(state, body.prompt)
         if lm.spec.network.type == "encoder_decoder":
-            return await seq2seq_complete(lm, runner, state.name, body, prompts, request)
+            head = {"model": state.name, "system_fingerprint": state.fingerprint}
+            return await seq2seq_complete(lm, runner, head, body, prompts, request)
         params = body.sampling(
             body.max_tokens or 16,
             body.logprobs,
@@ -234,7 +262,9 @@ def create_app(cfg: ServerConfig) -> FastAPI:
             state.max_len(),
             lm.spec.generation,
         )
-        gen = Generation(runner, lm.tokenizer, state.name, False, prompts, params)
+        gen = Generation(
+            runner, lm.tokenizer, state.name, False, prompts, params, state.fingerprint
+        )
         return await _respond(gen, request, body.stream, body.stream_options)
 
     @app.post(
@@ -257,7 +287,7 @@ def create_app(cfg: ServerConfig) -> FastAPI:
         params = body.sampling(
             max_tokens, logprobs, lm.spec.hparams.vocab_size, state.max_len(), lm.spec.generation
         )
-        gen = Generation(runner, lm.tokenizer, state.name, True, [ids], params)
+        gen = Generation(runner, lm.tokenizer, state.name, True, [ids], params, state.fingerprint)
         return await _respond(gen, request, body.stream, body.stream_options)
 
     @app.post("/v1/embeddings", responses=responses(auth, body=True, queued=True))
@@ -418,6 +448,18 @@ def create_app(cfg: ServerConfig) -> FastAPI:
             )
         return {"prompt": await asyncio.to_thread(state.tokenizer().decode, body.tokens)}
 
+    # every /v1 route also without the prefix (a client configured with a bare base URL), as
+    # llama-server serves them; the schema lists each route once
+    for route in list(app.routes):
+        if isinstance(route, APIRoute) and route.path.startswith("/v1/"):
+            app.add_api_route(
+                route.path[3:],
+                route.endpoint,
+                methods=list(route.methods or ()),
+                response_model=None,
+                response_class=route.response_class,
+                include_in_schema=False,
+            )
     return app
 
 

@@ -40,8 +40,10 @@ class Generation:
         chat: bool,
         prompts: list[list[int]],
         params: SamplingParams,
+        fingerprint: str | None = None,
     ) -> None:
         self.runner, self.tok, self.model, self.chat = runner, tokenizer, model_name, chat
+        self.fingerprint = fingerprint  # OpenAI's system_fingerprint
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.n = params.n
@@ -118,6 +120,7 @@ class Generation:
             "object": kind,
             "created": self.created,
             "model": self.model,
+            "system_fingerprint": self.fingerprint,
             "choices": choices,
         }
 

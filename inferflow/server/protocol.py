@@ -5,9 +5,17 @@ accepted as extra body fields, as vLLM does."""
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    field_validator,
+    model_validator,
+)
 
 from inferflow.engine.sampling import (
     MAX_FSD_K,
@@ -80,10 +88,36 @@ def _no_surrogates(value: Any, where: str) -> None:
             _no_surrogates(v, where)
 
 
+def _nullable(schema: dict[str, Any], cls: type[BaseModel]) -> None:
+    """The OpenAPI schema says what ``Body._nulls`` does: an optional field takes null."""
+    required = set(schema.get("required", []))
+    props = schema.get("properties", {})
+    for name, prop in list(props.items()):
+        if name not in required and "null" not in json.dumps(prop):
+            props[name] = {"anyOf": [prop, {"type": "null"}]}
+    for name in getattr(cls, "NULL_ONLY", ()):
+        props[name] = {"type": "null", "description": "not implemented: only null (not set)"}
+
+
 class Body(BaseModel):
     # strict: JSON types as the schema states them ("5" is not an integer, 1 not a boolean);
     # NaN / Infinity (which Python's JSON parser accepts) are refused for every number
-    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+    model_config = ConfigDict(
+        extra="forbid", strict=True, allow_inf_nan=False, json_schema_extra=_nullable
+    )
+    # OpenAI fields a route does not implement: null (as SDKs send for unset options) is
+    # accepted as "not set"; any other value is refused as an unknown field
+    NULL_ONLY: ClassVar[frozenset[str]] = frozenset()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls(cls, data: Any) -> Any:
+        """``null`` for a known optional field means "not set": its default applies."""
+        if not isinstance(data, dict):
+            return data
+        optional = {n for n, f in cls.model_fields.items() if not f.is_required()}
+        skip = optional | cls.NULL_ONLY
+        return {k: v for k, v in data.items() if not (v is None and k in skip)}
 
     @field_validator("*", mode="after")
     @classmethod
@@ -208,6 +242,7 @@ class SamplingBody(Body):
 
 
 class CompletionBody(SamplingBody):
+    NULL_ONLY = frozenset({"echo", "best_of", "suffix"})
     prompt: Prompt
     max_tokens: int | None = Field(16, ge=1, description="at most the model's context")
     logprobs: int | None = Field(None, ge=0, le=20)
@@ -233,6 +268,24 @@ class Message(Body):
 
 
 class ChatBody(SamplingBody):
+    NULL_ONLY = frozenset(
+        {
+            "tools",
+            "tool_choice",
+            "parallel_tool_calls",
+            "response_format",
+            "functions",
+            "function_call",
+            "audio",
+            "modalities",
+            "prediction",
+            "store",
+            "metadata",
+            "service_tier",
+            "reasoning_effort",
+            "web_search_options",
+        }
+    )
     messages: list[Message] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_completion_tokens: int | None = Field(None, ge=1, description="at most the model's context")
     logprobs: bool = False

@@ -80,7 +80,7 @@ def search_params(body: CompletionBody, lm: LanguageModel) -> SearchParams:
 async def complete(
     lm: LanguageModel,
     runner: EngineRunner,
-    model_name: str,
+    head: dict[str, Any],
     body: CompletionBody,
     sources: list[list[int]],
     request: Request,
@@ -108,11 +108,11 @@ async def complete(
     prompt = sum(map(len, sources))
     usage = {"prompt_tokens": prompt, "completion_tokens": generated}
     usage["total_tokens"] = prompt + generated
-    head = {
+    head = {  # (head: the model's name and the server's system_fingerprint)
         "id": f"cmpl-{uuid.uuid4().hex}",
         "object": "text_completion",
         "created": int(time.time()),
-        "model": model_name,
+        **head,
     }
     if not body.stream:
         return {**head, "choices": choices, "usage": usage}

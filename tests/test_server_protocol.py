@@ -202,3 +202,29 @@ def test_routes_without_v1_and_system_fingerprint(loaded: TestClient) -> None:
     assert chunks and all(f'"system_fingerprint":"{fp}"' in c.replace(" ", "") for c in chunks)
     paths = loaded.get("/openapi.json").json()["paths"]
     assert "/v1/completions" in paths and "/completions" not in paths  # listed once
+
+
+def test_cached_tokens_report_prefix_cache_hits(loaded: TestClient) -> None:
+    """``usage.prompt_tokens_details.cached_tokens``: 0 for a prompt never seen, then the
+    shared full blocks' tokens for prompts that start the same way (completions and chat
+    share the engine's prefix cache); /metrics counts the same tokens."""
+    import re
+
+    def cached_total() -> float:
+        text = loaded.get("/metrics").text
+        return float(re.search(r"^inferflow_prompt_tokens_cached_total (\S+)", text, re.M)[1])
+
+    block = loaded.app.state.inferflow.runner.engine.cache.block_size  # type: ignore[attr-defined]
+    shared = [(7 * i) % 100 + 3 for i in range(3 * block)]  # three full blocks
+    before = cached_total()
+    first = {"prompt": shared + [11, 12], "max_tokens": 2, "temperature": 0}
+    u = loaded.post("/v1/completions", json=first).json()["usage"]
+    assert u["prompt_tokens_details"] == {"cached_tokens": 0}
+    again = {**first, "prompt": shared + [13, 14, 15]}
+    u = loaded.post("/v1/completions", json=again).json()["usage"]
+    assert u["prompt_tokens_details"]["cached_tokens"] == 3 * block
+    assert cached_total() - before == 3 * block
+    # two prompts in one request: each prompt's own hits, summed
+    both = {**first, "prompt": [shared + [20], [1, 2, 3]]}
+    u = loaded.post("/v1/completions", json=both).json()["usage"]
+    assert u["prompt_tokens_details"]["cached_tokens"] == 3 * block

@@ -471,7 +471,14 @@ class Engine:
             self.scheduler.remove(req)
             self._finish(req, reason)
         return RequestOutput(
-            req.group, [tok], text, reason is not None, reason, first, index=req.index
+            req.group,
+            [tok],
+            text,
+            reason is not None,
+            reason,
+            first,
+            index=req.index,
+            cached_tokens=req.cached_tokens if first is not None else 0,
         )
 
     def _finish(self, req: Request, reason: str) -> None:

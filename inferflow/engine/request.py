@@ -22,6 +22,7 @@ class Request:
     kv: SeqBlocks = field(default_factory=SeqBlocks)
     status: str = WAITING
     started: bool = False  # has run (a preempted request waits again, already admitted)
+    cached_tokens: int = 0  # prompt tokens the prefix cache served at its first admission
     finish_reason: str | None = None
     detok: Any = None  # incremental decoder when the engine has a tokenizer
     text: str = ""  # decoded output so far
@@ -66,6 +67,9 @@ class RequestOutput:
     # with SamplingParams.logprobs: per new token, its logprob and the top-n (id, logprob) pairs
     logprobs: list[TokenLogprobs] | None = None
     index: int = 0  # which of the request's n samples (SamplingParams.n)
+    # with the first output of a sample (prompt_token_ids set): prompt tokens whose K/V came
+    # from the prefix cache instead of being computed
+    cached_tokens: int = 0
 
 
 @dataclass(frozen=True)

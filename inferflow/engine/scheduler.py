@@ -102,7 +102,9 @@ class Scheduler:
             if len(self.running) + req.slots > self.cfg.max_running:
                 break  # (n samples or W beams need as many running slots)
             if self.cfg.prefix_caching and req.kv.num_computed == 0 and not req.kv.blocks:
-                self.cache.match_prefix(req.kv, req.tokens)
+                hit = self.cache.match_prefix(req.kv, req.tokens)
+                if not req.started:  # (what the client's prompt found cached, once)
+                    req.cached_tokens = min(hit, len(req.prompt_ids))
             take = self._take(req, budget)
             if not take:
                 break

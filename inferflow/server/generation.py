@@ -48,6 +48,7 @@ class Generation:
         self.created = int(time.time())
         self.n = params.n
         self.prompt_tokens = sum(map(len, prompts))
+        self.cached_tokens = 0  # prompt tokens served from the prefix cache
         self.queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
         self.streams = runner.submit(prompts, params, self.queue)  # (all or none)
         self.order = {s.id: i for i, s in enumerate(self.streams)}
@@ -64,6 +65,8 @@ class Generation:
             while self.left:
                 out = await self.queue.get()
                 c = self.choices[self.order[out.request_id] * self.n + out.index]
+                if out.prompt_token_ids is not None and out.index == 0:
+                    self.cached_tokens += out.cached_tokens  # (once per prompt)
                 c.tokens += len(out.token_ids)
                 c.text += out.text
                 if out.finished:
@@ -76,12 +79,13 @@ class Generation:
 
     # --- OpenAI objects ----------------------------------------------------------------------
 
-    def usage(self) -> dict[str, int]:
+    def usage(self) -> dict[str, Any]:
         done = sum(c.tokens for c in self.choices)
         return {
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": done,
             "total_tokens": self.prompt_tokens + done,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
         }
 
     def _logprobs(self, out: RequestOutput, offset: int) -> Any:

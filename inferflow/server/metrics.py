@@ -26,6 +26,11 @@ class Metrics:
         self.prompt_tokens = Counter(
             "inferflow_prompt_tokens", "prompt tokens of accepted requests", registry=r
         )
+        self.cached_tokens = Counter(
+            "inferflow_prompt_tokens_cached",
+            "prompt tokens served from the prefix cache (usage.prompt_tokens_details.cached_tokens)",
+            registry=r,
+        )
         self.generation_tokens = Counter(
             "inferflow_generation_tokens", "generated tokens", registry=r
         )

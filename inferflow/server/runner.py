@@ -200,6 +200,8 @@ class EngineRunner:
             s = self.streams.get(o.request_id)
             if s is None:
                 continue
+            if o.cached_tokens and o.index == 0:
+                self.metrics.cached_tokens.inc(o.cached_tokens)
             if o.token_ids:
                 self.metrics.generation_tokens.inc(len(o.token_ids))
                 prev = s.last.get(o.index)

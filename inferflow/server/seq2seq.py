@@ -106,8 +106,9 @@ async def complete(
                 {"index": i * body.n + j, "text": text, "logprobs": None, "finish_reason": reason}
             )
     prompt = sum(map(len, sources))
-    usage = {"prompt_tokens": prompt, "completion_tokens": generated}
+    usage: dict[str, Any] = {"prompt_tokens": prompt, "completion_tokens": generated}
     usage["total_tokens"] = prompt + generated
+    usage["prompt_tokens_details"] = {"cached_tokens": 0}  # (sources are encoded afresh)
     head = {  # (head: the model's name and the server's system_fingerprint)
         "id": f"cmpl-{uuid.uuid4().hex}",
         "object": "text_completion",

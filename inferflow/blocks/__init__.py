@@ -8,7 +8,6 @@ from inferflow.blocks.moe import MoEFFN
 from inferflow.blocks.norm import NORMS
 from inferflow.blocks.position import (
     POSITIONS,
-    ROPE_DIRECTIONS,
     ROPE_PAIRINGS,
     ROPE_SCALINGS,
     SINUSOIDAL_VARIANTS,
@@ -27,7 +26,6 @@ __all__ = [
     "POSITIONS",
     "QKV_LAYOUTS",
     "RESIDUALS",
-    "ROPE_DIRECTIONS",
     "ROPE_PAIRINGS",
     "ROPE_SCALINGS",
     "SINUSOIDAL_VARIANTS",

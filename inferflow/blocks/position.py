@@ -136,7 +136,6 @@ class PositionBlock(nn.Module):
 POSITIONS: Registry[type[PositionBlock]] = Registry("position")
 ROPE_SCALINGS: Registry[Any] = Registry("rope scaling")
 ROPE_PAIRINGS = ("half", "adjacent")
-ROPE_DIRECTIONS = ("forward", "reverse")
 
 
 @POSITIONS.register("none")

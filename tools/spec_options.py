@@ -14,6 +14,7 @@ from pathlib import Path
 
 from inferflow import blocks
 from inferflow.blocks.attention import AttentionOptions
+from inferflow.blocks.linear import EmbeddingOptions, OutputOptions
 from inferflow.blocks.options import Options
 from inferflow.blocks.residual import GateOptions
 
@@ -31,6 +32,8 @@ SECTIONS = {
 # spec key -> the options of a section that is not a choice of blocks
 SINGLE: dict[str, type[Options]] = {
     "network.attention": AttentionOptions,
+    "network.embedding": EmbeddingOptions,
+    "network.output": OutputOptions,
     "network.gates": GateOptions,
 }
 
@@ -39,8 +42,9 @@ def _allowed(opts: type[Options], name: str) -> str:
     schema = opts.schema()["properties"][name]
     if "enum" in schema:
         return " / ".join(f"`{v}`" for v in schema["enum"])
-    kinds = [a.get("type", "") for a in schema.get("anyOf", [])] or [schema.get("type", "")]
-    return " or ".join(str(k) for k in kinds if k != "null")
+    alts = schema.get("anyOf", [schema])
+    kinds = [f"`{a['const']}`" if "const" in a else str(a.get("type", "")) for a in alts]
+    return " or ".join(k for k in kinds if k != "null")
 
 
 def table() -> str:

@@ -9,11 +9,11 @@ from inferflow.blocks.norm import NORMS
 from inferflow.blocks.position import (
     POSITIONS,
     ROPE_PAIRINGS,
-    ROPE_SCALINGS,
     SINUSOIDAL_VARIANTS,
     PositionArgs,
 )
 from inferflow.blocks.residual import RESIDUALS
+from inferflow.blocks.rope_scaling import ROPE_SCALINGS
 
 __all__ = [
     "ACTIVATIONS",

@@ -6,12 +6,64 @@ Strict weight binding writes every parameter, so random init would only cost sta
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 from torch import nn
 from torch.nn import functional as F
 
+from inferflow.blocks.options import Options
 from inferflow.errors import QuantError
 from inferflow.quant.tensor import QuantTensor
+
+
+@dataclass(frozen=True)
+class EmbeddingOptions(Options):
+    """``network.embedding``: how each stack's input embedding is made."""
+
+    scale: str | float | None = field(
+        default=None,
+        metadata={
+            "doc": "token embeddings times sqrt_hidden or a number",
+            "schema": {"anyOf": [{"const": "sqrt_hidden"}, {"type": "number"}]},
+        },
+    )
+    norm: bool = field(
+        default=False, metadata={"doc": "a norm right after the embeddings (BLOOM, BART, BERT)"}
+    )
+    token_types: bool = field(
+        default=False,
+        metadata={"doc": "token-type (segment) embeddings: type 0, or a text pair's types"},
+    )
+    shared: bool = field(
+        default=True, metadata={"doc": "encoder-decoder: the encoder reads the decoder's table"}
+    )
+    projection: bool | str = field(
+        default="auto",
+        metadata={
+            "doc": "a factorised embedding's projection embed_dim -> hidden after the norm "
+            "(ALBERT, ELECTRA); auto: where hparams.embed_dim != hidden",
+            "schema": {"anyOf": [{"type": "boolean"}, {"const": "auto"}]},
+        },
+    )
+
+
+@dataclass(frozen=True)
+class OutputOptions(Options):
+    """``network.output``: a decoder's head."""
+
+    tied: bool = field(default=False, metadata={"doc": "the head is the token embedding table"})
+    bias: bool = field(
+        default=False, metadata={"doc": "the head has a bias (a tied one: final_logits_bias)"}
+    )
+    softcap: float | None = field(default=None, metadata={"doc": "tanh soft-cap of the logits"})
+    scale: str | float | None = field(
+        default=None,
+        metadata={
+            "doc": "final hidden states times inv_sqrt_hidden (T5) or a number before the head",
+            "schema": {"anyOf": [{"const": "inv_sqrt_hidden"}, {"type": "number"}]},
+        },
+    )
 
 
 class Linear(nn.Module):

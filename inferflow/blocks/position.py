@@ -20,6 +20,7 @@ from torch import nn
 from inferflow import kernels
 from inferflow.blocks.options import NoOptions
 from inferflow.blocks.options import Options as _Options
+from inferflow.blocks.rope_scaling import ROPE_SCALINGS, scaling_schema
 from inferflow.errors import SpecError
 from inferflow.registry import Registry
 
@@ -69,7 +70,7 @@ class RopeOptions(_Options):
         default=None,
         metadata={
             "doc": "{type: linear | llama3 | yarn, factor, ...} (unset: the checkpoint's)",
-            "schema": lambda: _scaling_schema(),
+            "schema": scaling_schema,
         },
     )
 
@@ -134,7 +135,6 @@ class PositionBlock(nn.Module):
 
 
 POSITIONS: Registry[type[PositionBlock]] = Registry("position")
-ROPE_SCALINGS: Registry[Any] = Registry("rope scaling")
 ROPE_PAIRINGS = ("half", "adjacent")
 
 
@@ -200,84 +200,6 @@ class Positions(PositionBlock):
 def _inv_freq(dim: int, theta: float) -> torch.Tensor:
     # the int64 arange then float division follows HF's default rope init bit for bit
     return 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-
-
-def _scaling_schema() -> dict[str, Any]:
-    num = {"type": "number"}
-    props: dict[str, Any] = {
-        "type": {"enum": ROPE_SCALINGS.names()},
-        "factor": num,
-        "low_freq_factor": num,
-        "high_freq_factor": num,
-        "original_max_positions": {"type": "integer"},
-        "beta_fast": num,
-        "beta_slow": num,
-        "attention_factor": num,
-        "mscale": num,
-        "mscale_all_dim": num,
-        "truncate": {"type": "boolean"},
-    }
-    return {
-        "type": "object",
-        "properties": props,
-        "required": ["type"],
-        "additionalProperties": False,
-    }
-
-
-@ROPE_SCALINGS.register("linear")
-def _linear(
-    inv: torch.Tensor, opts: dict[str, Any], dim: int, theta: float
-) -> tuple[torch.Tensor, float]:
-    return inv / float(opts["factor"]), 1.0
-
-
-@ROPE_SCALINGS.register("llama3")
-def _llama3(
-    inv: torch.Tensor, opts: dict[str, Any], dim: int, theta: float
-) -> tuple[torch.Tensor, float]:
-    # Llama 3.1's frequency-dependent interpolation (as in HF _compute_llama3_parameters)
-    factor = float(opts["factor"])
-    low, high = float(opts.get("low_freq_factor", 1.0)), float(opts.get("high_freq_factor", 4.0))
-    old_ctx = float(opts["original_max_positions"])
-    wavelen = 2 * math.pi / inv
-    scaled = torch.where(wavelen > old_ctx / low, inv / factor, inv)
-    smooth = (old_ctx / wavelen - low) / (high - low)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    medium = ~(wavelen < old_ctx / high) * ~(wavelen > old_ctx / low)
-    return torch.where(medium, smoothed, scaled), 1.0
-
-
-@ROPE_SCALINGS.register("yarn")
-def _yarn(
-    inv: torch.Tensor, opts: dict[str, Any], dim: int, theta: float
-) -> tuple[torch.Tensor, float]:
-    # YaRN: blend interpolated and extrapolated frequencies by a ramp over the correction range
-    factor = float(opts["factor"])
-    old_ctx = float(opts["original_max_positions"])
-
-    def mscale(scale: float, m: float = 1.0) -> float:
-        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
-
-    att = opts.get("attention_factor")
-    if att is None:
-        if opts.get("mscale") and opts.get("mscale_all_dim"):
-            att = mscale(factor, opts["mscale"]) / mscale(factor, opts["mscale_all_dim"])
-        else:
-            att = mscale(factor)
-
-    def corr_dim(rot: float) -> float:
-        return (dim * math.log(old_ctx / (rot * 2 * math.pi))) / (2 * math.log(theta))
-
-    lo, hi = corr_dim(float(opts.get("beta_fast", 32))), corr_dim(float(opts.get("beta_slow", 1)))
-    if opts.get("truncate", True):
-        lo, hi = math.floor(lo), math.ceil(hi)
-    lo, hi = max(lo, 0), min(hi, dim - 1)
-    if lo == hi:
-        hi += 0.001
-    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - lo) / (hi - lo)).clamp(0, 1)
-    extra = 1 - ramp
-    return (inv / factor) * (1 - extra) + inv * extra, float(att)
 
 
 @POSITIONS.register("rope")

@@ -44,7 +44,7 @@ def classify_batch(
         raise RequestError("no inputs: give at least one")
     check_inputs(inputs, h.vocab_size, h.max_positions, "input")
     if types is not None:
-        limit = h.type_vocab_size if model.spec.network.token_types else 1
+        limit = h.type_vocab_size if model.spec.network.embedding.token_types else 1
         if any(t >= limit for ts in types for t in ts):
             raise RequestError(
                 f"model {model.spec.name!r} takes token types below {limit}: it cannot tell the "

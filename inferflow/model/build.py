@@ -87,7 +87,7 @@ def build_network(
 
 def held_elsewhere(part: StackPart, spec: Spec) -> Callable[[str], bool]:
     """Canonical tensor names that other ranks hold, given this rank's ``part``."""
-    tied = spec.network.tied_output
+    tied = spec.network.output.tied
     embeds: tuple[str, ...] = ("dec.type_embed.", "dec.embed_norm.")
     positions = spec.network.positions
     for name, _ in positions:  # input-only blocks are on the first stage; others on every stage

@@ -21,7 +21,7 @@ class DecoderOnly(nn.Module):
         self.spec = spec
         self.dec = Stack(spec, spec.hparams.n_layers, part=part)
         # (head, embedding) module paths: quantization may give a tied head its own weight
-        tied = spec.network.tied_output and (part is None or part.head)
+        tied = spec.network.output.tied and (part is None or part.head)
         self.tied_outputs = [("dec.output", "dec.tok_embed")] if tied else []
 
     def kv_geometry(self) -> tuple[int, int, int]:

@@ -44,7 +44,7 @@ class EncoderDecoder(nn.Module):
         self.spec = spec
         h, he = spec.hparams, spec.encoder_hparams
         self.dec = Stack(spec, h.n_layers, causal=True, cross=True, memory_hidden=he.hidden)
-        shared = self.dec.tok_embed if spec.network.shared_embedding else None
+        shared = self.dec.tok_embed if spec.network.embedding.shared else None
         if shared is not None and (he.vocab_size, he.embed_dim) != (h.vocab_size, h.embed_dim):
             raise SpecError(
                 f"network.embedding.shared: the encoder's table ({he.vocab_size} x "
@@ -52,7 +52,7 @@ class EncoderDecoder(nn.Module):
                 "set shared: false"
             )
         self.enc = Stack(spec, he.n_layers, causal=False, head=False, embed=shared, hparams=he)
-        self.tied_outputs = [("dec.output", "dec.tok_embed")] if spec.network.tied_output else []
+        self.tied_outputs = [("dec.output", "dec.tok_embed")] if spec.network.output.tied else []
 
     @property
     def start_id(self) -> int:

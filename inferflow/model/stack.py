@@ -189,8 +189,9 @@ class StackPart:
 
 class Stack(nn.Module):
     """Children: tok_embed (absent when ``embed`` is shared), pos_embed, type_embed,
-    embed_norm, embed_proj (a factorised embedding's projection), "0".."L-1", output_norm, and for a decoder the head ``output`` (absent when tied)
-    with ``logits_bias`` for a tied head with a bias. A ``part`` keeps only what one rank holds;
+    embed_norm, embed_proj (a factorised embedding's projection), "0".."L-1", output_norm, and
+    for a decoder the head ``output`` (absent when tied) with ``logits_bias`` for a tied head
+    with a bias. A ``part`` keeps only what one rank holds;
     its layers keep their global names and use cache rows 0.. in order."""
 
     def __init__(
@@ -210,18 +211,20 @@ class Stack(nn.Module):
         part = part or StackPart(0, n_layers, True, True)
         head = head and part.head
         self.layer_ids = range(part.first, part.last)
-        if embed is None and (part.embedding or (head and net.tied_output)):
+        if embed is None and (part.embedding or (head and net.output.tied)):
             self.tok_embed = Embedding(h.vocab_size, h.embed_dim)
         self._shared = [embed]  # a list: not registered as this stack's child
         self.pos_embed, self.pos_local = _positions(net, h, causal, part)
         first = part.embedding
         self.type_embed = (
-            Embedding(h.type_vocab_size, h.embed_dim) if net.token_types and first else None
+            Embedding(h.type_vocab_size, h.embed_dim)
+            if net.embedding.token_types and first
+            else None
         )
         norm = NORMS.get(net.norm)
-        self.embed_norm = norm(h.embed_dim, h.norm_eps) if net.embedding_norm and first else None
+        self.embed_norm = norm(h.embed_dim, h.norm_eps) if net.embedding.norm and first else None
         # a factorised embedding: a narrower table (ALBERT, ELECTRA), projected to the width
-        project = net.embedding_projection
+        project = net.embedding.projection
         if project == "auto":
             project = h.embed_dim != h.hidden
         if not project and h.embed_dim != h.hidden:
@@ -229,7 +232,7 @@ class Stack(nn.Module):
                 f"hparams: embed_dim {h.embed_dim} differs from hidden {h.hidden}, but "
                 "network.embedding.projection is false; set it true (or auto)"
             )
-        if project and net.tied_output and head:
+        if project and net.output.tied and head:
             raise SpecError(
                 "network.embedding.projection: a projected (factorised) embedding cannot be "
                 "tied to the output head; set network.output.tied: false"
@@ -245,13 +248,13 @@ class Stack(nn.Module):
         self.output: Linear | None = None
         self.logits_bias: nn.Parameter | None = None
         if head:
-            if not net.tied_output:
-                self.output = Linear(h.hidden, h.vocab_size, bias=net.output_bias)
-            elif net.output_bias:  # BART / Marian: final_logits_bias beside a tied head
+            if not net.output.tied:
+                self.output = Linear(h.hidden, h.vocab_size, bias=net.output.bias)
+            elif net.output.bias:  # BART / Marian: final_logits_bias beside a tied head
                 self.logits_bias = nn.Parameter(torch.empty(h.vocab_size))
-        self.embed_scale = _scale(net.embedding_scale, "sqrt_hidden", h.hidden)
-        self.output_scale = _scale(net.output_scale, "inv_sqrt_hidden", h.hidden)
-        self.final_softcap = net.final_softcap
+        self.embed_scale = _scale(net.embedding.scale, "sqrt_hidden", h.hidden)
+        self.output_scale = _scale(net.output.scale, "inv_sqrt_hidden", h.hidden)
+        self.final_softcap = net.output.softcap
         self._fused: FusedDecode | None = None
         self._fused_checked = False
 

@@ -200,7 +200,7 @@ def estimate(
     cycle = max(sum(step), m * max(step))
 
     def weights(s: int) -> float:
-        has_head = s == last and not (spec.network.tied_output and p == 1)
+        has_head = s == last and not (spec.network.output.tied and p == 1)
         return layers[s] * layer_w + table_w * ((s == 0) + has_head)
 
     kv = [b * ctx * n * kv_tok for n in layers]

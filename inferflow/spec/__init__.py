@@ -15,6 +15,7 @@ from typing import Any
 import yaml
 
 from inferflow.blocks import FFNS, HEADS, POSITIONS
+from inferflow.blocks.linear import EmbeddingOptions, OutputOptions
 from inferflow.blocks.options import NoOptions
 from inferflow.blocks.position import LearnedOptions
 from inferflow.blocks.residual import GateOptions
@@ -317,7 +318,6 @@ def _network(n: dict[str, Any]) -> NetworkSpec:
         for u in (v if isinstance(v, list) else [v])
     )
     tensors = TensorsSpec(t.get("preset"), t.get("prefix", ""), entries, tuple(t.get("ignore", ())))
-    out, emb = n.get("output", {}), n.get("embedding", {})
     ffn_doc = n["ffn"] if isinstance(n["ffn"], dict) else {"type": n["ffn"]}
     ffn = ffn_doc["type"]
     head_doc = n.get("head")
@@ -342,16 +342,9 @@ def _network(n: dict[str, Any]) -> NetworkSpec:
         attention=AttentionSpec.parse(n.get("attention", {}), "network.attention"),
         tensors=tensors,
         ffn_bias=n.get("ffn_bias", False),
-        embedding_scale=emb.get("scale"),
-        embedding_norm=emb.get("norm", False),
-        token_types=emb.get("token_types", False),
-        embedding_projection=emb.get("projection", "auto"),
-        shared_embedding=emb.get("shared", True),
+        embedding=EmbeddingOptions.parse(n.get("embedding", {}), "network.embedding"),
+        output=OutputOptions.parse(n.get("output", {}), "network.output"),
         final_norm=n.get("final_norm", n["residual"] != "post_norm"),
-        output_scale=out.get("scale"),
-        tied_output=out.get("tied", False),
-        output_bias=out.get("bias", False),
-        final_softcap=out.get("softcap"),
     )
 
 

@@ -9,6 +9,7 @@ from typing import Any
 import jsonschema
 
 from inferflow.blocks.attention import AttentionOptions
+from inferflow.blocks.linear import EmbeddingOptions, OutputOptions
 from inferflow.blocks.residual import GateOptions
 from inferflow.registry import Registry
 from inferflow.spec.types import EMBEDDING_PLACES, PARTITION_STRATEGIES, POOLINGS, HParams
@@ -130,26 +131,9 @@ def build_schema() -> dict[str, Any]:
             "gates": GateOptions.schema(),
             # a task head: {type: name, ...that head's options}
             "head": _typed(blocks.HEADS),
-            "embedding": _obj(
-                {
-                    "scale": {"anyOf": [{"const": "sqrt_hidden"}, num]},
-                    "norm": {"type": "boolean"},  # a norm right after the embeddings
-                    "token_types": {"type": "boolean"},  # BERT's segment embeddings (type 0)
-                    "shared": {"type": "boolean"},  # encoder-decoder: one table for both
-                    # factorised embeddings: project embed_dim -> hidden after the norm
-                    "projection": {"anyOf": [{"type": "boolean"}, {"const": "auto"}]},
-                }
-            ),
+            "embedding": EmbeddingOptions.schema(),
             "final_norm": {"type": "boolean"},  # default: true unless residual is post_norm
-            "output": _obj(
-                {
-                    "tied": {"type": "boolean"},
-                    "bias": {"type": "boolean"},
-                    "softcap": num,
-                    # hidden states scaled before the head (T5's tied head: 1/sqrt(hidden))
-                    "scale": {"anyOf": [{"const": "inv_sqrt_hidden"}, num]},
-                }
-            ),
+            "output": OutputOptions.schema(),
             "tensors": tensors,
         },
         ("type", "norm", "activation", "ffn", "residual", "position", "tensors"),

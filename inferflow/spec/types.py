@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from inferflow.blocks.attention import AttentionOptions
+from inferflow.blocks.linear import EmbeddingOptions, OutputOptions
 from inferflow.blocks.options import NoOptions, Options
 from inferflow.blocks.residual import GateOptions
 from inferflow.errors import SpecError
@@ -138,18 +139,9 @@ class NetworkSpec:
     gates: GateOptions = GateOptions()  # learned scalars on the residual stream
     head: str | None = None  # a task head (inferflow.blocks.head): classify
     head_options: Options = NoOptions()
-    embedding_scale: str | float | None = None  # "sqrt_hidden" or a number
-    embedding_norm: bool = False  # a norm right after the embeddings (BLOOM, BART, BERT)
-    token_types: bool = False  # BERT's token-type (segment) embeddings; every token is type 0
-    # a projection from the embedding width to the hidden width after the embeddings' norm
-    # (factorised embeddings: ALBERT, ELECTRA); "auto": where hparams.embed_dim != hidden
-    embedding_projection: bool | str = "auto"
-    shared_embedding: bool = True  # encoder-decoder: the encoder reads the decoder's table
+    embedding: EmbeddingOptions = EmbeddingOptions()
+    output: OutputOptions = OutputOptions()
     final_norm: bool = True  # a norm after the last layer of each stack
-    output_scale: str | float | None = None  # "inv_sqrt_hidden" or a number (T5)
-    tied_output: bool = False
-    output_bias: bool = False
-    final_softcap: float | None = None
 
 
 @dataclass(frozen=True)

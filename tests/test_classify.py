@@ -252,3 +252,32 @@ def test_inspect_shows_where_the_spec_puts_each_tensor(cross_encoder, capsys) ->
     to = {t["name"]: t["to"] for t in json.loads(capsys.readouterr().out)["tensors"]}
     assert to["bert.pooler.dense.weight"] == "(ignored)"
     assert to["classifier.weight"] == "(unmapped)"
+
+
+def test_pooler_head_gives_berts_pooler_output(hf_models, write_spec) -> None:  # noqa: ANN001
+    """``network.head: {type: pooler}`` (dense + tanh on the [CLS] state): the embeddings are
+    transformers' ``pooler_output``."""
+    from inferflow.engine.embed import embed_batch
+
+    ref_model, d = hf_models["bert-classifier"]
+    doc = spec_doc("bert", d, "safetensors")
+    doc["network"] = {
+        "head": {"type": "pooler"},
+        "tensors": {
+            "prefix": "bert.",
+            "map": {
+                "pooler.dense.weight": "head.dense.weight",
+                "pooler.dense.bias": "head.dense.bias",
+            },
+            "ignore": ["classifier.weight", "classifier.bias"],
+        },
+    }
+    model = load_model(load_spec(write_spec(doc)))
+    inputs = [ids(n, n) for n in (23, 5, 1)]
+    got = embed_batch(model, inputs, "mean", normalize=False)
+    with torch.no_grad():
+        want = torch.cat([ref_model.bert(torch.tensor([x])).pooler_output for x in inputs])
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    # not a classifier: classify says so
+    with pytest.raises(RequestError, match="has no classification head"):
+        classify_batch(model, inputs)

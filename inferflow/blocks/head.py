@@ -6,6 +6,9 @@ activation (BERT's pooler: tanh; RoBERTa's classification head: tanh; DistilBERT
 ELECTRA: gelu), then ``out`` (labels, hidden). The label count is ``len(hparams.labels)``
 (config.json's ``id2label``). Parameters: ``head.dense.weight`` / ``.bias``,
 ``head.out.weight`` / ``.bias``.
+
+``pooler``: the same pooling and dense layer without an output (BERT's ``pooler_output``); a
+model with one serves that vector as its embedding.
 """
 
 from __future__ import annotations
@@ -24,11 +27,23 @@ from inferflow.registry import Registry
 
 
 @dataclass(frozen=True)
-class ClassifyOptions(Options):
+class PoolerOptions(Options):
     pooling: Literal["cls", "mean", "last"] = field(
         default="cls",
         metadata={"doc": "cls: the first token's state; mean: over the tokens; last: the last"},
     )
+    dense: str = field(
+        default="tanh",
+        metadata={
+            "doc": "a hidden -> hidden layer with this activation on the pooled state (none: "
+            "the pooled state itself)",
+            "choices": lambda: ["none", *ACTIVATIONS.names()],
+        },
+    )
+
+
+@dataclass(frozen=True)
+class ClassifyOptions(PoolerOptions):
     dense: str = field(
         default="none",
         metadata={
@@ -47,29 +62,48 @@ def pool(h: torch.Tensor, pooling: str) -> torch.Tensor:
     return h[0] if pooling == "cls" else h[-1]
 
 
-class ClassifyHead(nn.Module):
-    Options = ClassifyOptions
+class PoolerHead(nn.Module):
+    """``pooler``: BERT's pooler output (dense + tanh on the [CLS] state), served as the
+    model's embedding (``/v1/embeddings``, ``inferflow embed``) in place of plain pooling."""
+
+    Options = PoolerOptions
 
     def __init__(self, hidden: int, labels: tuple[str, ...], options: object) -> None:
         super().__init__()
+        assert isinstance(options, PoolerOptions)
+        self.pooling = options.pooling
+        self.dense = Linear(hidden, hidden, bias=True) if options.dense != "none" else None
+        self.act = ACTIVATIONS.get(options.dense) if options.dense != "none" else None
+
+    def pooled(self, x: torch.Tensor) -> torch.Tensor:
+        """Pooled states (B, hidden) through the dense layer and its activation."""
+        if self.dense is not None and self.act is not None:
+            x = self.act(self.dense(x))
+        return x
+
+    def forward(self, pooled: torch.Tensor) -> torch.Tensor:
+        return self.pooled(pooled)
+
+
+class ClassifyHead(PoolerHead):
+    Options = ClassifyOptions
+
+    def __init__(self, hidden: int, labels: tuple[str, ...], options: object) -> None:
+        super().__init__(hidden, labels, options)
         assert isinstance(options, ClassifyOptions)
         if not labels:
             raise SpecError(
                 "network.head: the checkpoint declares no labels (config.json id2label); set "
                 "hparams.labels"
             )
-        self.labels, self.pooling = labels, options.pooling
-        self.dense = Linear(hidden, hidden, bias=True) if options.dense != "none" else None
-        self.act = ACTIVATIONS.get(options.dense) if options.dense != "none" else None
+        self.labels = labels
         self.out = Linear(hidden, len(labels), bias=options.bias)
 
     def forward(self, pooled: torch.Tensor) -> torch.Tensor:
         """Pooled states (B, hidden) -> logits (B, labels)."""
-        x = pooled
-        if self.dense is not None and self.act is not None:
-            x = self.act(self.dense(x))
-        return self.out(x)
+        return self.out(self.pooled(pooled))
 
 
-HEADS: Registry[type[ClassifyHead]] = Registry("head")
+HEADS: Registry[type[PoolerHead]] = Registry("head")
 HEADS.add("classify", ClassifyHead)
+HEADS.add("pooler", PoolerHead)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from inferflow.blocks.head import pool
+from inferflow.blocks.head import PoolerHead, pool
 from inferflow.errors import RequestError
 from inferflow.model.batch import check_inputs, packed
 from inferflow.model.decoder import DecoderOnly
@@ -103,11 +103,18 @@ def embed_batch(
         raise ValueError(f"max_batch_tokens must be positive, got {max_batch_tokens}")
     check_inputs(inputs, spec.hparams.vocab_size, spec.hparams.max_positions, "input")
     out: list[torch.Tensor] = [torch.empty(0)] * len(inputs)
+    # a pooler head (network.head: {type: pooler}) makes the embedding from its pooled state
+    head = model.head if isinstance(model, EncoderOnly) else None
+    pooler = head if type(head) is PoolerHead else None
     for idx in passes(inputs, max_batch_tokens):
         batch = packed([inputs[i] for i in idx])
         h = model.hidden_states(batch).float()  # (N, hidden)
         for i, s in zip(idx, batch.seqs, strict=True):
-            out[i] = _pool(h[s.start : s.start + s.length], pooling)
+            states = h[s.start : s.start + s.length]
+            if pooler is not None:
+                out[i] = pooler(pool(states, pooler.pooling)[None])[0].float()
+            else:
+                out[i] = _pool(states, pooling)
     if normalize:
         out = [torch.nn.functional.normalize(v, dim=-1) for v in out]
     return out if pooling == "none" else torch.stack(out)

@@ -26,6 +26,10 @@ from inferflow.errors import SpecError
 from inferflow.registry import Registry
 
 
+def _dense_choices() -> list[str]:
+    return ["none", *ACTIVATIONS.names()]
+
+
 @dataclass(frozen=True)
 class PoolerOptions(Options):
     pooling: Literal["cls", "mean", "last"] = field(
@@ -37,7 +41,7 @@ class PoolerOptions(Options):
         metadata={
             "doc": "a hidden -> hidden layer with this activation on the pooled state (none: "
             "the pooled state itself)",
-            "choices": lambda: ["none", *ACTIVATIONS.names()],
+            "choices": _dense_choices,
         },
     )
 
@@ -49,7 +53,7 @@ class ClassifyOptions(PoolerOptions):
         metadata={
             "doc": "a hidden -> hidden layer with this activation before the output (none: "
             "straight to the output)",
-            "choices": lambda: ["none", *ACTIVATIONS.names()],
+            "choices": _dense_choices,
         },
     )
     bias: bool = field(default=True, metadata={"doc": "the output layer has a bias"})

@@ -93,7 +93,8 @@ def _nullable(schema: dict[str, Any], cls: type[BaseModel]) -> None:
     required = set(schema.get("required", []))
     props = schema.get("properties", {})
     for name, prop in list(props.items()):
-        if name not in required and "null" not in json.dumps(prop):
+        alts = prop.get("anyOf", [prop])
+        if name not in required and not any(a.get("type") == "null" for a in alts):
             props[name] = {"anyOf": [prop, {"type": "null"}]}
     for name in getattr(cls, "NULL_ONLY", ()):
         props[name] = {"type": "null", "description": "not implemented: only null (not set)"}

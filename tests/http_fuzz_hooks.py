@@ -41,7 +41,7 @@ def before_call(context: Any, case: Any, kwargs: dict[str, Any]) -> None:
     v = body.get("max_tokens")
     if v is None and "prompt" in body:  # completions' default (16) times n times the prompts
         body["max_tokens"] = MAX_TOKENS
-    for k in ("max_tokens", "max_completion_tokens"):
+    for k in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
         v = body.get(k)
         if type(v) is int and v > MAX_TOKENS:
             body[k] = MAX_TOKENS

@@ -332,7 +332,7 @@ def test_every_sampling_field_reaches_sampling_params() -> None:
     from inferflow.server.protocol import SAME_NAME, SPEC_DEFAULTED, SamplingBody
 
     by_hand = {"model", "max_tokens", "stream", "stream_options", "user", "stop", "logit_bias"}
-    by_hand |= {"min_tokens", "stop_token_ids"}
+    by_hand |= {"min_tokens", "stop_token_ids", "n"}
     assert set(SamplingBody.model_fields) - by_hand == {*SAME_NAME, *SPEC_DEFAULTED}
     assert {*SAME_NAME, *SPEC_DEFAULTED} <= {f.name for f in dataclasses.fields(SamplingParams)}
 
@@ -347,3 +347,110 @@ def test_startup_says_what_loads_and_when_it_is_ready(url: str, served_from: Pat
     ready = re.findall(r"loaded in [\d.]+ s \(peak RSS \d+ MiB\); ready on (\S+)", text)
     assert ready == [url]
     assert text.index("loading") < text.index("ready on")
+
+
+# --- the Responses API ---------------------------------------------------------------------
+
+
+def _templated(hf, messages: list[dict]) -> list[int]:  # noqa: ANN001
+    _, tok = hf
+    text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return list(tok(text, add_special_tokens=False)["input_ids"])
+
+
+def _reply(hf, messages: list[dict], n: int) -> str:  # noqa: ANN001
+    """transformers' greedy reply to ``messages`` (at most ``n`` tokens, EOS cut)."""
+    _, tok = hf
+    return tok.decode(_greedy(hf, _templated(hf, messages), n), skip_special_tokens=True)
+
+
+def test_responses_create_and_multi_turn_match_transformers(client, hf) -> None:  # noqa: ANN001
+    """``client.responses.create``: instructions as the system message, the text is
+    transformers' greedy reply through the chat template; ``previous_response_id`` continues
+    the stored conversation (the earlier instructions are not carried, as OpenAI does);
+    retrieve / delete; an unknown id is a 400 naming the field."""
+    first = [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "Say hi."}]
+    r = client.responses.create(
+        model=NAME, input="Say hi.", instructions="Be terse.", max_output_tokens=40, temperature=0
+    )
+    assert r.object == "response" and r.id.startswith("resp_") and r.status == "completed"
+    assert r.output_text == _reply(hf, first, 40)
+    (item,) = r.output
+    assert item.type == "message" and item.role == "assistant" and item.status == "completed"
+    assert r.instructions == "Be terse." and r.max_output_tokens == 40
+    assert r.usage.input_tokens == len(_templated(hf, first))
+    assert r.usage.total_tokens == r.usage.input_tokens + r.usage.output_tokens
+    # the second turn: the stored user message and reply, then the new input (a message item)
+    r2 = client.responses.create(
+        model=NAME,
+        input=[{"role": "user", "content": "And in French?"}],
+        previous_response_id=r.id,
+        max_output_tokens=24,
+        temperature=0,
+    )
+    turns = [
+        {"role": "user", "content": "Say hi."},
+        {"role": "assistant", "content": r.output_text},
+        {"role": "user", "content": "And in French?"},
+    ]
+    assert r2.previous_response_id == r.id and r2.instructions is None
+    assert r2.output_text == _reply(hf, turns, 24)
+    assert r2.usage.input_tokens == len(_templated(hf, turns))
+    # the same turns sent as chat completions give the same text (one engine path)
+    chat = client.chat.completions.create(model=NAME, messages=turns, max_tokens=24, temperature=0)
+    assert chat.choices[0].message.content == r2.output_text
+    assert client.responses.retrieve(r.id).output_text == r.output_text
+    client.responses.delete(r.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(r.id)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model=NAME, input="x", previous_response_id=r.id)
+    assert e.value.body["param"] == "previous_response_id" and r.id in e.value.body["message"]
+    unstored = client.responses.create(model=NAME, input="x", max_output_tokens=2, store=False)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(unstored.id)
+
+
+def test_responses_stream_events_and_final_object(client, hf) -> None:  # noqa: ANN001
+    """``client.responses.stream``: the event sequence OpenAI sends (created, in_progress, the
+    item and its part added, text deltas, then done events and completed), sequence numbers
+    0, 1, 2, ...; the deltas add up to the final object's text, which equals the non-streamed
+    one; a reply cut by max_output_tokens ends with response.incomplete."""
+    kw = dict(model=NAME, input="What is 2+2? Answer with one number.", temperature=0)
+    with client.responses.stream(**kw, max_output_tokens=40) as s:
+        events = list(s)
+        final = s.get_final_response()
+    kinds = [e.type for e in events]
+    deltas = [e for e in events if e.type == "response.output_text.delta"]
+    assert deltas and kinds == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+        *["response.output_text.delta"] * len(deltas),
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.completed",
+    ]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert events[0].response.status == "in_progress" and events[0].response.id == final.id
+    text = "".join(e.delta for e in deltas)
+    messages = [{"role": "user", "content": kw["input"]}]
+    assert text == final.output_text == _reply(hf, messages, 40)
+    assert final.status == "completed" and final.usage.output_tokens > 0
+    again = client.responses.create(**kw, max_output_tokens=40)
+    assert again.output_text == text
+    # the same prompt again: all its full KV blocks (16 tokens each) come from the prefix cache
+    # (the first time, only those of the template's system prompt that earlier tests sent)
+    full = again.usage.input_tokens // 16 * 16
+    assert final.usage.input_tokens_details.cached_tokens < full
+    assert again.usage.input_tokens_details.cached_tokens == full
+    # cut short: incomplete, with the reason
+    with client.responses.stream(**kw, max_output_tokens=3) as s:
+        events = list(s)
+    last = events[-1]
+    assert last.type == "response.incomplete" and last.response.status == "incomplete"
+    assert last.response.incomplete_details.reason == "max_output_tokens"
+    assert last.response.usage.output_tokens == 3
+    assert last.response.output[0].content[0].text == _reply(hf, messages, 3)

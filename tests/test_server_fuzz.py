@@ -48,6 +48,9 @@ OPERATIONS = {
     "POST /v1/embeddings",
     "POST /v1/classify",
     "POST /v1/rerank",
+    "POST /v1/responses",
+    "GET /v1/responses/{response_id}",
+    "DELETE /v1/responses/{response_id}",
     "POST /tokenize",
     "POST /detokenize",
 }

@@ -154,6 +154,7 @@ def test_null_means_not_set_for_every_optional_field(client: TestClient) -> None
         "/v1/embeddings": ("EmbeddingBody", {"input": "hi"}),
         "/v1/classify": ("ClassifyBody", {"input": "hi"}),
         "/v1/rerank": ("RerankBody", {"query": "q", "documents": ["d"]}),
+        "/v1/responses": ("ResponsesBody", {"input": "hi"}),
     }
     for path, (name, base) in routes.items():
         optional = set(s[name]["properties"]) - set(s[name].get("required", []))
@@ -169,6 +170,8 @@ def test_null_means_not_set_for_every_optional_field(client: TestClient) -> None
         "tools",
         "unknown",
     )
+    _valid(client, "/v1/responses", {"input": "hi", "reasoning": None, "tools": None})
+    _bad(client, "/v1/responses", {"input": "hi", "reasoning": {}}, "reasoning", "unknown")
     _bad(client, "/v1/completions", {"prompt": "a", "frobnicate": None}, "frobnicate", "unknown")
     _bad(client, "/v1/completions", {"prompt": None}, "prompt")  # a required field stays required
 
@@ -228,3 +231,72 @@ def test_cached_tokens_report_prefix_cache_hits(loaded: TestClient) -> None:
     both = {**first, "prompt": [shared + [20], [1, 2, 3]]}
     u = loaded.post("/v1/completions", json=both).json()["usage"]
     assert u["prompt_tokens_details"]["cached_tokens"] == 3 * block
+
+
+def test_responses_body_names_what_it_takes(client: TestClient) -> None:
+    """/v1/responses: input as text or message items (an output message passed back as input
+    included); what it does not do yet is refused naming the field and the allowed values."""
+    item = {"type": "message", "id": "msg_1", "status": "completed", "role": "assistant"}
+    item["content"] = [{"type": "output_text", "text": "Hi", "annotations": [], "logprobs": []}]
+    user = {"role": "user", "content": [{"type": "input_text", "text": "Hello"}]}
+    _valid(client, "/v1/responses", {"input": [user, item], "metadata": {"k": "v"}})
+    _valid(client, "/v1/responses", {"input": "x", "text": {"format": {"type": "text"}}})
+    schema = {"format": {"type": "json_schema", "name": "x", "schema": {}}}
+    _bad(client, "/v1/responses", {"input": "x", "text": schema}, "text.format.type", "'text'")
+    _bad(client, "/v1/responses", {"input": "x", "truncation": "auto"}, "truncation", "disabled")
+    _bad(client, "/v1/responses", {"input": "x", "include": ["file"]}, "include.0", "logprobs")
+    _bad(client, "/v1/responses", {"input": []}, "input", "at least 1")
+    call = {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"}
+    _bad(client, "/v1/responses", {"input": [call]}, "input.0.type", "'message'")
+    _bad(client, "/v1/responses", {"input": "x", "n": 2}, "n", "unknown")
+    _bad(client, "/v1/responses", {"input": "x", "max_tokens": 5}, "max_tokens", "unknown")
+
+
+def test_response_store_is_bounded_by_count_size_and_age(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The store behind previous_response_id: the oldest go first past the count or the total
+    size, and a response older than the age limit is gone."""
+    import json
+
+    from inferflow.server import store as store_module
+    from inferflow.server.store import ResponseStore, StoreLimits
+
+    now = [1000.0]
+    monkeypatch.setattr(store_module.time, "monotonic", lambda: now[0])
+    msg = [{"role": "user", "content": "x" * 100}]
+    one = 100 + len(json.dumps({"id": 0}))
+    s = ResponseStore(StoreLimits(items=3, chars=10 * one, seconds=60))
+    for i in range(5):
+        s.put(f"r{i}", msg, {"id": i})
+    assert [k for k in ("r0", "r1", "r2", "r3", "r4") if s.get(k)] == ["r2", "r3", "r4"]
+    assert s.size == 3 * one
+    s = ResponseStore(StoreLimits(items=100, chars=2 * one, seconds=60))
+    for i in range(3):
+        s.put(f"r{i}", msg, {"id": i})
+    assert s.get("r0") is None and s.get("r1") and s.get("r2")
+    s.put("big", [{"role": "user", "content": "x" * (3 * one)}], {})
+    assert s.get("big") is None and s.get("r2")  # (larger than the store: not kept)
+    now[0] += 61
+    assert s.get("r2") is None and s.size == 0
+    s.put("a", msg, {"id": 0})
+    assert s.delete("a") and not s.delete("a") and s.size == 0
+
+
+def test_serve_checks_the_response_store_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--responses-store -1`` / ``--responses-ttl 0`` fail before loading or opening a port."""
+    from inferflow.cli.main import main
+    from tests.conftest import smollm2_path
+
+    smollm2_path()  # (the built-in spec names the model package's file)
+    assert main(["serve", "smollm2-135m-instruct", "--responses-store", "-1"]) == 2
+    assert "--responses-store: must be >= 0, got -1" in capsys.readouterr().err
+    assert main(["serve", "smollm2-135m-instruct", "--responses-ttl", "0"]) == 2
+    assert "--responses-ttl: seconds in (0, 86400), got 0" in capsys.readouterr().err
+
+
+def test_method_not_allowed_lists_every_method_of_the_path(client: TestClient) -> None:
+    """A path served by a route per method (GET and DELETE /v1/responses/{id}): a 405 names
+    all of them in Allow, not only the first route's (schemathesis' Allow check)."""
+    for path in ("/v1/responses/x", "/responses/x"):
+        r = client.request("PUT", path, headers=AUTH)
+        assert r.status_code == 405 and r.headers["allow"] == "DELETE, GET", r.headers
+    assert client.get("/v1/completions", headers=AUTH).headers["allow"] == "POST"

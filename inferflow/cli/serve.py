@@ -15,6 +15,7 @@ from inferflow.engine.scheduler import SchedulerConfig
 from inferflow.errors import InferflowError
 from inferflow.parallel.layout import resolve_layout
 from inferflow.runtime import load, quant_for
+from inferflow.server.store import StoreLimits
 from inferflow.spec import load_spec, partition_spec
 from inferflow.tokenizer.chat import TemplateBudget
 
@@ -123,6 +124,22 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help=f"size limit of a rendered chat prompt ({TemplateBudget.max_output_chars})",
     )
     p.add_argument(
+        "--responses-store",
+        type=int,
+        default=StoreLimits.items,
+        metavar="N",
+        help="responses kept in memory for previous_response_id and GET /v1/responses/{id}, "
+        f"oldest out first (at most {StoreLimits.chars} characters in all; 0: none) "
+        f"({StoreLimits.items})",
+    )
+    p.add_argument(
+        "--responses-ttl",
+        type=float,
+        default=StoreLimits.seconds,
+        metavar="SECONDS",
+        help=f"how long a stored response is kept ({StoreLimits.seconds:g})",
+    )
+    p.add_argument(
         "--cors-origin",
         action="append",
         default=[],
@@ -173,7 +190,9 @@ def run(args: argparse.Namespace) -> int:
             raise InferflowError(
                 f"--{flag.replace('_', '-')}: must be >= 1, got {getattr(args, flag)}"
             )
-    for flag in ("shutdown_grace", "template_timeout"):
+    if args.responses_store < 0:
+        raise InferflowError(f"--responses-store: must be >= 0, got {args.responses_store}")
+    for flag in ("shutdown_grace", "template_timeout", "responses_ttl"):
         if not 0 < getattr(args, flag) < 86400:
             raise InferflowError(
                 f"--{flag.replace('_', '-')}: seconds in (0, 86400), got {getattr(args, flag)}"
@@ -191,6 +210,7 @@ def run(args: argparse.Namespace) -> int:
         args.shutdown_grace,
         TemplateBudget(seconds=args.template_timeout, max_output_chars=args.template_max_chars),
         f"http://{args.host}:{args.port}",
+        StoreLimits(items=args.responses_store, seconds=args.responses_ttl),
     )
     # what loads, how long it took and when requests can be served: said at the default level
     for name in ("inferflow.server", "inferflow.model.materialise"):  # (+ loading progress)

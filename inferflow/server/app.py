@@ -45,13 +45,16 @@ from inferflow.server.protocol import (
     CompletionBody,
     DetokenizeBody,
     EmbeddingBody,
+    GenerationBody,
     TokenizeBody,
     TokenizeChat,
     prompt_list,
 )
+from inferflow.server.responses import add_responses_routes
 from inferflow.server.runner import EngineRunner, until_disconnect
 from inferflow.server.scoring import add_scoring_routes
 from inferflow.server.seq2seq import complete as seq2seq_complete
+from inferflow.server.store import StoreLimits
 from inferflow.spec import Spec
 from inferflow.tokenizer import Tokenizer
 from inferflow.tokenizer.chat import TemplateBudget
@@ -102,6 +105,7 @@ class ServerConfig:
     shutdown_grace: float = 10.0
     template: TemplateBudget = field(default_factory=TemplateBudget)  # chat template limits
     url: str | None = None  # where it listens (said once requests can be served)
+    responses: StoreLimits = field(default_factory=StoreLimits)  # kept for previous_response_id
 
 
 class ServerState:
@@ -179,6 +183,24 @@ class ServerState:
                 400, f"model {self.name!r} is {kind}: it serves {serves}, not {what}", param="model"
             )
         return lm, runner
+
+    def chat_generation(
+        self,
+        lm: LanguageModel,
+        runner: EngineRunner,
+        ids: list[int],
+        body: GenerationBody,
+        max_tokens: int | None,
+        logprobs: int | None,
+    ) -> Generation:
+        """The engine requests of a chat-templated prompt (chat completions, responses);
+        ``max_tokens`` unset: the spec's ``max_new_tokens``, at most what the context leaves."""
+        most = self.max_len()
+        limit = max_tokens or max(1, min(most - len(ids), lm.spec.generation.max_new_tokens))
+        params = body.sampling(
+            limit, logprobs, lm.spec.hparams.vocab_size, most, lm.spec.generation
+        )
+        return Generation(runner, lm.tokenizer, self.name, True, [ids], params, self.fingerprint)
 
     def tokenizer(self) -> Tokenizer:
         lm = self.lm
@@ -269,20 +291,12 @@ def create_app(cfg: ServerConfig) -> FastAPI:
     )
     async def chat(body: ChatBody, request: Request) -> Any:
         lm, runner = state.generating(body.model, chat=True)
-        ids = await _chat_ids(state, body.messages)
+        ids = await _chat_ids(state, [m.as_template_input() for m in body.messages])
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "top_logprobs: needs logprobs set to true", param="top_logprobs")
-        room = state.max_len() - len(ids)
-        max_tokens = (
-            body.max_completion_tokens
-            or body.max_tokens
-            or max(1, min(room, lm.spec.generation.max_new_tokens))
-        )
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        params = body.sampling(
-            max_tokens, logprobs, lm.spec.hparams.vocab_size, state.max_len(), lm.spec.generation
-        )
-        gen = Generation(runner, lm.tokenizer, state.name, True, [ids], params, state.fingerprint)
+        max_tokens = body.max_completion_tokens or body.max_tokens
+        gen = state.chat_generation(lm, runner, ids, body, max_tokens, logprobs)
         return await _respond(gen, request, body.stream, body.stream_options)
 
     @app.post("/v1/embeddings", responses=responses(auth, body=True, queued=True))
@@ -332,12 +346,13 @@ def create_app(cfg: ServerConfig) -> FastAPI:
         return await _json(out)  # (up to 1024 vectors: not on the event loop)
 
     add_scoring_routes(app, state, auth)
+    add_responses_routes(app, state, auth)
 
     @app.post("/tokenize", responses=responses(auth, body=True))
     async def tokenize(body: TokenizeBody) -> Response:
         state.ready(body.model)
         if isinstance(body, TokenizeChat):
-            ids = await _chat_ids(state, body.messages)
+            ids = await _chat_ids(state, [m.as_template_input() for m in body.messages])
         else:
             texts = [body.prompt]
             ids = (
@@ -397,11 +412,12 @@ async def _prompt_ids(
     return [p if isinstance(p, list) else next(encoded) for p in prompts]
 
 
-async def _chat_ids(state: ServerState, messages: list[Any]) -> list[int]:
+async def _chat_ids(state: ServerState, messages: list[dict[str, Any]]) -> list[int]:
+    """Messages (``{role, content}``) through the chat template, as token ids."""
     tok = state.tokenizer()
     text = await asyncio.to_thread(
         tok.apply_chat_template,
-        [m.as_template_input() for m in messages],
+        messages,
         add_generation_prompt=True,
         budget=state.cfg.template,
     )

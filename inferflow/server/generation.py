@@ -46,6 +46,7 @@ class Generation:
         self.fingerprint = fingerprint  # OpenAI's system_fingerprint
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
+        self.params = params
         self.n = params.n
         self.prompt_tokens = sum(map(len, prompts))
         self.cached_tokens = 0  # prompt tokens served from the prefix cache
@@ -88,7 +89,7 @@ class Generation:
             "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
         }
 
-    def _logprobs(self, out: RequestOutput, offset: int) -> Any:
+    def logprobs_of(self, out: RequestOutput, offset: int) -> Any:
         if not out.logprobs or self.tok is None:
             return None
         piece = self.tok.token_to_piece
@@ -133,7 +134,7 @@ class Generation:
 
         async def consume() -> None:
             async for c, out in self.events():
-                lp = self._logprobs(out, len(c.text) - len(out.text))
+                lp = self.logprobs_of(out, len(c.text) - len(out.text))
                 if lp is not None:
                     c.logprobs.append(lp)
 
@@ -185,7 +186,7 @@ class Generation:
                 continue
             if not out.text and not out.finished and not out.logprobs:
                 continue  # (text held back: a stop string may be starting)
-            lp = self._logprobs(out, len(c.text) - len(out.text))
+            lp = self.logprobs_of(out, len(c.text) - len(out.text))
             reason = out.finish_reason if out.finished else None
             part = (
                 {"delta": {"content": out.text} if out.text else {}}

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -55,9 +56,12 @@ def install_error_handlers(app: FastAPI) -> None:
         )
 
     @app.exception_handler(StarletteHTTPException)
-    async def http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
+    async def http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
         kind = KINDS.get(e.status_code, "invalid_request_error")
-        return JSONResponse(error_body(str(e.detail), kind), e.status_code, headers=e.headers)
+        headers = e.headers
+        if e.status_code == 405:  # (Starlette names the methods of the first route that matched)
+            headers = {**(headers or {}), "Allow": ", ".join(allowed_methods(app, request))}
+        return JSONResponse(error_body(str(e.detail), kind), e.status_code, headers=headers)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(_: Request, e: RequestValidationError) -> JSONResponse:
@@ -91,6 +95,19 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ModelFailed)
     async def failed(_: Request, e: ModelFailed) -> JSONResponse:
         return JSONResponse(error_body(str(e), "server_error"), 500)
+
+
+def allowed_methods(app: FastAPI, request: Request) -> list[str]:
+    """The methods of every route whose path matches the request's (a path with a route per
+    method: GET and DELETE /v1/responses/{id})."""
+    path = request.scope["path"]
+    found = {
+        m
+        for r in app.routes
+        if isinstance(r, APIRoute) and r.path_regex.match(path)
+        for m in r.methods or ()
+    }
+    return sorted(found)
 
 
 class Guard:

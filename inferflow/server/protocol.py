@@ -4,6 +4,7 @@ accepted as extra body fields, as vLLM does."""
 
 from __future__ import annotations
 
+import functools
 import json
 from typing import Annotated, Any, ClassVar, Literal
 
@@ -147,17 +148,19 @@ SPEC_DEFAULTED = ("temperature", "top_k", "top_p")
 SAME_NAME = (
     "min_p", "typical_p", "tfs_z", "mirostat", "mirostat_tau", "mirostat_eta", "fsd_alpha",
     "fsd_k", "fsd_n", "fsd_random_steps", "repetition_penalty", "presence_penalty",
-    "frequency_penalty", "seed", "ignore_eos", "n", "beam_width", "length_penalty",
+    "frequency_penalty", "seed", "ignore_eos", "beam_width", "length_penalty",
 )  # fmt: skip
 
 
-class SamplingBody(Body):
+class GenerationBody(Body):
+    """Fields every generating route takes (completions, chat, responses): the model, the
+    spec-defaulted sampling fields, streaming and the engine's extras."""
+
+    MAX_FIELD: ClassVar[str] = "max_tokens"  # the field that bounds the generated tokens
     model: Name | None = None
-    max_tokens: int | None = Field(None, ge=1, description="at most the model's context")
     # unset: the spec's generation defaults (as vLLM takes the model's generation config)
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
-    n: int = Field(1, ge=1, le=MAX_N)
     stop: (
         Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
         | Annotated[
@@ -169,15 +172,7 @@ class SamplingBody(Body):
     seed: int | None = Field(None, ge=SEED_RANGE[0], le=SEED_RANGE[1])
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
-    logit_bias: (
-        Annotated[
-            dict[Annotated[str, Field(max_length=10)], Annotated[float, Field(ge=-100, le=100)]],
-            Field(max_length=MAX_LOGIT_BIAS),
-        ]
-        | None
-    ) = None
     stream: bool = False
-    stream_options: StreamOptions | None = None
     user: Name | None = None
     # engine extras
     top_k: int | None = Field(None, ge=0, description="at most the vocabulary size")
@@ -213,7 +208,7 @@ class SamplingBody(Body):
         """The request's SamplingParams; RequestError (400) for a value out of its bounds,
         those tied to the model included (``vocab`` tokens, ``context`` positions)."""
         for name, value, most in (
-            ("max_tokens", max_tokens, context),
+            (self.MAX_FIELD, max_tokens, context),
             ("min_tokens", self.min_tokens, context),
             ("fsd_random_steps", self.fsd_random_steps, context),
             ("top_k", self.top_k or 0, vocab),
@@ -222,7 +217,9 @@ class SamplingBody(Body):
                 what = "vocabulary size" if name == "top_k" else "context (tokens)"
                 raise RequestError(f"{name}: {value} exceeds the model's {what}, {most}")
         bias = {}
-        for k, v in (self.logit_bias or {}).items():  # (keys are at most 10 characters)
+        # (n and logit_bias: completions and chat; the Responses API has one output, no bias;
+        # keys are at most 10 characters)
+        for k, v in (getattr(self, "logit_bias", None) or {}).items():
             if not k.isdigit() or not 0 <= int(k) < vocab:
                 raise RequestError(f"logit_bias: key {k!r} is not a token id in 0..{vocab - 1}")
             bias[int(k)] = v
@@ -233,6 +230,7 @@ class SamplingBody(Body):
         return SamplingParams(
             **unset,
             **{k: getattr(self, k) for k in SAME_NAME},
+            n=getattr(self, "n", 1),
             logit_bias=bias,
             max_new_tokens=max_tokens,
             min_new_tokens=min(self.min_tokens, max_tokens),
@@ -240,6 +238,21 @@ class SamplingBody(Body):
             stop=tuple(self.stop_strings()),
             logprobs=logprobs,
         )
+
+
+class SamplingBody(GenerationBody):
+    """Completions and chat: OpenAI's sampling fields besides the shared ones."""
+
+    max_tokens: int | None = Field(None, ge=1, description="at most the model's context")
+    n: int = Field(1, ge=1, le=MAX_N)
+    logit_bias: (
+        Annotated[
+            dict[Annotated[str, Field(max_length=10)], Annotated[float, Field(ge=-100, le=100)]],
+            Field(max_length=MAX_LOGIT_BIAS),
+        ]
+        | None
+    ) = None
+    stream_options: StreamOptions | None = None
 
 
 class CompletionBody(SamplingBody):
@@ -366,8 +379,11 @@ def _bodies(cls: type[BaseModel] = Body) -> list[type[BaseModel]]:
     return [c for sub in cls.__subclasses__() for c in (sub, *_bodies(sub))]
 
 
-# every field name of a request body: in an error's path, what is not one is a union member
-FIELDS = {name for m in _bodies() for name in m.model_fields}
+@functools.cache
+def _fields() -> frozenset[str]:
+    """Every field name of a request body (once all route modules have defined theirs): in an
+    error's path, what is not one is a union member."""
+    return frozenset(name for m in _bodies() for name in m.model_fields)
 
 
 def describe_invalid(errors: list[dict[str, Any]]) -> tuple[str | None, str]:
@@ -387,7 +403,7 @@ def describe_invalid(errors: list[dict[str, Any]]) -> tuple[str | None, str]:
         unknown = e.get("type") == "extra_forbidden"  # (its last element names the field)
         kept, tags = [], []
         for i, x in enumerate(loc):
-            if isinstance(x, int) or x in FIELDS or (unknown and i == len(loc) - 1):
+            if isinstance(x, int) or x in _fields() or (unknown and i == len(loc) - 1):
                 kept.append(str(x))
             else:
                 tags.append(str(x))

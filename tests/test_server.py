@@ -406,6 +406,22 @@ def test_responses_create_and_multi_turn_match_transformers(client, hf) -> None:
     with pytest.raises(openai.BadRequestError) as e:
         client.responses.create(model=NAME, input="x", previous_response_id=r.id)
     assert e.value.body["param"] == "previous_response_id" and r.id in e.value.body["message"]
+    # per-token logprobs on request, as transformers computes them for the first token
+    model, tok = hf
+    lp = client.responses.create(
+        model=NAME,
+        input="Say hi.",
+        max_output_tokens=4,
+        temperature=0,
+        include=["message.output_text.logprobs"],
+        top_logprobs=2,
+    ).output[0].content[0].logprobs
+    ids = _templated(hf, [{"role": "user", "content": "Say hi."}])
+    with torch.no_grad():
+        want = torch.log_softmax(model(torch.tensor([ids])).logits[0, -1], -1).topk(2)
+    assert len(lp) == 4 and [len(x.top_logprobs) for x in lp] == [2] * 4
+    assert lp[0].token == tok.decode([int(want.indices[0])])
+    assert [t.logprob for t in lp[0].top_logprobs] == pytest.approx(want.values.tolist(), abs=1e-3)
     unstored = client.responses.create(model=NAME, input="x", max_output_tokens=2, store=False)
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(unstored.id)

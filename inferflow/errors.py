@@ -5,9 +5,20 @@ Every message names the bad value and, where there is a closed set, the allowed 
 
 from __future__ import annotations
 
+import re
+
 
 class InferflowError(Exception):
-    """Base class of Inferflow's own errors: the CLI prints these without a traceback."""
+    """Base class of Inferflow's own errors: the CLI prints these without a traceback and
+    exits with ``exit_code`` (2: bad input)."""
+
+    exit_code = 2
+
+
+class Unavailable(InferflowError):
+    """Something the command needs is not available now (a port in use): exit status 1."""
+
+    exit_code = 1
 
 
 class SpecError(InferflowError):
@@ -35,7 +46,14 @@ class QuantError(InferflowError):
 
 
 class RequestError(InferflowError):
-    """A generation request is invalid (parameters out of range, prompt too long, ...)."""
+    """A generation request is invalid (parameters out of range, prompt too long, ...).
+    ``param``: the request field at fault (the server's error ``param``); by default the name a
+    message starts with, as in "top_k: 1000000 exceeds the model's vocabulary size"."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        lead = re.match(r"([a-z][a-z0-9_]*): ", message)
+        self.param = param if param is not None else (lead[1] if lead else None)
 
 
 class Stopped(InferflowError):

@@ -64,6 +64,28 @@ def tokenizer_for(spec: Spec) -> Tokenizer | None:
     return load_tokenizer(t.kind, files, metadata, overrides)
 
 
+def require_tokenizer(spec: Spec, tok: Tokenizer | None) -> Tokenizer:
+    if tok is None:
+        raise RequestError(f"spec {spec.name!r} declares no tokenizer: pass token ids")
+    return tok
+
+
+def encode_prompt(
+    tok: Tokenizer, prompt: str, chat: bool = False, system: str | None = None
+) -> list[int]:
+    """A prompt's token ids: raw text with the tokenizer's special tokens, or (``chat``) the
+    user message (after ``system``) through the chat template. Needs no weights: commands call
+    it before loading them, so a missing template fails at once."""
+    if chat:
+        messages = ([{"role": "system", "content": system}] if system else []) + [
+            {"role": "user", "content": prompt}
+        ]
+        text = tok.apply_chat_template(messages, add_generation_prompt=True)
+        # the template writes BOS itself where the model wants one
+        return tok.encode(text, add_special_tokens=False)
+    return tok.encode(prompt, add_special_tokens=True)
+
+
 @dataclass
 class LanguageModel:
     spec: Spec
@@ -73,15 +95,7 @@ class LanguageModel:
     def encode_prompt(
         self, prompt: str, chat: bool = False, system: str | None = None
     ) -> list[int]:
-        tok = self._tok()
-        if chat:
-            messages = ([{"role": "system", "content": system}] if system else []) + [
-                {"role": "user", "content": prompt}
-            ]
-            text = tok.apply_chat_template(messages, add_generation_prompt=True)
-            # the template writes BOS itself where the model wants one
-            return tok.encode(text, add_special_tokens=False)
-        return tok.encode(prompt, add_special_tokens=True)
+        return encode_prompt(self._tok(), prompt, chat, system)
 
     def encode_source(self, text: str, ids: bool = False, where: str = "input") -> list[int]:
         """A source line as token ids (``ids``: the line is space-separated ids); an empty
@@ -178,9 +192,7 @@ class LanguageModel:
         return eos
 
     def _tok(self) -> Tokenizer:
-        if self.tokenizer is None:
-            raise RequestError(f"spec {self.spec.name!r} declares no tokenizer: pass token ids")
-        return self.tokenizer
+        return require_tokenizer(self.spec, self.tokenizer)
 
     def stream(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[StepOutput]:
         return generate_tokens(self.model, prompt_ids, params, self._end_ids())
@@ -245,10 +257,14 @@ def quant_for(spec: Spec, quant: str | None) -> QuantSpec | None:
 
 
 def load(
-    ref: str | Path | Spec, dtype: str | torch.dtype = "float32", quant: str | None = None
+    ref: str | Path | Spec,
+    dtype: str | torch.dtype = "float32",
+    quant: str | None = None,
+    tokenizer: Tokenizer | None = None,
 ) -> LanguageModel:
     """``quant`` replaces the spec's default weight format (``quant_for``): a format name
-    re-quantizes every linear layer, "none" runs everything in float."""
+    re-quantizes every linear layer, "none" runs everything in float. ``tokenizer``: one
+    already made by ``tokenizer_for(spec)`` (checks that need no weights ran on it)."""
     spec = ref if isinstance(ref, Spec) else load_spec(ref)
     dt = parse_dtype(dtype) if isinstance(dtype, str) else dtype
     q = quant_for(spec, quant)
@@ -257,6 +273,7 @@ def load(
         from inferflow.parallel.runtime import launch
 
         layout = resolve_layout(spec.partition, spec, q)
-        tokenizer = tokenizer_for(spec)  # a bad tokenizer fails before processes start
+        tokenizer = tokenizer or tokenizer_for(spec)  # (a bad one fails before processes start)
         return LanguageModel(spec, launch(spec, layout, dt, q), tokenizer)
-    return LanguageModel(spec, load_model(spec, dt, q), tokenizer_for(spec))
+    tokenizer = tokenizer or tokenizer_for(spec)  # (a bad one fails before weights load)
+    return LanguageModel(spec, load_model(spec, dt, q), tokenizer)

@@ -174,3 +174,62 @@ def _write_bytes(tmp: Path, data: bytes, name: str) -> Path:
     p = tmp / name
     p.write_bytes(data)
     return p
+
+
+def _no_weights(monkeypatch: pytest.MonkeyPatch, module: str) -> None:
+    """Loading weights (or building the server) in ``module`` fails the test: what is checked
+    there must fail before."""
+
+    def loaded(*_: object, **__: object) -> None:
+        raise AssertionError("the weights were loaded before the check")
+
+    for name in ("load", "create_app"):
+        monkeypatch.setattr(f"{module}.{name}", loaded, raising=False)
+
+
+def test_checks_that_need_no_weights_fail_before_loading(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A chat prompt for a model without a chat template, a text shorter than one perplexity
+    window, a prompt that renders to nothing, an unknown --quant: one clean line, exit 2, and
+    no weights loaded first."""
+    from inferflow.cli.main import main
+
+    smollm2_path()
+    _no_weights(monkeypatch, "inferflow.cli.generate")
+    _no_weights(monkeypatch, "inferflow.cli.ppl")
+    text = _write(tmp_path, "A short text.", "short.txt")
+    empty = _write(
+        tmp_path, "name: e\nbase: smollm2-135m-instruct\ntokenizer: {chat_template: ''}\n"
+    )
+    cases = [
+        (["generate", "all-minilm-l6-v2", "--prompt", "hi", "--chat"], "no chat template"),
+        (["generate", str(empty), "--prompt", "hi", "--chat"], "--prompt: the chat template"),
+        (["generate", "smollm2-135m-instruct", "--prompt", "hi", "--quant", "Q9"], "'Q9'"),
+        (["ppl", "smollm2-135m-instruct", "--text", str(text)], "fewer than one window"),
+        (["ppl", "smollm2-135m-instruct", "--text", str(text), "--quant", "Q9"], "'Q9'"),
+    ]
+    for argv, message in cases:
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and message in err, (argv, err)
+
+
+def test_serve_on_a_port_in_use_exits_1_before_loading(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A second server on a busy port: one line naming the port, exit status 1, before the
+    model loads (it used to load, print the bind error and die with SIGABRT)."""
+    import socket
+
+    from inferflow.cli.main import main
+
+    smollm2_path()
+    _no_weights(monkeypatch, "inferflow.server.app")
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        assert main(["serve", "smollm2-135m-instruct", "--port", str(port)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: --port {port}: cannot listen on 127.0.0.1:{port}"), err

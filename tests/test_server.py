@@ -408,14 +408,19 @@ def test_responses_create_and_multi_turn_match_transformers(client, hf) -> None:
     assert e.value.body["param"] == "previous_response_id" and r.id in e.value.body["message"]
     # per-token logprobs on request, as transformers computes them for the first token
     model, tok = hf
-    lp = client.responses.create(
-        model=NAME,
-        input="Say hi.",
-        max_output_tokens=4,
-        temperature=0,
-        include=["message.output_text.logprobs"],
-        top_logprobs=2,
-    ).output[0].content[0].logprobs
+    lp = (
+        client.responses.create(
+            model=NAME,
+            input="Say hi.",
+            max_output_tokens=4,
+            temperature=0,
+            include=["message.output_text.logprobs"],
+            top_logprobs=2,
+        )
+        .output[0]
+        .content[0]
+        .logprobs
+    )
     ids = _templated(hf, [{"role": "user", "content": "Say hi."}])
     with torch.no_grad():
         want = torch.log_softmax(model(torch.tensor([ids])).logits[0, -1], -1).topk(2)

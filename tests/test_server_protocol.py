@@ -4,6 +4,7 @@ reaches the route and gets 503 "loading"). Regression tests for what the schemat
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -300,3 +301,35 @@ def test_method_not_allowed_lists_every_method_of_the_path(client: TestClient) -
         r = client.request("PUT", path, headers=AUTH)
         assert r.status_code == 405 and r.headers["allow"] == "DELETE, GET", r.headers
     assert client.get("/v1/completions", headers=AUTH).headers["allow"] == "POST"
+
+
+def test_bad_requests_name_their_param_and_a_body_without_content_type_is_json(
+    loaded: TestClient,
+) -> None:
+    """Every 400 caused by one field names it in ``param``; max_tokens past what the context
+    leaves after the prompt is refused naming both numbers (as vLLM does), not clamped; a body
+    sent without a Content-Type is read as JSON, one sent as text/plain gets a message saying
+    what to send."""
+    most = loaded.app.state.inferflow.max_len()  # type: ignore[attr-defined]
+
+    def bad(body: dict, param: str, *needles: str) -> None:
+        r = loaded.post("/v1/completions", json=body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+        for n in needles:
+            assert n in r.json()["error"]["message"], r.text
+
+    bad({"prompt": [5] * (most - 10), "max_tokens": 20}, "max_tokens", "20", str(most - 10))
+    bad({"prompt": [5] * (most + 1)}, "prompt", str(most + 1))
+    bad({"prompt": [5], "top_k": 10**6}, "top_k", "vocabulary")
+    bad({"prompt": [5], "max_tokens": 2**64}, "max_tokens", str(2**64))
+    bad({"prompt": [5], "logit_bias": {"x": 1}}, "logit_bias")
+    ok = loaded.post("/v1/completions", json={"prompt": [5] * (most - 10), "max_tokens": 10})
+    assert ok.status_code == 200, ok.text
+    raw = json.dumps({"prompt": [5, 6], "max_tokens": 2})
+    for r in (
+        loaded.post("/v1/completions", content=raw),  # (httpx sends no Content-Type for bytes)
+        loaded.post("/v1/completions", content=raw, headers={"content-type": ""}),
+    ):
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2, r.text
+    r = loaded.post("/v1/completions", content=raw, headers={"content-type": "text/plain"})
+    assert r.status_code == 400 and "Content-Type: application/json" in r.text, r.text

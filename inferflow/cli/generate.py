@@ -10,7 +10,8 @@ import time
 from inferflow.cli.common import add_dtype
 from inferflow.engine.sampling import SamplingParams
 from inferflow.engine.speculative import speculative_generate
-from inferflow.runtime import load
+from inferflow.errors import InferflowError
+from inferflow.runtime import encode_prompt, load, quant_for, require_tokenizer, tokenizer_for
 from inferflow.spec import load_spec
 
 # extra sampling flags: (flag, type, help); each maps to the SamplingParams field of its name
@@ -79,11 +80,16 @@ def run(args: argparse.Namespace) -> int:
         seed=g.seed if args.seed is None else args.seed,
         **{k: v for k, v in extra.items() if v is not None},
     )
-    # after the cheap checks: bad input fails before weights load
-    lm = load(spec, args.dtype, args.quant)
+    # every check that needs no weights first: a bad --quant, a missing chat template, a prompt
+    # the tokenizer cannot take fail before anything loads
+    quant_for(spec, args.quant)
+    tok = require_tokenizer(spec, tokenizer_for(spec))
+    prompt_ids = encode_prompt(tok, args.prompt, chat=args.chat, system=args.system)
+    if not prompt_ids:
+        what = "the chat template renders it as no text" if args.chat else "it has no tokens"
+        raise InferflowError(f"--prompt: {what}")
+    lm = load(spec, args.dtype, args.quant, tok)
     draft = load(args.draft, args.dtype, args.quant) if args.draft else None
-    prompt_ids = lm.encode_prompt(args.prompt, chat=args.chat, system=args.system)
-    tok = lm._tok()
     decoder = tok.incremental_decoder()
     ids: list[int] = []
     reason = None

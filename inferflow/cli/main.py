@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
         return int(args.run(args) or 0)
     except InferflowError as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        return e.exit_code
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:

@@ -13,8 +13,9 @@ from pathlib import Path
 
 from inferflow.cli.common import add_dtype
 from inferflow.errors import InferflowError
-from inferflow.evaluate import perplexity
-from inferflow.runtime import load
+from inferflow.evaluate import perplexity, windows
+from inferflow.runtime import load, quant_for, require_tokenizer, tokenizer_for
+from inferflow.spec import load_spec
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -59,8 +60,13 @@ def run(args: argparse.Namespace) -> int:
         text = args.text.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
         raise InferflowError(f"cannot read --text {args.text}: {e}") from None
-    lm = load(args.spec, args.dtype, args.quant)
-    ids = lm._tok().encode(text, add_special_tokens=False)
+    # the text's windows counted before the weights load: too short a text fails at once
+    spec = load_spec(args.spec)
+    quant_for(spec, args.quant)
+    tok = require_tokenizer(spec, tokenizer_for(spec))
+    ids = tok.encode(text, add_special_tokens=False)
+    windows(ids, args.ctx, args.chunks)
+    lm = load(spec, args.dtype, args.quant, tok)
     res = perplexity(
         lm.model,
         ids,

@@ -167,7 +167,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
 
 def run(args: argparse.Namespace) -> int:
     from inferflow.server.app import ServerConfig, create_app
-    from inferflow.server.shutdown import serve
+    from inferflow.server.shutdown import listen, serve
 
     spec = load_spec(args.spec)  # a bad spec fails here, before the port opens
     if args.dense_batch is not None:
@@ -198,6 +198,7 @@ def run(args: argparse.Namespace) -> int:
                 f"--{flag.replace('_', '-')}: seconds in (0, 86400), got {getattr(args, flag)}"
             )
     engine = engine_config(args)
+    sock = listen(args.host, args.port)  # (a port in use fails here, before the model loads)
     cfg = ServerConfig(
         spec,
         args.served_model_name,
@@ -216,5 +217,5 @@ def run(args: argparse.Namespace) -> int:
     for name in ("inferflow.server", "inferflow.model.materialise"):  # (+ loading progress)
         said = logging.getLogger(name)
         said.setLevel(min(said.getEffectiveLevel(), logging.INFO))
-    serve(create_app(cfg), args.host, args.port, args.shutdown_grace)
+    serve(create_app(cfg), args.host, args.port, args.shutdown_grace, sock)
     return 0

@@ -112,13 +112,13 @@ class Engine:
         # (not model.batch.check_input: a prompt here leaves a position for the first new
         # token, and the KV cache may hold less than the model's context)
         if not ids:
-            raise RequestError("the prompt is empty: give at least one token")
+            raise RequestError("the prompt is empty: give at least one token", "prompt")
         h = self.model.spec.hparams
         vocab = h.vocab_size
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
             raise RequestError(
-                f"prompt token ids {bad[:5]} are outside the vocabulary 0..{vocab - 1}"
+                f"prompt token ids {bad[:5]} are outside the vocabulary 0..{vocab - 1}", "prompt"
             )
         if len(ids) >= self.max_len:
             where = (
@@ -126,7 +126,9 @@ class Engine:
                 if self.max_len == h.max_positions
                 else "the KV cache (--kv-cache-memory) holds"
             )
-            raise RequestError(f"the prompt has {len(ids)} tokens; {where} {self.max_len}")
+            raise RequestError(
+                f"the prompt has {len(ids)} tokens; {where} {self.max_len}", "prompt"
+            )
         for name, toks in (
             ("logit_bias", params.logit_bias), ("stop_token_ids", params.stop_token_ids)
         ):  # fmt: skip

@@ -131,9 +131,11 @@ class SamplingParams:
             raise bad("beam_width", f"in [1, {MAX_N}] (1 turns beam search off)")
         if self.beam_width > 1:
             if self.n > self.beam_width:
-                raise RequestError(f"n ({self.n}) exceeds beam_width ({self.beam_width})")
+                raise RequestError(f"n ({self.n}) exceeds beam_width ({self.beam_width})", "n")
             if self.stop or self.logprobs is not None:
-                raise RequestError("beam search does not take stop strings or logprobs")
+                raise RequestError(
+                    "beam search does not take stop strings or logprobs", "beam_width"
+                )
         if any(not s for s in self.stop):
             raise RequestError("stop: stop strings must not be empty")
         if len(self.stop) > MAX_STOP or any(len(s) > MAX_STOP_CHARS for s in self.stop):

@@ -82,7 +82,7 @@ def check_input(ids: list[int], vocab_size: int, limit: int, name: str) -> None:
     """A token-id input a network can take whole: not empty, every id in the vocabulary, at most
     ``limit`` tokens (never truncated). Errors name the input (``name``) and the bounds."""
     if not ids:
-        raise RequestError(f"{name} is empty: give at least one token")
+        raise RequestError(f"{name} is empty: give at least one token", name)
     bad = [t for t in ids if not 0 <= t < vocab_size]
     if bad:
         raise RequestError(
@@ -90,7 +90,8 @@ def check_input(ids: list[int], vocab_size: int, limit: int, name: str) -> None:
         )
     if len(ids) > limit:
         raise RequestError(
-            f"{name} has {len(ids)} tokens; the model takes at most {limit} (max_positions)"
+            f"{name} has {len(ids)} tokens; the model takes at most {limit} (max_positions)",
+            name,
         )
 
 

@@ -34,6 +34,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from inferflow import __version__
 from inferflow.engine.embed import embed_batch, resolve_pooling
 from inferflow.engine.engine import Engine, EngineConfig
+from inferflow.errors import RequestError
 from inferflow.model.batch import check_inputs
 from inferflow.runtime import LanguageModel, load
 from inferflow.server.generation import Generation
@@ -184,23 +185,41 @@ class ServerState:
             )
         return lm, runner
 
-    def chat_generation(
+    def start(
         self,
         lm: LanguageModel,
         runner: EngineRunner,
-        ids: list[int],
+        prompts: list[list[int]],
         body: GenerationBody,
         max_tokens: int | None,
         logprobs: int | None,
+        field: str,
     ) -> Generation:
-        """The engine requests of a chat-templated prompt (chat completions, responses);
-        ``max_tokens`` unset: the spec's ``max_new_tokens``, at most what the context leaves."""
-        most = self.max_len()
-        limit = max_tokens or max(1, min(most - len(ids), lm.spec.generation.max_new_tokens))
+        """Check and queue a generation request (chat and responses when ``field``, the request
+        field holding the prompt, is messages or input). ``max_tokens`` unset: the spec's
+        ``max_new_tokens``, at most what the context leaves; set past what the context leaves
+        after the prompt: 400 naming both numbers, as vLLM answers."""
+        most, longest = self.max_len(), max(map(len, prompts))
+        limit = max_tokens or max(1, min(most - longest, lm.spec.generation.max_new_tokens))
         params = body.sampling(
             limit, logprobs, lm.spec.hparams.vocab_size, most, lm.spec.generation
         )
-        return Generation(runner, lm.tokenizer, self.name, True, [ids], params, self.fingerprint)
+        if longest < most < longest + limit:  # (a prompt too long is the engine's error)
+            raise APIError(
+                400,
+                f"{body.MAX_FIELD}: {limit} new tokens after the prompt's {longest} exceed the "
+                f"context of {most} tokens; at most {most - longest} fit",
+                param=body.MAX_FIELD,
+            )
+        chat = field != "prompt"
+        try:
+            return Generation(
+                runner, lm.tokenizer, self.name, chat, prompts, params, self.fingerprint
+            )
+        except RequestError as e:
+            if e.param == "prompt":
+                e.param = field
+            raise
 
     def tokenizer(self) -> Tokenizer:
         lm = self.lm
@@ -272,16 +291,7 @@ def create_app(cfg: ServerConfig) -> FastAPI:
         if lm.spec.network.type == "encoder_decoder":
             head = {"model": state.name, "system_fingerprint": state.fingerprint}
             return await seq2seq_complete(lm, runner, head, body, prompts, request)
-        params = body.sampling(
-            body.max_tokens or 16,
-            body.logprobs,
-            lm.spec.hparams.vocab_size,
-            state.max_len(),
-            lm.spec.generation,
-        )
-        gen = Generation(
-            runner, lm.tokenizer, state.name, False, prompts, params, state.fingerprint
-        )
+        gen = state.start(lm, runner, prompts, body, body.max_tokens or 16, body.logprobs, "prompt")
         return await _respond(gen, request, body.stream, body.stream_options)
 
     @app.post(
@@ -296,7 +306,7 @@ def create_app(cfg: ServerConfig) -> FastAPI:
             raise APIError(400, "top_logprobs: needs logprobs set to true", param="top_logprobs")
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         max_tokens = body.max_completion_tokens or body.max_tokens
-        gen = state.chat_generation(lm, runner, ids, body, max_tokens, logprobs)
+        gen = state.start(lm, runner, [ids], body, max_tokens, logprobs, "messages")
         return await _respond(gen, request, body.stream, body.stream_options)
 
     @app.post("/v1/embeddings", responses=responses(auth, body=True, queued=True))

@@ -64,8 +64,13 @@ def install_error_handlers(app: FastAPI) -> None:
         return JSONResponse(error_body(str(e.detail), kind), e.status_code, headers=headers)
 
     @app.exception_handler(RequestValidationError)
-    async def invalid(_: Request, e: RequestValidationError) -> JSONResponse:
-        param, text = describe_invalid(list(e.errors()))
+    async def invalid(request: Request, e: RequestValidationError) -> JSONResponse:
+        kind = request.headers.get("content-type", "")
+        errors = list(e.errors())
+        if "json" not in kind and errors and tuple(errors[0].get("loc", ())) == ("body",):
+            text = f"the body must be JSON, sent as Content-Type: application/json (got {kind!r})"
+            return JSONResponse(error_body(text, "invalid_request_error"), 400)
+        param, text = describe_invalid(errors)
         return JSONResponse(error_body(text, "invalid_request_error", param), 400)
 
     @app.exception_handler(QueueFull)
@@ -76,7 +81,8 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(InferflowError)
     async def bad(_: Request, e: InferflowError) -> JSONResponse:
-        return JSONResponse(error_body(str(e), "invalid_request_error"), 400)
+        param = getattr(e, "param", None)  # (RequestError's field at fault)
+        return JSONResponse(error_body(str(e), "invalid_request_error", param), 400)
 
     @app.exception_handler(ClientGone)
     async def gone(request: Request, _: ClientGone) -> Response:
@@ -137,6 +143,14 @@ class Guard:
             return await JSONResponse(
                 error_body(msg, "server_error"), 503, headers={"Retry-After": "5"}
             )(scope, receive, send)
+        if not headers.get(b"content-type"):  # (curl -d without -H, some clients): JSON
+            scope = {
+                **scope,
+                "headers": [
+                    *(h for h in scope["headers"] if h[0] != b"content-type"),
+                    (b"content-type", b"application/json"),
+                ],
+            }
         self.state.active += 1
         try:
             await self._limited(scope, receive, send, headers)

@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 import time
 from types import FrameType
 from typing import Any
 
 import uvicorn
 
+from inferflow.errors import Unavailable
 from inferflow.server.app import ServerState
 
 log = logging.getLogger(__name__)
@@ -72,10 +74,34 @@ class DrainingServer(uvicorn.Server):
         loop.call_soon_threadsafe(start)
 
 
-def serve(app: Any, host: str, port: int, grace: float) -> None:
-    """Serve ``app`` (create_app's) until a signal, draining as above."""
+def listen(host: str, port: int) -> socket.socket:
+    """The server's listening socket, bound now: a port in use fails at once, before the model
+    loads (Unavailable: exit status 1), and no other process can take it meanwhile."""
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+        sock = socket.socket(family, kind, proto)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # (as uvicorn binds)
+            sock.bind(addr)
+            sock.listen(2048)
+        except OSError:
+            sock.close()
+            raise
+    except OSError as e:
+        raise Unavailable(
+            f"--port {port}: cannot listen on {host}:{port}: {e.strerror or e} (is another "
+            "server running there? choose another --port or --host)"
+        ) from None
+    return sock
+
+
+def serve(app: Any, host: str, port: int, grace: float, sock: socket.socket | None = None) -> None:
+    """Serve ``app`` (create_app's) until a signal, draining as above; on ``sock`` when given
+    (``listen``'s), else on a socket uvicorn binds."""
     # (uvicorn's own shutdown then only closes idle connections: drain ended the requests)
     config = uvicorn.Config(
         app, host=host, port=port, timeout_graceful_shutdown=5, log_level="info"
     )
-    DrainingServer(config, app.state.inferflow, grace).run()
+    DrainingServer(config, app.state.inferflow, grace).run(sockets=None if sock is None else [sock])

@@ -68,6 +68,44 @@ def scored_logprobs(
         yield torch.log_softmax(logits, dim=-1), torch.tensor(chunk[first + 1 :])
 
 
+@dataclass
+class PromptLogprobs:
+    """Teacher-forced log-probabilities of a prompt's tokens 1..T-1 under the model (token 0
+    has none): each token's own, its rank (1: the most likely) and the ``top`` most likely
+    (token id, log-probability) pairs at its position."""
+
+    chosen: list[float]
+    rank: list[int]
+    top: list[list[tuple[int, float]]]
+
+
+@torch.inference_mode()
+def prompt_logprobs(
+    model: Network, ids: list[int], top: int = 0, chunk: int = 256
+) -> PromptLogprobs:
+    """The prompt's log-probabilities (what lm-evaluation-harness scores over ``echo``): the
+    prompt runs once, ``chunk`` positions at a time over a cache of its own, so the
+    (positions, vocabulary) log-softmax never holds more than ``chunk`` rows."""
+    cache = new_cache(model, len(ids))
+    out = PromptLogprobs([], [], [])
+    for a in range(0, len(ids) - 1, chunk):  # tokens a..b-1 predict a+1..b
+        b = min(a + chunk, len(ids) - 1)
+        batch = FlatBatch.single(torch.tensor(ids[a:b]), a, cache)
+        batch.logits_rows = torch.arange(b - a)
+        lp = torch.log_softmax(model(batch).float(), dim=-1)
+        own = lp.gather(1, torch.tensor(ids[a + 1 : b + 1])[:, None])
+        out.chosen += own[:, 0].tolist()
+        out.rank += ((lp > own).sum(1) + 1).tolist()
+        if top:
+            v, i = lp.topk(min(top, lp.shape[1]), dim=-1)
+            out.top += [
+                list(zip(r, x, strict=True)) for r, x in zip(i.tolist(), v.tolist(), strict=True)
+            ]
+        else:
+            out.top += [[] for _ in range(b - a)]
+    return out
+
+
 def perplexity(
     model: Network,
     ids: list[int],

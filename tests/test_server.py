@@ -475,3 +475,50 @@ def test_responses_stream_events_and_final_object(client, hf) -> None:  # noqa: 
     assert last.response.incomplete_details.reason == "max_output_tokens"
     assert last.response.usage.output_tokens == 3
     assert last.response.output[0].content[0].text == _reply(hf, messages, 3)
+
+
+def test_echo_logprobs_score_the_prompt_as_transformers(client, hf, url) -> None:  # noqa: ANN001
+    """``echo`` + ``logprobs`` (what lm-evaluation-harness's local-completions scores): the
+    choice holds the prompt's tokens and their teacher-forced log-probabilities, equal to
+    transformers' fp32 log-softmax within 1e-4, then the generated token's; ``max_tokens: 0``
+    scores the prompt alone; vLLM's ``prompt_logprobs`` gives ranks; streamed, the prompt part
+    comes first."""
+    model, tok = hf
+    prompt = "The capital of France is Paris, and the capital of Spain is"
+    ids = tok(prompt)["input_ids"]
+    with torch.no_grad():
+        lp = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), -1)
+    want = lp[:-1].gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
+    r = client.completions.create(
+        model=NAME, prompt=prompt, max_tokens=1, temperature=0, logprobs=2, echo=True
+    )
+    c = r.choices[0]
+    assert c.text.startswith(prompt) and len(c.logprobs.tokens) == len(ids) + 1
+    assert c.logprobs.token_logprobs[0] is None and c.logprobs.top_logprobs[0] is None
+    got = torch.tensor(c.logprobs.token_logprobs[1 : len(ids)])
+    assert (got - want).abs().max() < 1e-4
+    assert c.logprobs.token_logprobs[-1] == pytest.approx(float(lp[-1].max()), abs=1e-3)
+    for j in range(1, len(ids)):  # the 2 most likely, the prompt's own token added
+        top = c.logprobs.top_logprobs[j]
+        best = [tok.decode([int(t)]) for t in lp[j - 1].topk(2).indices]
+        assert set(best) <= set(top) and tok.decode([ids[j]]) in top
+    assert r.usage.prompt_tokens == len(ids) and r.usage.completion_tokens == 1
+    # max_tokens 0: the prompt scored, nothing generated; prompt_logprobs with ranks
+    raw = httpx.post(
+        f"{url}/v1/completions",
+        json={"prompt": ids, "max_tokens": 0, "echo": True, "logprobs": 0, "prompt_logprobs": 1},
+    ).json()
+    zero = raw["choices"][0]
+    assert zero["text"] == tok.decode(ids) and raw["usage"]["completion_tokens"] == 0
+    assert torch.tensor(zero["logprobs"]["token_logprobs"][1:]).sub(want).abs().max() < 1e-4
+    ranks = [e[str(t)]["rank"] for e, t in zip(zero["prompt_logprobs"][1:], ids[1:], strict=True)]
+    assert ranks == [int((row > row[t]).sum()) + 1 for row, t in zip(lp[:-1], ids[1:], strict=True)]
+    _err(httpx.post(f"{url}/v1/completions", json={"prompt": "x", "max_tokens": 0}), 400, "echo")
+    chunks = list(
+        client.completions.create(
+            model=NAME, prompt=prompt, max_tokens=2, temperature=0, echo=True, stream=True
+        )
+    )
+    assert chunks[0].choices[0].text == prompt
+    two = client.completions.create(model=NAME, prompt=prompt, max_tokens=2, temperature=0)
+    assert "".join(ch.choices[0].text for ch in chunks) == prompt + two.choices[0].text

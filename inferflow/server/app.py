@@ -18,7 +18,7 @@ import os
 import resource
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,8 +35,9 @@ from inferflow import __version__
 from inferflow.engine.embed import embed_batch, resolve_pooling
 from inferflow.engine.engine import Engine, EngineConfig
 from inferflow.errors import RequestError
-from inferflow.model.batch import check_inputs
+from inferflow.model.batch import check_input, check_inputs
 from inferflow.runtime import LanguageModel, load
+from inferflow.server.echo import Echo, echoes
 from inferflow.server.generation import Generation
 from inferflow.server.guard import APIError, Guard, install_error_handlers
 from inferflow.server.metrics import Metrics
@@ -185,7 +186,7 @@ class ServerState:
             )
         return lm, runner
 
-    def start(
+    async def start(
         self,
         lm: LanguageModel,
         runner: EngineRunner,
@@ -194,17 +195,21 @@ class ServerState:
         max_tokens: int | None,
         logprobs: int | None,
         field: str,
+        echo: Callable[[], Awaitable[list[Echo] | None]] | None = None,
     ) -> Generation:
         """Check and queue a generation request (chat and responses when ``field``, the request
         field holding the prompt, is messages or input). ``max_tokens`` unset: the spec's
         ``max_new_tokens``, at most what the context leaves; set past what the context leaves
-        after the prompt: 400 naming both numbers, as vLLM answers."""
+        after the prompt: 400 naming both numbers, as vLLM answers; 0: nothing generated (only
+        with ``echo``, completions' prompt scoring, which runs once every check has passed)."""
         most, longest = self.max_len(), max(map(len, prompts))
         limit = max_tokens or max(1, min(most - longest, lm.spec.generation.max_new_tokens))
+        if max_tokens == 0:
+            limit = 1  # (the parameters are checked; no request is queued)
         params = body.sampling(
             limit, logprobs, lm.spec.hparams.vocab_size, most, lm.spec.generation
         )
-        if longest < most < longest + limit:  # (a prompt too long is the engine's error)
+        if max_tokens != 0 and longest < most < longest + limit:  # (too long: the engine's)
             raise APIError(
                 400,
                 f"{body.MAX_FIELD}: {limit} new tokens after the prompt's {longest} exceed the "
@@ -212,9 +217,22 @@ class ServerState:
                 param=body.MAX_FIELD,
             )
         chat = field != "prompt"
+        echoes = None
+        if echo is not None:  # (the scoring pass reads the prompts: check them first)
+            for ids in prompts:
+                check_input(ids, lm.spec.hparams.vocab_size, most - (max_tokens != 0), field)
+            echoes = await echo()
         try:
             return Generation(
-                runner, lm.tokenizer, self.name, chat, prompts, params, self.fingerprint
+                runner,
+                lm.tokenizer,
+                self.name,
+                chat,
+                prompts,
+                params,
+                self.fingerprint,
+                echoes,
+                generate=max_tokens != 0,
             )
         except RequestError as e:
             if e.param == "prompt":
@@ -291,7 +309,21 @@ def create_app(cfg: ServerConfig) -> FastAPI:
         if lm.spec.network.type == "encoder_decoder":
             head = {"model": state.name, "system_fingerprint": state.fingerprint}
             return await seq2seq_complete(lm, runner, head, body, prompts, request)
-        gen = state.start(lm, runner, prompts, body, body.max_tokens or 16, body.logprobs, "prompt")
+        if body.max_tokens == 0 and not body.echo:
+            raise APIError(
+                400,
+                "max_tokens: 0 generates nothing; it needs echo (to score the prompt)",
+                param="max_tokens",
+            )
+        texts = prompt_list(body.prompt)
+
+        async def echo() -> list[Echo] | None:
+            return await echoes(lm, runner, body, texts, prompts, request.is_disconnected)
+
+        max_tokens = 16 if body.max_tokens is None else body.max_tokens
+        gen = await state.start(
+            lm, runner, prompts, body, max_tokens, body.logprobs, "prompt", echo
+        )
         return await _respond(gen, request, body.stream, body.stream_options)
 
     @app.post(
@@ -306,7 +338,7 @@ def create_app(cfg: ServerConfig) -> FastAPI:
             raise APIError(400, "top_logprobs: needs logprobs set to true", param="top_logprobs")
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         max_tokens = body.max_completion_tokens or body.max_tokens
-        gen = state.start(lm, runner, [ids], body, max_tokens, logprobs, "messages")
+        gen = await state.start(lm, runner, [ids], body, max_tokens, logprobs, "messages")
         return await _respond(gen, request, body.stream, body.stream_options)
 
     @app.post("/v1/embeddings", responses=responses(auth, body=True, queued=True))

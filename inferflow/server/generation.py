@@ -13,6 +13,7 @@ from typing import Any
 
 from inferflow.engine.request import RequestOutput
 from inferflow.engine.sampling import SamplingParams
+from inferflow.server.echo import Echo
 from inferflow.server.protocol import error_body, sse_event
 from inferflow.server.runner import ClientGone, EngineRunner, ModelFailed, until_disconnect
 from inferflow.tokenizer import Tokenizer
@@ -41,7 +42,12 @@ class Generation:
         prompts: list[list[int]],
         params: SamplingParams,
         fingerprint: str | None = None,
+        echo: list[Echo] | None = None,
+        generate: bool = True,
     ) -> None:
+        """``echo``: per prompt, what its choices start with (completions' echo and
+        prompt_logprobs); ``generate`` False (max_tokens 0): no engine request, each choice
+        is its echo, finished ("length")."""
         self.runner, self.tok, self.model, self.chat = runner, tokenizer, model_name, chat
         self.fingerprint = fingerprint  # OpenAI's system_fingerprint
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
@@ -51,10 +57,16 @@ class Generation:
         self.prompt_tokens = sum(map(len, prompts))
         self.cached_tokens = 0  # prompt tokens served from the prefix cache
         self.queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
-        self.streams = runner.submit(prompts, params, self.queue)  # (all or none)
+        self.streams = runner.submit(prompts, params, self.queue) if generate else []
         self.order = {s.id: i for i, s in enumerate(self.streams)}
         self.choices = [Choice(i) for i in range(len(prompts) * self.n)]
-        self.left = len(self.choices)
+        self.echo = echo
+        for c in self.choices if echo else ():
+            e = echo[c.index // self.n]  # type: ignore[index]
+            c.text = e.text
+            c.logprobs = [] if e.logprobs is None else [e.logprobs]
+            c.finish_reason = None if generate else "length"
+        self.left = len(self.choices) if generate else 0
 
     def abort(self) -> None:
         for s in self.streams:
@@ -160,7 +172,11 @@ class Generation:
         body: dict[str, Any] = (
             {"message": {"role": "assistant", "content": c.text}} if self.chat else {"text": c.text}
         )
-        return {"index": c.index, **body, "logprobs": lp, "finish_reason": c.finish_reason}
+        extra = {}
+        if self.echo and (e := self.echo[c.index // self.n]).prompt_logprobs is not None:
+            extra["prompt_logprobs"] = e.prompt_logprobs
+        out = {"index": c.index, **body, "logprobs": lp, "finish_reason": c.finish_reason}
+        return {**out, **extra}
 
     async def sse(self, include_usage: bool) -> AsyncIterator[str]:
         """Server-sent events: one chunk per new piece of text, ending with ``data: [DONE]``."""
@@ -180,6 +196,10 @@ class Generation:
                     True,
                 )
             )
+        for c in self.choices if self.echo else ():  # the prompt first (echo, prompt_logprobs)
+            part = self._final(c)
+            part["finish_reason"] = None if self.left else c.finish_reason
+            yield sse_event(self._envelope([part], True))
         async for c, out in self.events():
             if out.finish_reason == "error":
                 yield sse_event(error_body(FAILED, "server_error"))

@@ -256,10 +256,15 @@ class SamplingBody(GenerationBody):
 
 
 class CompletionBody(SamplingBody):
-    NULL_ONLY = frozenset({"echo", "best_of", "suffix"})
+    NULL_ONLY = frozenset({"best_of", "suffix"})
     prompt: Prompt
-    max_tokens: int | None = Field(16, ge=1, description="at most the model's context")
+    max_tokens: int | None = Field(
+        16, ge=0, description="at most the model's context; 0 (with echo): score the prompt only"
+    )
     logprobs: int | None = Field(None, ge=0, le=20)
+    echo: bool = False  # the prompt before the completion (with logprobs: the prompt's too)
+    # vLLM's extra: per prompt token, its log-probability, rank and the most likely
+    prompt_logprobs: int | None = Field(None, ge=0, le=20)
 
 
 class TextPart(Body):

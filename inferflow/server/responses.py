@@ -289,7 +289,7 @@ def add_responses_routes(app: FastAPI, state: ServerState, auth: bool) -> None:
         system = [{"role": "system", "content": body.instructions}] if body.instructions else []
         ids = await _chat_ids(state, system + conversation)
         logprobs = (body.top_logprobs or 0) if LOGPROBS in (body.include or ()) else None
-        gen = state.start(lm, runner, [ids], body, body.max_output_tokens, logprobs, "input")
+        gen = await state.start(lm, runner, [ids], body, body.max_output_tokens, logprobs, "input")
         head: dict[str, Any] = {
             "model": state.name,
             "instructions": body.instructions,

@@ -1,0 +1,103 @@
+"""``echo``, ``logprobs`` and vLLM's ``prompt_logprobs`` on ``/v1/completions``: what
+evaluation harnesses (lm-evaluation-harness ``local-completions``) score. The prompt's own
+token log-probabilities come from one teacher-forced pass over it (``evaluate.prompt_logprobs``,
+through the runner's batcher like embeddings), not from the engine's prefill, which the prefix
+cache may skip; ``max_tokens: 0`` with ``echo`` scores the prompt and generates nothing."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from inferflow.evaluate import PromptLogprobs, prompt_logprobs
+from inferflow.runtime import LanguageModel
+from inferflow.server.protocol import CompletionBody
+from inferflow.server.runner import EngineRunner, until_disconnect
+from inferflow.tokenizer import Tokenizer
+
+
+@dataclass
+class Echo:
+    """What a prompt's choices start with: its text (``echo``), its tokens' OpenAI logprobs
+    part (``echo`` with ``logprobs``) and vLLM's ``prompt_logprobs`` list."""
+
+    text: str = ""
+    logprobs: dict[str, list[Any]] | None = None
+    prompt_logprobs: list[Any] | None = None
+
+
+async def echoes(
+    lm: LanguageModel,
+    runner: EngineRunner,
+    body: CompletionBody,
+    texts: list[str | list[int]],
+    prompts: list[list[int]],
+    disconnected: Callable[[], Awaitable[bool]],
+) -> list[Echo] | None:
+    """Per prompt, its Echo (None when the request asks for neither echo nor
+    prompt_logprobs). ``texts``: the prompts as sent (text, or token ids)."""
+    scored = body.echo and body.logprobs is not None
+    if not body.echo and body.prompt_logprobs is None:
+        return None
+    tok = lm.tokenizer
+    assert tok is not None  # (a model without a tokenizer takes token ids and answers none)
+    scores: list[PromptLogprobs] = []
+    if scored or body.prompt_logprobs is not None:
+        top = max(body.logprobs or 0, body.prompt_logprobs or 0)
+
+        def run(batch: list[list[int]], stop: Callable[[], bool]) -> list[PromptLogprobs]:
+            return [prompt_logprobs(lm.model, ids, top) for ids in batch]
+
+        job = runner.batch(("prompt_logprobs", top), prompts, run)
+        scores = await until_disconnect(job, disconnected)
+    out = []
+    for i, ids in enumerate(prompts):
+        e = Echo()
+        if body.echo:
+            sent = texts[i]
+            e.text = sent if isinstance(sent, str) else tok.decode(ids)
+        if scored:
+            e.logprobs = _openai_part(tok, ids, scores[i], body.logprobs or 0)
+        if body.prompt_logprobs is not None:
+            e.prompt_logprobs = _vllm_list(tok, ids, scores[i], body.prompt_logprobs)
+        out.append(e)
+    return out
+
+
+def _openai_part(tok: Tokenizer, ids: list[int], s: PromptLogprobs, k: int) -> dict[str, Any]:
+    """The completions logprobs of the prompt's tokens, as vLLM echoes them: the first token
+    has none; each later one its own and the ``k`` most likely, its own added."""
+    pieces = [tok.token_to_piece(t) for t in ids]
+    offsets, at = [], 0
+    for p in pieces:
+        offsets.append(at)
+        at += len(p)
+    tops: list[dict[str, float] | None] = [None]
+    for j in range(len(ids) - 1):
+        entry = {tok.token_to_piece(x): v for x, v in s.top[j][:k]}
+        entry.setdefault(pieces[j + 1], s.chosen[j])
+        tops.append(entry)
+    return {
+        "tokens": pieces,
+        "token_logprobs": [None, *s.chosen],
+        "top_logprobs": tops,
+        "text_offset": offsets,
+    }
+
+
+def _vllm_list(tok: Tokenizer, ids: list[int], s: PromptLogprobs, k: int) -> list[Any]:
+    """vLLM's ``prompt_logprobs``: None for the first token, then per token ``{id: {logprob,
+    rank, decoded_token}}`` for the token itself and the ``k`` most likely."""
+    out: list[Any] = [None]
+    for j, t in enumerate(ids[1:]):
+        entry = {
+            str(x): {"logprob": v, "rank": r + 1, "decoded_token": tok.token_to_piece(x)}
+            for r, (x, v) in enumerate(s.top[j][:k])
+        }
+        entry.setdefault(
+            str(t),
+            {"logprob": s.chosen[j], "rank": s.rank[j], "decoded_token": tok.token_to_piece(t)},
+        )
+        out.append(entry)
+    return out

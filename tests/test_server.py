@@ -5,8 +5,11 @@ the same GGUF (greedy text, logprobs, embeddings, chat template) — not against
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -522,3 +525,65 @@ def test_echo_logprobs_score_the_prompt_as_transformers(client, hf, url) -> None
     assert chunks[0].choices[0].text == prompt
     two = client.completions.create(model=NAME, prompt=prompt, max_tokens=2, temperature=0)
     assert "".join(ch.choices[0].text for ch in chunks) == prompt + two.choices[0].text
+
+
+def test_lm_evaluation_harness_scores_a_local_task(url, hf, tmp_path: Path) -> None:  # noqa: ANN001
+    """lm-evaluation-harness's ``local-completions`` (tokenizer_backend=remote: /tokenizer_info,
+    /tokenize, /detokenize) runs a multiple-choice task written here (a task YAML over a JSON
+    file; no hub access) against the server: every choice's log-likelihood equals transformers'
+    teacher-forced sum within 1e-3, and the reported accuracy is transformers' argmax's."""
+    pytest.importorskip("lm_eval")
+    model, tok = hf
+    docs = [
+        ("The capital of France is", ["Paris", "Rome", "Berlin"], 0),
+        ("The capital of Italy is", ["Madrid", "Rome", "Paris"], 1),
+        ("Two plus two equals", ["seven", "four", "ten"], 1),
+        ("The sun rises in the", ["west", "north", "east"], 2),
+        ("Water freezes at zero degrees", ["Celsius", "Kelvin"], 0),
+        ("The opposite of hot is", ["cold", "warm", "loud"], 0),
+    ]
+    data = tmp_path / "docs.jsonl"
+    data.write_text(
+        "".join(json.dumps({"q": q, "choices": c, "answer": a}) + "\n" for q, c, a in docs)
+    )
+    (tmp_path / "task.yaml").write_text(
+        "task: inferflow_local\ndataset_path: json\n"
+        f"dataset_kwargs: {{data_files: {{test: '{data}'}}}}\ntest_split: test\n"
+        "output_type: multiple_choice\ndoc_to_text: '{{q}}'\ndoc_to_choice: '{{choices}}'\n"
+        "doc_to_target: '{{answer}}'\nmetric_list: [{metric: acc}]\n"
+    )
+    args = f"model={NAME},base_url={url}/v1/completions,tokenizer_backend=remote,num_concurrent=1"
+    out = tmp_path / "out"
+    cache = {"HF_HOME": str(tmp_path / "hf"), "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
+    r = subprocess.run(
+        [
+            *(sys.executable, "-m", "lm_eval", "--model", "local-completions"),
+            *("--model_args", args, "--tasks", "inferflow_local"),
+            *("--include_path", str(tmp_path), "--output_path", str(out), "--log_samples"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, **cache},
+        check=False,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    (results,) = out.rglob("results_*.json")
+    (samples,) = out.rglob("samples_inferflow_local_*.jsonl")
+    right = 0
+    for line, (q, choices, answer) in zip(
+        samples.read_text().splitlines(), docs, strict=True
+    ):
+        got = [float(resp[0][0]) for resp in json.loads(line)["resps"]]
+        want = []
+        for choice in choices:  # lm-eval's split: context tokens, then the rest
+            ctx = tok(q, add_special_tokens=False)["input_ids"]
+            whole = tok(q + " " + choice, add_special_tokens=False)["input_ids"]
+            with torch.no_grad():
+                lp = torch.log_softmax(model(torch.tensor([whole])).logits[0].float(), -1)
+            cont = torch.tensor(whole[len(ctx) :])
+            want.append(float(lp[len(ctx) - 1 : -1].gather(1, cont[:, None]).sum()))
+        assert got == pytest.approx(want, abs=1e-3), (q, got, want)
+        right += max(range(len(want)), key=want.__getitem__) == answer
+    acc = json.loads(results.read_text())["results"]["inferflow_local"]["acc,none"]
+    assert acc == pytest.approx(right / len(docs))

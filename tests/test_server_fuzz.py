@@ -52,6 +52,7 @@ OPERATIONS = {
     "GET /v1/responses/{response_id}",
     "DELETE /v1/responses/{response_id}",
     "POST /tokenize",
+    "GET /tokenizer_info",
     "POST /detokenize",
 }
 ROOT = Path(__file__).resolve().parent.parent

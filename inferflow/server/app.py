@@ -405,6 +405,24 @@ def create_app(cfg: ServerConfig) -> FastAPI:
         out = {"tokens": ids, "count": len(ids), "max_model_len": state.max_len()}
         return await _json(out)
 
+    @app.get("/tokenizer_info", responses=responses(auth))
+    async def tokenizer_info() -> dict[str, Any]:
+        """The tokenizer's special tokens and chat template, as vLLM's endpoint of that name
+        answers (lm-evaluation-harness's ``tokenizer_backend=remote`` reads it, then tokenizes
+        through /tokenize and /detokenize)."""
+        state.ready()
+        tok = state.tokenizer()
+        return {
+            "tokenizer_class": "inferflow",
+            "bos_token": tok.bos_token,
+            "eos_token": tok.eos_token,
+            "pad_token": None,
+            "chat_template": tok.chat_template,
+            "model_max_length": state.max_len(),
+            "vocab_size": tok.vocab_size,
+            "add_bos_token": tok.add_bos,
+        }
+
     @app.post("/detokenize", responses=responses(auth, body=True))
     async def detokenize(body: DetokenizeBody) -> dict[str, Any]:
         lm, _ = state.ready(body.model)

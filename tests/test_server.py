@@ -571,9 +571,7 @@ def test_lm_evaluation_harness_scores_a_local_task(url, hf, tmp_path: Path) -> N
     (results,) = out.rglob("results_*.json")
     (samples,) = out.rglob("samples_inferflow_local_*.jsonl")
     right = 0
-    for line, (q, choices, answer) in zip(
-        samples.read_text().splitlines(), docs, strict=True
-    ):
+    for line, (q, choices, answer) in zip(samples.read_text().splitlines(), docs, strict=True):
         got = [float(resp[0][0]) for resp in json.loads(line)["resps"]]
         want = []
         for choice in choices:  # lm-eval's split: context tokens, then the rest

@@ -242,8 +242,10 @@ def test_responses_body_names_what_it_takes(client: TestClient) -> None:
     user = {"role": "user", "content": [{"type": "input_text", "text": "Hello"}]}
     _valid(client, "/v1/responses", {"input": [user, item], "metadata": {"k": "v"}})
     _valid(client, "/v1/responses", {"input": "x", "text": {"format": {"type": "text"}}})
-    schema = {"format": {"type": "json_schema", "name": "x", "schema": {}}}
-    _bad(client, "/v1/responses", {"input": "x", "text": schema}, "text.format.type", "'text'")
+    schema = {"format": {"type": "json_schema", "name": "x", "schema": {"type": "object"}}}
+    _valid(client, "/v1/responses", {"input": "x", "text": schema})
+    xml = {"format": {"type": "xml"}}
+    _bad(client, "/v1/responses", {"input": "x", "text": xml}, "text.format.type", "json_schema")
     _bad(client, "/v1/responses", {"input": "x", "truncation": "auto"}, "truncation", "disabled")
     _bad(client, "/v1/responses", {"input": "x", "include": ["file"]}, "include.0", "logprobs")
     _bad(client, "/v1/responses", {"input": []}, "input", "at least 1")

@@ -18,6 +18,7 @@ import torch
 
 from inferflow.engine.batch_sampling import take_rows
 from inferflow.engine.beam import BeamState
+from inferflow.engine.constrain import Constraint, lltokenizer, mask_rows
 from inferflow.engine.kv_cache import PagedKVCache, plan_cache
 from inferflow.engine.request import FINISHED, Request, RequestOutput, Scheduled, TokenLogprobs
 from inferflow.engine.sampling import SamplingParams, make_sampler, sample_batch
@@ -165,6 +166,12 @@ class Engine:
             params = dataclasses.replace(params, seed=params.seed + i)
         detok = self.tokenizer.incremental_decoder() if self.tokenizer is not None else None  # type: ignore[attr-defined]
         sampler = make_sampler(params, tuple(self.eos_ids))
+        constraint = None
+        if params.grammar is not None:
+            if self.tokenizer is None:
+                raise RequestError("structured output needs the model's tokenizer")
+            ll = lltokenizer(self.tokenizer, self.model.spec.hparams.vocab_size)
+            constraint = Constraint(params.grammar, ll)
         return Request(
             rid if i == 0 else f"{rid}/{i}",
             ids,
@@ -174,6 +181,7 @@ class Engine:
             detok=detok,
             group=rid,
             index=i,
+            constraint=constraint,
         )
 
     def abort(self, request_id: str) -> bool:
@@ -322,6 +330,11 @@ class Engine:
             return []
         reqs, rows = [r for r, _ in draws], [i for _, i in draws]
         x = take_rows(logits, rows)  # (forks share their parent's row)
+        bound = [j for j, r in enumerate(reqs) if r.constraint is not None]
+        if bound:  # structured output: what each grammar forbids next is -inf
+            if x is logits:
+                x = logits.clone()
+            mask_rows(x, bound, [reqs[j].constraint for j in bound])
         try:
             toks: list[int | None] = list(
                 sample_batch(
@@ -334,7 +347,7 @@ class Engine:
         except Exception:
             log.warning("batched sampling failed; sampling each request alone", exc_info=True)
             toks = [None] * len(draws)
-        return [self._sample(r, logits[i], t) for (r, i), t in zip(draws, toks, strict=True)]
+        return [self._sample(r, x[j], t) for j, (r, t) in enumerate(zip(reqs, toks, strict=True))]
 
     def _beam_step(self, gid: str) -> list[RequestOutput]:
         """Once every live beam of the group has logits: choose the next beams (reusing or
@@ -428,6 +441,8 @@ class Engine:
             if tok is None:
                 tok = req.sampler(row, req.prompt_ids, req.output_ids)
             req.output_ids.append(tok)
+            if req.constraint is not None:
+                req.constraint.consume(tok)
             out = self._emit(req, tok)
             if req.params.logprobs is not None:
                 out.logprobs = [token_logprobs(row, tok, req.params.logprobs)]
@@ -462,10 +477,12 @@ class Engine:
         else:
             if req.detok is not None:
                 req.text += req.detok.push(tok)
-            if len(req.output_ids) >= p.max_new_tokens or len(req.tokens) >= self.max_len:
+            if req.constraint is not None and req.constraint.stopped():
+                reason = "stop"  # the grammar is complete: only an end token could follow
+            elif len(req.output_ids) >= p.max_new_tokens or len(req.tokens) >= self.max_len:
                 reason = "length"
-                if req.detok is not None:
-                    req.text += req.detok.flush()
+            if reason is not None and req.detok is not None:
+                req.text += req.detok.flush()
         text, hit = _visible_text(req, p.stop, final=reason is not None)
         reason = "stop" if hit else reason
         first = req.prompt_ids if len(req.output_ids) == 1 else None

@@ -32,6 +32,7 @@ class Request:
     forks: list[Request] = field(default_factory=list)  # siblings waiting for this prefill
     beam_logprob: float = 0.0  # beam search: summed logprob of output_ids
     pending: Any = None  # beam search: logits waiting for the rest of the group
+    constraint: Any = None  # structured output: the sample's grammar matcher (constrain)
 
     @property
     def slots(self) -> int:

@@ -78,6 +78,8 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # None: off; n >= 0: chosen token's logprob plus the top n
     n: int = 1  # samples per prompt; they share the prompt's KV blocks (sample i uses seed + i)
+    # structured output: llguidance's grammar (inferflow.engine.constrain.compile_grammar)
+    grammar: str | None = None
     # > 1: beam search (inferflow.engine.beam) returning the n best beams; the processors
     # (penalties, bias, min_new_tokens) apply, temperature and the filters do not
     beam_width: int = 1
@@ -132,9 +134,10 @@ class SamplingParams:
         if self.beam_width > 1:
             if self.n > self.beam_width:
                 raise RequestError(f"n ({self.n}) exceeds beam_width ({self.beam_width})", "n")
-            if self.stop or self.logprobs is not None:
+            if self.stop or self.logprobs is not None or self.grammar is not None:
                 raise RequestError(
-                    "beam search does not take stop strings or logprobs", "beam_width"
+                    "beam search does not take stop strings, logprobs or structured output",
+                    "beam_width",
                 )
         if any(not s for s in self.stop):
             raise RequestError("stop: stop strings must not be empty")

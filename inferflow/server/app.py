@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import dataclasses
 import hashlib
 import json
 import logging
@@ -32,6 +33,7 @@ from fastapi.routing import APIRoute
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from inferflow import __version__
+from inferflow.engine.constrain import compile_grammar, lltokenizer
 from inferflow.engine.embed import embed_batch, resolve_pooling
 from inferflow.engine.engine import Engine, EngineConfig
 from inferflow.errors import RequestError
@@ -209,6 +211,16 @@ class ServerState:
         params = body.sampling(
             limit, logprobs, lm.spec.hparams.vocab_size, most, lm.spec.generation
         )
+        if (c := body.constraint()) is not None:  # structured output: compiled off the loop
+            name, kind, value = c
+            tok, vocab = self.tokenizer(), lm.spec.hparams.vocab_size
+            try:
+                grammar = await asyncio.to_thread(
+                    lambda: compile_grammar(kind, value, lltokenizer(tok, vocab))
+                )
+            except RequestError as e:
+                raise APIError(400, f"{name}: {e}", param=name) from None
+            params = dataclasses.replace(params, grammar=grammar)
         if max_tokens != 0 and longest < most < longest + limit:  # (too long: the engine's)
             raise APIError(
                 400,

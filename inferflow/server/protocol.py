@@ -193,6 +193,10 @@ class GenerationBody(Body):
     beam_width: int = Field(1, ge=1, le=MAX_N)  # > 1: beam search, the n best beams returned
     length_penalty: float = Field(1.0, ge=-MAX_LENGTH_PENALTY, le=MAX_LENGTH_PENALTY)
 
+    def constraint(self) -> tuple[str, str, Any] | None:
+        """Structured output: (the request field, the constraint's kind, its value)."""
+        return None
+
     def stop_strings(self) -> list[str]:
         """``stop`` as a list (OpenAI takes one string or several)."""
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -240,6 +244,58 @@ class GenerationBody(Body):
         )
 
 
+class JSONSchemaSpec(Body):
+    """OpenAI's ``response_format.json_schema`` (and the Responses API's ``text.format``)."""
+
+    name: Name = "response"
+    schema_: dict[str, Any] | None = Field(None, alias="schema")  # (None: any JSON value)
+    strict: bool | None = None
+    description: str | None = None
+
+
+class ResponseFormat(Body):
+    """OpenAI's ``response_format``: text (no constraint), any JSON object, or JSON following
+    ``json_schema.schema``."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaSpec | None = None
+
+    def constraint(self) -> tuple[str, Any] | None:
+        if self.type == "json_schema":
+            if self.json_schema is None:
+                raise ValueError("response_format: type json_schema needs a json_schema object")
+            s = self.json_schema.schema_
+            return ("json_schema", {} if s is None else s)
+        return ("json_object", None) if self.type == "json_object" else None
+
+
+class StructuredOutputs(Body):
+    """vLLM's ``structured_outputs`` extra: exactly one of a JSON Schema, any JSON object, a
+    regex, a choice among strings, or a Lark grammar."""
+
+    json_: dict[str, Any] | None = Field(None, alias="json")
+    json_object: bool | None = None
+    regex: Text | None = None
+    choice: Annotated[list[Text], Field(min_length=1, max_length=MAX_PROMPTS)] | None = None
+    grammar: Text | None = None
+
+    def constraint(self) -> tuple[str, Any]:
+        given = {
+            "json_schema": self.json_,
+            "json_object": self.json_object or None,
+            "regex": self.regex,
+            "choice": self.choice,
+            "grammar": self.grammar,
+        }
+        set_ = [(k, v) for k, v in given.items() if v is not None]
+        if len(set_) != 1:
+            raise ValueError(
+                "structured_outputs: give exactly one of json, json_object, regex, choice, "
+                f"grammar (got {len(set_)})"
+            )
+        return set_[0]
+
+
 class SamplingBody(GenerationBody):
     """Completions and chat: OpenAI's sampling fields besides the shared ones."""
 
@@ -253,6 +309,23 @@ class SamplingBody(GenerationBody):
         | None
     ) = None
     stream_options: StreamOptions | None = None
+    # structured output (inferflow.engine.constrain): OpenAI's, or vLLM's extra
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+
+    def constraint(self) -> tuple[str, str, Any] | None:
+        """(the request field, the constraint's kind, its value), or None."""
+        if self.response_format is not None and self.structured_outputs is not None:
+            raise RequestError(
+                "structured_outputs: give it or response_format, not both", "structured_outputs"
+            )
+        try:
+            if self.structured_outputs is not None:
+                return ("structured_outputs", *self.structured_outputs.constraint())
+            c = self.response_format.constraint() if self.response_format else None
+        except ValueError as e:
+            raise RequestError(str(e)) from None
+        return None if c is None else ("response_format", *c)
 
 
 class CompletionBody(SamplingBody):
@@ -292,7 +365,6 @@ class ChatBody(SamplingBody):
             "tools",
             "tool_choice",
             "parallel_tool_calls",
-            "response_format",
             "functions",
             "function_call",
             "audio",

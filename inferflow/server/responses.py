@@ -61,9 +61,14 @@ class InputMessage(Body):
 
 
 class TextFormat(Body):
-    type: Literal["text"] = Field(
-        description="plain text (JSON formats come with structured output)"
-    )
+    """The Responses API's ``text.format``: plain text, any JSON object, or JSON following
+    ``schema`` (the fields of chat's ``response_format.json_schema``, flattened)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    name: Name = "response"
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+    description: str | None = None
 
 
 class TextConfig(Body):
@@ -116,6 +121,14 @@ class ResponsesBody(GenerationBody):
     ) = None
     top_logprobs: int | None = Field(None, ge=0, le=20)
     stream_options: ResponsesStreamOptions | None = None
+
+    def constraint(self) -> tuple[str, str, Any] | None:
+        f = self.text.format if self.text is not None else None
+        if f is None or f.type == "text":
+            return None
+        if f.type == "json_object":
+            return ("text.format", "json_object", None)
+        return ("text.format", "json_schema", {} if f.schema_ is None else f.schema_)
 
     def messages(self) -> list[dict[str, Any]]:
         if isinstance(self.input, str):
@@ -298,7 +311,13 @@ def add_responses_routes(app: FastAPI, state: ServerState, auth: bool) -> None:
             "temperature": gen.params.temperature,
             "top_p": gen.params.top_p,
             "top_logprobs": body.top_logprobs,
-            "text": {"format": {"type": "text"}},
+            "text": {
+                "format": (
+                    body.text.format.model_dump(by_alias=True, exclude_none=True)
+                    if body.text is not None and body.text.format is not None
+                    else {"type": "text"}
+                )
+            },
             "tools": [],
             "tool_choice": "auto",
             "parallel_tool_calls": False,

@@ -1,0 +1,214 @@
+"""Structured output through `inferflow serve` with the official `openai` client: every reply
+to a JSON Schema request validates against that schema (checked by the `jsonschema` package, not
+by the server's grammar engine), streamed or not, on the default model and on Qwen2.5; JSON
+object mode parses; vLLM's regex / choice / grammar extras hold; the Responses API's
+``text.format`` and the SDK's ``parse`` helpers get objects back; a schema the engine cannot
+compile is a 400 naming the field."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import pytest
+
+from tests.conftest import qwen_coder_path, smollm2_path
+from tests.serving import NAME, run_server
+
+openai = pytest.importorskip("openai")
+jsonschema = pytest.importorskip("jsonschema")
+pytest.importorskip("llguidance")
+pytestmark = pytest.mark.slow
+
+S = {"type": "string", "maxLength": 24}
+I = {"type": "integer", "minimum": 0, "maximum": 10000}  # noqa: E741
+
+
+def obj(props: dict[str, Any], required: list[str] | None = None) -> dict[str, Any]:
+    return {
+        "type": "object",
+        "properties": props,
+        "required": list(props) if required is None else required,
+        "additionalProperties": False,
+    }
+
+
+def arr(items: dict[str, Any], most: int = 3) -> dict[str, Any]:
+    return {"type": "array", "items": items, "minItems": 1, "maxItems": most}
+
+
+# (prompt, schema): nested objects, arrays, enums, required and optional fields, numbers,
+# booleans, nulls; every string and array bounded so that a reply fits in max_tokens
+CASES: list[tuple[str, dict[str, Any]]] = [
+    ("Describe a person.", obj({"name": S, "age": I})),
+    ("A city and its country.", obj({"city": S, "country": S, "capital": {"type": "boolean"}})),
+    ("Three colors.", obj({"colors": arr({"enum": ["red", "green", "blue", "yellow"]})})),
+    ("A book.", obj({"title": S, "author": obj({"first": S, "last": S}), "year": I})),
+    ("Rate a movie.", obj({"movie": S, "stars": {"type": "integer", "minimum": 1, "maximum": 5}})),
+    ("A shopping list.", obj({"items": arr(obj({"name": S, "qty": I}), 3)})),
+    ("Is water wet?", obj({"answer": {"enum": ["yes", "no"]}, "sure": {"type": "boolean"}})),
+    ("A point in 2D.", obj({"x": {"type": "number"}, "y": {"type": "number"}})),
+    ("A user profile.", obj({"user": S, "email": S, "admin": {"type": "boolean"}}, ["user"])),
+    ("Weather today.", obj({"temp": I, "sky": {"enum": ["sunny", "cloudy", "rainy"]}})),
+    ("A pet.", obj({"kind": {"enum": ["cat", "dog", "fish"]}, "name": S, "age": I})),
+    ("Two friends.", obj({"friends": arr(obj({"name": S}), 2)})),
+    ("A recipe.", obj({"dish": S, "steps": arr(S, 3), "minutes": I})),
+    ("A car.", obj({"make": S, "model": S, "electric": {"type": "boolean"}})),
+    ("A date.", obj({"year": I, "month": {"type": "integer", "minimum": 1, "maximum": 12}})),
+    ("A tiny tree.", obj({"root": obj({"value": I, "children": arr(obj({"value": I}), 2)})})),
+    ("An answer or nothing.", obj({"value": {"anyOf": [I, {"type": "null"}]}})),
+    ("A team.", obj({"team": S, "members": arr(S, 3), "lead": S})),
+    ("A song.", obj({"title": S, "genre": {"enum": ["pop", "rock", "jazz"]}, "length": I})),
+    ("Planet facts.", obj({"planet": S, "moons": I, "rings": {"type": "boolean"}})),
+    ("A list of numbers.", obj({"numbers": arr(I, 4)})),
+]
+
+
+def _client(url: str) -> Any:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def smol(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    smollm2_path()
+    with run_server(tmp_path_factory.mktemp("so-smol")) as (url, _):
+        yield _client(url), NAME, url
+
+
+@pytest.fixture(scope="module")
+def qwen(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    qwen_coder_path()
+    name = "qwen2.5-coder-0.5b-instruct"
+    with run_server(tmp_path_factory.mktemp("so-qwen"), spec=name) as (url, _):
+        yield _client(url), name, url
+
+
+def _ask(client: Any, model: str, prompt: str, schema: dict[str, Any], stream: bool) -> Any:
+    """One JSON Schema request: (text, finish reason)."""
+    kw = dict(
+        model=model,
+        messages=[{"role": "user", "content": f"{prompt} Reply in JSON."}],
+        max_tokens=200,
+        temperature=0.8,
+        seed=1,
+        response_format={
+            "type": "json_schema",
+            "json_schema": {"name": "reply", "schema": schema, "strict": True},
+        },
+    )
+    if not stream:
+        c = client.chat.completions.create(**kw).choices[0]
+        return c.message.content, c.finish_reason
+    chunks = list(client.chat.completions.create(**kw, stream=True))
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    reasons = [ch.choices[0].finish_reason for ch in chunks if ch.choices]
+    return text, reasons[-1]
+
+
+def _all_validate(client: Any, model: str, cases: list[tuple[str, dict[str, Any]]]) -> None:
+    """Every case, concurrently (the engine batches them), odd ones streamed: each reply ends
+    by itself ("stop") and validates against its schema."""
+    with ThreadPoolExecutor(8) as pool:
+        futures = [
+            pool.submit(_ask, client, model, p, s, i % 2 == 1) for i, (p, s) in enumerate(cases)
+        ]
+        replies = [f.result() for f in futures]
+    for (prompt, schema), (text, reason) in zip(cases, replies, strict=True):
+        assert reason == "stop", (prompt, text)
+        jsonschema.validate(json.loads(text), schema)
+
+
+def test_json_schema_replies_validate_on_the_default_model(smol: Any) -> None:
+    client, model, _ = smol
+    _all_validate(client, model, CASES)
+
+
+def test_json_schema_replies_validate_on_qwen(qwen: Any) -> None:
+    client, model, _ = qwen
+    _all_validate(client, model, CASES[:8])
+
+
+def test_json_object_regex_choice_and_grammar(smol: Any) -> None:
+    client, model, url = smol
+    msg = [{"role": "user", "content": "Tell me about cats in JSON."}]
+    for stream in (False, True):
+        kw = dict(model=model, messages=msg, max_tokens=120, temperature=0.8, seed=3)
+        if stream:
+            chunks = client.chat.completions.create(
+                **kw, stream=True, response_format={"type": "json_object"}
+            )
+            text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+        else:
+            r = client.chat.completions.create(**kw, response_format={"type": "json_object"})
+            text = r.choices[0].message.content
+        if text.count("{") == text.count("}"):  # (cut by max_tokens it cannot parse)
+            assert isinstance(json.loads(text), dict)
+        assert text.startswith("{")
+    prompt = dict(model=model, prompt="My phone number is", max_tokens=20, temperature=1.0)
+    for seed in range(4):
+        r = client.completions.create(
+            **prompt, seed=seed, extra_body={"structured_outputs": {"regex": r" \d{3}-\d{4}"}}
+        )
+        assert re.fullmatch(r" \d{3}-\d{4}", r.choices[0].text), r.choices[0].text
+        assert r.choices[0].finish_reason == "stop"
+        r = client.completions.create(
+            **prompt, seed=seed, extra_body={"structured_outputs": {"choice": [" yes", " no"]}}
+        )
+        assert r.choices[0].text in (" yes", " no")
+    lark = 'start: "(" NUM ("+" NUM)* ")"\nNUM: /[0-9]{1,3}/'
+    r = client.completions.create(
+        **prompt, seed=0, extra_body={"structured_outputs": {"grammar": lark}}
+    )
+    assert re.fullmatch(r"\(\d{1,3}(\+\d{1,3})*\)", r.choices[0].text), r.choices[0].text
+
+
+def test_parse_helpers_and_the_responses_api(smol: Any) -> None:
+    """The SDK's ``chat.completions.parse`` and ``responses.parse`` send a strict JSON Schema
+    built from a pydantic model and parse the reply into it."""
+    from pydantic import BaseModel, Field
+
+    class City(BaseModel):
+        name: str = Field(max_length=20)
+        population: int = Field(ge=0, le=10**9)
+
+    client, model, _ = smol
+    msg = [{"role": "user", "content": "A big city, as JSON."}]
+    got = client.chat.completions.parse(
+        model=model, messages=msg, response_format=City, max_tokens=80, temperature=0.5, seed=2
+    )
+    assert isinstance(got.choices[0].message.parsed, City)
+    r = client.responses.parse(
+        model=model, input="A big city, as JSON.", text_format=City, max_output_tokens=80
+    )
+    assert isinstance(r.output_parsed, City) and r.text.format.type == "json_schema"
+
+
+def test_bad_constraints_are_400_naming_the_field(smol: Any) -> None:
+    client, model, _ = smol
+    msg = [{"role": "user", "content": "x"}]
+    bad = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "frob"}}}
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=model, messages=msg, response_format=bad)
+    assert e.value.body["param"] == "response_format" and "frob" in e.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(
+            model=model, prompt="x", extra_body={"structured_outputs": {"regex": "((("}}
+        )
+    assert e.value.body["param"] == "structured_outputs" and "regex" in e.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(
+            model=model,
+            prompt="x",
+            extra_body={"structured_outputs": {"regex": "a", "choice": ["b"]}},
+        )
+    assert "exactly one" in e.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(
+            model=model,
+            prompt="x",
+            extra_body={"beam_width": 2, "structured_outputs": {"choice": ["a"]}},
+        )
+    assert e.value.body["param"] == "beam_width"

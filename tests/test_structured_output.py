@@ -212,3 +212,137 @@ def test_bad_constraints_are_400_naming_the_field(smol: Any) -> None:
             extra_body={"beam_width": 2, "structured_outputs": {"choice": ["a"]}},
         )
     assert e.value.body["param"] == "beam_width"
+
+
+# --- tools (Qwen2.5's chat template renders them; its replies use <tool_call> markup) -------
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "The current weather in a city",
+            "parameters": obj({"city": S, "unit": {"enum": ["celsius", "fahrenheit"]}}, ["city"]),
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "add",
+            "description": "Add two numbers",
+            "parameters": obj({"a": {"type": "number"}, "b": {"type": "number"}}),
+        },
+    },
+]
+SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+
+
+def _calls_validate(message: Any, names: set[str]) -> list[Any]:
+    calls = message.tool_calls
+    assert calls, message
+    for c in calls:
+        assert c.type == "function" and c.id and c.function.name in names
+        jsonschema.validate(json.loads(c.function.arguments), SCHEMAS[c.function.name])
+    return calls
+
+
+def test_tool_calls_required_named_auto_and_streamed(qwen: Any) -> None:
+    """tool_choice "required" and a named function give tool_calls whose arguments validate
+    against the function's schema (finish reason "tool_calls"); "auto" gives text or a
+    well-formed call; streamed, the call deltas reassemble to the same call."""
+    client, model, _ = qwen
+    asks = ["What's the weather in Paris?", "What is 17 plus 25?", "Weather in Oslo, Fahrenheit?"]
+    for ask in asks:
+        kw = dict(model=model, messages=[{"role": "user", "content": ask}], tools=TOOLS)
+        r = client.chat.completions.create(**kw, tool_choice="required", max_tokens=80, seed=1)
+        assert r.choices[0].finish_reason == "tool_calls"
+        _calls_validate(r.choices[0].message, set(SCHEMAS))
+        named = {"type": "function", "function": {"name": "add"}}
+        r = client.chat.completions.create(**kw, tool_choice=named, max_tokens=80, seed=2)
+        (call,) = _calls_validate(r.choices[0].message, {"add"})
+        r = client.chat.completions.create(**kw, tool_choice="auto", max_tokens=80, seed=3)
+        m = r.choices[0].message
+        if m.tool_calls:
+            _calls_validate(m, set(SCHEMAS))
+        else:
+            assert m.content and "<tool_call>" not in m.content
+    kw = dict(
+        model=model,
+        messages=[{"role": "user", "content": asks[0]}],
+        tools=TOOLS,
+        tool_choice="required",
+        max_tokens=80,
+        temperature=0,
+    )
+    full = _calls_validate(client.chat.completions.create(**kw).choices[0].message, set(SCHEMAS))
+    chunks = [ch for ch in client.chat.completions.create(**kw, stream=True) if ch.choices]
+    parts: dict[int, dict[str, str]] = {}
+    for ch in chunks:
+        for d in ch.choices[0].delta.tool_calls or []:
+            p = parts.setdefault(d.index, {"name": "", "arguments": ""})
+            p["name"] += d.function.name or ""
+            p["arguments"] += d.function.arguments or ""
+    assert [(p["name"], json.loads(p["arguments"])) for p in parts.values()] == [
+        (c.function.name, json.loads(c.function.arguments)) for c in full
+    ]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_tool_history_renders_as_transformers_and_errors(qwen: Any) -> None:
+    """A history with an assistant tool call and a tool result renders (tools included) as
+    transformers' chat-template renderer renders it; tools on a template without tool markup,
+    tool_choice without tools or naming an unknown function are 400s naming the field."""
+    transformers = pytest.importorskip("transformers")
+    import httpx
+
+    from inferflow.runtime import tokenizer_for
+    from inferflow.spec import load_spec
+
+    client, model, url = qwen
+    call = {"id": "call_1", "type": "function"}
+    call["function"] = {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+    history = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "18 C, sunny"},
+    ]
+    ours = tokenizer_for(load_spec(model))
+    hf = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=ours.backend, chat_template=ours.chat_template
+    )
+    as_hf = [
+        {
+            **m,
+            "tool_calls": [
+                {**call, "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+            ],
+        }
+        if m.get("tool_calls")
+        else m
+        for m in history
+    ]
+    text = hf.apply_chat_template(as_hf, tools=TOOLS, tokenize=False, add_generation_prompt=True)
+    assert "<tool_response>\n18 C, sunny" in text and '"name": "get_weather"' in text
+    got = httpx.post(f"{url}/tokenize", json={"messages": history, "tools": TOOLS}).json()
+    assert got["tokens"] == ours.encode(text, add_special_tokens=False)
+    r = client.chat.completions.create(
+        model=model, messages=history, tools=TOOLS, max_tokens=24, temperature=0
+    )
+    assert r.usage.prompt_tokens == len(got["tokens"])
+    msg = [{"role": "user", "content": "x"}]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=model, messages=msg, tool_choice="required")
+    assert e.value.body["param"] == "tool_choice"
+    unknown = {"type": "function", "function": {"name": "nope"}}
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=model, messages=msg, tools=TOOLS, tool_choice=unknown)
+    assert e.value.body["param"] == "tool_choice" and "nope" in e.value.body["message"]
+
+
+def test_tools_on_a_template_without_tool_markup_are_refused(smol: Any) -> None:
+    client, model, _ = smol
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "x"}], tools=TOOLS
+        )
+    assert e.value.body["param"] == "tools" and "does not render tools" in e.value.body["message"]

@@ -50,6 +50,7 @@ from inferflow.server.protocol import (
     DetokenizeBody,
     EmbeddingBody,
     GenerationBody,
+    NamedToolChoice,
     TokenizeBody,
     TokenizeChat,
     prompt_list,
@@ -59,6 +60,7 @@ from inferflow.server.runner import EngineRunner, until_disconnect
 from inferflow.server.scoring import add_scoring_routes
 from inferflow.server.seq2seq import complete as seq2seq_complete
 from inferflow.server.store import StoreLimits
+from inferflow.server.tools import CallFormat, check_tools
 from inferflow.spec import Spec
 from inferflow.tokenizer import Tokenizer
 from inferflow.tokenizer.chat import TemplateBudget
@@ -198,6 +200,8 @@ class ServerState:
         logprobs: int | None,
         field: str,
         echo: Callable[[], Awaitable[list[Echo] | None]] | None = None,
+        constraint: tuple[str, str, Any] | None = None,
+        tools: CallFormat | None = None,
     ) -> Generation:
         """Check and queue a generation request (chat and responses when ``field``, the request
         field holding the prompt, is messages or input). ``max_tokens`` unset: the spec's
@@ -211,7 +215,12 @@ class ServerState:
         params = body.sampling(
             limit, logprobs, lm.spec.hparams.vocab_size, most, lm.spec.generation
         )
-        if (c := body.constraint()) is not None:  # structured output: compiled off the loop
+        asked = body.constraint()
+        if constraint is not None and asked is not None:
+            raise APIError(
+                400, f"{asked[0]}: does not combine with {constraint[0]}", param=asked[0]
+            )
+        if (c := constraint or asked) is not None:  # structured output: compiled off the loop
             name, kind, value = c
             tok, vocab = self.tokenizer(), lm.spec.hparams.vocab_size
             try:
@@ -245,6 +254,7 @@ class ServerState:
                 self.fingerprint,
                 echoes,
                 generate=max_tokens != 0,
+                tools=tools,
             )
         except RequestError as e:
             if e.param == "prompt":
@@ -345,12 +355,29 @@ def create_app(cfg: ServerConfig) -> FastAPI:
     )
     async def chat(body: ChatBody, request: Request) -> Any:
         lm, runner = state.generating(body.model, chat=True)
-        ids = await _chat_ids(state, [m.as_template_input() for m in body.messages])
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "top_logprobs: needs logprobs set to true", param="top_logprobs")
+        choice = body.tool_choice
+        if choice is not None and choice != "none" and not body.tools:
+            raise APIError(400, "tool_choice: needs tools", param="tool_choice")
+        offered = body.tools if choice != "none" else None  # ("none": not offered at all)
+        fmt = check_tools(state.tokenizer().chat_template, offered, choice) if offered else None
+        messages = [m.as_template_input() for m in body.messages]
+        listed = [t.model_dump(exclude_none=True) for t in offered] if offered else None
+        ids = await _chat_ids(state, messages, listed)
+        forced = None
+        if fmt is not None and offered and choice not in (None, "auto"):
+            # required, or one named function: the reply is calls, held to their schemas
+            named = choice.function.name if isinstance(choice, NamedToolChoice) else None
+            funcs = [t.function.model_dump(exclude_none=True) for t in offered]
+            funcs = [f for f in funcs if named in (None, f["name"])]
+            lark = fmt.grammar(funcs, body.parallel_tool_calls and named is None)
+            forced = ("tool_choice", "grammar", lark)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         max_tokens = body.max_completion_tokens or body.max_tokens
-        gen = await state.start(lm, runner, [ids], body, max_tokens, logprobs, "messages")
+        gen = await state.start(
+            lm, runner, [ids], body, max_tokens, logprobs, "messages", None, forced, fmt
+        )
         return await _respond(gen, request, body.stream, body.stream_options)
 
     @app.post("/v1/embeddings", responses=responses(auth, body=True, queued=True))
@@ -406,7 +433,8 @@ def create_app(cfg: ServerConfig) -> FastAPI:
     async def tokenize(body: TokenizeBody) -> Response:
         state.ready(body.model)
         if isinstance(body, TokenizeChat):
-            ids = await _chat_ids(state, [m.as_template_input() for m in body.messages])
+            listed = [t.model_dump(exclude_none=True) for t in body.tools or []] or None
+            ids = await _chat_ids(state, [m.as_template_input() for m in body.messages], listed)
         else:
             texts = [body.prompt]
             ids = (
@@ -484,14 +512,18 @@ async def _prompt_ids(
     return [p if isinstance(p, list) else next(encoded) for p in prompts]
 
 
-async def _chat_ids(state: ServerState, messages: list[dict[str, Any]]) -> list[int]:
-    """Messages (``{role, content}``) through the chat template, as token ids."""
+async def _chat_ids(
+    state: ServerState, messages: list[dict[str, Any]], tools: list[Any] | None = None
+) -> list[int]:
+    """Messages (``{role, content}``) through the chat template (with ``tools``: OpenAI tool
+    objects, as transformers passes them), as token ids."""
     tok = state.tokenizer()
     text = await asyncio.to_thread(
         tok.apply_chat_template,
         messages,
         add_generation_prompt=True,
         budget=state.cfg.template,
+        tools=tools,
     )
     # (the template writes BOS where needed)
     return (await asyncio.to_thread(tok.encode_batch, [text], False))[0]

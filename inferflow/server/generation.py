@@ -16,6 +16,7 @@ from inferflow.engine.sampling import SamplingParams
 from inferflow.server.echo import Echo
 from inferflow.server.protocol import error_body, sse_event
 from inferflow.server.runner import ClientGone, EngineRunner, ModelFailed, until_disconnect
+from inferflow.server.tools import CallFormat, ToolStream
 from inferflow.tokenizer import Tokenizer
 
 # what a client gets when the engine ended one of its samples with finish reason "error"
@@ -44,10 +45,13 @@ class Generation:
         fingerprint: str | None = None,
         echo: list[Echo] | None = None,
         generate: bool = True,
+        tools: CallFormat | None = None,
     ) -> None:
         """``echo``: per prompt, what its choices start with (completions' echo and
         prompt_logprobs); ``generate`` False (max_tokens 0): no engine request, each choice
-        is its echo, finished ("length")."""
+        is its echo, finished ("length"); ``tools``: the model's tool-call markup, parsed out of
+        chat replies into ``tool_calls``."""
+        self.tools = tools
         self.runner, self.tok, self.model, self.chat = runner, tokenizer, model_name, chat
         self.fingerprint = fingerprint  # OpenAI's system_fingerprint
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
@@ -172,10 +176,17 @@ class Generation:
         body: dict[str, Any] = (
             {"message": {"role": "assistant", "content": c.text}} if self.chat else {"text": c.text}
         )
+        reason = c.finish_reason
+        if self.tools is not None:
+            content, calls = self.tools.parse(c.text)
+            if calls:
+                body["message"] = {"role": "assistant", "content": content or None}
+                body["message"]["tool_calls"] = calls
+                reason = "tool_calls" if reason == "stop" else reason
         extra = {}
         if self.echo and (e := self.echo[c.index // self.n]).prompt_logprobs is not None:
             extra["prompt_logprobs"] = e.prompt_logprobs
-        out = {"index": c.index, **body, "logprobs": lp, "finish_reason": c.finish_reason}
+        out = {"index": c.index, **body, "logprobs": lp, "finish_reason": reason}
         return {**out, **extra}
 
     async def sse(self, include_usage: bool) -> AsyncIterator[str]:
@@ -200,18 +211,29 @@ class Generation:
             part = self._final(c)
             part["finish_reason"] = None if self.left else c.finish_reason
             yield sse_event(self._envelope([part], True))
+        calls = {c.index: ToolStream(self.tools) for c in self.choices} if self.tools else {}
         async for c, out in self.events():
             if out.finish_reason == "error":
                 yield sse_event(error_body(FAILED, "server_error"))
                 continue
-            if not out.text and not out.finished and not out.logprobs:
-                continue  # (text held back: a stop string may be starting)
+            text, delta = out.text, {}
+            if c.index in calls:  # content as it comes; a tool call once complete
+                text = calls[c.index].push(text)
+                if out.finished:
+                    rest, found = calls[c.index].finish()
+                    text += rest
+                    if found:
+                        delta["tool_calls"] = [{"index": k, **f} for k, f in enumerate(found)]
+            if not text and not delta and not out.finished and not out.logprobs:
+                continue  # (text held back: a stop string or a tool call may be starting)
             lp = self.logprobs_of(out, len(c.text) - len(out.text))
             reason = out.finish_reason if out.finished else None
+            if reason == "stop" and delta:
+                reason = "tool_calls"
             part = (
-                {"delta": {"content": out.text} if out.text else {}}
+                {"delta": ({"content": text} if text else {}) | delta}
                 if self.chat
-                else {"text": out.text}
+                else {"text": text}
             )
             yield sse_event(
                 self._envelope(

@@ -345,10 +345,23 @@ class TextPart(Body):
     text: str
 
 
+class CalledFunction(Body):
+    name: Name
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(Body):
+    id: Name
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class Message(Body):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | Annotated[list[TextPart], Field(max_length=MAX_MESSAGES)] | None = None
     name: Name | None = None
+    tool_calls: Annotated[list[ToolCall], Field(max_length=MAX_MESSAGES)] | None = None  # assistant
+    tool_call_id: Name | None = None  # tool: the call this message answers
 
     def as_template_input(self) -> dict[str, Any]:
         text = (
@@ -356,15 +369,59 @@ class Message(Body):
             if isinstance(self.content, str)
             else "".join(p.text for p in self.content or [])
         )
-        return {"role": "system" if self.role == "developer" else self.role, "content": text}
+        out: dict[str, Any] = {
+            "role": "system" if self.role == "developer" else self.role,
+            "content": text,
+        }
+        if self.tool_calls:  # (templates read the arguments as an object, as transformers')
+            out["tool_calls"] = [
+                {
+                    "id": c.id,
+                    "type": "function",
+                    "function": {"name": c.function.name, "arguments": _arguments(c)},
+                }
+                for c in self.tool_calls
+            ]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
+
+
+def _arguments(call: ToolCall) -> Any:
+    try:
+        return json.loads(call.function.arguments)
+    except ValueError:
+        raise RequestError(
+            f"messages: tool call {call.id!r} has arguments that are not JSON: "
+            f"{call.function.arguments[:60]!r}",
+            "messages",
+        ) from None
+
+
+class FunctionDef(Body):
+    name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON Schema
+    strict: bool | None = None
+
+
+class Tool(Body):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class FunctionName(Body):
+    name: Name
+
+
+class NamedToolChoice(Body):
+    type: Literal["function"]
+    function: FunctionName
 
 
 class ChatBody(SamplingBody):
     NULL_ONLY = frozenset(
         {
-            "tools",
-            "tool_choice",
-            "parallel_tool_calls",
             "functions",
             "function_call",
             "audio",
@@ -378,6 +435,10 @@ class ChatBody(SamplingBody):
         }
     )
     messages: list[Message] = Field(min_length=1, max_length=MAX_MESSAGES)
+    tools: Annotated[list[Tool], Field(max_length=128)] | None = None
+    # none: tools not offered; auto: the model may call them; required / a function: it must
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
     max_completion_tokens: int | None = Field(None, ge=1, description="at most the model's context")
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
@@ -424,6 +485,7 @@ class TokenizeText(Body):
 class TokenizeChat(Body):
     model: Name | None = None
     messages: list[Message] = Field(min_length=1, max_length=MAX_MESSAGES)
+    tools: Annotated[list[Tool], Field(max_length=128)] | None = None  # rendered as chat does
 
 
 def _tokenize_form(body: Any) -> str:

@@ -233,3 +233,56 @@ def test_serve_on_a_port_in_use_exits_1_before_loading(
         assert main(["serve", "smollm2-135m-instruct", "--port", str(port)]) == 1
     err = capsys.readouterr().err
     assert err.startswith(f"error: --port {port}: cannot listen on 127.0.0.1:{port}"), err
+
+
+@pytest.mark.slow
+def test_generate_stop_cuts_the_text_where_the_stop_text_starts() -> None:
+    smollm2_path()
+    base = ["generate", "smollm2-135m-instruct", "--prompt", "1, 2, 3, 4,", "--temperature", "0"]
+    free = json.loads(run_cli(*base, "--max-tokens", "24", "--json").stdout)
+    assert " 8" in free["text"] and free["finish_reason"] == "length"
+    r = run_cli(*base, "--max-tokens", "24", "--stop", " 8", "--stop", "never", "--json")
+    cut = json.loads(r.stdout)
+    assert cut["text"] == free["text"][: free["text"].index(" 8")]
+    assert cut["finish_reason"] == "stop"
+
+
+@pytest.mark.slow
+def test_chat_keeps_the_history_and_matches_transformers() -> None:
+    """``inferflow chat`` (two turns on stdin, --json): each reply is transformers' greedy reply
+    to the conversation so far through the chat template; the second turn reuses the first's
+    tokens from the prefix cache."""
+    tf = pytest.importorskip("transformers")
+    import torch
+
+    path = smollm2_path()
+    r = subprocess.run(
+        [sys.executable, "-m", "inferflow.cli.main", "chat", "smollm2-135m-instruct"]
+        + ["--temperature", "0", "--max-tokens", "20", "--json"],
+        input="Name an ocean.\n/reset\nName a desert.\nAnother one?\n",
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stderr
+    turns = [json.loads(line) for line in r.stdout.splitlines()]
+    model = tf.AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32
+    ).eval()
+    tok = tf.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+
+    def reply(messages: list[dict]) -> str:
+        text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        ids = tok(text, add_special_tokens=False)["input_ids"]
+        with torch.no_grad():
+            out = model.generate(torch.tensor([ids]), max_new_tokens=20, do_sample=False)
+        return tok.decode(out[0, len(ids) :], skip_special_tokens=True)
+
+    first = [{"role": "user", "content": "Name an ocean."}]
+    assert turns[0]["reply"] == reply(first)
+    convo = [{"role": "user", "content": "Name a desert."}]  # (/reset dropped the ocean)
+    assert turns[1]["reply"] == reply(convo)
+    convo += [{"role": "assistant", "content": turns[1]["reply"]}]
+    convo += [{"role": "user", "content": "Another one?"}]
+    assert turns[2]["reply"] == reply(convo)
+    assert len(turns) == 3 and turns[2]["cached_tokens"] >= 16

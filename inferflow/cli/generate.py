@@ -8,11 +8,12 @@ import sys
 import time
 
 from inferflow.cli.common import add_dtype
+from inferflow.engine.engine import Engine
 from inferflow.engine.sampling import SamplingParams
 from inferflow.engine.speculative import speculative_generate
 from inferflow.errors import InferflowError
 from inferflow.runtime import encode_prompt, load, quant_for, require_tokenizer, tokenizer_for
-from inferflow.spec import load_spec
+from inferflow.spec import Spec, load_spec
 
 # extra sampling flags: (flag, type, help); each maps to the SamplingParams field of its name
 EXTRA_SAMPLING = [
@@ -29,10 +30,8 @@ EXTRA_SAMPLING = [
 ]
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("generate", help="generate text from a prompt", description=__doc__)
-    p.add_argument("spec", help="spec file path or built-in spec name")
-    p.add_argument("--prompt", required=True, help="prompt text (a raw completion unless --chat)")
+def add_sampling(p: argparse.ArgumentParser) -> None:
+    """The sampling flags ``generate`` and ``chat`` share (defaults: the spec's)."""
     p.add_argument("--max-tokens", type=int, default=None, help="new tokens at most (spec default)")
     p.add_argument("--temperature", type=float, default=None, help="0 = greedy (spec default)")
     p.add_argument(
@@ -40,8 +39,41 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass (1 = off)")
     p.add_argument("--seed", type=int, default=None, help="random seed for sampling")
+    p.add_argument(
+        "--stop",
+        action="append",
+        default=[],
+        metavar="TEXT",
+        help="end the reply where this text appears (not shown; repeatable)",
+    )
     for flag, kind, what in EXTRA_SAMPLING:
         p.add_argument(flag, type=kind, default=None, help=what)
+    add_dtype(p)
+    p.add_argument(
+        "--quant", default=None, help="quantize weights at load time: a format name, or none"
+    )
+
+
+def sampling_params(args: argparse.Namespace, spec: Spec) -> SamplingParams:
+    """The flags' SamplingParams (RequestError for a bad value: before anything loads)."""
+    g = spec.generation
+    extra = {_dest(f): getattr(args, _dest(f)) for f, _, _ in EXTRA_SAMPLING}
+    return SamplingParams(
+        temperature=g.temperature if args.temperature is None else args.temperature,
+        top_k=g.top_k if args.top_k is None else args.top_k,
+        top_p=g.top_p if args.top_p is None else args.top_p,
+        max_new_tokens=g.max_new_tokens if args.max_tokens is None else args.max_tokens,
+        seed=g.seed if args.seed is None else args.seed,
+        stop=tuple(args.stop),
+        **{k: v for k, v in extra.items() if v is not None},
+    )
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("generate", help="generate text from a prompt", description=__doc__)
+    p.add_argument("spec", help="spec file path or built-in spec name")
+    p.add_argument("--prompt", required=True, help="prompt text (a raw completion unless --chat)")
+    add_sampling(p)
     p.add_argument("--draft", default=None, help="speculative decoding: the draft model's spec")
     p.add_argument("--lookahead", type=int, default=4, help="draft tokens per target pass (4)")
     p.add_argument(
@@ -49,10 +81,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         default="exact",
         choices=("exact", "relaxed"),
         help="exact: the target's distribution; relaxed: accept drafts in the target's kept set",
-    )
-    add_dtype(p)
-    p.add_argument(
-        "--quant", default=None, help="quantize weights at load time: a format name, or none"
     )
     p.add_argument(
         "--chat", action="store_true", help="wrap the prompt in the model's chat template"
@@ -70,16 +98,9 @@ def _dest(flag: str) -> str:
 
 def run(args: argparse.Namespace) -> int:
     spec = load_spec(args.spec)
-    g = spec.generation
-    extra = {_dest(f): getattr(args, _dest(f)) for f, _, _ in EXTRA_SAMPLING}
-    params = SamplingParams(
-        temperature=g.temperature if args.temperature is None else args.temperature,
-        top_k=g.top_k if args.top_k is None else args.top_k,
-        top_p=g.top_p if args.top_p is None else args.top_p,
-        max_new_tokens=g.max_new_tokens if args.max_tokens is None else args.max_tokens,
-        seed=g.seed if args.seed is None else args.seed,
-        **{k: v for k, v in extra.items() if v is not None},
-    )
+    params = sampling_params(args, spec)
+    if args.draft and args.stop:
+        raise InferflowError("--stop: speculative decoding (--draft) does not take stop texts")
     # every check that needs no weights first: a bad --quant, a missing chat template, a prompt
     # the tokenizer cannot take fail before anything loads
     quant_for(spec, args.quant)
@@ -90,9 +111,8 @@ def run(args: argparse.Namespace) -> int:
         raise InferflowError(f"--prompt: {what}")
     lm = load(spec, args.dtype, args.quant, tok)
     draft = load(args.draft, args.dtype, args.quant) if args.draft else None
-    decoder = tok.incremental_decoder()
     ids: list[int] = []
-    reason = None
+    text, reason = "", None
     report: dict[str, object] = {}
     t0 = time.perf_counter()
     if draft is not None:
@@ -100,22 +120,23 @@ def run(args: argparse.Namespace) -> int:
             lm.model, draft.model, prompt_ids, params, args.lookahead, args.spec_rule, tok.eos_ids
         )
         ids, reason = res.token_ids, res.finish_reason
+        text = tok.decode(ids[:-1] if reason == "stop" else ids)
         report = {
             "acceptance_rate": round(res.acceptance_rate, 4),
             "target_passes": res.target_passes,
         }
-    else:
-        for step in lm.stream(prompt_ids, params):
-            ids.append(step.token_id)
-            reason = step.finish_reason
-            if not args.json and reason != "stop":
-                sys.stdout.write(decoder.push(step.token_id))
+    else:  # the serving engine's token loop (stop texts, end tokens, the context's end)
+        engine = Engine(lm.model, tok)
+        for step in engine.stream(prompt_ids, params):
+            ids += step.token_ids
+            text, reason = text + step.text, step.finish_reason
+            if not args.json:
+                sys.stdout.write(step.text)
                 sys.stdout.flush()
     elapsed = time.perf_counter() - t0
-    shown = ids[:-1] if reason == "stop" else ids
     if args.json:
         out = {
-            "text": tok.decode(shown),
+            "text": text,
             "prompt_token_ids": prompt_ids,
             "token_ids": ids,
             "finish_reason": reason,
@@ -124,8 +145,8 @@ def run(args: argparse.Namespace) -> int:
         }
         print(json.dumps(out, ensure_ascii=False))
     elif draft is not None:
-        print(tok.decode(shown))
+        print(text)
         print(f"[acceptance rate {res.acceptance_rate:.2%}, {res.target_passes} target passes]")
     else:
-        sys.stdout.write(decoder.flush() + "\n")
+        sys.stdout.write("\n")
     return 0

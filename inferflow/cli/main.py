@@ -12,6 +12,7 @@ from inferflow.errors import InferflowError
 SUBCOMMANDS = (
     "serve",
     "generate",
+    "chat",
     "embed",
     "classify",
     "translate",

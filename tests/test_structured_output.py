@@ -127,8 +127,26 @@ def test_json_schema_replies_validate_on_the_default_model(smol: Any) -> None:
 
 
 def test_json_schema_replies_validate_on_qwen(qwen: Any) -> None:
+    """The same 21 cases on Qwen2.5, and JSON object mode ending by itself with a JSON object,
+    streamed and not."""
     client, model, _ = qwen
-    _all_validate(client, model, CASES[:8])
+    _all_validate(client, model, CASES)
+    for stream in (False, True):
+        kw = dict(
+            model=model,
+            messages=[{"role": "user", "content": "Describe a cat in JSON."}],
+            max_tokens=200,
+            temperature=0,
+            response_format={"type": "json_object"},
+        )
+        if stream:
+            chunks = [ch for ch in client.chat.completions.create(**kw, stream=True) if ch.choices]
+            text = "".join(ch.choices[0].delta.content or "" for ch in chunks)
+            reason = chunks[-1].choices[0].finish_reason
+        else:
+            c = client.chat.completions.create(**kw).choices[0]
+            text, reason = c.message.content, c.finish_reason
+        assert reason == "stop" and isinstance(json.loads(text), dict), text
 
 
 def test_json_object_regex_choice_and_grammar(smol: Any) -> None:
@@ -144,9 +162,7 @@ def test_json_object_regex_choice_and_grammar(smol: Any) -> None:
         else:
             r = client.chat.completions.create(**kw, response_format={"type": "json_object"})
             text = r.choices[0].message.content
-        if text.count("{") == text.count("}"):  # (cut by max_tokens it cannot parse)
-            assert isinstance(json.loads(text), dict)
-        assert text.startswith("{")
+        assert text.startswith("{")  # (SmolLM2 may nest until max_tokens: Qwen's test parses)
     prompt = dict(model=model, prompt="My phone number is", max_tokens=20, temperature=1.0)
     for seed in range(4):
         r = client.completions.create(

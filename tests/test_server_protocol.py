@@ -66,8 +66,8 @@ def test_non_finite_numbers_are_refused(client: TestClient) -> None:
 
 def test_unknown_fields_are_named(client: TestClient) -> None:
     _bad(client, "/v1/completions", {"prompt": "a", "frobnicate": 1}, "frobnicate", "unknown")
-    chat = {"messages": [{"role": "user", "content": "x", "tool_calls": []}]}
-    _bad(client, "/v1/chat/completions", chat, "messages.0.tool_calls", "unknown field")
+    chat = {"messages": [{"role": "user", "content": "x", "refusal": "no"}]}
+    _bad(client, "/v1/chat/completions", chat, "messages.0.refusal", "unknown field")
 
 
 def test_malformed_json_names_no_field(client: TestClient) -> None:
@@ -163,15 +163,16 @@ def test_null_means_not_set_for_every_optional_field(client: TestClient) -> None
         for field in optional:
             assert "null" in str(s[name]["properties"][field]), (name, field)
         _valid(client, path, {**base, **dict.fromkeys(optional)})
-    _valid(client, "/v1/chat/completions", {**routes["/v1/chat/completions"][1], "tools": None})
+    _valid(client, "/v1/chat/completions", {**routes["/v1/chat/completions"][1], "functions": None})
     _bad(
         client,
         "/v1/chat/completions",
-        {**routes["/v1/chat/completions"][1], "tools": []},
-        "tools",
+        {**routes["/v1/chat/completions"][1], "functions": []},
+        "functions",
         "unknown",
     )
     _valid(client, "/v1/responses", {"input": "hi", "reasoning": None, "tools": None})
+    _valid(client, "/v1/responses", {"input": "hi", "tools": [], "tool_choice": "auto"})
     _bad(client, "/v1/responses", {"input": "hi", "reasoning": {}}, "reasoning", "unknown")
     _bad(client, "/v1/completions", {"prompt": "a", "frobnicate": None}, "frobnicate", "unknown")
     _bad(client, "/v1/completions", {"prompt": None}, "prompt")  # a required field stays required
@@ -250,7 +251,10 @@ def test_responses_body_names_what_it_takes(client: TestClient) -> None:
     _bad(client, "/v1/responses", {"input": "x", "include": ["file"]}, "include.0", "logprobs")
     _bad(client, "/v1/responses", {"input": []}, "input", "at least 1")
     call = {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"}
-    _bad(client, "/v1/responses", {"input": [call]}, "input.0.type", "'message'")
+    done = {"type": "function_call_output", "call_id": "c", "output": "42"}
+    _valid(client, "/v1/responses", {"input": [user, call, done], "tools": None})
+    search = {"type": "web_search_call", "id": "w", "status": "completed"}
+    _bad(client, "/v1/responses", {"input": [search]}, "input.0.type", "'message'")
     _bad(client, "/v1/responses", {"input": "x", "n": 2}, "n", "unknown")
     _bad(client, "/v1/responses", {"input": "x", "max_tokens": 5}, "max_tokens", "unknown")
 

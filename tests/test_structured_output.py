@@ -362,3 +362,57 @@ def test_tools_on_a_template_without_tool_markup_are_refused(smol: Any) -> None:
             model=model, messages=[{"role": "user", "content": "x"}], tools=TOOLS
         )
     assert e.value.body["param"] == "tools" and "does not render tools" in e.value.body["message"]
+
+
+def test_responses_api_function_calls(qwen: Any) -> None:
+    """/v1/responses with function tools: a required call comes back as a ``function_call``
+    item whose arguments validate (streamed: the item added, its arguments, done, in order);
+    its output sent back with ``previous_response_id`` continues the conversation as the chat
+    template renders [user, assistant call, tool result]."""
+    import httpx
+
+    client, model, url = qwen
+    flat = [{"type": "function", **t["function"]} for t in TOOLS]
+    kw = dict(model=model, input="Weather in Paris?", tools=flat, tool_choice="required")
+    r = client.responses.create(**kw, max_output_tokens=60, temperature=0)
+    (call,) = [o for o in r.output if o.type == "function_call"]
+    assert r.status == "completed" and call.name in SCHEMAS and call.call_id
+    jsonschema.validate(json.loads(call.arguments), SCHEMAS[call.name])
+    with client.responses.stream(**kw, max_output_tokens=60, temperature=0) as s:
+        events = [e.type for e in s]
+        final = s.get_final_response()
+    assert events == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.function_call_arguments.delta",
+        "response.function_call_arguments.done",
+        "response.output_item.done",
+        "response.completed",
+    ]
+    (streamed,) = final.output
+    assert (streamed.name, json.loads(streamed.arguments)) == (
+        call.name,
+        json.loads(call.arguments),
+    )
+    result = {"type": "function_call_output", "call_id": call.call_id, "output": "18 C, sunny"}
+    r2 = client.responses.create(
+        model=model, input=[result], previous_response_id=r.id, tools=flat, max_output_tokens=8
+    )
+    as_chat = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": call.call_id,
+                    "type": "function",
+                    "function": {"name": call.name, "arguments": call.arguments},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": call.call_id, "content": "18 C, sunny"},
+    ]
+    want = httpx.post(f"{url}/tokenize", json={"messages": as_chat, "tools": TOOLS}).json()
+    assert r2.usage.input_tokens == want["count"]

@@ -60,7 +60,7 @@ from inferflow.server.runner import EngineRunner, until_disconnect
 from inferflow.server.scoring import add_scoring_routes
 from inferflow.server.seq2seq import complete as seq2seq_complete
 from inferflow.server.store import StoreLimits
-from inferflow.server.tools import CallFormat, check_tools
+from inferflow.server.tools import CallFormat, plan_tools
 from inferflow.spec import Spec
 from inferflow.tokenizer import Tokenizer
 from inferflow.tokenizer.chat import TemplateBudget
@@ -358,25 +358,20 @@ def create_app(cfg: ServerConfig) -> FastAPI:
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "top_logprobs: needs logprobs set to true", param="top_logprobs")
         choice = body.tool_choice
-        if choice is not None and choice != "none" and not body.tools:
-            raise APIError(400, "tool_choice: needs tools", param="tool_choice")
-        offered = body.tools if choice != "none" else None  # ("none": not offered at all)
-        fmt = check_tools(state.tokenizer().chat_template, offered, choice) if offered else None
+        named = choice.function.name if isinstance(choice, NamedToolChoice) else None
+        plan = plan_tools(
+            state.tokenizer().chat_template,
+            [t.model_dump(exclude_none=True) for t in body.tools or []],
+            None if named else choice,  # type: ignore[arg-type]
+            named,
+            body.parallel_tool_calls,
+        )
         messages = [m.as_template_input() for m in body.messages]
-        listed = [t.model_dump(exclude_none=True) for t in offered] if offered else None
-        ids = await _chat_ids(state, messages, listed)
-        forced = None
-        if fmt is not None and offered and choice not in (None, "auto"):
-            # required, or one named function: the reply is calls, held to their schemas
-            named = choice.function.name if isinstance(choice, NamedToolChoice) else None
-            funcs = [t.function.model_dump(exclude_none=True) for t in offered]
-            funcs = [f for f in funcs if named in (None, f["name"])]
-            lark = fmt.grammar(funcs, body.parallel_tool_calls and named is None)
-            forced = ("tool_choice", "grammar", lark)
+        ids = await _chat_ids(state, messages, plan.listed)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         max_tokens = body.max_completion_tokens or body.max_tokens
         gen = await state.start(
-            lm, runner, [ids], body, max_tokens, logprobs, "messages", None, forced, fmt
+            lm, runner, [ids], body, max_tokens, logprobs, "messages", None, plan.forced, plan.fmt
         )
         return await _respond(gen, request, body.stream, body.stream_options)
 

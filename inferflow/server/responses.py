@@ -13,127 +13,21 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
-from pydantic import Field
 
 from inferflow.server.generation import FAILED, Generation
 from inferflow.server.guard import APIError
 from inferflow.server.openapi import ERROR, responses
-from inferflow.server.protocol import MAX_MESSAGES, Body, GenerationBody, Name, Text
+from inferflow.server.responses_body import LOGPROBS, NamedFunction, ResponsesBody
 from inferflow.server.store import ResponseStore
+from inferflow.server.tools import ToolStream, plan_tools
 
 if TYPE_CHECKING:
     from inferflow.server.app import ServerState
-
-LOGPROBS = "message.output_text.logprobs"  # the one ``include`` value (per-token logprobs)
-
-
-class ContentPart(Body):
-    """A message's text part: ``input_text``, or ``output_text`` as a response returned it
-    (its annotations and logprobs are taken and ignored)."""
-
-    type: Literal["input_text", "output_text"]
-    text: str
-    # (as long as the body allows: --max-body-bytes bounds them)
-    annotations: list[dict[str, Any]] | None = None
-    logprobs: list[dict[str, Any]] | None = None
-
-
-class InputMessage(Body):
-    """A message item (the SDK's easy form ``{role, content}`` or a returned output message:
-    its id and status are ignored)."""
-
-    type: Literal["message"] = "message"
-    role: Literal["user", "assistant", "system", "developer"]
-    content: str | Annotated[list[ContentPart], Field(max_length=MAX_MESSAGES)]
-    id: Name | None = None
-    status: Literal["in_progress", "completed", "incomplete"] | None = None
-
-    def as_template_input(self) -> dict[str, Any]:
-        text = (
-            self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
-        )
-        return {"role": "system" if self.role == "developer" else self.role, "content": text}
-
-
-class TextFormat(Body):
-    """The Responses API's ``text.format``: plain text, any JSON object, or JSON following
-    ``schema`` (the fields of chat's ``response_format.json_schema``, flattened)."""
-
-    type: Literal["text", "json_object", "json_schema"]
-    name: Name = "response"
-    schema_: dict[str, Any] | None = Field(None, alias="schema")
-    strict: bool | None = None
-    description: str | None = None
-
-
-class TextConfig(Body):
-    NULL_ONLY = frozenset({"verbosity"})
-    format: TextFormat | None = None
-
-
-class ResponsesStreamOptions(Body):
-    include_obfuscation: bool = False  # (no obfuscation padding is ever added)
-
-
-class ResponsesBody(GenerationBody):
-    """``POST /v1/responses``: OpenAI's fields, plus the engine extras of every generating
-    route (top_k, min_p, seed, stop, ...)."""
-
-    MAX_FIELD = "max_output_tokens"
-    NULL_ONLY = frozenset(
-        {
-            "tools",
-            "tool_choice",
-            "parallel_tool_calls",
-            "reasoning",
-            "background",
-            "conversation",
-            "prompt",
-            "prompt_cache_key",
-            "prompt_cache_retention",
-            "safety_identifier",
-            "service_tier",
-            "max_tool_calls",
-            "context_management",
-        }
-    )
-    input: Text | Annotated[list[InputMessage], Field(min_length=1, max_length=MAX_MESSAGES)]
-    instructions: str | None = None
-    max_output_tokens: int | None = Field(None, ge=1, description="at most the model's context")
-    previous_response_id: Name | None = None
-    store: bool = True
-    metadata: (
-        Annotated[
-            dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]],
-            Field(max_length=16),
-        ]
-        | None
-    ) = None
-    text: TextConfig | None = None
-    truncation: Literal["disabled"] = "disabled"
-    include: (
-        Annotated[list[Literal["message.output_text.logprobs"]], Field(max_length=1)] | None
-    ) = None
-    top_logprobs: int | None = Field(None, ge=0, le=20)
-    stream_options: ResponsesStreamOptions | None = None
-
-    def constraint(self) -> tuple[str, str, Any] | None:
-        f = self.text.format if self.text is not None else None
-        if f is None or f.type == "text":
-            return None
-        if f.type == "json_object":
-            return ("text.format", "json_object", None)
-        return ("text.format", "json_schema", {} if f.schema_ is None else f.schema_)
-
-    def messages(self) -> list[dict[str, Any]]:
-        if isinstance(self.input, str):
-            return [{"role": "user", "content": self.input}]
-        return [m.as_template_input() for m in self.input]
 
 
 def _usage(u: dict[str, Any]) -> dict[str, Any]:
@@ -150,6 +44,7 @@ def _usage(u: dict[str, Any]) -> dict[str, Any]:
 # a chat finish reason -> the response's status and incomplete_details
 STATUS: dict[str | None, tuple[str, dict[str, Any] | None]] = {
     "stop": ("completed", None),
+    "tool_calls": ("completed", None),
     "length": ("incomplete", {"reason": "max_output_tokens"}),
     "abort": ("cancelled", None),  # (the server shut down while it ran)
 }
@@ -184,10 +79,13 @@ class ResponseRun:
         usage: dict[str, Any] | None = None,
         details: dict[str, Any] | None = None,
         error: dict[str, Any] | None = None,
+        calls: list[dict[str, Any]] | None = None,
     ) -> dict[str, Any]:
-        """The response object; ``text`` None: no output yet."""
+        """The response object: its message (``text``; None: none), then its function calls
+        (chat ``tool_calls``)."""
         done = "completed" if status == "completed" else "incomplete"
         output = [] if text is None else [self.message(text, logprobs, done)]
+        output += [self.call_item(c, "completed") for c in calls or []]
         return {
             "id": self.id,
             "object": "response",
@@ -209,22 +107,47 @@ class ResponseRun:
             "content": [] if status == "in_progress" else [self.part(text, logprobs)],
         }
 
+    def call_item(self, call: dict[str, Any], status: str) -> dict[str, Any]:
+        """A chat tool call as a ``function_call`` output item."""
+        f = call["function"]
+        return {
+            "type": "function_call",
+            "id": "fc_" + call["id"].removeprefix("call_"),
+            "call_id": call["id"],
+            "name": f["name"],
+            "arguments": f["arguments"] if status != "in_progress" else "",
+            "status": status,
+        }
+
     def part(self, text: str, logprobs: list[Any] | None) -> dict[str, Any]:
         return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
 
-    def keep(self, obj: dict[str, Any], text: str) -> None:
+    def keep(self, obj: dict[str, Any], text: str, calls: list[dict[str, Any]]) -> None:
         if self.body.store and obj["status"] in ("completed", "incomplete"):
-            reply = {"role": "assistant", "content": text}
+            reply: dict[str, Any] = {"role": "assistant", "content": text}
+            if calls:  # (as the template reads them: arguments as objects)
+                reply["tool_calls"] = [
+                    {
+                        **c,
+                        "function": {
+                            **c["function"],
+                            "arguments": json.loads(c["function"]["arguments"]),
+                        },
+                    }
+                    for c in calls
+                ]
             self.store.put(self.id, [*self.conversation, reply], obj)
 
     async def response(self, disconnected: Callable[[], Awaitable[bool]]) -> dict[str, Any]:
         done = await self.gen.response(disconnected)  # (500 when the model failed)
         choice = done["choices"][0]
-        text = choice["message"]["content"]
+        calls = choice["message"].get("tool_calls") or []
+        text = choice["message"]["content"] or ""
         logprobs = (choice["logprobs"] or {}).get("content")
         status, details = STATUS[choice["finish_reason"]]
-        obj = self.obj(status, text, logprobs, _usage(done["usage"]), details)
-        self.keep(obj, text)
+        shown = text if text or not calls else None
+        obj = self.obj(status, shown, logprobs, _usage(done["usage"]), details, calls=calls)
+        self.keep(obj, text, calls)
         return obj
 
     def event(self, kind: str, **fields: Any) -> str:
@@ -235,17 +158,30 @@ class ResponseRun:
 
     async def sse(self) -> AsyncIterator[str]:
         """created, in_progress, the message item and its text part added, a delta per new
-        piece of text, then text / part / item done and completed (or incomplete, cancelled:
-        ``response.incomplete``; the model failed: ``response.failed``)."""
+        piece of text, then text / part / item done; each function call as an item added, its
+        arguments (one delta) and done; then completed (or incomplete, cancelled:
+        ``response.incomplete``; the model failed: ``response.failed``). With tools offered
+        the message item opens with its first text (a reply may be calls only)."""
         yield self.event("response.created", response=self.obj("in_progress"))
         yield self.event("response.in_progress", response=self.obj("in_progress"))
         where = {"item_id": self.item_id, "output_index": 0}
-        item = self.message("", None, "in_progress")
-        yield self.event("response.output_item.added", output_index=0, item=item)
-        yield self.event(
-            "response.content_part.added", **where, content_index=0, part=self.part("", None)
-        )
-        text, logprobs, reason = "", [], None
+        tools = ToolStream(self.gen.tools) if self.gen.tools is not None else None
+        opened = False
+
+        def open_message() -> Iterator[str]:
+            item = self.message("", None, "in_progress")
+            yield self.event("response.output_item.added", output_index=0, item=item)
+            yield self.event(
+                "response.content_part.added", **where, content_index=0, part=self.part("", None)
+            )
+
+        if tools is None:
+            for e in open_message():
+                yield e
+            opened = True
+        text, reason = "", None
+        logprobs: list[Any] = []
+        calls: list[dict[str, Any]] = []
         async for _, out in self.gen.events():
             if out.finish_reason == "error":
                 error = {"code": "server_error", "message": FAILED}
@@ -253,26 +189,60 @@ class ResponseRun:
                 return
             lp = (self.gen.logprobs_of(out, 0) or {}).get("content", [])
             logprobs += lp
-            if out.text or lp:
-                text += out.text
+            piece = out.text if tools is None else tools.push(out.text)
+            if out.finished and tools is not None:
+                rest, calls = tools.finish()
+                piece += rest
+            if piece or lp:
+                if not opened:
+                    for e in open_message():
+                        yield e
+                    opened = True
+                text += piece
                 yield self.event(
-                    "response.output_text.delta",
-                    **where,
-                    content_index=0,
-                    delta=out.text,
-                    logprobs=lp,
+                    "response.output_text.delta", **where, content_index=0, delta=piece, logprobs=lp
                 )
             if out.finished:
                 reason = out.finish_reason
-        part = self.part(text, logprobs)
-        yield self.event(
-            "response.output_text.done", **where, content_index=0, text=text, logprobs=logprobs
+        if not opened and not calls:  # (an empty reply is still a message)
+            for e in open_message():
+                yield e
+            opened = True
+        status, details = STATUS["tool_calls" if calls and reason == "stop" else reason]
+        obj = self.obj(
+            status,
+            text if opened else None,
+            logprobs,
+            _usage(self.gen.usage()),
+            details,
+            calls=calls,
         )
-        yield self.event("response.content_part.done", **where, content_index=0, part=part)
-        status, details = STATUS[reason]
-        obj = self.obj(status, text, logprobs, _usage(self.gen.usage()), details)
-        yield self.event("response.output_item.done", output_index=0, item=obj["output"][0])
-        self.keep(obj, text)
+        if opened:
+            part = self.part(text, logprobs)
+            yield self.event(
+                "response.output_text.done", **where, content_index=0, text=text, logprobs=logprobs
+            )
+            yield self.event("response.content_part.done", **where, content_index=0, part=part)
+            yield self.event("response.output_item.done", output_index=0, item=obj["output"][0])
+        for k, call in enumerate(calls, start=int(opened)):
+            item = obj["output"][k]
+            at = {"item_id": item["id"], "output_index": k}
+            yield self.event(
+                "response.output_item.added",
+                output_index=k,
+                item=self.call_item(call, "in_progress"),
+            )
+            yield self.event(
+                "response.function_call_arguments.delta", **at, delta=item["arguments"]
+            )
+            yield self.event(
+                "response.function_call_arguments.done",
+                **at,
+                name=item["name"],
+                arguments=item["arguments"],
+            )
+            yield self.event("response.output_item.done", output_index=k, item=item)
+        self.keep(obj, text, calls)
         kind = "response.completed" if status == "completed" else "response.incomplete"
         yield self.event(kind, response=obj)
 
@@ -300,9 +270,29 @@ def add_responses_routes(app: FastAPI, state: ServerState, auth: bool) -> None:
             earlier = list(found.conversation)
         conversation = earlier + body.messages()
         system = [{"role": "system", "content": body.instructions}] if body.instructions else []
-        ids = await _chat_ids(state, system + conversation)
+        choice = body.tool_choice
+        named = choice.name if isinstance(choice, NamedFunction) else None
+        plan = plan_tools(
+            state.tokenizer().chat_template,
+            [t.as_chat_tool() for t in body.tools or []],
+            None if isinstance(choice, NamedFunction) else choice,
+            named,
+            body.parallel_tool_calls,
+        )
+        ids = await _chat_ids(state, system + conversation, plan.listed)
         logprobs = (body.top_logprobs or 0) if LOGPROBS in (body.include or ()) else None
-        gen = await state.start(lm, runner, [ids], body, body.max_output_tokens, logprobs, "input")
+        gen = await state.start(
+            lm,
+            runner,
+            [ids],
+            body,
+            body.max_output_tokens,
+            logprobs,
+            "input",
+            None,
+            plan.forced,
+            plan.fmt,
+        )
         head: dict[str, Any] = {
             "model": state.name,
             "instructions": body.instructions,
@@ -318,9 +308,11 @@ def add_responses_routes(app: FastAPI, state: ServerState, auth: bool) -> None:
                     else {"type": "text"}
                 )
             },
-            "tools": [],
-            "tool_choice": "auto",
-            "parallel_tool_calls": False,
+            "tools": [t.model_dump(exclude_none=True) for t in body.tools or []],
+            "tool_choice": (
+                choice.model_dump() if isinstance(choice, NamedFunction) else choice or "auto"
+            ),
+            "parallel_tool_calls": body.parallel_tool_calls,
             "truncation": "disabled",
             "store": body.store,
             "metadata": body.metadata or {},

@@ -129,9 +129,32 @@ class ToolStream:
         return self.fmt.parse(self.held)
 
 
-def check_tools(template: str | None, tools: list[Any], choice: Any) -> CallFormat:
-    """The call format for a request with ``tools``; RequestError when the template prints
-    none, or ``tool_choice`` names a function not among them."""
+@dataclass(frozen=True)
+class ToolPlan:
+    """How a request's tools run: the call markup to parse replies with (None: no tools
+    offered), the tools as the chat template takes them, and the grammar that holds the reply
+    to calls when one is required."""
+
+    fmt: CallFormat | None = None
+    listed: list[dict[str, Any]] | None = None
+    forced: tuple[str, str, Any] | None = None
+
+
+def plan_tools(
+    template: str | None,
+    tools: list[dict[str, Any]] | None,
+    choice: str | None,
+    named: str | None,
+    parallel: bool,
+) -> ToolPlan:
+    """``tools``: OpenAI's chat tool objects (``{"type": "function", "function": {...}}``);
+    ``choice``: none / auto / required (None: auto), or ``named``, one function the reply must
+    call. RequestError (naming the field) for a choice without tools, a function not among
+    them, or a template that prints no tool-call markup."""
+    if (choice not in (None, "none") or named) and not tools:
+        raise RequestError("tool_choice: needs tools", "tool_choice")
+    if not tools or choice == "none":
+        return ToolPlan()
     fmt = call_format(template)
     if fmt is None:
         raise RequestError(
@@ -139,11 +162,15 @@ def check_tools(template: str | None, tools: list[Any], choice: Any) -> CallForm
             f"markup; known: {', '.join(CALL_FORMATS.names())})",
             "tools",
         )
-    names = [t.function.name for t in tools]
-    if choice is not None and not isinstance(choice, str) and choice.function.name not in names:
+    funcs = [t["function"] for t in tools]
+    names = [f["name"] for f in funcs]
+    if named is not None and named not in names:
         raise RequestError(
-            f"tool_choice: function {choice.function.name!r} is not among the tools "
-            f"({', '.join(names)})",
+            f"tool_choice: function {named!r} is not among the tools ({', '.join(names)})",
             "tool_choice",
         )
-    return fmt
+    forced = None
+    if choice == "required" or named is not None:  # the reply is calls, held to their schemas
+        chosen = [f for f in funcs if named in (None, f["name"])]
+        forced = ("tool_choice", "grammar", fmt.grammar(chosen, parallel and named is None))
+    return ToolPlan(fmt, tools, forced)

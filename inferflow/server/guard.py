@@ -1,27 +1,31 @@
 """What stands between a request and the routes: OpenAI-style errors for every exception a
-request can cause, and the ``Guard`` middleware (API key, 503 while draining, body size, the
+request can cause (pydantic's validation errors as one message naming the field:
+``describe_invalid``), and the ``Guard`` middleware (API key, 503 while draining, body size, the
 count of requests in flight)."""
 
 from __future__ import annotations
 
+import functools
 import hmac
+import json
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from fastapi.routing import APIRoute
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from inferflow.engine.scheduler import QueueFull
 from inferflow.errors import InferflowError, Stopped
-from inferflow.server.protocol import describe_invalid, error_body
+from inferflow.server.protocol import Body, error_body
 from inferflow.server.runner import ClientGone, ModelFailed
 
 if TYPE_CHECKING:
-    from inferflow.server.app import ServerState
+    from inferflow.server.state import ServerState
 
 log = logging.getLogger(__name__)
 
@@ -179,3 +183,61 @@ class Guard:
             return msg
 
         await self.app(scope, limited, send)
+
+
+# --- pydantic's validation errors as one OpenAI error ------------------------------------
+
+
+def _bodies(cls: type[BaseModel] = Body) -> list[type[BaseModel]]:
+    return [c for sub in cls.__subclasses__() for c in (sub, *_bodies(sub))]
+
+
+@functools.cache
+def _fields() -> frozenset[str]:
+    """Every field name of a request body (once all route modules have defined theirs): in an
+    error's path, what is not one is a union member."""
+    return frozenset(name for m in _bodies() for name in m.model_fields)
+
+
+def describe_invalid(errors: list[dict[str, Any]]) -> tuple[str | None, str]:
+    """(param, message) for pydantic's errors of a request body: the first error, with the
+    union members pydantic names in its path ('str', 'list[int]', ...) left out. When no member
+    of a union matched, the message lists the members; when one matched in type but broke a
+    constraint (a prompt token id < 0), that constraint is the message."""
+    if not errors:
+        return None, "invalid request"
+    if errors[0].get("type") == "json_invalid":  # (its loc is the character position)
+        why = (errors[0].get("ctx") or {}).get("error", "")
+        return None, f"the body is not valid JSON: {why} (at character {errors[0]['loc'][-1]})"
+
+    def split(e: dict[str, Any]) -> tuple[str, list[str]]:
+        loc = list(e.get("loc", ()))
+        loc = loc[1:] if loc[:1] == ["body"] else loc
+        unknown = e.get("type") == "extra_forbidden"  # (its last element names the field)
+        kept, tags = [], []
+        for i, x in enumerate(loc):
+            if isinstance(x, int) or x in _fields() or (unknown and i == len(loc) - 1):
+                kept.append(str(x))
+            else:
+                tags.append(str(x))
+        return ".".join(kept), tags
+
+    first = errors[0]
+    param, tags = split(first)
+    if tags and len(errors) > 1:  # a union: the members' errors come one after another
+        members = [e for e in errors if split(e)[0].startswith(param) and split(e)[1]]
+        shaped = [e for e in members if not str(e.get("type", "")).endswith("_type")]
+        if shaped:
+            first = shaped[0]
+            param = split(first)[0]
+        else:
+            forms = dict.fromkeys(split(e)[1][0].replace("constrained-", "") for e in members)
+            got = json.dumps(first.get("input"), default=str)[:80]
+            return param or None, f"{param}: expected one of {', '.join(forms)} (got {got})"
+    msg = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
+    if first.get("type") == "extra_forbidden":
+        msg = "unknown field; see the API reference for the allowed fields"
+    text = f"{param}: {msg}" if param else msg
+    if "input" in first and first.get("type") not in ("missing", "extra_forbidden"):
+        text += f" (got {json.dumps(first['input'], default=str)[:80]})"
+    return param or None, text

@@ -4,16 +4,13 @@ accepted as extra body fields, as vLLM does."""
 
 from __future__ import annotations
 
-import functools
 import json
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (
     BaseModel,
     ConfigDict,
-    Discriminator,
     Field,
-    Tag,
     field_validator,
     model_validator,
 )
@@ -444,66 +441,6 @@ class ChatBody(SamplingBody):
     top_logprobs: int | None = Field(None, ge=0, le=20)
 
 
-class EmbeddingBody(Body):
-    input: Prompt
-    model: Name | None = None
-    encoding_format: Literal["float", "base64"] = "float"
-    dimensions: int | None = None
-    user: Name | None = None
-
-
-class ClassifyBody(Body):
-    """vLLM's classify request: texts (or token ids) in, label probabilities out."""
-
-    input: Prompt
-    model: Name | None = None
-    user: Name | None = None
-
-
-class RerankDocument(Body):
-    text: Text
-
-
-class RerankBody(Body):
-    """The rerank request of Cohere / Jina / vLLM: documents scored against a query by a
-    cross-encoder, best first."""
-
-    query: Text
-    documents: Annotated[list[Text | RerankDocument], Field(min_length=1, max_length=MAX_PROMPTS)]
-    model: Name | None = None
-    top_n: Annotated[int, Field(ge=1)] | None = None
-    return_documents: bool = True
-    user: Name | None = None
-
-
-class TokenizeText(Body):
-    model: Name | None = None
-    prompt: str
-    add_special_tokens: bool = True
-
-
-class TokenizeChat(Body):
-    model: Name | None = None
-    messages: list[Message] = Field(min_length=1, max_length=MAX_MESSAGES)
-    tools: Annotated[list[Tool], Field(max_length=128)] | None = None  # rendered as chat does
-
-
-def _tokenize_form(body: Any) -> str:
-    return "TokenizeChat" if isinstance(body, dict) and "messages" in body else "TokenizeText"
-
-
-# exactly one of prompt, messages (the tags are the class names, which no field is called)
-TokenizeBody = Annotated[
-    Annotated[TokenizeText, Tag("TokenizeText")] | Annotated[TokenizeChat, Tag("TokenizeChat")],
-    Discriminator(_tokenize_form),
-]
-
-
-class DetokenizeBody(Body):
-    model: Name | None = None
-    tokens: list[int]
-
-
 def prompt_list(p: str | list[str] | list[int] | list[list[int]]) -> list[str | list[int]]:
     """OpenAI's four prompt shapes (validated: no list is empty) as a list of prompts (text or
     token ids)."""
@@ -512,58 +449,3 @@ def prompt_list(p: str | list[str] | list[int] | list[list[int]]) -> list[str | 
     if all(isinstance(x, int) for x in p):
         return [list(p)]  # type: ignore[arg-type]
     return list(p)  # type: ignore[arg-type]
-
-
-def _bodies(cls: type[BaseModel] = Body) -> list[type[BaseModel]]:
-    return [c for sub in cls.__subclasses__() for c in (sub, *_bodies(sub))]
-
-
-@functools.cache
-def _fields() -> frozenset[str]:
-    """Every field name of a request body (once all route modules have defined theirs): in an
-    error's path, what is not one is a union member."""
-    return frozenset(name for m in _bodies() for name in m.model_fields)
-
-
-def describe_invalid(errors: list[dict[str, Any]]) -> tuple[str | None, str]:
-    """(param, message) for pydantic's errors of a request body: the first error, with the
-    union members pydantic names in its path ('str', 'list[int]', ...) left out. When no member
-    of a union matched, the message lists the members; when one matched in type but broke a
-    constraint (a prompt token id < 0), that constraint is the message."""
-    if not errors:
-        return None, "invalid request"
-    if errors[0].get("type") == "json_invalid":  # (its loc is the character position)
-        why = (errors[0].get("ctx") or {}).get("error", "")
-        return None, f"the body is not valid JSON: {why} (at character {errors[0]['loc'][-1]})"
-
-    def split(e: dict[str, Any]) -> tuple[str, list[str]]:
-        loc = list(e.get("loc", ()))
-        loc = loc[1:] if loc[:1] == ["body"] else loc
-        unknown = e.get("type") == "extra_forbidden"  # (its last element names the field)
-        kept, tags = [], []
-        for i, x in enumerate(loc):
-            if isinstance(x, int) or x in _fields() or (unknown and i == len(loc) - 1):
-                kept.append(str(x))
-            else:
-                tags.append(str(x))
-        return ".".join(kept), tags
-
-    first = errors[0]
-    param, tags = split(first)
-    if tags and len(errors) > 1:  # a union: the members' errors come one after another
-        members = [e for e in errors if split(e)[0].startswith(param) and split(e)[1]]
-        shaped = [e for e in members if not str(e.get("type", "")).endswith("_type")]
-        if shaped:
-            first = shaped[0]
-            param = split(first)[0]
-        else:
-            forms = dict.fromkeys(split(e)[1][0].replace("constrained-", "") for e in members)
-            got = json.dumps(first.get("input"), default=str)[:80]
-            return param or None, f"{param}: expected one of {', '.join(forms)} (got {got})"
-    msg = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
-    if first.get("type") == "extra_forbidden":
-        msg = "unknown field; see the API reference for the allowed fields"
-    text = f"{param}: {msg}" if param else msg
-    if "input" in first and first.get("type") not in ("missing", "extra_forbidden"):
-        text += f" (got {json.dumps(first['input'], default=str)[:80]})"
-    return param or None, text

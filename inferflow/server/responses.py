@@ -27,7 +27,7 @@ from inferflow.server.store import ResponseStore
 from inferflow.server.tools import ToolStream, plan_tools
 
 if TYPE_CHECKING:
-    from inferflow.server.app import ServerState
+    from inferflow.server.state import ServerState
 
 
 def _usage(u: dict[str, Any]) -> dict[str, Any]:

@@ -20,11 +20,11 @@ from inferflow.runtime import LanguageModel
 from inferflow.server.batcher import GroupCall
 from inferflow.server.guard import APIError
 from inferflow.server.openapi import responses
-from inferflow.server.protocol import ClassifyBody, RerankBody
+from inferflow.server.protocol_aux import ClassifyBody, RerankBody
 from inferflow.server.runner import EngineRunner, until_disconnect
 
 if TYPE_CHECKING:
-    from inferflow.server.app import ServerState
+    from inferflow.server.state import ServerState
 
 
 def add_scoring_routes(app: FastAPI, state: ServerState, auth: bool) -> None:

@@ -15,7 +15,7 @@ from typing import Any
 import uvicorn
 
 from inferflow.errors import Unavailable
-from inferflow.server.app import ServerState
+from inferflow.server.state import ServerState
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,238 @@
+"""The server's configuration and state: the model (loaded in a background thread), its
+engine runner, and the checks every generating route shares before it queues a request
+(``ServerState.start``: sampling bounds, structured output, the context, echo)."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import resource
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from inferflow import __version__
+from inferflow.engine.constrain import compile_grammar, lltokenizer
+from inferflow.engine.engine import Engine, EngineConfig
+from inferflow.errors import RequestError
+from inferflow.model.batch import check_input
+from inferflow.runtime import LanguageModel, load
+from inferflow.server.echo import Echo
+from inferflow.server.generation import Generation
+from inferflow.server.guard import APIError
+from inferflow.server.metrics import Metrics
+from inferflow.server.protocol import GenerationBody
+from inferflow.server.runner import EngineRunner
+from inferflow.server.store import StoreLimits
+from inferflow.server.tools import CallFormat
+from inferflow.spec import Spec
+from inferflow.tokenizer import Tokenizer
+from inferflow.tokenizer.chat import TemplateBudget
+
+log = logging.getLogger(__name__)
+
+# what the networks the engine does not run serve (neither chats; encoder-only: no completions)
+SERVES = {
+    "encoder_only": "/v1/embeddings, /v1/classify and /v1/rerank (with a classification head), "
+    "/tokenize and /detokenize",
+    "encoder_decoder": "/v1/completions (source text in, target text out), /tokenize and "
+    "/detokenize (it has no chat template)",
+}
+
+
+def system_fingerprint(cfg: ServerConfig) -> str:
+    """OpenAI's ``system_fingerprint``: stable while the served model and engine stay the same —
+    a hash of the engine version, the resolved spec, the checkpoint files (names, sizes,
+    modification times), the dtype and the quantization."""
+    files = [
+        (str(f), *((st.st_size, st.st_mtime_ns) if (st := _stat(f)) else ()))
+        for f in cfg.spec.source.files
+    ]
+    text = json.dumps(
+        [__version__, cfg.spec.raw, files, cfg.dtype, cfg.quant], sort_keys=True, default=str
+    )
+    return "fp_" + hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+def _stat(path: Path) -> os.stat_result | None:
+    try:
+        return path.stat()
+    except OSError:
+        return None
+
+
+@dataclass
+class ServerConfig:
+    spec: Spec
+    served_name: str | None = None  # the model id clients send (default: the spec's name)
+    dtype: str = "float32"
+    quant: str | None = None
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    api_key: str | None = None
+    max_body_bytes: int = 4 << 20
+    cors_origins: tuple[str, ...] = ()
+    # SIGTERM: running requests may finish for this long, then end with finish reason "abort"
+    shutdown_grace: float = 10.0
+    template: TemplateBudget = field(default_factory=TemplateBudget)  # chat template limits
+    url: str | None = None  # where it listens (said once requests can be served)
+    responses: StoreLimits = field(default_factory=StoreLimits)  # kept for previous_response_id
+
+
+class ServerState:
+    def __init__(self, cfg: ServerConfig) -> None:
+        self.cfg = cfg
+        self.name = cfg.served_name or cfg.spec.name
+        self.metrics = Metrics()
+        self.lm: LanguageModel | None = None
+        self.runner: EngineRunner | None = None
+        self.load_error: str | None = None
+        self.started = time.time()
+        self.draining = False  # SIGTERM: new requests get 503 while running ones finish
+        self.active = 0  # HTTP requests in flight (but /health and /metrics)
+        self.fingerprint = system_fingerprint(cfg)
+
+    def load(self, loop: asyncio.AbstractEventLoop) -> None:
+        try:
+            t0 = time.perf_counter()
+            src = self.cfg.spec.source
+            size = sum(f.stat().st_size for f in src.files if f.is_file())
+            files = ", ".join(str(f) for f in src.files)
+            log.info("loading %s: %s (%s, %.0f MiB)", self.name, files, src.format, size / 2**20)
+            lm = load(self.cfg.spec, self.cfg.dtype, self.cfg.quant)
+            decoder = lm.spec.network.type == "decoder_only"
+            engine = Engine(lm.model, lm.tokenizer, self.cfg.engine) if decoder else None
+            runner = EngineRunner(engine, self.metrics, self.cfg.engine.scheduler.max_waiting)
+            runner.start(loop)
+            self.lm, self.runner = lm, runner
+            peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10  # (KiB on Linux)
+            log.info(
+                "model %s loaded in %.1f s (peak RSS %.0f MiB)%s",
+                self.name,
+                time.perf_counter() - t0,
+                peak,
+                f"; ready on {self.cfg.url}" if self.cfg.url else "",
+            )
+        except Exception as e:
+            log.exception("loading %s failed", self.name)
+            self.load_error = str(e)
+
+    def ready(self, model: str | None = None) -> tuple[LanguageModel, EngineRunner]:
+        if self.lm is None or self.runner is None:
+            if self.load_error:
+                raise APIError(500, f"the model failed to load: {self.load_error}", "server_error")
+            raise APIError(
+                503,
+                "the model is still loading; retry shortly",
+                "server_error",
+                headers={"Retry-After": "1"},
+            )
+        if model is not None and model != self.name:
+            raise APIError(
+                404,
+                f"model {model!r} is not served here; available: {self.name!r}",
+                param="model",
+                code="model_not_found",
+            )
+        return self.lm, self.runner
+
+    def max_len(self) -> int:
+        """Tokens a sequence may hold: the engine's (the KV cache may hold less than the
+        context), else the network's positions."""
+        lm, runner = self.ready()
+        return int(runner.engine.max_len if runner.engine else lm.spec.hparams.max_positions)
+
+    def generating(self, model: str | None, chat: bool) -> tuple[LanguageModel, EngineRunner]:
+        """The model and its runner, for a completions (``chat``: chat) request; 400 for a
+        network type that does not serve it."""
+        lm, runner = self.ready(model)
+        kind = lm.spec.network.type
+        serves = SERVES.get(kind)
+        if serves is not None and (chat or kind == "encoder_only"):
+            what = "chat completions" if chat else "completions"
+            raise APIError(
+                400, f"model {self.name!r} is {kind}: it serves {serves}, not {what}", param="model"
+            )
+        return lm, runner
+
+    async def start(
+        self,
+        lm: LanguageModel,
+        runner: EngineRunner,
+        prompts: list[list[int]],
+        body: GenerationBody,
+        max_tokens: int | None,
+        logprobs: int | None,
+        field: str,
+        echo: Callable[[], Awaitable[list[Echo] | None]] | None = None,
+        constraint: tuple[str, str, Any] | None = None,
+        tools: CallFormat | None = None,
+    ) -> Generation:
+        """Check and queue a generation request (chat and responses when ``field``, the request
+        field holding the prompt, is messages or input). ``max_tokens`` unset: the spec's
+        ``max_new_tokens``, at most what the context leaves; set past what the context leaves
+        after the prompt: 400 naming both numbers, as vLLM answers; 0: nothing generated (only
+        with ``echo``, completions' prompt scoring, which runs once every check has passed)."""
+        most, longest = self.max_len(), max(map(len, prompts))
+        limit = max_tokens or max(1, min(most - longest, lm.spec.generation.max_new_tokens))
+        if max_tokens == 0:
+            limit = 1  # (the parameters are checked; no request is queued)
+        params = body.sampling(
+            limit, logprobs, lm.spec.hparams.vocab_size, most, lm.spec.generation
+        )
+        asked = body.constraint()
+        if constraint is not None and asked is not None:
+            raise APIError(
+                400, f"{asked[0]}: does not combine with {constraint[0]}", param=asked[0]
+            )
+        if (c := constraint or asked) is not None:  # structured output: compiled off the loop
+            name, kind, value = c
+            tok, vocab = self.tokenizer(), lm.spec.hparams.vocab_size
+            try:
+                grammar = await asyncio.to_thread(
+                    lambda: compile_grammar(kind, value, lltokenizer(tok, vocab))
+                )
+            except RequestError as e:
+                raise APIError(400, f"{name}: {e}", param=name) from None
+            params = dataclasses.replace(params, grammar=grammar)
+        if max_tokens != 0 and longest < most < longest + limit:  # (too long: the engine's)
+            raise APIError(
+                400,
+                f"{body.MAX_FIELD}: {limit} new tokens after the prompt's {longest} exceed the "
+                f"context of {most} tokens; at most {most - longest} fit",
+                param=body.MAX_FIELD,
+            )
+        chat = field != "prompt"
+        echoes = None
+        if echo is not None:  # (the scoring pass reads the prompts: check them first)
+            for ids in prompts:
+                check_input(ids, lm.spec.hparams.vocab_size, most - (max_tokens != 0), field)
+            echoes = await echo()
+        try:
+            return Generation(
+                runner,
+                lm.tokenizer,
+                self.name,
+                chat,
+                prompts,
+                params,
+                self.fingerprint,
+                echoes,
+                generate=max_tokens != 0,
+                tools=tools,
+            )
+        except RequestError as e:
+            if e.param == "prompt":
+                e.param = field
+            raise
+
+    def tokenizer(self) -> Tokenizer:
+        lm = self.lm
+        if lm is None or lm.tokenizer is None:
+            raise APIError(400, f"model {self.name!r} has no tokenizer: send token ids")
+        return lm.tokenizer

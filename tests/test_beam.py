@@ -131,5 +131,5 @@ def test_beam_abort_and_bad_params(pair) -> None:
     assert eng.cache.alloc.num_free == free0 and not eng.beams and not eng.has_unfinished()
     with pytest.raises(RequestError, match="exceeds beam_width"):
         SamplingParams(beam_width=2, n=3)
-    with pytest.raises(RequestError, match="stop strings or logprobs"):
+    with pytest.raises(RequestError, match="stop strings, logprobs"):
         SamplingParams(beam_width=2, logprobs=1)

@@ -118,8 +118,9 @@ def create_app(cfg: ServerConfig) -> FastAPI:
             return await echoes(lm, runner, body, texts, prompts, request.is_disconnected)
 
         max_tokens = 16 if body.max_tokens is None else body.max_tokens
+        scored = body.echo or body.prompt_logprobs is not None
         gen = await state.start(
-            lm, runner, prompts, body, max_tokens, body.logprobs, "prompt", echo
+            lm, runner, prompts, body, max_tokens, body.logprobs, "prompt", echo if scored else None
         )
         return await _respond(gen, request, body.stream, body.stream_options)
 

@@ -273,7 +273,11 @@ def load(
         from inferflow.parallel.runtime import launch
 
         layout = resolve_layout(spec.partition, spec, q)
-        tokenizer = tokenizer or tokenizer_for(spec)  # (a bad one fails before processes start)
+        tokenizer = (
+            tokenizer if tokenizer is not None else tokenizer_for(spec)
+        )  # (a bad one fails before processes start)
         return LanguageModel(spec, launch(spec, layout, dt, q), tokenizer)
-    tokenizer = tokenizer or tokenizer_for(spec)  # (a bad one fails before weights load)
+    tokenizer = (
+        tokenizer if tokenizer is not None else tokenizer_for(spec)
+    )  # (a bad one fails before weights load)
     return LanguageModel(spec, load_model(spec, dt, q), tokenizer)

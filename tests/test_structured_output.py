@@ -416,3 +416,40 @@ def test_responses_api_function_calls(qwen: Any) -> None:
     ]
     want = httpx.post(f"{url}/tokenize", json={"messages": as_chat, "tools": TOOLS}).json()
     assert r2.usage.input_tokens == want["count"]
+
+
+def test_a_failing_grammar_mask_ends_only_its_request(monkeypatch: pytest.MonkeyPatch) -> None:
+    """In the engine: when the batched mask call fails, each constrained sample is masked
+    alone, and only the one whose mask fails ends with "error"; the other constrained sample
+    still follows its grammar and the free one runs on."""
+    import inferflow.engine.engine as engine_module
+    from inferflow.engine.constrain import compile_grammar, lltokenizer, mask_rows
+    from inferflow.engine.engine import Engine
+    from inferflow.engine.sampling import SamplingParams
+    from inferflow.runtime import load
+
+    smollm2_path()
+    lm = load("smollm2-135m-instruct")
+    ll = lltokenizer(lm.tokenizer, lm.spec.hparams.vocab_size)
+    bad = compile_grammar("choice", [" yes", " no"], ll)
+    good = compile_grammar("regex", r" \d{3}", ll)
+    broken: list[Any] = []
+
+    def flaky(x: Any, rows: list[int], constraints: list[Any]) -> None:
+        if any(c in broken for c in constraints):
+            raise RuntimeError("mask failed")
+        mask_rows(x, rows, constraints)
+
+    monkeypatch.setattr(engine_module, "mask_rows", flaky)
+    eng = Engine(lm.model, lm.tokenizer)
+    prompt = lm.encode_prompt("My lucky number is")
+    ids = [
+        eng.add_request(prompt, SamplingParams(max_new_tokens=8, grammar=g))
+        for g in (bad, good, None)
+    ]
+    reqs = [eng.requests[i][0] for i in ids]
+    broken.append(reqs[0].constraint)
+    while eng.has_unfinished():
+        eng.step()
+    assert [r.finish_reason for r in reqs] == ["error", "stop", "length"]
+    assert re.fullmatch(r" \d{3}", reqs[1].text) and len(reqs[2].output_ids) == 8

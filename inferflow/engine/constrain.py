@@ -9,13 +9,16 @@ schema costs milliseconds, not seconds), and errors returned as messages rather 
 crashes. xgrammar, the other common choice, pulls a CUDA build of torch as a dependency.
 
 ``compile_grammar`` turns a request's constraint into llguidance's grammar text (a RequestError
-naming what is wrong otherwise); the engine keeps one ``Constraint`` (a matcher) per sample.
+naming what is wrong otherwise) as a ``Grammar``; the engine keeps one ``Constraint`` (a
+matcher) per sample, copied from it.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import threading
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -67,36 +70,54 @@ def lltokenizer(tok: Any, vocab: int) -> Any:
         return ll
 
 
-def compile_grammar(kind: str, value: Any, ll: Any) -> str:
-    """llguidance's grammar for a constraint: ``json_schema`` (a schema object), ``json_object``
-    (any JSON object), ``regex``, ``choice`` (one of a list of strings) or ``grammar`` (Lark).
-    A constraint llguidance cannot compile is a RequestError with its message."""
+def compile_grammar(kind: str, value: Any, ll: Any) -> Grammar:
+    """A constraint compiled: ``json_schema`` (a schema object), ``json_object`` (any JSON
+    object), ``regex``, ``choice`` (one of a list of strings) or ``grammar`` (Lark). A
+    constraint llguidance cannot compile is a RequestError with its message. Runs where the
+    request arrives (the server: a worker thread), never on the engine's thread."""
     llg = _llguidance()
     m = llg.LLMatcher
     try:
         if kind in ("json_schema", "json_object"):
             schema = value if kind == "json_schema" else {"type": "object"}
-            grammar = m.grammar_from_json_schema(json.dumps(schema), defaults=JSON_OPTIONS)
+            text = m.grammar_from_json_schema(json.dumps(schema), defaults=JSON_OPTIONS)
         elif kind == "regex":
-            grammar = m.grammar_from_regex(value)
+            text = m.grammar_from_regex(value)
         elif kind == "choice":
-            grammar = m.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in value))
+            text = m.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in value))
         elif kind == "grammar":
-            grammar = m.grammar_from_lark(value)
+            text = m.grammar_from_lark(value)
         else:
             raise RequestError(f"unknown constraint {kind!r}; allowed: {', '.join(KINDS)}")
     except ValueError as e:
         raise RequestError(f"{kind}: {e}") from None
-    failed, messages = m.validate_grammar_with_warnings(grammar, ll)
-    if failed:
-        raise RequestError(f"{kind}: cannot be compiled: {messages[0]}")
-    return str(grammar)
+    proto = m(ll, text)  # (building it validates it: an error state, never an exception)
+    if proto.is_error():
+        raise RequestError(f"{kind}: cannot be compiled: {proto.get_error()}")
+    return Grammar(proto, (ll.vocab_size + 31) // 32)
+
+
+@dataclass(frozen=True, eq=False)
+class Grammar:
+    """A compiled constraint: a matcher at the grammar's start that nothing advances. Each
+    sample starts as its copy (microseconds), so admitting a request builds no grammar on the
+    engine's thread (building one takes 1-10 ms)."""
+
+    proto: Any  # llguidance.LLMatcher
+    words: int  # 32-bit words of a mask
+
+    def start(self) -> Constraint:
+        return Constraint(self.proto.deep_copy(), self.words)
 
 
 # llguidance's bitmask (little-endian 32-bit words) read as bytes has token t at bit t % 8 of
 # byte t // 8
 _POW2 = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
-_executor: list[Any] = []
+
+
+@functools.cache
+def _executor() -> Any:
+    return _llguidance().LLExecutor()
 
 
 class Constraint:
@@ -104,9 +125,8 @@ class Constraint:
     grammar is complete and only an end token may follow; ``mask_rows`` masks the next
     token's logits of many samples at once."""
 
-    def __init__(self, grammar: str, ll: Any) -> None:
-        self.matcher = _llguidance().LLMatcher(ll, grammar)
-        self.words = (ll.vocab_size + 31) // 32
+    def __init__(self, matcher: Any, words: int) -> None:
+        self.matcher, self.words = matcher, words
 
     def consume(self, token: int) -> None:
         if not self.matcher.consume_token(token):
@@ -120,11 +140,9 @@ def mask_rows(x: torch.Tensor, rows: list[int], constraints: list[Constraint]) -
     """Set to -inf, in place, every logit of ``x[rows[k]]`` that ``constraints[k]``'s grammar
     forbids next. The masks are computed together on llguidance's threads (it drops the GIL),
     then unpacked to the vocabulary with byte operations."""
-    if not _executor:
-        _executor.append(_llguidance().LLExecutor())
     b, w = len(rows), constraints[0].words
     words = torch.zeros(b, w, dtype=torch.int32)
-    _executor[0].unsafe_compute_mask_ptr(
+    _executor().unsafe_compute_mask_ptr(
         [(c.matcher, k) for k, c in enumerate(constraints)], words.data_ptr(), w * 4, b
     )
     n = min(x.shape[-1], 32 * w)

@@ -18,7 +18,7 @@ import torch
 
 from inferflow.engine.batch_sampling import take_rows
 from inferflow.engine.beam import BeamState
-from inferflow.engine.constrain import Constraint, lltokenizer, mask_rows
+from inferflow.engine.constrain import mask_rows
 from inferflow.engine.kv_cache import PagedKVCache, plan_cache
 from inferflow.engine.request import FINISHED, Request, RequestOutput, Scheduled, TokenLogprobs
 from inferflow.engine.sampling import SamplingParams, make_sampler, sample_batch
@@ -166,12 +166,6 @@ class Engine:
             params = dataclasses.replace(params, seed=params.seed + i)
         detok = self.tokenizer.incremental_decoder() if self.tokenizer is not None else None  # type: ignore[attr-defined]
         sampler = make_sampler(params, tuple(self.eos_ids))
-        constraint = None
-        if params.grammar is not None:
-            if self.tokenizer is None:
-                raise RequestError("structured output needs the model's tokenizer")
-            ll = lltokenizer(self.tokenizer, self.model.spec.hparams.vocab_size)
-            constraint = Constraint(params.grammar, ll)
         return Request(
             rid if i == 0 else f"{rid}/{i}",
             ids,
@@ -181,7 +175,7 @@ class Engine:
             detok=detok,
             group=rid,
             index=i,
-            constraint=constraint,
+            constraint=None if params.grammar is None else params.grammar.start(),
         )
 
     def abort(self, request_id: str) -> bool:
@@ -330,11 +324,11 @@ class Engine:
             return []
         reqs, rows = [r for r, _ in draws], [i for _, i in draws]
         x = take_rows(logits, rows)  # (forks share their parent's row)
-        bound = [j for j, r in enumerate(reqs) if r.constraint is not None]
-        if bound:  # structured output: what each grammar forbids next is -inf
-            if x is logits:
-                x = logits.clone()
-            mask_rows(x, bound, [reqs[j].constraint for j in bound])
+        # structured output: what each grammar forbids next is -inf (in place: x is either a
+        # copy or, when every row is a draw, the logits themselves, read by nothing else; an
+        # inference tensor, written inside inference mode)
+        with torch.inference_mode():
+            broken = self._mask(x, reqs)
         try:
             toks: list[int | None] = list(
                 sample_batch(
@@ -347,7 +341,30 @@ class Engine:
         except Exception:
             log.warning("batched sampling failed; sampling each request alone", exc_info=True)
             toks = [None] * len(draws)
-        return [self._sample(r, x[j], t) for j, (r, t) in enumerate(zip(reqs, toks, strict=True))]
+        return [
+            self._fail(r) if j in broken else self._sample(r, x[j], t)
+            for j, (r, t) in enumerate(zip(reqs, toks, strict=True))
+        ]
+
+    def _mask(self, x: torch.Tensor, reqs: list[Request]) -> set[int]:
+        """Mask the constrained rows of ``x`` in one call; if that fails, row by row, and the
+        rows whose mask failed are returned (those requests end with "error", no one else)."""
+        bound = [j for j, r in enumerate(reqs) if r.constraint is not None]
+        if not bound:
+            return set()
+        try:
+            mask_rows(x, bound, [reqs[j].constraint for j in bound])
+            return set()
+        except Exception:
+            log.warning("batched grammar masks failed; masking each request alone", exc_info=True)
+        broken = set()
+        for j in bound:
+            try:
+                mask_rows(x, [j], [reqs[j].constraint])
+            except Exception:
+                log.exception("request %s: its grammar mask failed", reqs[j].id)
+                broken.add(j)
+        return broken
 
     def _beam_step(self, gid: str) -> list[RequestOutput]:
         """Once every live beam of the group has logits: choose the next beams (reusing or
@@ -449,9 +466,13 @@ class Engine:
             return out
         except Exception:  # one request's failure (sampler, detokenizer) ends only that request
             log.exception("request %s failed; the others go on", req.id)
-            self.scheduler.remove(req)
-            self._finish(req, "error")
-            return RequestOutput(req.group, [], "", True, "error", index=req.index)
+            return self._fail(req)
+
+    def _fail(self, req: Request) -> RequestOutput:
+        """End one sample with finish reason "error"."""
+        self.scheduler.remove(req)
+        self._finish(req, "error")
+        return RequestOutput(req.group, [], "", True, "error", index=req.index)
 
     def fail_group(self, gid: str) -> list[RequestOutput]:
         """End every live sample (or beam) of request ``gid`` with finish reason "error"."""
@@ -459,9 +480,7 @@ class Engine:
         outs = []
         for req in self.requests.pop(gid, []):
             if req.status != FINISHED:
-                self.scheduler.remove(req)
-                self._finish(req, "error")
-                outs.append(RequestOutput(req.group, [], "", True, "error", index=req.index))
+                outs.append(self._fail(req))
         return outs
 
     def fail_all(self) -> list[RequestOutput]:

@@ -30,6 +30,7 @@ import torch
 
 from inferflow.engine import batch_sampling as B
 from inferflow.engine import logits as L
+from inferflow.engine.constrain import Grammar
 from inferflow.engine.fsd import NGramAntiLM, fsd_choose
 from inferflow.errors import RequestError
 
@@ -78,8 +79,8 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # None: off; n >= 0: chosen token's logprob plus the top n
     n: int = 1  # samples per prompt; they share the prompt's KV blocks (sample i uses seed + i)
-    # structured output: llguidance's grammar (inferflow.engine.constrain.compile_grammar)
-    grammar: str | None = None
+    # structured output (inferflow.engine.constrain.compile_grammar)
+    grammar: Grammar | None = None
     # > 1: beam search (inferflow.engine.beam) returning the n best beams; the processors
     # (penalties, bias, min_new_tokens) apply, temperature and the filters do not
     beam_width: int = 1

@@ -38,7 +38,6 @@ from inferflow.server.runner import until_disconnect
 from inferflow.server.scoring import add_scoring_routes
 from inferflow.server.seq2seq import complete as seq2seq_complete
 from inferflow.server.state import ServerConfig, ServerState
-from inferflow.server.tools import plan_tools
 
 log = logging.getLogger(__name__)
 
@@ -114,7 +113,7 @@ def create_app(cfg: ServerConfig) -> FastAPI:
             )
         texts = prompt_list(body.prompt)
 
-        async def echo() -> list[Echo] | None:
+        async def echo() -> list[Echo]:
             return await echoes(lm, runner, body, texts, prompts, request.is_disconnected)
 
         max_tokens = 16 if body.max_tokens is None else body.max_tokens
@@ -134,20 +133,17 @@ def create_app(cfg: ServerConfig) -> FastAPI:
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "top_logprobs: needs logprobs set to true", param="top_logprobs")
         choice = body.tool_choice
-        named = choice.function.name if isinstance(choice, NamedToolChoice) else None
-        plan = plan_tools(
-            state.tokenizer().chat_template,
+        ids, plan = await state.chat_prompt(
+            [m.as_template_input() for m in body.messages],
             [t.model_dump(exclude_none=True) for t in body.tools or []],
             choice if isinstance(choice, str) else None,
-            named,
+            choice.function.name if isinstance(choice, NamedToolChoice) else None,
             body.parallel_tool_calls,
         )
-        messages = [m.as_template_input() for m in body.messages]
-        ids = await _chat_ids(state, messages, plan.listed)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         max_tokens = body.max_completion_tokens or body.max_tokens
         gen = await state.start(
-            lm, runner, [ids], body, max_tokens, logprobs, "messages", None, plan.forced, plan.fmt
+            lm, runner, [ids], body, max_tokens, logprobs, "messages", tools=plan
         )
         return await _respond(gen, request, body.stream, body.stream_options)
 
@@ -205,7 +201,7 @@ def create_app(cfg: ServerConfig) -> FastAPI:
         state.ready(body.model)
         if isinstance(body, TokenizeChat):
             listed = [t.model_dump(exclude_none=True) for t in body.tools or []] or None
-            ids = await _chat_ids(state, [m.as_template_input() for m in body.messages], listed)
+            ids = await state.chat_ids([m.as_template_input() for m in body.messages], listed)
         else:
             texts = [body.prompt]
             ids = (
@@ -281,23 +277,6 @@ async def _prompt_ids(
         return prompts  # type: ignore[return-value]
     encoded = iter(await asyncio.to_thread(state.tokenizer().encode_batch, texts, True))
     return [p if isinstance(p, list) else next(encoded) for p in prompts]
-
-
-async def _chat_ids(
-    state: ServerState, messages: list[dict[str, Any]], tools: list[Any] | None = None
-) -> list[int]:
-    """Messages (``{role, content}``) through the chat template (with ``tools``: OpenAI tool
-    objects, as transformers passes them), as token ids."""
-    tok = state.tokenizer()
-    text = await asyncio.to_thread(
-        tok.apply_chat_template,
-        messages,
-        add_generation_prompt=True,
-        budget=state.cfg.template,
-        tools=tools,
-    )
-    # (the template writes BOS where needed)
-    return (await asyncio.to_thread(tok.encode_batch, [text], False))[0]
 
 
 async def _json(obj: Any) -> Response:

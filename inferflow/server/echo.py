@@ -10,6 +10,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from inferflow.errors import Stopped
 from inferflow.evaluate import PromptLogprobs, prompt_logprobs
 from inferflow.runtime import LanguageModel
 from inferflow.server.protocol import CompletionBody
@@ -34,12 +35,10 @@ async def echoes(
     texts: list[str | list[int]],
     prompts: list[list[int]],
     disconnected: Callable[[], Awaitable[bool]],
-) -> list[Echo] | None:
-    """Per prompt, its Echo (None when the request asks for neither echo nor
-    prompt_logprobs). ``texts``: the prompts as sent (text, or token ids)."""
+) -> list[Echo]:
+    """Per prompt, its Echo (for a request with echo or prompt_logprobs). ``texts``: the
+    prompts as sent (text, or token ids)."""
     scored = body.echo and body.logprobs is not None
-    if not body.echo and body.prompt_logprobs is None:
-        return None
     tok = lm.tokenizer
     assert tok is not None  # (a model without a tokenizer takes token ids and answers none)
     scores: list[PromptLogprobs] = []
@@ -47,7 +46,12 @@ async def echoes(
         top = max(body.logprobs or 0, body.prompt_logprobs or 0)
 
         def run(batch: list[list[int]], stop: Callable[[], bool]) -> list[PromptLogprobs]:
-            return [prompt_logprobs(lm.model, ids, top) for ids in batch]
+            out = []
+            for ids in batch:  # (every client of the call gone: the rest is not computed)
+                if stop():
+                    raise Stopped("every client of this scoring call went away")
+                out.append(prompt_logprobs(lm.model, ids, top))
+            return out
 
         job = runner.batch(("prompt_logprobs", top), prompts, run)
         scores = await until_disconnect(job, disconnected)

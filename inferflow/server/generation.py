@@ -65,11 +65,12 @@ class Generation:
         self.order = {s.id: i for i, s in enumerate(self.streams)}
         self.choices = [Choice(i) for i in range(len(prompts) * self.n)]
         self.echo = echo
-        for c in self.choices if echo else ():
-            e = echo[c.index // self.n]  # type: ignore[index]
-            c.text = e.text
-            c.logprobs = [] if e.logprobs is None else [e.logprobs]
-            c.finish_reason = None if generate else "length"
+        if echo is not None:
+            for c in self.choices:
+                e = echo[c.index // self.n]
+                c.text = e.text
+                c.logprobs = [] if e.logprobs is None else [e.logprobs]
+                c.finish_reason = None if generate else "length"
         self.left = len(self.choices) if generate else 0
 
     def abort(self) -> None:

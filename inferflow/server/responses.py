@@ -24,7 +24,7 @@ from inferflow.server.guard import APIError
 from inferflow.server.openapi import ERROR, responses
 from inferflow.server.responses_body import LOGPROBS, NamedFunction, ResponsesBody
 from inferflow.server.store import ResponseStore
-from inferflow.server.tools import ToolStream, plan_tools
+from inferflow.server.tools import ToolStream
 
 if TYPE_CHECKING:
     from inferflow.server.state import ServerState
@@ -248,8 +248,6 @@ class ResponseRun:
 
 
 def add_responses_routes(app: FastAPI, state: ServerState, auth: bool) -> None:
-    from inferflow.server.app import _chat_ids  # (app imports this module)
-
     store = ResponseStore(state.cfg.responses)
     app.state.responses = store
 
@@ -271,28 +269,16 @@ def add_responses_routes(app: FastAPI, state: ServerState, auth: bool) -> None:
         conversation = earlier + body.messages()
         system = [{"role": "system", "content": body.instructions}] if body.instructions else []
         choice = body.tool_choice
-        named = choice.name if isinstance(choice, NamedFunction) else None
-        plan = plan_tools(
-            state.tokenizer().chat_template,
+        ids, plan = await state.chat_prompt(
+            system + conversation,
             [t.as_chat_tool() for t in body.tools or []],
-            None if isinstance(choice, NamedFunction) else choice,
-            named,
+            choice if isinstance(choice, str) else None,
+            choice.name if isinstance(choice, NamedFunction) else None,
             body.parallel_tool_calls,
         )
-        ids = await _chat_ids(state, system + conversation, plan.listed)
         logprobs = (body.top_logprobs or 0) if LOGPROBS in (body.include or ()) else None
-        gen = await state.start(
-            lm,
-            runner,
-            [ids],
-            body,
-            body.max_output_tokens,
-            logprobs,
-            "input",
-            None,
-            plan.forced,
-            plan.fmt,
-        )
+        limit = body.max_output_tokens
+        gen = await state.start(lm, runner, [ids], body, limit, logprobs, "input", tools=plan)
         head: dict[str, Any] = {
             "model": state.name,
             "instructions": body.instructions,

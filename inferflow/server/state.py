@@ -30,7 +30,7 @@ from inferflow.server.metrics import Metrics
 from inferflow.server.protocol import GenerationBody
 from inferflow.server.runner import EngineRunner
 from inferflow.server.store import StoreLimits
-from inferflow.server.tools import CallFormat
+from inferflow.server.tools import ToolPlan, plan_tools
 from inferflow.spec import Spec
 from inferflow.tokenizer import Tokenizer
 from inferflow.tokenizer.chat import TemplateBudget
@@ -169,15 +169,16 @@ class ServerState:
         max_tokens: int | None,
         logprobs: int | None,
         field: str,
-        echo: Callable[[], Awaitable[list[Echo] | None]] | None = None,
-        constraint: tuple[str, str, Any] | None = None,
-        tools: CallFormat | None = None,
+        echo: Callable[[], Awaitable[list[Echo]]] | None = None,
+        tools: ToolPlan | None = None,
     ) -> Generation:
         """Check and queue a generation request (chat and responses when ``field``, the request
         field holding the prompt, is messages or input). ``max_tokens`` unset: the spec's
         ``max_new_tokens``, at most what the context leaves; set past what the context leaves
         after the prompt: 400 naming both numbers, as vLLM answers; 0: nothing generated (only
-        with ``echo``, completions' prompt scoring, which runs once every check has passed)."""
+        with ``echo``, completions' prompt scoring, which runs once every check has passed).
+        ``tools``: chat_prompt's plan (its call markup, and its grammar when a call is
+        required)."""
         most, longest = self.max_len(), max(map(len, prompts))
         limit = max_tokens or max(1, min(most - longest, lm.spec.generation.max_new_tokens))
         if max_tokens == 0:
@@ -185,7 +186,7 @@ class ServerState:
         params = body.sampling(
             limit, logprobs, lm.spec.hparams.vocab_size, most, lm.spec.generation
         )
-        asked = body.constraint()
+        asked, constraint = body.constraint(), tools.forced if tools is not None else None
         if constraint is not None and asked is not None:
             raise APIError(
                 400, f"{asked[0]}: does not combine with {constraint[0]}", param=asked[0]
@@ -224,12 +225,42 @@ class ServerState:
                 self.fingerprint,
                 echoes,
                 generate=max_tokens != 0,
-                tools=tools,
+                tools=tools.fmt if tools is not None else None,
             )
         except RequestError as e:
             if e.param == "prompt":
                 e.param = field
             raise
+
+    async def chat_ids(
+        self, messages: list[dict[str, Any]], tools: list[Any] | None = None
+    ) -> list[int]:
+        """Messages (``{role, content}``) through the chat template (with ``tools``: OpenAI
+        tool objects, as transformers passes them), as token ids; in worker threads (the
+        template renders under the server's budget)."""
+        tok = self.tokenizer()
+        text = await asyncio.to_thread(
+            tok.apply_chat_template,
+            messages,
+            add_generation_prompt=True,
+            budget=self.cfg.template,
+            tools=tools,
+        )
+        # (the template writes BOS where needed)
+        return (await asyncio.to_thread(tok.encode_batch, [text], False))[0]
+
+    async def chat_prompt(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]],
+        choice: str | None,
+        named: str | None,
+        parallel: bool,
+    ) -> tuple[list[int], ToolPlan]:
+        """A chat request's prompt (chat completions, responses) and how its tools run
+        (``plan_tools``: the arguments are its own)."""
+        plan = plan_tools(self.tokenizer().chat_template, tools, choice, named, parallel)
+        return await self.chat_ids(messages, plan.listed), plan
 
     def tokenizer(self) -> Tokenizer:
         lm = self.lm

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from inferflow.errors import RequestError
@@ -102,7 +102,6 @@ class ToolStream:
     fmt: CallFormat
     held: str = ""  # text not yet sent: a possible call start, or everything after one
     calling: bool = False
-    sent: list[str] = field(default_factory=list)
 
     def push(self, text: str) -> str:
         """The part of ``text`` that can go out as content now."""

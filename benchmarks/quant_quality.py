@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from inferflow.blocks.linear import Linear  # noqa: E402
-from inferflow.evaluate import perplexity  # noqa: E402
+from inferflow.evaluate import perplexity, text_ids  # noqa: E402
 from inferflow.quant import MINMAX_FORMATS, get_format, quantize  # noqa: E402
 from inferflow.quant.apply import QuantPolicy, quantize_model  # noqa: E402
 from inferflow.runtime import load  # noqa: E402
@@ -55,17 +55,17 @@ def weight_rel_rms(model: torch.nn.Module, fmt: str) -> float:
 
 def run_model(name: str, formats: list[str], ctx: int, chunks: int) -> list[str]:
     lm = load(name, "float32", "none")
-    ids = lm._tok().encode(TEXT.read_text(encoding="utf-8"), add_special_tokens=False)
+    ids, bos = text_ids(lm._tok(), TEXT.read_text(encoding="utf-8"))
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         base = Path(tmp) / "base.safetensors"
-        ref = perplexity(lm.model, ids, ctx, chunks, save_base=base)
+        ref = perplexity(lm.model, ids, ctx, chunks, save_base=base, bos=bos)
         rows.append(f"| {name} | float32 | 32.0 | 0 | {ref.ppl:.3f} | 0 | 100.0% |")
         print(rows[-1], flush=True)
         for fmt in formats:
             q = copy.deepcopy(lm.model)
             quantize_model(q, QuantPolicy(default=fmt))
-            res = perplexity(q, ids, ctx, chunks, kl_base=base)
+            res = perplexity(q, ids, ctx, chunks, kl_base=base, bos=bos)
             assert res.kl is not None
             rows.append(
                 f"| {name} | {fmt} | {get_format(fmt).bits_per_weight:.2f} | "

@@ -9,15 +9,14 @@ needs one object.
 
 from __future__ import annotations
 
-import fnmatch
 import logging
+import math
 import os
 import secrets
 import sys
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -29,10 +28,8 @@ from inferflow.loaders import detect_format, open_files
 from inferflow.loaders.base import Weight, WeightSource
 from inferflow.loaders.gguf_writer import GGUFTensorPlan, TypePath, write_gguf
 from inferflow.loaders.quantized import (
-    QuantEntry,
     StoredTensor,
     packed_shape,
-    quant_metadata,
     write_safetensors,
 )
 from inferflow.loaders.safetensors import DTYPE_BITS
@@ -168,84 +165,8 @@ def parse_per_tensor(items: Sequence[str]) -> list[tuple[str, QuantFormat | None
     return rules
 
 
-# --- quantize -------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class QuantizeResult:
-    out: Path
-    formats: dict[str, str]  # tensor name -> format it was stored in (a dtype when kept)
-    nbytes: int
-
-
 def _kept_dtype(dtype: str) -> str:
     return "F32" if _is_quant(dtype) or dtype not in DTYPE_BITS else dtype
-
-
-def quantize_checkpoint(
-    src: str | Path,
-    out: str | Path,
-    fmt: str,
-    per_tensor: Sequence[str] = (),
-    force: bool = False,
-    progress: bool = False,
-) -> QuantizeResult:
-    """Write ``src`` as an Inferflow quantized checkpoint (see ``loaders/quantized.py``).
-
-    Tensors matching a ``PATTERN=FMT`` rule get that format (first match wins), the rest
-    ``fmt``. 1-D tensors (norms, biases) and integer tensors stay as they are; a tensor whose last
-    dimension is not a multiple of the format's block size stays float, with a warning.
-    """
-    default, rules = parse_quant_format(fmt), parse_per_tensor(per_tensor)
-    src_format, source = open_source(src)
-    try:
-        names = source.names()
-        for pattern, _ in rules:
-            if not any(fnmatch.fnmatchcase(n, pattern) for n in names):
-                raise QuantError(
-                    f"--per-tensor pattern {pattern!r} matches no tensor; names look like: "
-                    f"{', '.join(names[:5])}"
-                )
-        plans: list[StoredTensor] = []
-        targets: dict[str, QuantFormat | None] = {}
-        entries: dict[str, QuantEntry] = {}
-        for name in names:
-            shape, dtype = source.shape(name), source.dtype_name(name)
-            target = next((f for p, f in rules if fnmatch.fnmatchcase(name, p)), default)
-            if target is not None and (not _is_float(dtype) or len(shape) < 2):
-                target = None  # norms, biases and integer tensors are never packed
-            elif target is not None and shape[-1] % target.block_size:
-                logger.warning(
-                    "%s: last dimension %d is not a multiple of the %s block size %d; kept float",
-                    name, shape[-1], target.name, target.block_size,
-                )  # fmt: skip
-                target = None
-            targets[name] = target
-            if target is None:
-                plans.append(StoredTensor(name, _kept_dtype(dtype), shape))
-            else:
-                plans.append(StoredTensor(name, "U8", packed_shape(target, shape)))
-                entries[name] = QuantEntry(target.name, shape)
-        # safetensors' own string metadata carries over; GGUF key/values have no place here
-        keep = src_format == "safetensors"
-        meta = {k: v for k, v in source.metadata.items() if keep and isinstance(v, str)}
-        meta.update(quant_metadata(entries))
-
-        bar = _progress(len(plans), "quantize", progress)
-
-        def produce(t: StoredTensor) -> torch.Tensor:
-            w, target = source.get(t.name), targets[t.name]
-            data = as_float(w) if target is None else quantize_rows(w, target)
-            bar.update()
-            return data
-
-        with bar, atomic_output(out, force) as f:
-            nbytes = write_safetensors(f, plans, produce, meta)
-    finally:
-        source.close()
-    formats = {p.name: (e.format if (e := entries.get(p.name)) else p.dtype) for p in plans}
-    logger.info("wrote %s: %d of %d tensors quantized", out, len(entries), len(names))
-    return QuantizeResult(Path(out), formats, nbytes)
 
 
 # --- convert --------------------------------------------------------------------------------
@@ -301,7 +222,15 @@ def convert_checkpoint(
     src_format, source = open_source(src)
     try:
         if to == "gguf":
-            _to_gguf(source, src_format, Path(src), out, target, force, progress)
+
+            def type_for(name: str, shape: tuple[int, ...], dtype: str) -> str:
+                return gguf_tensor_type(name, shape, dtype, target)
+
+            kept = source.metadata.get("general.file_type") if src_format == "gguf" else None
+            file_type = LLAMA_FTYPE[target] if target else kept
+            write_gguf_from(
+                source, src_format, Path(src), out, type_for, force, progress, None, file_type
+            )
         else:
             if src_format == "gguf":
                 logger.warning(
@@ -399,19 +328,28 @@ def _file_type(plans: Sequence[GGUFTensorPlan]) -> int:
     return LLAMA_FTYPE[common[0]] if common else LLAMA_FTYPE["F32"]
 
 
-def _to_gguf(
+TypeFor = Callable[[str, tuple[int, ...], str], str]  # (name, shape, stored dtype) -> GGUF type
+
+
+def write_gguf_from(
     source: WeightSource,
     src_format: str,
     src_path: Path,
     out: str | Path,
-    target: str | None,
+    type_for: TypeFor,
     force: bool,
     progress: bool,
-) -> None:
+    extra: dict[str, Any] | None = None,
+    file_type: int | None = None,
+) -> list[GGUFTensorPlan]:
+    """Write every tensor of ``source`` to a GGUF at ``out`` in the type ``type_for`` picks.
+
+    A GGUF source's metadata is kept whole (value types included), so the output is the same
+    model; other sources give a tensor container (general.name only) and a warning. ``extra``
+    keys are added; ``general.file_type`` is ``file_type`` or the most common matrix type's.
+    """
     plans = [
-        GGUFTensorPlan(
-            n, source.shape(n), gguf_tensor_type(n, source.shape(n), source.dtype_name(n), target)
-        )
+        GGUFTensorPlan(n, source.shape(n), type_for(n, source.shape(n), source.dtype_name(n)))
         for n in source.names()
     ]
     metadata: dict[str, Any] = {}
@@ -429,18 +367,27 @@ def _to_gguf(
             "the architecture and tokenizer metadata llama.cpp needs",
             src_path,
         )
-    if target is not None or "general.file_type" not in metadata:
-        metadata["general.file_type"] = LLAMA_FTYPE[target] if target else _file_type(plans)
-        types.setdefault("general.file_type", (4,))  # UINT32, as llama.cpp writes it
+    metadata["general.file_type"] = file_type if file_type is not None else _file_type(plans)
+    types["general.file_type"] = (4,)  # UINT32, as llama.cpp writes it
     if "general.quantization_version" not in metadata:
         metadata["general.quantization_version"] = 2  # GGML_QNT_VERSION
         types["general.quantization_version"] = (4,)
-    bar = _progress(len(plans), "convert", progress)
+    metadata.update(extra or {})
+    weights = sum(math.prod(p.shape) for p in plans)
+    bar = tqdm(
+        total=weights,
+        desc="write",
+        unit="weight",
+        unit_scale=True,
+        file=sys.stderr,
+        disable=not progress,
+    )  # fmt: skip  (weights, not tensors: the ETA holds when sizes differ by 1000x)
 
     def produce(p: GGUFTensorPlan) -> torch.Tensor:
         data = _gguf_data(source.get(p.name), p.type_name)
-        bar.update()
+        bar.update(math.prod(p.shape))
         return data
 
     with bar, atomic_output(out, force) as f:
         write_gguf(f, metadata, plans, produce, types)
+    return plans

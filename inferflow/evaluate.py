@@ -1,8 +1,11 @@
 """Perplexity and KL divergence over a fixed text, following llama.cpp's ``perplexity`` protocol.
 
-The token stream is cut into non-overlapping windows of ``ctx`` tokens; in each window the first
-``ctx // 2`` tokens are context only and every later token is scored, so each scored token is
-predicted from at least ``ctx // 2`` tokens. ``--kl-divergence-base`` saves the scored
+The text is tokenized once, with the model's BOS in front when its tokenizer adds one
+(``text_ids``), and cut into non-overlapping windows of ``ctx`` tokens. For such a model each
+window's first token is replaced by BOS, as ``llama-perplexity`` does, so every window starts
+the way the model always runs (Gemma's predictions without BOS are far worse). In each window
+the first ``ctx // 2`` tokens are context only and every later token is scored, so each scored
+token is predicted from at least ``ctx // 2`` tokens. ``--kl-divergence-base`` saves the scored
 log-probabilities (fp16) of a reference run; a later run of a quantized model against that
 file reports the KL divergence of its next-token distributions from the reference's and how
 often both agree on the most likely token.
@@ -22,6 +25,7 @@ from inferflow.engine.generate import new_cache
 from inferflow.errors import InferflowError, RequestError
 from inferflow.model.batch import FlatBatch
 from inferflow.model.network import Network
+from inferflow.tokenizer import Tokenizer
 
 
 @dataclass
@@ -43,7 +47,20 @@ class PerplexityResult:
     per_chunk_ppl: list[float] = field(default_factory=list)
 
 
-def windows(ids: list[int], ctx: int, max_chunks: int | None) -> list[list[int]]:
+def text_ids(tok: Tokenizer, text: str) -> tuple[list[int], int | None]:
+    """(token ids of ``text``, the BOS id every window starts with, or None): llama.cpp's
+    ``common_tokenize(text, add_special=true)``, BOS only where the tokenizer adds one."""
+    ids = tok.encode(text, add_special_tokens=False)
+    if tok.add_bos and tok.bos_id is not None:
+        return [tok.bos_id, *ids], tok.bos_id
+    return ids, None
+
+
+def windows(
+    ids: list[int], ctx: int, max_chunks: int | None, bos: int | None = None
+) -> list[list[int]]:
+    """The first ``max_chunks`` whole windows of ``ctx`` tokens, each starting with ``bos``
+    (replacing the window's first token) when one is given."""
     if ctx < 4:
         raise RequestError(f"ctx must be at least 4 tokens, got {ctx}")
     n = len(ids) // ctx
@@ -51,7 +68,10 @@ def windows(ids: list[int], ctx: int, max_chunks: int | None) -> list[list[int]]
         n = min(n, max_chunks)
     if n == 0:
         raise RequestError(f"the text has {len(ids)} tokens: fewer than one window of ctx={ctx}")
-    return [ids[i * ctx : (i + 1) * ctx] for i in range(n)]
+    out = [ids[i * ctx : (i + 1) * ctx] for i in range(n)]
+    if bos is not None:
+        out = [[bos, *w[1:]] for w in out]
+    return out
 
 
 @torch.inference_mode()
@@ -113,9 +133,12 @@ def perplexity(
     max_chunks: int | None = None,
     save_base: Path | None = None,
     kl_base: Path | None = None,
+    bos: int | None = None,
 ) -> PerplexityResult:
-    chunks = windows(ids, ctx, max_chunks)
-    base = _BaseFile.open(kl_base, ids, ctx, len(chunks)) if kl_base else None
+    """Perplexity of ``ids`` (from ``text_ids``) in windows of ``ctx``, each starting with
+    ``bos`` when given; saves or compares reference log-probs for KL divergence."""
+    chunks = windows(ids, ctx, max_chunks, bos)
+    base = _BaseFile.open(kl_base, ids, ctx, bos, len(chunks)) if kl_base else None
     saved: dict[str, torch.Tensor] = {}
     nll_sum, count, per_chunk = 0.0, 0, []
     kls: list[torch.Tensor] = []
@@ -132,7 +155,7 @@ def perplexity(
             kls.append((ref.exp() * (ref - lp)).sum(-1))
             agree += int((ref.argmax(-1) == lp.argmax(-1)).sum())
     if save_base is not None:
-        _BaseFile.write(save_base, saved, ids, ctx)
+        _BaseFile.write(save_base, saved, ids, ctx, bos)
     kl = None
     if kls:
         k = torch.cat(kls).clamp_min(0)
@@ -151,23 +174,34 @@ class _BaseFile:
         self.path, self.handle = path, handle
 
     @staticmethod
-    def _key(ids: list[int], ctx: int) -> str:
+    def _key(ids: list[int], ctx: int, bos: int | None) -> str:
         import hashlib
 
-        return hashlib.sha256(json.dumps([ctx, ids]).encode()).hexdigest()
+        return hashlib.sha256(json.dumps([ctx, ids, bos]).encode()).hexdigest()
 
     @classmethod
-    def write(cls, path: Path, tensors: dict[str, torch.Tensor], ids: list[int], ctx: int) -> None:
+    def write(
+        cls,
+        path: Path,
+        tensors: dict[str, torch.Tensor],
+        ids: list[int],
+        ctx: int,
+        bos: int | None,
+    ) -> None:
         from safetensors.torch import save_file
 
         tmp = path.with_name(path.name + ".tmp")
         save_file(
-            tensors, str(tmp), metadata={"inferflow.kl_base": cls._key(ids, ctx), "ctx": str(ctx)}
+            tensors,
+            str(tmp),
+            metadata={"inferflow.kl_base": cls._key(ids, ctx, bos), "ctx": str(ctx)},
         )
         tmp.replace(path)
 
     @classmethod
-    def open(cls, path: Path, ids: list[int], ctx: int, n_chunks: int) -> _BaseFile:
+    def open(
+        cls, path: Path, ids: list[int], ctx: int, bos: int | None, n_chunks: int
+    ) -> _BaseFile:
         from safetensors import safe_open
 
         if not path.is_file():
@@ -176,7 +210,7 @@ class _BaseFile:
             )
         handle = safe_open(str(path), framework="pt")
         meta = handle.metadata() or {}
-        if meta.get("inferflow.kl_base") != cls._key(ids, ctx):
+        if meta.get("inferflow.kl_base") != cls._key(ids, ctx, bos):
             raise InferflowError(
                 f"KL base file {path} was made from other tokens or another ctx (its ctx: {meta.get('ctx')}, this "
                 f"run: {ctx}); use the same text, tokenizer and --ctx"

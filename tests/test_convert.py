@@ -22,13 +22,15 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 import inferflow.convert as conv
+from inferflow import quantize as quantize_module
 from inferflow.cli.main import main
-from inferflow.convert import convert_checkpoint, quantize_checkpoint
+from inferflow.convert import convert_checkpoint
 from inferflow.errors import CheckpointError, InferflowError, QuantError
 from inferflow.loaders import detect_format, open_files
 from inferflow.loaders.quantized import QUANT_KEY, wrap_if_quantized
 from inferflow.quant import FORMATS
 from inferflow.quant.tensor import QuantTensor
+from inferflow.quantize import quantize_checkpoint
 
 gguf = pytest.importorskip("gguf")
 from gguf.constants import GGMLQuantizationType as GT  # noqa: E402
@@ -424,7 +426,7 @@ def test_refuses_existing_output_without_force(st_src, tmp_path: Path) -> None: 
 
 
 @pytest.mark.parametrize("exc", [RuntimeError("disk on fire"), KeyboardInterrupt()])
-@pytest.mark.parametrize("kind", ["gguf", "quantize", "safetensors", "pickle"])
+@pytest.mark.parametrize("kind", ["gguf", "quantize", "quantize_gguf", "safetensors", "pickle"])
 def test_failure_leaves_no_partial_file(
     st_src,
     tmp_path: Path,
@@ -434,7 +436,8 @@ def test_failure_leaves_no_partial_file(
 ) -> None:
     out_dir = tmp_path / "out"
     out_dir.mkdir()
-    out = out_dir / f"model.{'bin' if kind == 'pickle' else kind}"
+    suffix = {"pickle": "bin", "quantize": "safetensors", "quantize_gguf": "gguf"}.get(kind, kind)
+    out = out_dir / f"model.{suffix}"
     out.write_bytes(b"original")
     calls = []
 
@@ -447,11 +450,12 @@ def test_failure_leaves_no_partial_file(
     name = (
         "_owned" if kind == "pickle" else "as_float" if kind == "safetensors" else "quantize_rows"
     )
-    real = getattr(conv, name)
-    monkeypatch.setattr(conv, name, boom)
+    module = quantize_module if kind == "quantize" else conv
+    real = getattr(module, name)
+    monkeypatch.setattr(module, name, boom)
     with pytest.raises(type(exc)):
-        if kind == "quantize":
-            quantize_checkpoint(st_src[0], out.with_suffix(".safetensors"), "Q8_0", force=True)
+        if kind.startswith("quantize"):
+            quantize_checkpoint(st_src[0], out, "Q8_0", force=True)
         elif kind == "gguf":
             convert_checkpoint(st_src[0], out, type_name="Q8_0", force=True)
         else:

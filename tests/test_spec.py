@@ -10,12 +10,12 @@ import yaml
 
 from inferflow.blocks import NORMS
 from inferflow.errors import SpecError
-from inferflow.spec import BUILTIN_DIR, builtin_specs, load_spec
+from inferflow.spec import BUILTIN_DIR, builtin_specs, load_spec, read_doc
 from tests.conftest import gemma3_path, smollm2_path
 
 
 def _smol_doc() -> dict:
-    return yaml.safe_load((BUILTIN_DIR / "smollm2-135m-instruct.yaml").read_text())
+    return read_doc(BUILTIN_DIR / "smollm2-135m-instruct.yaml")  # its base merged in
 
 
 def test_builtin_specs_listed() -> None:

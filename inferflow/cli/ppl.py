@@ -1,5 +1,6 @@
 """``inferflow ppl SPEC --text FILE``: perplexity over a fixed text (llama.cpp's protocol: windows
-of --ctx tokens, the second half of each scored) and, with a saved reference, KL divergence.
+of --ctx tokens, each starting with BOS where the model adds one, the second half of each
+scored) and, with a saved reference, KL divergence.
 
     inferflow ppl smollm2-135m-instruct --text hamlet.txt --kl-divergence-base base.st   # reference
     inferflow ppl smollm2-135m-instruct --text hamlet.txt --quant Q4_B32 --kl-divergence-base base.st --kl-divergence
@@ -13,7 +14,7 @@ from pathlib import Path
 
 from inferflow.cli.common import add_dtype
 from inferflow.errors import InferflowError
-from inferflow.evaluate import perplexity, windows
+from inferflow.evaluate import perplexity, text_ids, windows
 from inferflow.runtime import load, quant_for, require_tokenizer, tokenizer_for
 from inferflow.spec import load_spec
 
@@ -64,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
     spec = load_spec(args.spec)
     quant_for(spec, args.quant)
     tok = require_tokenizer(spec, tokenizer_for(spec))
-    ids = tok.encode(text, add_special_tokens=False)
+    ids, bos = text_ids(tok, text)
     windows(ids, args.ctx, args.chunks)
     lm = load(spec, args.dtype, args.quant, tok)
     res = perplexity(
@@ -74,6 +75,7 @@ def run(args: argparse.Namespace) -> int:
         args.chunks,
         save_base=None if args.kl_divergence else args.kl_divergence_base,
         kl_base=args.kl_divergence_base if args.kl_divergence else None,
+        bos=bos,
     )
     out = {
         "spec": lm.spec.name,

@@ -1,11 +1,16 @@
-"""``inferflow quantize SRC -o OUT --format FMT``: write an Inferflow quantized checkpoint.
+"""``inferflow quantize MODEL -o OUT.gguf --format FMT``: write MODEL with quantized weights.
 
-The output is a safetensors file: packed tensors are uint8 blocks under their own names, and the
-``inferflow.quant`` metadata entry records each one's format and shape. 1-D tensors (norms,
-biases) and integer tensors stay as they are; a tensor whose last dimension is not a multiple of
-the format's block size stays float (with a warning). ``--per-tensor PATTERN=FMT`` (fnmatch
-globs over the checkpoint's tensor names, first match wins) picks other formats, ``none`` or
-``float`` keeps a tensor unquantized.
+MODEL is a built-in spec name, a spec file, or a checkpoint (GGUF, safetensors, pickle, HF
+directory; package:// paths too). A .gguf output holds everything a GGUF source has (tokenizer,
+chat template, hyperparameters) and runs directly: `inferflow generate OUT.gguf`. GGML formats
+(Q8_0, Q4_0, Q4_1, Q5_0, Q5_1) also run in llama.cpp; Inferflow's (Q8, Q6, Q5, Q4_B32, Q4_B64,
+Q3_B32, Q3H, Q2) are stored as tensor types of their own that only Inferflow reads. Another
+suffix writes Inferflow's safetensors container (tensors only).
+
+1-D tensors (norms, biases) and integer tensors stay as they are; a tensor whose last dimension
+is not a multiple of the format's block size stays float (with a warning). ``--per-tensor
+PATTERN=FMT`` (fnmatch globs over the checkpoint's tensor names, first match wins) picks other
+formats, ``none`` or ``float`` keeps a tensor unquantized.
 """
 
 from __future__ import annotations
@@ -15,18 +20,18 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-from inferflow.convert import quantize_checkpoint
+from inferflow.quantize import quantize_checkpoint
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "quantize",
-        help="quantize a checkpoint into Inferflow's safetensors container",
+        help="write a model with quantized weights (GGUF)",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("src", type=Path, help="GGUF, safetensors, pickle file or HF model directory")
-    p.add_argument("-o", "--output", type=Path, required=True, help="output .safetensors file")
+    p.add_argument("src", help="spec name or file, or a GGUF/safetensors/pickle file, HF directory")
+    p.add_argument("-o", "--output", type=Path, required=True, help="output .gguf file")
     p.add_argument("--format", required=True, help="quant format, e.g. Q8_0, Q4_0, Q4_B32")
     p.add_argument(
         "--per-tensor",

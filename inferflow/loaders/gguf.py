@@ -29,8 +29,12 @@ import torch
 
 from inferflow.errors import CheckpointError
 from inferflow.loaders.base import LOADERS, Weight, WeightSource
-from inferflow.quant.formats import get_format
-from inferflow.quant.ggml import GGML_TYPE_NAMES
+from inferflow.quant.formats import (
+    GGUF_TYPE_NAMES,
+    GGUF_TYPES_KEY,
+    INFERFLOW_GGUF_TYPE_MIN,
+    get_format,
+)
 from inferflow.quant.tensor import QuantTensor
 
 logger = logging.getLogger(__name__)
@@ -88,20 +92,42 @@ _PLAIN_TYPES: dict[int, tuple[str, np.dtype[Any], torch.dtype]] = {
 }
 
 
-def _type_layout(type_id: int) -> tuple[str, int, int] | None:
-    """(name, weights per block, bytes per block) of a GGML tensor type we can load."""
+def _type_layout(type_id: int, declared: dict[int, str]) -> tuple[str, int, int] | None:
+    """(name, weights per block, bytes per block) of a tensor type we can load: GGML's, or an
+    Inferflow format the file declares in its ``inferflow.tensor_types`` key."""
     if type_id in _PLAIN_TYPES:
         name, npd, _ = _PLAIN_TYPES[type_id]
         return name, 1, npd.itemsize
-    if type_id in GGML_TYPE_NAMES:
-        fmt = get_format(GGML_TYPE_NAMES[type_id])
+    if type_id in GGUF_TYPE_NAMES and (type_id < INFERFLOW_GGUF_TYPE_MIN or type_id in declared):
+        fmt = get_format(GGUF_TYPE_NAMES[type_id])
         return fmt.name, fmt.block_size, fmt.bytes_per_block
     return None
 
 
 def _supported_types() -> str:
-    ids = sorted({**{i: n for i, (n, _, _) in _PLAIN_TYPES.items()}, **GGML_TYPE_NAMES}.items())
+    ids = sorted({**{i: n for i, (n, _, _) in _PLAIN_TYPES.items()}, **GGUF_TYPE_NAMES}.items())
     return ", ".join(f"{n}({i})" for i, n in ids)
+
+
+def _declared_types(path: Path, metadata: dict[str, Any]) -> dict[int, str]:
+    """The Inferflow tensor types a file names in ``inferflow.tensor_types`` ("Q3H=4103", ...);
+    each must be one of ours under its own id (a file from another version fails here)."""
+    value = metadata.get(GGUF_TYPES_KEY, [])
+    out: dict[int, str] = {}
+    for item in value if isinstance(value, list) else [value]:
+        name, _, tid = str(item).partition("=")
+        if (
+            not tid.isdigit()
+            or int(tid) < INFERFLOW_GGUF_TYPE_MIN
+            or (GGUF_TYPE_NAMES.get(int(tid)) != name)
+        ):
+            known = [f"{n}={i}" for i, n in GGUF_TYPE_NAMES.items() if i >= INFERFLOW_GGUF_TYPE_MIN]
+            raise CheckpointError(
+                f"{path}: {GGUF_TYPES_KEY} entry {str(item)[:64]!r} is not an Inferflow tensor "
+                f"type; known: {', '.join(known)}"
+            )
+        out[int(tid)] = name
+    return out
 
 
 @dataclass(frozen=True)
@@ -331,19 +357,30 @@ def _parse(mm: np.ndarray, path: Path, with_tensors: bool = True) -> _Header:
         raw_infos.append((name, ne, type_id, offset))
     data_offset = -(-cur.pos // alignment) * alignment
 
-    tensors = _tensor_infos(path, cur.size, raw_infos, data_offset, alignment)
+    declared = _declared_types(path, metadata)
+    tensors = _tensor_infos(path, cur.size, raw_infos, data_offset, alignment, declared)
     return _Header(version, metadata, types, tensors, alignment, data_offset)
 
 
 def _tensor_infos(
-    path: Path, size: int, raw: list[tuple[str, list[int], int, int]], base: int, align: int
+    path: Path,
+    size: int,
+    raw: list[tuple[str, list[int], int, int]],
+    base: int,
+    align: int,
+    declared: dict[int, str],
 ) -> dict[str, GGUFTensorInfo]:
     """Validate the tensor infos against the types we know and the file's size."""
     out: dict[str, GGUFTensorInfo] = {}
     for name, ne, type_id, offset in raw:
         if name in out:
             raise CheckpointError(f"{path}: duplicate tensor name {name!r}")
-        layout = _type_layout(type_id)
+        layout = _type_layout(type_id, declared)
+        if layout is None and type_id in GGUF_TYPE_NAMES:
+            raise CheckpointError(
+                f"{path}: tensor {name!r} has type {type_id} ({GGUF_TYPE_NAMES[type_id]}), an "
+                f"Inferflow type the file does not declare in {GGUF_TYPES_KEY}"
+            )
         if layout is None:
             raise CheckpointError(
                 f"{path}: tensor {name!r} has unknown or unsupported GGML type {type_id}; "

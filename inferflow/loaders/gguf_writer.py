@@ -23,8 +23,13 @@ import torch
 
 from inferflow.errors import CheckpointError
 from inferflow.loaders.gguf import DEFAULT_ALIGNMENT, GGUF_MAGIC, GGUFValueType
-from inferflow.quant.formats import FORMATS, get_format
-from inferflow.quant.ggml import GGML_TYPE_NAMES
+from inferflow.quant.formats import (
+    FORMATS,
+    GGUF_TYPE_NAMES,
+    GGUF_TYPES_KEY,
+    INFERFLOW_GGUF_TYPE_MIN,
+    get_format,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -51,22 +56,22 @@ _PLAIN_EXTRA: dict[str, tuple[int, int]] = {
 TypePath = tuple[int, ...]  # e.g. (UINT32,) or (ARRAY, STRING), as GGUFSource.metadata_types
 
 
-def ggml_type_names() -> list[str]:
-    """Every GGML tensor type name this writer can store (as raw bytes)."""
-    return sorted({*GGML_TYPE_NAMES.values(), *_PLAIN_EXTRA})
+def gguf_type_names() -> list[str]:
+    """Every tensor type name this writer can store (as raw bytes): GGML's and Inferflow's."""
+    return sorted({*GGUF_TYPE_NAMES.values(), *_PLAIN_EXTRA})
 
 
 def _type_layout(type_name: str) -> tuple[int, int, int]:
-    """(GGML type id, weights per block, bytes per block) of a GGML tensor type name."""
+    """(GGUF type id, weights per block, bytes per block) of a tensor type name."""
     if type_name in _PLAIN_EXTRA:
         type_id, size = _PLAIN_EXTRA[type_name]
         return type_id, 1, size
     fmt = get_format(type_name) if type_name in FORMATS else None
-    if fmt is None or fmt.ggml_type is None:
+    if fmt is None or fmt.gguf_type is None:
         raise CheckpointError(
-            f"GGUF cannot store tensor type {type_name!r}; known: {', '.join(ggml_type_names())}"
+            f"GGUF cannot store tensor type {type_name!r}; known: {', '.join(gguf_type_names())}"
         )
-    return fmt.ggml_type, fmt.block_size, fmt.bytes_per_block
+    return fmt.gguf_type, fmt.block_size, fmt.bytes_per_block
 
 
 @dataclass(frozen=True)
@@ -230,9 +235,18 @@ def write_gguf(
     """Write a GGUF v3 file to ``f``; ``produce(plan)`` returns each tensor's raw bytes.
 
     ``produce`` may return a torch tensor, numpy array or bytes of exactly ``plan.nbytes``; it is
-    called in ``tensors`` order, after the header is written. Returns the bytes written.
+    called in ``tensors`` order, after the header is written. Returns the bytes written. Tensors
+    of Inferflow's own formats are named in the ``inferflow.tensor_types`` key (set here).
     """
     align = _alignment(metadata)
+    own = sorted(
+        {(t.ggml_type, t.type_name) for t in tensors if t.ggml_type >= INFERFLOW_GGUF_TYPE_MIN}
+    )
+    metadata = {k: v for k, v in metadata.items() if k != GGUF_TYPES_KEY}
+    types = {k: v for k, v in (types or {}).items() if k != GGUF_TYPES_KEY}
+    if own:
+        metadata[GGUF_TYPES_KEY] = [f"{name}={tid}" for tid, name in own]
+        types[GGUF_TYPES_KEY] = (V.ARRAY, V.STRING)
     names: set[str] = set()
     infos: list[bytes] = []
     offset = 0

@@ -26,6 +26,13 @@ class QuantFormat:
     dequantize_blocks: DequantizeBlocks
     quantize_blocks: QuantizeBlocks | None = None
     ggml_type: int | None = None  # GGML type id where the format is a GGML one
+    inferflow_type: int | None = None  # GGUF tensor-type id of an Inferflow-only format
+
+    @property
+    def gguf_type(self) -> int | None:
+        """The id a GGUF tensor info gives this format: GGML's own, else Inferflow's (>= 4096,
+        which llama.cpp refuses), else None (GGUF cannot hold it)."""
+        return self.ggml_type if self.ggml_type is not None else self.inferflow_type
 
     @property
     def bits_per_weight(self) -> float:
@@ -41,10 +48,20 @@ class QuantFormat:
 
 
 FORMATS: Registry[QuantFormat] = Registry("quant format")
+# GGUF tensor-type id -> format name, for every format a GGUF file can hold (filled on register)
+GGUF_TYPE_NAMES: dict[int, str] = {}
+# Inferflow's own formats in GGUF: ids from 4096 up (GGML's end below 64), and a metadata key
+# naming the ones a file uses ("Q3H=4103", ...), so a reader can tell what they are
+INFERFLOW_GGUF_TYPE_MIN = 4096
+GGUF_TYPES_KEY = "inferflow.tensor_types"
 
 
 def register_format(fmt: QuantFormat) -> QuantFormat:
+    if fmt.inferflow_type is not None and fmt.inferflow_type < INFERFLOW_GGUF_TYPE_MIN:
+        raise ValueError(f"{fmt.name}: Inferflow GGUF type ids start at {INFERFLOW_GGUF_TYPE_MIN}")
     FORMATS.add(fmt.name, fmt)
+    if fmt.gguf_type is not None:
+        GGUF_TYPE_NAMES[fmt.gguf_type] = fmt.name
     return fmt
 
 

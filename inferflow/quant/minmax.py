@@ -5,12 +5,16 @@ Formula (per block of weights ``w`` with ``min = min(w)``, ``max = max(w)``, ``L
     q  = round((w - min) / (max - min) * L)        # an integer code in [0, L]
     w' = q / L * (max - min) + min                 # = q * scale + min
 
-Table (name: bits k, weights per block, bytes per block, bits per weight)::
+Table (name: bits k, weights per block, bytes per block, bits per weight, GGUF tensor type id)::
 
-    Q8      8  32  36  9.0      Q4_B64  4  64  36  4.5
-    Q6      6  64  52  6.5      Q3_B32  3  32  16  4.0
-    Q5      5  64  44  5.5      Q2      2  32  12  3.0
-    Q4_B32  4  32  20  5.0      Q3H   3.5  64  32  4.0
+    Q8      8  32  36  9.0  4096      Q4_B64  4  64  36  4.5  4100
+    Q6      6  64  52  6.5  4097      Q3_B32  3  32  16  4.0  4101
+    Q5      5  64  44  5.5  4098      Q2      2  32  12  3.0  4102
+    Q4_B32  4  32  20  5.0  4099      Q3H   3.5  64  32  4.0  4103
+
+In a GGUF file a tensor of one of these formats has the type id above (outside GGML's range, so
+llama.cpp refuses the file instead of misreading it) and its blocks as laid out below, rows
+contiguous; the file's ``inferflow.tensor_types`` key lists the ones it uses as "NAME=ID".
 
 Byte layout of every block::
 
@@ -74,6 +78,7 @@ class MinMaxLayout:
     levels: int  # L + 1
     code_bits: int  # bits per packed code (k, or 7 for a Q3H pair)
     pairs: bool  # Q3H: codes are pairs of 11-level weights
+    gguf_type: int  # tensor-type id in GGUF files (stable: files carry it)
 
     @property
     def bytes_per_block(self) -> int:
@@ -81,20 +86,20 @@ class MinMaxLayout:
         return _MIN_BYTES + n_codes * self.code_bits // 8
 
 
-def _kbit(name: str, k: int, block_size: int) -> MinMaxLayout:
-    return MinMaxLayout(name, k, block_size, 2**k, k, pairs=False)
+def _kbit(name: str, k: int, block_size: int, gguf_type: int) -> MinMaxLayout:
+    return MinMaxLayout(name, k, block_size, 2**k, k, pairs=False, gguf_type=gguf_type)
 
 
 # Inferflow's min-max formats (the seed paper's names), in README order.
 MINMAX_LAYOUTS: tuple[MinMaxLayout, ...] = (
-    _kbit("Q8", 8, 32),
-    _kbit("Q6", 6, 64),
-    _kbit("Q5", 5, 64),
-    _kbit("Q4_B32", 4, 32),
-    _kbit("Q4_B64", 4, 64),
-    _kbit("Q3_B32", 3, 32),
-    _kbit("Q2", 2, 32),
-    MinMaxLayout("Q3H", 3.5, 64, _Q3H_BASE, 7, pairs=True),
+    _kbit("Q8", 8, 32, 4096),
+    _kbit("Q6", 6, 64, 4097),
+    _kbit("Q5", 5, 64, 4098),
+    _kbit("Q4_B32", 4, 32, 4099),
+    _kbit("Q4_B64", 4, 64, 4100),
+    _kbit("Q3_B32", 3, 32, 4101),
+    _kbit("Q2", 2, 32, 4102),
+    MinMaxLayout("Q3H", 3.5, 64, _Q3H_BASE, 7, pairs=True, gguf_type=4103),
 )
 MINMAX_FORMATS: tuple[str, ...] = tuple(lay.name for lay in MINMAX_LAYOUTS)
 
@@ -210,7 +215,10 @@ def _register(lay: MinMaxLayout) -> QuantFormat:
     def quant(x: torch.Tensor) -> torch.Tensor:
         return _quantize(x, lay)
 
-    return register_format(QuantFormat(lay.name, lay.block_size, lay.bytes_per_block, deq, quant))
+    fmt = QuantFormat(
+        lay.name, lay.block_size, lay.bytes_per_block, deq, quant, inferflow_type=lay.gguf_type
+    )
+    return register_format(fmt)
 
 
 for _lay in MINMAX_LAYOUTS:

@@ -1,7 +1,10 @@
 """Specs: YAML -> validated, resolved, frozen ``Spec``.
 
 ``load_spec(ref)`` takes a path or the name of a built-in spec; hyperparameters come from the
-checkpoint (GGUF metadata or HF config.json) and are overridden by the spec's ``hparams``.
+checkpoint (GGUF metadata or HF config.json) and are overridden by the spec's ``hparams``. A GGUF
+file stands for a spec of its own: its ``general.architecture`` names the network template
+``specs/gguf/<architecture>.yaml`` (data: one file per architecture), so ``inferflow generate
+model.gguf`` needs no spec file.
 """
 
 from __future__ import annotations
@@ -20,7 +23,8 @@ from inferflow.blocks.options import NoOptions
 from inferflow.blocks.position import LearnedOptions
 from inferflow.blocks.residual import GateOptions
 from inferflow.errors import InferflowError, SpecError
-from inferflow.paths import expand_user, resolve_ref
+from inferflow.loaders.gguf import GGUF_MAGIC
+from inferflow.paths import PACKAGE_SCHEME, expand_user, resolve_ref
 from inferflow.spec import hparams as hp
 from inferflow.spec.schema import validate
 from inferflow.spec.types import (
@@ -40,6 +44,7 @@ from inferflow.spec.types import (
 log = logging.getLogger(__name__)
 
 BUILTIN_DIR = Path(__file__).resolve().parent.parent / "specs"
+GGUF_TEMPLATES = BUILTIN_DIR / "gguf"  # <general.architecture>.yaml: the network of such GGUFs
 DEFAULT_SPEC = "smollm2-135m-instruct"
 
 __all__ = [
@@ -58,9 +63,12 @@ def builtin_specs() -> list[str]:
 
 
 def find_spec_file(ref: str | Path) -> Path:
+    """The file ``ref`` names: a path (``package://`` included) or a built-in spec's name."""
+    if str(ref).startswith(PACKAGE_SCHEME):
+        return resolve_ref(str(ref), Path.cwd(), what="spec")
     p = expand_user(ref, "spec")
     # os.path: False for any path that cannot be checked (too long, under a file, ...)
-    if os.path.isfile(p):
+    if os.path.isfile(p) or os.path.isdir(p):
         return p
     builtin = BUILTIN_DIR / f"{ref}.yaml"  # also templates such as "arch/llama"
     if os.path.isfile(builtin):
@@ -71,8 +79,44 @@ def find_spec_file(ref: str | Path) -> Path:
 
 
 def load_spec(ref: str | Path, hparam_overrides: dict[str, Any] | None = None) -> Spec:
+    """The spec ``ref`` names: a spec file, a built-in name, or a GGUF file (see gguf_spec_doc)."""
     path = find_spec_file(ref)
-    return parse_spec(read_doc(path), path.parent, path, hparam_overrides)
+    with open(path, "rb") as f:
+        is_gguf = f.read(4) == GGUF_MAGIC
+    doc = gguf_spec_doc(path) if is_gguf else read_doc(path)
+    return parse_spec(doc, path.parent, path, hparam_overrides)
+
+
+def gguf_templates() -> list[str]:
+    return sorted(p.stem for p in GGUF_TEMPLATES.glob("*.yaml"))
+
+
+def gguf_spec_doc(path: Path) -> dict[str, Any]:
+    """The spec of a GGUF file: the template of its architecture, its file as the source, and
+    a head tied to the token embeddings exactly when the file has no ``output.weight``."""
+    from inferflow.loaders.gguf import open_gguf
+
+    source = open_gguf([path])
+    try:
+        arch = source.metadata.get("general.architecture")
+        tied = "output.weight" not in source.names()
+    finally:
+        source.close()
+    template = GGUF_TEMPLATES / f"{arch}.yaml"
+    if not isinstance(arch, str) or not arch.isidentifier() or not template.is_file():
+        raise SpecError(
+            f"{path}: no network template for GGUF architecture {str(arch)[:64]!r}; known: "
+            f"{', '.join(gguf_templates())}. Write a spec with the file as source.files (a "
+            "template's network is a start: base: gguf/llama)"
+        )
+    doc = {
+        "name": path.stem,
+        "source": {"format": "gguf", "files": [str(path.resolve())]},
+        "network": {"output": {"tied": tied}},
+    }
+    merged = _merge(read_doc(template), doc)
+    merged.pop("description", None)
+    return merged
 
 
 # A spec is a few kilobytes, nests a handful of levels and holds a few hundred values. YAML

@@ -1,0 +1,223 @@
+"""``inferflow quantize``: write a model with its weights in a quantized format.
+
+The model is a spec (a built-in name or a spec file: its checkpoint is read) or a checkpoint
+path (GGUF, safetensors, pickle, HF directory; ``package://`` paths too). An output ending in
+``.gguf`` is one GGUF file holding every tensor and, from a GGUF source, all of its metadata
+(hyperparameters, tokenizer, chat template), plus ``inferflow.quantize.*`` keys recording the
+settings: any Inferflow command runs it directly. GGML formats (Q8_0, Q4_0, ...) give a file
+llama.cpp runs; Inferflow's own formats (Q3H, Q4_B32, ...) are stored under tensor types of their
+own (``quant/minmax.py``), which llama.cpp refuses. Any other output name gets Inferflow's
+safetensors container (``loaders/quantized.py``), tensors only.
+
+Which tensors are packed: every float tensor of two or more dimensions gets the format of the
+first ``--per-tensor PATTERN=FMT`` rule matching its name, else ``--format``; 1-D tensors,
+norms and integer tensors stay as they are (float32 in a GGUF, as llama.cpp keeps them); a
+tensor whose rows are not a multiple of the block size stays float, with a warning.
+
+Default mix: the output head (``output.weight`` / ``lm_head.weight``, or the token embeddings
+when the head is tied to them) costs the most quality per bit, so below 6 bits per weight it
+gets Q6 (Inferflow formats) or Q8_0 (GGML formats), as llama.cpp gives it Q6_K in its mixes.
+``--per-tensor`` rules come first and override it (``--per-tensor output.weight=Q3H``).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import logging
+import math
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from inferflow.convert import (
+    LLAMA_FTYPE,
+    _is_float,
+    _is_quant,
+    _kept_dtype,
+    as_float,
+    atomic_output,
+    gguf_tensor_type,
+    parse_per_tensor,
+    parse_quant_format,
+    quantize_rows,
+    write_gguf_from,
+)
+from inferflow.errors import QuantError
+from inferflow.loaders import detect_format, open_files
+from inferflow.loaders.base import WeightSource
+from inferflow.loaders.quantized import (
+    QuantEntry,
+    StoredTensor,
+    packed_shape,
+    quant_metadata,
+    write_safetensors,
+)
+from inferflow.quant.formats import QuantFormat, get_format
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class QuantizeResult:
+    out: Path
+    formats: dict[str, str]  # tensor name -> format it was stored in (a dtype when kept)
+    nbytes: int
+
+
+def open_model(ref: str | Path) -> tuple[str, Path, WeightSource]:
+    """(checkpoint format, first file, lazily opened source) of a spec or a checkpoint path."""
+    from inferflow.spec import find_spec_file, load_spec
+
+    path = find_spec_file(ref)  # a file, a directory, or a built-in spec's (else: names them)
+    if path.suffix in (".yaml", ".yml"):
+        spec = load_spec(path)
+        files = spec.source.files
+        return spec.source.format, files[0], open_files(spec.source.format, files)
+    fmt = detect_format(path)
+    return fmt, path, open_files(fmt, [path])
+
+
+HEAD_NAMES = ("output.weight", "lm_head.weight")  # an untied output head (GGUF, HF names)
+EMBED_NAMES = ("token_embd.weight", "*embed_tokens.weight", "*word_embeddings.weight", "*wte.weight")
+HEAD_BITS = 6.0  # formats below this many bits per weight give the head HEAD_FORMAT's
+HEAD_FORMAT = {True: "Q8_0", False: "Q6"}  # by whether the main format is a GGML one
+
+
+def default_rules(names: Sequence[str], fmt: QuantFormat | None) -> list[tuple[str, QuantFormat]]:
+    """The default mix for ``fmt``: a higher-bit format for the output head (module docstring)."""
+    if fmt is None or fmt.bits_per_weight >= HEAD_BITS:
+        return []
+    head = get_format(HEAD_FORMAT[fmt.ggml_type is not None])
+    heads = [n for n in names if n in HEAD_NAMES]
+    if not heads:  # tied: the head reads the token embeddings
+        heads = [n for n in names if any(fnmatch.fnmatchcase(n, p) for p in EMBED_NAMES)][:1]
+    return [(n, head) for n in heads]
+
+
+def _targets(
+    source: WeightSource, default: QuantFormat | None, rules: list[tuple[str, QuantFormat | None]]
+) -> dict[str, QuantFormat | None]:
+    """Each tensor's format (None: kept as it is, or float)."""
+    names = source.names()
+    for pattern, _ in rules:
+        if not any(fnmatch.fnmatchcase(n, pattern) for n in names):
+            raise QuantError(
+                f"--per-tensor pattern {pattern!r} matches no tensor; names look like: "
+                f"{', '.join(names[:5])}"
+            )
+    rules = [*rules, *default_rules(names, default)]
+    out: dict[str, QuantFormat | None] = {}
+    for name in names:
+        shape, dtype = source.shape(name), source.dtype_name(name)
+        target = next((f for p, f in rules if fnmatch.fnmatchcase(name, p)), default)
+        if target is not None and (
+            not _is_float(dtype) or len(shape) < 2 or name.endswith("_norm.weight")
+        ):
+            target = None  # norms, biases and integer tensors are never packed
+        elif target is not None and shape[-1] % target.block_size:
+            logger.warning(
+                "%s: last dimension %d is not a multiple of the %s block size %d; kept float",
+                name, shape[-1], target.name, target.block_size,
+            )  # fmt: skip
+            target = None
+        out[name] = target
+    return out
+
+
+def quantize_checkpoint(
+    src: str | Path,
+    out: str | Path,
+    fmt: str,
+    per_tensor: Sequence[str] = (),
+    force: bool = False,
+    progress: bool = False,
+) -> QuantizeResult:
+    """Write the model ``src`` names to ``out`` with its weights in ``fmt`` (module docstring)."""
+    default, rules = parse_quant_format(fmt), parse_per_tensor(per_tensor)
+    src_format, src_path, source = open_model(src)
+    try:
+        targets = _targets(source, default, rules)
+        if Path(out).suffix.lower() == ".gguf":
+            formats = _write_gguf(
+                source, src_format, src_path, out, fmt, per_tensor, targets, force, progress
+            )
+        else:
+            formats = _write_container(source, src_format, out, targets, force, progress)
+    finally:
+        source.close()
+    packed = sum(1 for f in formats.values() if _is_quant(f))
+    logger.info("wrote %s: %d of %d tensors quantized", out, packed, len(formats))
+    return QuantizeResult(Path(out), formats, Path(out).stat().st_size)
+
+
+def _write_gguf(
+    source: WeightSource,
+    src_format: str,
+    src_path: Path,
+    out: str | Path,
+    fmt: str,
+    per_tensor: Sequence[str],
+    targets: dict[str, QuantFormat | None],
+    force: bool,
+    progress: bool,
+) -> dict[str, str]:
+    def type_for(name: str, shape: tuple[int, ...], dtype: str) -> str:
+        target = targets[name]
+        if target is None:  # kept: plain types as they are, packed ones as float32
+            return gguf_tensor_type(name, shape, dtype, "F32" if _is_quant(dtype) else None)
+        return gguf_tensor_type(name, shape, dtype, target.name)
+
+    extra: dict[str, Any] = {
+        "inferflow.quantize.format": fmt.upper(),
+        "inferflow.quantize.source": src_path.name,
+    }
+    if per_tensor:
+        extra["inferflow.quantize.per_tensor"] = list(per_tensor)
+    ftype = LLAMA_FTYPE.get(fmt.upper())
+    plans = write_gguf_from(
+        source, src_format, src_path, out, type_for, force, progress, extra, ftype
+    )
+    return {p.name: p.type_name for p in plans}
+
+
+def _write_container(
+    source: WeightSource,
+    src_format: str,
+    out: str | Path,
+    targets: dict[str, QuantFormat | None],
+    force: bool,
+    progress: bool,
+) -> dict[str, str]:
+    plans: list[StoredTensor] = []
+    entries: dict[str, QuantEntry] = {}
+    for name, target in targets.items():
+        shape, dtype = source.shape(name), source.dtype_name(name)
+        if target is None:
+            plans.append(StoredTensor(name, _kept_dtype(dtype), shape))
+        else:
+            plans.append(StoredTensor(name, "U8", packed_shape(target, shape)))
+            entries[name] = QuantEntry(target.name, shape)
+    # safetensors' own string metadata carries over; GGUF key/values have no place here
+    keep = src_format == "safetensors"
+    meta = {k: v for k, v in source.metadata.items() if keep and isinstance(v, str)}
+    meta.update(quant_metadata(entries))
+    weights = sum(math.prod(source.shape(n)) for n in targets)
+    bar = tqdm(
+        total=weights, desc="quantize", unit="weight", unit_scale=True, file=sys.stderr,
+        disable=not progress,
+    )  # fmt: skip
+
+    def produce(t: StoredTensor) -> torch.Tensor:
+        w, target = source.get(t.name), targets[t.name]
+        data = as_float(w) if target is None else quantize_rows(w, target)
+        bar.update(math.prod(source.shape(t.name)))
+        return data
+
+    with bar, atomic_output(out, force) as f:
+        write_safetensors(f, plans, produce, meta)
+    return {p.name: (e.format if (e := entries.get(p.name)) else p.dtype) for p in plans}

@@ -1,0 +1,108 @@
+"""A llama.cpp build for interchange tests and benchmarks, from llama-cpp-python's source
+distribution on PyPI (it vendors llama.cpp), built once and cached.
+
+    python tools/llama_cpp.py            # prints the directory holding llama-perplexity etc.
+
+The binaries (``llama-completion``, ``llama-perplexity``, ``llama-quantize``, ``llama-imatrix``)
+are linked statically and kept in ``~/.cache/inferflow/llama.cpp/<version>/bin``
+(``INFERFLOW_LLAMA_CPP`` names another directory holding them). A build takes 10-20 minutes on
+two cores; later calls find it and return at once. Tests call ``ensure()`` and skip with the
+reason when it cannot build (no compiler, no cmake, no registry).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+from pathlib import Path
+
+VERSION = "0.3.36"  # llama-cpp-python's release; its vendor/llama.cpp is what gets built
+TOOLS = ("llama-completion", "llama-perplexity", "llama-quantize", "llama-imatrix")
+CACHE = Path.home() / ".cache" / "inferflow" / "llama.cpp" / VERSION
+
+
+class BuildError(RuntimeError):
+    pass
+
+
+def _have(bin_dir: Path) -> bool:
+    return all(os.access(bin_dir / t, os.X_OK) for t in TOOLS)
+
+
+def _run(cmd: list[str], log: Path, cwd: Path | None = None) -> None:
+    with open(log, "ab") as f:
+        f.write(("$ " + " ".join(cmd) + "\n").encode())
+        f.flush()
+        rc = subprocess.run(cmd, cwd=cwd, stdout=f, stderr=subprocess.STDOUT).returncode
+    if rc != 0:
+        tail = log.read_text(errors="replace").splitlines()[-15:]
+        raise BuildError(f"{cmd[0]} failed (exit {rc}); log {log}:\n" + "\n".join(tail))
+
+
+def ensure(jobs: int | None = None) -> Path:
+    """The directory holding the llama.cpp tools, building them first if no cached build exists."""
+    given = os.environ.get("INFERFLOW_LLAMA_CPP")
+    if given:
+        if not _have(Path(given)):
+            raise BuildError(f"INFERFLOW_LLAMA_CPP={given} lacks one of {', '.join(TOOLS)}")
+        return Path(given)
+    bin_dir = CACHE / "bin"
+    if _have(bin_dir):
+        return bin_dir
+    for tool in ("cmake", "c++"):
+        if shutil.which(tool) is None:
+            raise BuildError(f"building llama.cpp needs {tool} on PATH")
+    CACHE.mkdir(parents=True, exist_ok=True)
+    with open(CACHE / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # a second caller waits for the first build
+        if not _have(bin_dir):
+            _build(bin_dir, jobs)
+    return bin_dir
+
+
+def _build(bin_dir: Path, jobs: int | None) -> None:
+    log = CACHE / "build.log"
+    log.unlink(missing_ok=True)
+    with tempfile.TemporaryDirectory(dir=CACHE) as tmp:
+        work = Path(tmp)
+        pip = [sys.executable, "-m", "pip", "download", "--disable-pip-version-check", "-q"]
+        pip += ["--no-deps", "--no-binary", ":all:", "-d", str(work), f"llama-cpp-python=={VERSION}"]
+        _run(pip, log)
+        (sdist,) = work.glob("llama_cpp_python-*.tar.gz")
+        prefix = f"{sdist.name[: -len('.tar.gz')]}/vendor/llama.cpp/"
+        with tarfile.open(sdist) as tar:
+            members = [m for m in tar.getmembers() if m.name.startswith(prefix)]
+            tar.extractall(work, members=members, filter="data")
+        src = work / prefix
+        build = work / "build"
+        flags = ["-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=OFF", "-DGGML_NATIVE=ON"]
+        flags += ["-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF"]
+        flags += ["-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=OFF"]
+        _run(["cmake", "-S", str(src), "-B", str(build), *flags], log)
+        jobs = jobs or os.cpu_count() or 2
+        _run(["cmake", "--build", str(build), "-j", str(jobs), "--target", *TOOLS], log)
+        staged = work / "bin"
+        staged.mkdir()
+        for t in TOOLS:
+            shutil.copy2(build / "bin" / t, staged / t)
+        if bin_dir.exists():
+            shutil.rmtree(bin_dir)
+        staged.rename(bin_dir)  # all tools appear at once: a half-built cache is never found
+
+
+def main() -> int:
+    try:
+        print(ensure())
+    except BuildError as e:
+        print(e, file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -33,6 +33,7 @@ from inferflow.loaders.quantized import (
     write_safetensors,
 )
 from inferflow.loaders.safetensors import DTYPE_BITS
+from inferflow.quant import quantize
 from inferflow.quant.formats import FORMATS, QuantFormat
 from inferflow.quant.tensor import QuantTensor
 
@@ -61,7 +62,6 @@ HF_TO_GGUF_UNSUPPORTED = (
     "tensor container, any checkpoint -> safetensors or pickle. For llama.cpp, use its "
     "convert_hf_to_gguf.py, then `inferflow convert` between GGUF types"
 )
-_CHUNK_WEIGHTS = 1 << 21  # weights quantized per call: bounds the codecs' float32 temporaries
 
 
 # --- shared helpers ----------------------------------------------------------------------------
@@ -124,18 +124,18 @@ def _owned(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def quantize_rows(w: Weight, fmt: QuantFormat) -> torch.Tensor:
-    """Raw ``fmt`` blocks of ``w``, shaped (rows, bytes_per_row); same-format data is copied as is."""
+def quantize_rows(
+    w: Weight, fmt: QuantFormat, method: str = "minmax", importance: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Raw ``fmt`` blocks of ``w``, shaped (rows, bytes_per_row); same-format data is copied as
+    is. ``method`` and ``importance``: as ``inferflow.quant.quantize``."""
     shape = tuple(w.shape)
     rows, per_row = packed_shape(fmt, shape) if shape else (1, -1)
     if isinstance(w, QuantTensor) and w.format == fmt.name:
         return w.data.reshape(rows, per_row)  # lossless: no dequantize/requantize round
     if fmt.quantize_blocks is None:
         raise QuantError(f"{fmt.name} has no quantizer (Inferflow can read it, not write it)")
-    blocks = as_float(w).reshape(-1, fmt.block_size)
-    step = max(1, _CHUNK_WEIGHTS // fmt.block_size)
-    out = [fmt.quantize_blocks(blocks[i : i + step]) for i in range(0, len(blocks), step)]
-    return torch.cat(out).reshape(rows, per_row)
+    return quantize(as_float(w), fmt, method, importance).data.reshape(rows, per_row)
 
 
 def _writable_quant_formats() -> list[str]:
@@ -311,14 +311,18 @@ def gguf_tensor_type(name: str, shape: Sequence[int], dtype: str, target: str | 
     return target
 
 
-def _gguf_data(w: Weight, type_name: str) -> torch.Tensor:
+def gguf_data(
+    w: Weight, type_name: str, method: str = "minmax", importance: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The raw data of ``w`` as GGUF type ``type_name`` (``method``, ``importance``: how a
+    quantized type's codes are chosen, as ``inferflow.quant.quantize``)."""
     if isinstance(w, QuantTensor) and w.format == type_name:
         return w.data  # raw copy: no dequantize/requantize round
     if type_name in _TORCH_INT:
         return as_float(w).to(_TORCH_INT[type_name])
     if type_name == "F64":
         return as_float(w).to(torch.float64)
-    return quantize_rows(as_float(w), FORMATS.get(type_name))
+    return quantize_rows(as_float(w), FORMATS.get(type_name), method, importance)
 
 
 def _file_type(plans: Sequence[GGUFTensorPlan]) -> int:
@@ -341,12 +345,14 @@ def write_gguf_from(
     progress: bool,
     extra: dict[str, Any] | None = None,
     file_type: int | None = None,
+    encode: Callable[[GGUFTensorPlan, Weight], torch.Tensor] | None = None,
 ) -> list[GGUFTensorPlan]:
     """Write every tensor of ``source`` to a GGUF at ``out`` in the type ``type_for`` picks.
 
     A GGUF source's metadata is kept whole (value types included), so the output is the same
     model; other sources give a tensor container (general.name only) and a warning. ``extra``
     keys are added; ``general.file_type`` is ``file_type`` or the most common matrix type's.
+    ``encode(plan, weight)`` gives a tensor's data (default: ``gguf_data`` of its type).
     """
     plans = [
         GGUFTensorPlan(n, source.shape(n), type_for(n, source.shape(n), source.dtype_name(n)))
@@ -384,7 +390,8 @@ def write_gguf_from(
     )  # fmt: skip  (weights, not tensors: the ETA holds when sizes differ by 1000x)
 
     def produce(p: GGUFTensorPlan) -> torch.Tensor:
-        data = _gguf_data(source.get(p.name), p.type_name)
+        w = source.get(p.name)
+        data = encode(p, w) if encode is not None else gguf_data(w, p.type_name)
         bar.update(math.prod(p.shape))
         return data
 

@@ -26,7 +26,7 @@ import fnmatch
 import logging
 import math
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -41,15 +41,16 @@ from inferflow.convert import (
     _kept_dtype,
     as_float,
     atomic_output,
+    gguf_data,
     gguf_tensor_type,
     parse_per_tensor,
     parse_quant_format,
-    quantize_rows,
     write_gguf_from,
 )
-from inferflow.errors import QuantError
+from inferflow.errors import CheckpointError, QuantError
+from inferflow.imatrix import ImportanceMatrix
 from inferflow.loaders import detect_format, open_files
-from inferflow.loaders.base import WeightSource
+from inferflow.loaders.base import Weight, WeightSource
 from inferflow.loaders.quantized import (
     QuantEntry,
     StoredTensor,
@@ -57,9 +58,10 @@ from inferflow.loaders.quantized import (
     quant_metadata,
     write_safetensors,
 )
-from inferflow.quant.formats import QuantFormat, get_format
+from inferflow.quant.formats import METHODS, QuantFormat, get_format
 
 logger = logging.getLogger(__name__)
+Encode = Callable[[str, Weight, str], torch.Tensor]  # (name, weight, type name) -> raw data
 
 
 @dataclass(frozen=True)
@@ -83,7 +85,12 @@ def open_model(ref: str | Path) -> tuple[str, Path, WeightSource]:
 
 
 HEAD_NAMES = ("output.weight", "lm_head.weight")  # an untied output head (GGUF, HF names)
-EMBED_NAMES = ("token_embd.weight", "*embed_tokens.weight", "*word_embeddings.weight", "*wte.weight")
+EMBED_NAMES = (
+    "token_embd.weight",
+    "*embed_tokens.weight",
+    "*word_embeddings.weight",
+    "*wte.weight",
+)
 HEAD_BITS = 6.0  # formats below this many bits per weight give the head HEAD_FORMAT's
 HEAD_FORMAT = {True: "Q8_0", False: "Q6"}  # by whether the main format is a GGML one
 
@@ -136,18 +143,39 @@ def quantize_checkpoint(
     per_tensor: Sequence[str] = (),
     force: bool = False,
     progress: bool = False,
+    method: str = "search",
+    imatrix: str | Path | None = None,
 ) -> QuantizeResult:
-    """Write the model ``src`` names to ``out`` with its weights in ``fmt`` (module docstring)."""
+    """Write the model ``src`` names to ``out`` with its weights in ``fmt`` (module docstring).
+    ``method``: how Inferflow formats choose their codes (``inferflow.quant.quantize``);
+    ``imatrix``: an importance-matrix GGUF of this model (``inferflow.imatrix``)."""
     default, rules = parse_quant_format(fmt), parse_per_tensor(per_tensor)
+    if method not in METHODS:
+        raise QuantError(f"unknown --method {method!r}; allowed: {', '.join(METHODS)}")
+    if Path(out).exists() and not force:
+        raise CheckpointError(f"output {out} already exists; pass --force to overwrite it")
+    matrix = ImportanceMatrix.read(Path(imatrix)) if imatrix is not None else None
     src_format, src_path, source = open_model(src)
     try:
         targets = _targets(source, default, rules)
+        if matrix is not None:
+            matrix.check(source, f"--imatrix {imatrix}")
+
+        def encode(name: str, w: Weight, type_name: str) -> torch.Tensor:
+            imp = matrix.importance(name) if matrix is not None else None
+            return gguf_data(w, type_name, method, imp)
+
+        settings: dict[str, Any] = {"inferflow.quantize.method": method}
+        if matrix is not None:
+            settings["inferflow.quantize.imatrix"] = Path(imatrix or "").name
+            settings["inferflow.quantize.imatrix_datasets"] = matrix.datasets or ["?"]
         if Path(out).suffix.lower() == ".gguf":
             formats = _write_gguf(
-                source, src_format, src_path, out, fmt, per_tensor, targets, force, progress
-            )
+                source, src_format, src_path, out, fmt, per_tensor, targets, force, progress,
+                encode, settings,
+            )  # fmt: skip
         else:
-            formats = _write_container(source, src_format, out, targets, force, progress)
+            formats = _write_container(source, src_format, out, targets, force, progress, encode)
     finally:
         source.close()
     packed = sum(1 for f in formats.values() if _is_quant(f))
@@ -165,6 +193,8 @@ def _write_gguf(
     targets: dict[str, QuantFormat | None],
     force: bool,
     progress: bool,
+    encode: Encode,
+    settings: dict[str, Any],
 ) -> dict[str, str]:
     def type_for(name: str, shape: tuple[int, ...], dtype: str) -> str:
         target = targets[name]
@@ -175,13 +205,15 @@ def _write_gguf(
     extra: dict[str, Any] = {
         "inferflow.quantize.format": fmt.upper(),
         "inferflow.quantize.source": src_path.name,
+        **settings,
     }
     if per_tensor:
         extra["inferflow.quantize.per_tensor"] = list(per_tensor)
     ftype = LLAMA_FTYPE.get(fmt.upper())
     plans = write_gguf_from(
-        source, src_format, src_path, out, type_for, force, progress, extra, ftype
-    )
+        source, src_format, src_path, out, type_for, force, progress, extra, ftype,
+        lambda p, w: encode(p.name, w, p.type_name),
+    )  # fmt: skip
     return {p.name: p.type_name for p in plans}
 
 
@@ -192,6 +224,7 @@ def _write_container(
     targets: dict[str, QuantFormat | None],
     force: bool,
     progress: bool,
+    encode: Encode,
 ) -> dict[str, str]:
     plans: list[StoredTensor] = []
     entries: dict[str, QuantEntry] = {}
@@ -214,7 +247,9 @@ def _write_container(
 
     def produce(t: StoredTensor) -> torch.Tensor:
         w, target = source.get(t.name), targets[t.name]
-        data = as_float(w) if target is None else quantize_rows(w, target)
+        data = as_float(w) if target is None else encode(t.name, w, target.name)
+        if target is not None:
+            data = data.reshape(t.shape)
         bar.update(math.prod(source.shape(t.name)))
         return data
 

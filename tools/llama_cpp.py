@@ -71,7 +71,14 @@ def _build(bin_dir: Path, jobs: int | None) -> None:
     with tempfile.TemporaryDirectory(dir=CACHE) as tmp:
         work = Path(tmp)
         pip = [sys.executable, "-m", "pip", "download", "--disable-pip-version-check", "-q"]
-        pip += ["--no-deps", "--no-binary", ":all:", "-d", str(work), f"llama-cpp-python=={VERSION}"]
+        pip += [
+            "--no-deps",
+            "--no-binary",
+            ":all:",
+            "-d",
+            str(work),
+            f"llama-cpp-python=={VERSION}",
+        ]
         _run(pip, log)
         (sdist,) = work.glob("llama_cpp_python-*.tar.gz")
         prefix = f"{sdist.name[: -len('.tar.gz')]}/vendor/llama.cpp/"

@@ -21,6 +21,7 @@ SUBCOMMANDS = (
     "ppl",
     "convert",
     "quantize",
+    "imatrix",
     "plan",
 )
 

@@ -54,13 +54,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(run=run)
 
 
+def read_text(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise InferflowError(f"cannot read --text {path}: {e}") from None
+
+
 def run(args: argparse.Namespace) -> int:
     if args.kl_divergence and args.kl_divergence_base is None:
         raise InferflowError("--kl-divergence needs --kl-divergence-base FILE")
-    try:
-        text = args.text.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise InferflowError(f"cannot read --text {args.text}: {e}") from None
+    text = read_text(args.text)
     # the text's windows counted before the weights load: too short a text fails at once
     spec = load_spec(args.spec)
     quant_for(spec, args.quant)

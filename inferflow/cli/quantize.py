@@ -20,6 +20,7 @@ import sys
 from collections import Counter
 from pathlib import Path
 
+from inferflow.quant.formats import METHODS
 from inferflow.quantize import quantize_checkpoint
 
 
@@ -40,6 +41,19 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         metavar="PATTERN=FMT",
         help="format for tensors matching an fnmatch pattern (repeatable; none = keep float)",
     )
+    p.add_argument(
+        "--method",
+        choices=METHODS,
+        default="search",
+        help="Inferflow formats: search each block's grid for the least (weighted) squared "
+        "error (default), or the paper's plain min-max; GGML formats always use the reference",
+    )
+    p.add_argument(
+        "--imatrix",
+        type=Path,
+        default=None,
+        help="importance matrix of this model (inferflow imatrix, or llama-imatrix's GGUF)",
+    )
     p.add_argument("--force", action="store_true", help="overwrite an existing output file")
     p.set_defaults(run=run)
 
@@ -52,6 +66,8 @@ def run(args: argparse.Namespace) -> int:
         per_tensor=args.per_tensor,
         force=args.force,
         progress=sys.stderr.isatty(),
+        method=args.method,
+        imatrix=args.imatrix,
     )
     counts = Counter(result.formats.values())
     summary = ", ".join(f"{n} {fmt}" for fmt, n in counts.most_common())

@@ -247,6 +247,7 @@ class Stack(nn.Module):
         self.output_norm = norm(h.hidden, h.norm_eps) if net.final_norm and part.head else None
         self.output: Linear | None = None
         self.logits_bias: nn.Parameter | None = None
+        self.has_head = head  # logits: by output, or tied, by the embedding table
         if head:
             if not net.output.tied:
                 self.output = Linear(h.hidden, h.vocab_size, bias=net.output.bias)

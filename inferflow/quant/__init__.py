@@ -10,7 +10,7 @@ import torch
 from inferflow.errors import QuantError
 from inferflow.quant import ggml as _ggml  # noqa: F401  (registers the GGML formats)
 from inferflow.quant import minmax as _minmax  # noqa: F401  (registers Inferflow's min-max formats)
-from inferflow.quant.formats import FORMATS, QuantFormat, get_format
+from inferflow.quant.formats import FORMATS, METHODS, QuantFormat, get_format
 from inferflow.quant.minmax import MINMAX_FORMATS
 from inferflow.quant.tensor import QuantTensor
 
@@ -43,12 +43,24 @@ def format_table(names: list[str] | tuple[str, ...] | None = None) -> list[Forma
 QUANTIZE_CHUNK = 1 << 16  # blocks quantized at a time
 
 
-def quantize(tensor: torch.Tensor, fmt: str | QuantFormat) -> QuantTensor:
+def quantize(
+    tensor: torch.Tensor,
+    fmt: str | QuantFormat,
+    method: str = "minmax",
+    importance: torch.Tensor | None = None,
+) -> QuantTensor:
     """Quantize a float tensor to ``fmt`` along its last dimension, keeping its (torch) shape.
 
-    The last dimension must be a multiple of the block size: we never pad silently, because
-    padding would change the shape the model sees; pad (e.g. with zeros) and slice yourself.
+    ``method`` (METHODS): "search" picks each block's grid for the least weighted squared error
+    where the format has a searching quantizer (quant/minmax.py), weighting column j by
+    ``importance[j]`` when given (an importance matrix row: one positive value per element of
+    the last dimension); otherwise, and for "minmax", the format's own rule (GGML formats:
+    the reference quantizers, bit-exact with gguf-py). The last dimension must be a multiple of
+    the block size: we never pad silently, because padding would change the shape the model
+    sees; pad (e.g. with zeros) and slice yourself.
     """
+    if method not in METHODS:
+        raise QuantError(f"unknown quantization method {method!r}; allowed: {', '.join(METHODS)}")
     f = get_format(fmt) if isinstance(fmt, str) else fmt
     if f.quantize_blocks is None:
         writable = [r.name for r in format_table() if r.writable]
@@ -64,16 +76,32 @@ def quantize(tensor: torch.Tensor, fmt: str | QuantFormat) -> QuantTensor:
             f"dimension to a multiple of {f.block_size} yourself)"
         )
     blocks = tensor.detach().contiguous().reshape(-1, f.block_size)
+    per_row = last // f.block_size
+    search = f.quantize_search if method == "search" else None
+    imp = None
+    if importance is not None:
+        if tuple(importance.shape) != (last,) or not bool((importance > 0).all()):
+            raise QuantError(
+                f"{f.name}: importance must hold {last} positive values (one per element of the "
+                f"last dimension), got shape {list(importance.shape)}"
+            )
+        imp = importance.float().reshape(per_row, f.block_size)
     # blocks are independent: a chunk at a time keeps the codec's temporaries small
     data = torch.empty(blocks.shape[0], f.bytes_per_block, dtype=torch.uint8)
     for i in range(0, blocks.shape[0], QUANTIZE_CHUNK):
-        data[i : i + QUANTIZE_CHUNK] = f.quantize_blocks(blocks[i : i + QUANTIZE_CHUNK])
+        chunk = blocks[i : i + QUANTIZE_CHUNK]
+        if search is None:
+            data[i : i + len(chunk)] = f.quantize_blocks(chunk)
+        else:
+            w = None if imp is None else imp[torch.arange(i, i + len(chunk)) % per_row]
+            data[i : i + len(chunk)] = search(chunk, w)
     rows = math.prod(shape[:-1]) if shape else 1
     return QuantTensor(data.reshape(rows, -1), f.name, shape)
 
 
 __all__ = [
     "FORMATS",
+    "METHODS",
     "MINMAX_FORMATS",
     "FormatRow",
     "QuantFormat",

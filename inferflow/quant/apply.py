@@ -41,6 +41,9 @@ class QuantPolicy:
     # None: each layer's fastest kernel; "dequant": float32 matmuls over dequantized tiles (the
     # reference: int4pack rounds activations to bf16)
     kernel: str | None = None
+    # how codes are chosen (inferflow.quant.METHODS): load-time quantization keeps the fast
+    # min-max rule; "search" is `inferflow quantize`'s default
+    method: str = "minmax"
 
     def __post_init__(self) -> None:
         for name in (self.default, *(f for _, f in self.overrides)):
@@ -94,7 +97,12 @@ class QuantReport:
 
 
 def _quant_linear(
-    path: str, weight: torch.Tensor, bias: torch.Tensor | None, fmt: str, kernel: str | None
+    path: str,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    fmt: str,
+    kernel: str | None,
+    method: str = "minmax",
 ) -> QuantLinear:
     block = get_format(fmt).block_size
     if weight.shape[-1] % block:
@@ -104,7 +112,7 @@ def _quant_linear(
             f"a multiple of {fmt}'s block size {block}; map {path!r} to None (float) or another "
             "format in the quant policy"
         )
-    return QuantLinear(quantize(weight.detach(), fmt), bias, kernel)
+    return QuantLinear(quantize(weight.detach(), fmt, method), bias, kernel)
 
 
 def set_module(model: nn.Module, path: str, module: nn.Module) -> None:
@@ -150,7 +158,9 @@ def quantize_linear(path: str, lin: Linear, policy: QuantPolicy) -> QuantLinear 
     """The QuantLinear the policy makes of layer ``path`` (None: it stays float). Loading calls
     it per layer as soon as the layer's float weight is read (no float model first)."""
     fmt = policy.format_for(path)
-    return None if fmt is None else _quant_linear(path, lin.weight, lin.bias, fmt, policy.kernel)
+    if fmt is None:
+        return None
+    return _quant_linear(path, lin.weight, lin.bias, fmt, policy.kernel, policy.method)
 
 
 def quantize_model(model: nn.Module, policy: QuantPolicy) -> QuantReport:
@@ -177,7 +187,7 @@ def quantize_model(model: nn.Module, policy: QuantPolicy) -> QuantReport:
         weight = model.get_submodule(embed).weight
         if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
             raise QuantError(f"tie_outputs: {embed}.weight is not a 2-D tensor")
-        q = _quant_linear(head, weight, None, fmt, policy.kernel)
+        q = _quant_linear(head, weight, None, fmt, policy.kernel, policy.method)
         set_module(model, head, q)
         # the embedding stays float, so the head's bytes are all extra
         shape = (weight.shape[0], weight.shape[1])

@@ -16,6 +16,10 @@ from inferflow.registry import Registry
 
 DequantizeBlocks = Callable[[torch.Tensor], torch.Tensor]
 QuantizeBlocks = Callable[[torch.Tensor], torch.Tensor]
+# (float32 blocks (n, block), importance (n, block) or None) -> uint8 blocks: the same layout,
+# (scale, min) searched for the least importance-weighted squared error
+SearchBlocks = Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]
+METHODS = ("minmax", "search")  # how a writable format's codes are chosen
 
 
 @dataclass(frozen=True)
@@ -27,6 +31,7 @@ class QuantFormat:
     quantize_blocks: QuantizeBlocks | None = None
     ggml_type: int | None = None  # GGML type id where the format is a GGML one
     inferflow_type: int | None = None  # GGUF tensor-type id of an Inferflow-only format
+    quantize_search: SearchBlocks | None = None  # where the format has a searching quantizer
 
     @property
     def gguf_type(self) -> int | None:

@@ -47,6 +47,19 @@ i.e. the paper's ``(max - min) / (2L)`` plus fp16 terms: ``2**-10 * |min|`` (min
 < 1 fp16 ulp), ``2**-9`` relative (scale rounded up by < 1 ulp, plus float32 rounding) and
 ``2**-24`` absolute (fp16's subnormal spacing, which bounds tiny blocks).
 
+Search (``quantize_search``; ``inferflow quantize``'s default, ``--method minmax`` for the rule
+above). The stored bytes are the same; only (min, scale) per block and so the codes are chosen
+to minimise the weighted squared error ``sum_i v_i (w_i - w'_i)**2`` instead of spanning [min,
+max], as llama.cpp's ``make_qkx2_quants`` does: candidate grids with ``L + (k - 10) / 10``
+steps across [min, max] (k = 0..20) give codes, weighted least squares gives the (scale, min)
+best for those codes, both rounded to fp16, the codes re-chosen on the stored grid, and the
+block keeps whichever candidate -- the min-max grid included -- has the least error. So the
+search is never worse than min-max in the weighted error, but extreme weights may be clipped
+(the bound above no longer holds). Weights ``v``: ``importance * sqrt(2 * mean(w**2) + w**2)``
+with an importance per input column (an importance matrix: the mean squared activation each
+weight multiplies, ``inferflow imatrix``), else ``sqrt(mean(w**2)) + |w|`` (llama.cpp's
+choices for its k-quants with and without an imatrix).
+
 Special cases. A block whose values all equal one fp16-representable value (0, negatives and
 subnormals included) gets ``min16 = max``, scale 0 and codes 0, so ``w' = min`` exactly; other
 constant blocks fall under the general rule (a tiny scale, error within the bound). Inputs are
@@ -184,6 +197,76 @@ def _quantize(x: torch.Tensor, lay: MinMaxLayout) -> torch.Tensor:
     scale = scale16.to(torch.float32)
     t = torch.where(scale > 0, (x - lo) / torch.where(scale > 0, scale, 1.0), 0.0)
     q = torch.round(t).clamp(0, top).to(torch.int32)  # clamp only absorbs float32 noise
+    return _pack(q, min16, scale16, lay)
+
+
+_SEARCH_STEPS = 20  # candidate grids: L - 1 ... L + 1 steps across [min, max], 0.1 apart
+
+
+def _codes(x: torch.Tensor, lo: torch.Tensor, scale: torch.Tensor, top: int) -> torch.Tensor:
+    """Nearest codes of ``x`` on the grid ``lo + q * scale`` (scale 0: all codes 0), as float."""
+    safe = torch.where(scale > 0, scale, 1.0)
+    return torch.where(scale > 0, torch.round((x - lo) / safe), 0.0).clamp(0, top)
+
+
+def _search_grid(
+    x: torch.Tensor, lay: MinMaxLayout, importance: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(min16, scale16), fp16 (n, 1) each: the candidate grid of least weighted error."""
+    top = lay.levels - 1
+    sq = x.square()
+    if importance is None:
+        v = sq.mean(1, keepdim=True).sqrt() + x.abs()
+    else:
+        v = importance * (2 * sq.mean(1, keepdim=True) + sq).sqrt()
+    mn, mx = x.amin(1, keepdim=True), x.amax(1, keepdim=True)
+    rng = mx - mn
+
+    def error(lo16: torch.Tensor, sc16: torch.Tensor) -> torch.Tensor:
+        lo, sc = lo16.to(torch.float32), sc16.to(torch.float32)
+        return (v * (_codes(x, lo, sc, top) * sc + lo - x).square()).sum(1, keepdim=True)
+
+    best_lo = _f16_round(mn, up=False)  # the min-max grid is the first candidate
+    best_sc = _f16_round((mx - best_lo.to(torch.float32)) / top, up=True)
+    best = error(best_lo, best_sc)
+    sw, sx = v.sum(1, keepdim=True), (v * x).sum(1, keepdim=True)
+    for k in range(_SEARCH_STEPS + 1):
+        steps = top - 1 + k / 10
+        q = _codes(x, mn, rng / steps, top)
+        sq_, sqq = (v * q).sum(1, keepdim=True), (v * q * q).sum(1, keepdim=True)
+        sqx = (v * q * x).sum(1, keepdim=True)
+        det = sw * sqq - sq_ * sq_
+        ok = det > 0
+        det = torch.where(ok, det, 1.0)
+        scale = ((sw * sqx - sq_ * sx) / det).clamp(0, F16_MAX)
+        lo = ((sqq * sx - sq_ * sqx) / det).clamp(-F16_MAX, F16_MAX)
+        lo16, sc16 = lo.to(torch.float16), scale.to(torch.float16)
+        err = torch.where(ok, error(lo16, sc16), torch.inf)
+        better = err < best
+        best = torch.where(better, err, best)
+        best_lo = torch.where(better, lo16, best_lo)
+        best_sc = torch.where(better, sc16, best_sc)
+    return best_lo, best_sc
+
+
+def _quantize_search(
+    x: torch.Tensor, lay: MinMaxLayout, importance: torch.Tensor | None = None
+) -> torch.Tensor:
+    x = _check_floats(x, lay)
+    if importance is not None and importance.shape != x.shape:
+        raise QuantError(
+            f"{lay.name}: importance of shape {list(importance.shape)} for blocks of shape "
+            f"{list(x.shape)}"
+        )
+    min16, scale16 = _search_grid(x, lay, importance)
+    q = _codes(x, min16.to(torch.float32), scale16.to(torch.float32), lay.levels - 1)
+    return _pack(q.to(torch.int32), min16, scale16, lay)
+
+
+def _pack(
+    q: torch.Tensor, min16: torch.Tensor, scale16: torch.Tensor, lay: MinMaxLayout
+) -> torch.Tensor:
+    """Blocks of codes ``q`` (n, block) int32 on the grid (min16, scale16) (n, 1) fp16 each."""
     if lay.pairs:
         q = q[:, 0::2] * _Q3H_BASE + q[:, 1::2]  # (n, block/2) pair codes 0..120
     head = torch.cat([min16, scale16], dim=-1).contiguous().view(torch.uint8)  # (n, 4)
@@ -215,8 +298,17 @@ def _register(lay: MinMaxLayout) -> QuantFormat:
     def quant(x: torch.Tensor) -> torch.Tensor:
         return _quantize(x, lay)
 
+    def search(x: torch.Tensor, importance: torch.Tensor | None) -> torch.Tensor:
+        return _quantize_search(x, lay, importance)
+
     fmt = QuantFormat(
-        lay.name, lay.block_size, lay.bytes_per_block, deq, quant, inferflow_type=lay.gguf_type
+        lay.name,
+        lay.block_size,
+        lay.bytes_per_block,
+        deq,
+        quant,
+        inferflow_type=lay.gguf_type,
+        quantize_search=search,
     )
     return register_format(fmt)
 

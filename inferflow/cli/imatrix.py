@@ -32,6 +32,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("-o", "--output", type=Path, required=True, help="output .gguf file")
     p.add_argument("--ctx", type=int, default=512, help="window length in tokens (default 512)")
     p.add_argument("--chunks", type=int, default=None, help="use at most this many windows")
+    p.add_argument(
+        "--chunk", type=int, default=0, help="start from this window (llama-imatrix's --chunk)"
+    )
     p.add_argument("--force", action="store_true", help="overwrite an existing output file")
     p.set_defaults(run=run)
 
@@ -45,9 +48,12 @@ def run(args: argparse.Namespace) -> int:
     spec = load_spec(args.spec)
     tok = require_tokenizer(spec, tokenizer_for(spec))
     ids, bos = text_ids(tok, text)
-    windows(ids, args.ctx, args.chunks)  # too short a text fails before the weights load
+    last = None if args.chunks is None else args.chunk + args.chunks
+    if len(windows(ids, args.ctx, last)) <= args.chunk:  # before the weights load
+        raise CheckpointError(f"--chunk {args.chunk}: the text has no window {args.chunk}")
     lm = load(spec, "float32", "none", tok)
-    m = collect(lm, ids, args.ctx, args.chunks, bos, args.text.name, sys.stderr.isatty())
+    progress = sys.stderr.isatty()
+    m = collect(lm, ids, args.ctx, args.chunks, bos, args.text.name, progress, args.chunk)
     m.write(args.output, args.force)
     print(f"wrote {args.output}: {len(m.sums)} tensors, {m.chunks} windows of {args.ctx} tokens")
     return 0

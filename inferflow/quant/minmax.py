@@ -212,7 +212,11 @@ def _codes(x: torch.Tensor, lo: torch.Tensor, scale: torch.Tensor, top: int) -> 
 def _search_grid(
     x: torch.Tensor, lay: MinMaxLayout, importance: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(min16, scale16), fp16 (n, 1) each: the candidate grid of least weighted error."""
+    """(min16, scale16), fp16 (n, 1) each: the candidate grid of least weighted error.
+
+    Each candidate's error comes in closed form from the sums its least-squares fit needs
+    (no second pass over the block); only the winner and the min-max grid are re-coded on their
+    fp16 grids and compared exactly."""
     top = lay.levels - 1
     sq = x.square()
     if importance is None:
@@ -221,32 +225,49 @@ def _search_grid(
         v = importance * (2 * sq.mean(1, keepdim=True) + sq).sqrt()
     mn, mx = x.amin(1, keepdim=True), x.amax(1, keepdim=True)
     rng = mx - mn
-
-    def error(lo16: torch.Tensor, sc16: torch.Tensor) -> torch.Tensor:
-        lo, sc = lo16.to(torch.float32), sc16.to(torch.float32)
-        return (v * (_codes(x, lo, sc, top) * sc + lo - x).square()).sum(1, keepdim=True)
-
-    best_lo = _f16_round(mn, up=False)  # the min-max grid is the first candidate
-    best_sc = _f16_round((mx - best_lo.to(torch.float32)) / top, up=True)
-    best = error(best_lo, best_sc)
-    sw, sx = v.sum(1, keepdim=True), (v * x).sum(1, keepdim=True)
+    sw, sx, sxx = (
+        v.sum(1, keepdim=True),
+        (v * x).sum(1, keepdim=True),
+        (v * sq).sum(1, keepdim=True),
+    )
+    vx = v * x
+    best = torch.full_like(mn, torch.inf)
+    best_lo, best_sc = mn.clone(), torch.zeros_like(mn)
+    pos = torch.where(rng > 0, rng, 1.0)
+    t = (x - mn) / pos  # in [0, 1]: codes of every candidate grid are round(t * steps)
     for k in range(_SEARCH_STEPS + 1):
-        steps = top - 1 + k / 10
-        q = _codes(x, mn, rng / steps, top)
-        sq_, sqq = (v * q).sum(1, keepdim=True), (v * q * q).sum(1, keepdim=True)
-        sqx = (v * q * x).sum(1, keepdim=True)
+        q = torch.round(t * (top - 1 + k / 10)).clamp_(0, top)
+        vq = v * q
+        sq_, sqq, sqx = (
+            vq.sum(1, keepdim=True),
+            (vq * q).sum(1, keepdim=True),
+            (vx * q).sum(1, keepdim=True),
+        )
         det = sw * sqq - sq_ * sq_
         ok = det > 0
         det = torch.where(ok, det, 1.0)
-        scale = ((sw * sqx - sq_ * sx) / det).clamp(0, F16_MAX)
-        lo = ((sqq * sx - sq_ * sqx) / det).clamp(-F16_MAX, F16_MAX)
-        lo16, sc16 = lo.to(torch.float16), scale.to(torch.float16)
-        err = torch.where(ok, error(lo16, sc16), torch.inf)
-        better = err < best
+        scale = ((sw * sqx - sq_ * sx) / det).clamp(min=0)
+        lo = (sqq * sx - sq_ * sqx) / det
+        # sum v (scale q + lo - x)^2, expanded
+        err = (
+            scale * scale * sqq + 2 * scale * lo * sq_ + lo * lo * sw
+            - 2 * scale * sqx - 2 * lo * sx + sxx
+        )  # fmt: skip
+        better = ok & (err < best)
         best = torch.where(better, err, best)
-        best_lo = torch.where(better, lo16, best_lo)
-        best_sc = torch.where(better, sc16, best_sc)
-    return best_lo, best_sc
+        best_lo = torch.where(better, lo, best_lo)
+        best_sc = torch.where(better, scale, best_sc)
+
+    def exact(lo16: torch.Tensor, sc16: torch.Tensor) -> torch.Tensor:
+        lo, sc = lo16.to(torch.float32), sc16.to(torch.float32)
+        return (v * (_codes(x, lo, sc, top) * sc + lo - x).square()).sum(1, keepdim=True)
+
+    lo16 = best_lo.clamp(-F16_MAX, F16_MAX).to(torch.float16)
+    sc16 = best_sc.clamp(max=F16_MAX).to(torch.float16)
+    mm_lo = _f16_round(mn, up=False)  # the min-max grid, kept where it is no worse
+    mm_sc = _f16_round((mx - mm_lo.to(torch.float32)) / top, up=True)
+    keep = exact(mm_lo, mm_sc) <= exact(lo16, sc16)
+    return torch.where(keep, mm_lo, lo16), torch.where(keep, mm_sc, sc16)
 
 
 def _quantize_search(

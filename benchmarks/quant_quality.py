@@ -13,7 +13,7 @@ embedding / output head at Q6 below 6 bits) with ``--method minmax`` (the seed p
 ``--method search``, and search with ``--imatrix`` from ``inferflow imatrix`` over the
 --calib-chunks windows after the scored ones (disjoint text); then ``inferflow ppl`` on the file
 with its default kernels. llama.cpp rows (with --llama-cpp, a directory with llama-quantize and
-llama-perplexity, e.g. from ``python tools/llama_cpp.py``): ``llama-quantize F32.gguf TYPE``
+llama-perplexity, e.g. from ``python tools/build_llama_cpp.py``): ``llama-quantize F32.gguf TYPE``
 (no imatrix), ``llama-perplexity --kl-divergence``. Bits per weight: bytes over weights of the
 transformer blocks' matrices (``blk.*``), scales and minimums included, as the file stores them.
 """

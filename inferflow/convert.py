@@ -208,12 +208,15 @@ def convert_checkpoint(
     type_name: str | None = None,
     force: bool = False,
     progress: bool = False,
+    dequantize: bool = False,
 ) -> Path:
     """Convert between pickle, safetensors and GGUF; ``type_name`` None keeps each tensor's type.
 
     GGUF output from a GGUF source keeps all its metadata (with the original value types) and
     updates ``general.file_type``. From other sources the GGUF holds the tensors under their own
     names with only ``general.*`` bookkeeping keys: a tensor container, not a llama.cpp model.
+    Quantized tensors become float only when asked: a GGUF keeps them as they are, and
+    safetensors / pickle output of a quantized source needs ``dequantize`` (it grows 4-8x).
     """
     to = output_format(out, to)
     target = _check_type(type_name, to)
@@ -221,6 +224,14 @@ def convert_checkpoint(
         raise CheckpointError(HF_TO_GGUF_UNSUPPORTED.format(src=src))
     src_format, source = open_source(src)
     try:
+        packed = Counter(d for n in source.names() if _is_quant(d := source.dtype_name(n)))
+        if to != "gguf" and packed and not dequantize:
+            kinds = ", ".join(f"{c} {t}" for t, c in packed.most_common())
+            raise CheckpointError(
+                f"{src} holds quantized tensors ({kinds}), which {to} cannot store: they would "
+                "be written as float, several times larger. Pass --dequantize to do that, or "
+                "write a .gguf (keeps them as they are)"
+            )
         if to == "gguf":
 
             def type_for(name: str, shape: tuple[int, ...], dtype: str) -> str:
@@ -234,8 +245,10 @@ def convert_checkpoint(
         else:
             if src_format == "gguf":
                 logger.warning(
-                    "GGUF metadata (hyperparameters, tokenizer) is not carried to %s", to
-                )
+                    "dropped: the GGUF metadata (%d keys: hyperparameters, tokenizer, chat "
+                    "template) has no place in %s",
+                    len(source.metadata), to,
+                )  # fmt: skip
             dtype = FLOAT_TYPES[target] if target else None
             writer = _to_safetensors if to == "safetensors" else _to_pickle
             writer(source, out, dtype, force, progress)
@@ -292,9 +305,9 @@ def gguf_tensor_type(name: str, shape: Sequence[int], dtype: str, target: str | 
             raise CheckpointError(f"tensor {name!r}: GGUF has no type for {dtype} data")
         return dtype
     if target is None:
-        # keep what GGUF can hold (any GGML type, copied raw); Inferflow-only formats and F8 -> F32
+        # keep what GGUF can hold (GGML types and Inferflow's own, copied raw); F8 -> F32
         keep = dtype in _PLAIN_GGUF or (
-            _is_quant(dtype) and FORMATS.get(dtype).ggml_type is not None
+            _is_quant(dtype) and FORMATS.get(dtype).gguf_type is not None
         )
         return dtype if keep else "F32"
     if len(shape) <= 1 or name.endswith("_norm.weight"):

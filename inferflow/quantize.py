@@ -117,15 +117,27 @@ def _targets(
                 f"--per-tensor pattern {pattern!r} matches no tensor; names look like: "
                 f"{', '.join(names[:5])}"
             )
+    given = len(rules)
     rules = [*rules, *default_rules(names, default)]
     out: dict[str, QuantFormat | None] = {}
     for name in names:
         shape, dtype = source.shape(name), source.dtype_name(name)
-        target = next((f for p, f in rules if fnmatch.fnmatchcase(name, p)), default)
+        rule = next((i for i, (p, _) in enumerate(rules) if fnmatch.fnmatchcase(name, p)), None)
+        target = default if rule is None else rules[rule][1]
         if target is not None and (
             not _is_float(dtype) or len(shape) < 2 or name.endswith("_norm.weight")
         ):
             target = None  # norms, biases and integer tensors are never packed
+        elif (
+            target is not None
+            and shape[-1] % target.block_size
+            and rule is not None
+            and (rule < given)
+        ):
+            raise QuantError(
+                f"--per-tensor {rules[rule][0]}={target.name}: {name} has rows of {shape[-1]} "
+                f"weights, not a multiple of {target.name}'s block size {target.block_size}"
+            )
         elif target is not None and shape[-1] % target.block_size:
             logger.warning(
                 "%s: last dimension %d is not a multiple of the %s block size %d; kept float",

@@ -22,7 +22,6 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 import inferflow.convert as conv
-from inferflow import quantize as quantize_module
 from inferflow.cli.main import main
 from inferflow.convert import convert_checkpoint
 from inferflow.errors import CheckpointError, InferflowError, QuantError
@@ -248,8 +247,11 @@ def test_safetensors_type_cast(tmp_path: Path, dtype: str) -> None:
         assert torch.equal(f.get_tensor("i"), torch.arange(3))
 
 
-def test_gguf_to_safetensors_dequantizes(gguf_src: Path, tmp_path: Path) -> None:
-    out = convert_checkpoint(gguf_src, tmp_path / "g.safetensors")
+def test_gguf_to_safetensors_dequantizes_only_when_asked(gguf_src: Path, tmp_path: Path) -> None:
+    with pytest.raises(CheckpointError, match=r"quantized tensors \(.*Q4_1.*--dequantize"):
+        convert_checkpoint(gguf_src, tmp_path / "g.safetensors")
+    assert not (tmp_path / "g.safetensors").exists()
+    out = convert_checkpoint(gguf_src, tmp_path / "g.safetensors", dequantize=True)
     reader = {t.name: t for t in gguf.GGUFReader(gguf_src).tensors}
     with safe_open(str(out), framework="pt") as f:
         q = f.get_tensor("blk.0.attn_q.weight")
@@ -275,30 +277,32 @@ def st_src(tmp_path: Path) -> tuple[Path, dict[str, torch.Tensor]]:
     return path, t
 
 
-def _reference_quant(x: torch.Tensor, fmt: str) -> torch.Tensor:
-    """Independent reference: gguf-py for GGML types, inferflow.quant.quantize for our own."""
+def _reference_quant(x: torch.Tensor, fmt: str, method: str = "minmax") -> torch.Tensor:
+    """Independent reference: gguf-py for GGML types (whatever the method: GGML formats keep
+    the reference quantizers), inferflow.quant.quantize for our own."""
     if fmt in GGML_QUANTS:
         raw = gguf.quants.quantize(x.float().numpy(), GT[fmt])
         return torch.from_numpy(gguf.quants.dequantize(raw, GT[fmt]).reshape(x.shape))
     quantize = getattr(importlib.import_module("inferflow.quant"), "quantize", None)
     if quantize is None:
         pytest.skip("inferflow.quant.quantize has not landed yet")
-    return quantize(x, fmt).dequantize()
+    return quantize(x, fmt, method).dequantize()
 
 
+@pytest.mark.parametrize("method", ["minmax", "search"])
 @pytest.mark.parametrize("fmt", GGML_QUANTS + OWN_QUANTS)
-def test_quantize_load_back(st_src, tmp_path: Path, fmt: str, caplog) -> None:  # noqa: ANN001
+def test_quantize_load_back(st_src, tmp_path: Path, fmt: str, method: str, caplog) -> None:  # noqa: ANN001
     path, t = st_src
     out = tmp_path / "q.safetensors"
     with caplog.at_level(logging.WARNING):
-        res = quantize_checkpoint(path, out, fmt)
+        res = quantize_checkpoint(path, out, fmt, method=method)
     assert "layers.0.odd.weight" in caplog.text  # kept float, and said so
     assert res.formats["layers.0.wq.weight"] == fmt
     src = open_files("inferflow_quant", [out])
     for name in ("layers.0.wq.weight", "layers.0.wk.weight"):
         w = src.get(name)
         assert isinstance(w, QuantTensor) and w.format == fmt and w.shape == tuple(t[name].shape)
-        assert torch.equal(w.dequantize(), _reference_quant(t[name], fmt)), name
+        assert torch.equal(w.dequantize(), _reference_quant(t[name], fmt, method)), name
     for name in ("layers.0.norm.weight", "layers.0.odd.weight", "layers.0.ids"):
         w = src.get(name)
         assert isinstance(w, torch.Tensor) and torch.equal(w, t[name]), name
@@ -450,9 +454,8 @@ def test_failure_leaves_no_partial_file(
     name = (
         "_owned" if kind == "pickle" else "as_float" if kind == "safetensors" else "quantize_rows"
     )
-    module = quantize_module if kind == "quantize" else conv
-    real = getattr(module, name)
-    monkeypatch.setattr(module, name, boom)
+    real = getattr(conv, name)
+    monkeypatch.setattr(conv, name, boom)
     with pytest.raises(type(exc)):
         if kind.startswith("quantize"):
             quantize_checkpoint(st_src[0], out, "Q8_0", force=True)
@@ -494,6 +497,22 @@ def test_failure_leaves_no_partial_file(
         ),
         (lambda s, o: quantize_checkpoint(s, o / "q", "Q8_0", ["*wq*"]), "expected PATTERN=FMT"),
         (lambda s, o: quantize_checkpoint(s, o / "q", "Q8_0", ["*=Q7"]), "'Q7'.*allowed"),
+        (
+            lambda s, o: quantize_checkpoint(s, o / "q", "Q8_0", ["*odd*=Q4_0"]),
+            "odd.*=Q4_0: layers.0.odd.weight has rows of 40 weights, not a multiple of Q4_0's",
+        ),
+        (
+            lambda s, o: quantize_checkpoint(s, o / "q", "Q8_0", method="best"),
+            "'best'; allowed: minmax, search",
+        ),
+        (
+            lambda s, o: quantize_checkpoint(s, s, "Q8_0"),
+            "already exists; pass --force",
+        ),
+        (
+            lambda s, o: quantize_checkpoint(s, o / "q", "Q8_0", imatrix=s),
+            "not an importance matrix|not found|GGUF",
+        ),
         (lambda s, o: convert_checkpoint(o / "nope.gguf", o / "x.gguf"), "not found"),
         (lambda s, o: convert_checkpoint(s, o / "missing" / "x.gguf"), "does not exist"),
         (

@@ -112,7 +112,7 @@ def test_errors(tiny, tmp_path: Path) -> None:
 # llama.cpp's figures on F32 GGUFs of the same weights, same text, ctx and windows, made with
 #   inferflow convert <the spec's GGUF> -o m-f32.gguf --type F32
 #   llama-perplexity -m m-f32.gguf -f ~/.cache/inferflow/texts/hamlet.txt -c 512 --chunks 4 -t 2
-# (llama.cpp from llama-cpp-python 0.3.36's sources, tools/llama_cpp.py; 2026-11-26)
+# (llama.cpp from llama-cpp-python 0.3.36's sources, tools/build_llama_cpp.py; 2026-11-26)
 LLAMA_PERPLEXITY = {"gemma-3-270m": 40.5314, "smollm2-135m-instruct": 36.9419}
 
 

@@ -1,7 +1,7 @@
 """A llama.cpp build for interchange tests and benchmarks, from llama-cpp-python's source
 distribution on PyPI (it vendors llama.cpp), built once and cached.
 
-    python tools/llama_cpp.py            # prints the directory holding llama-perplexity etc.
+    python tools/build_llama_cpp.py            # prints the directory holding llama-perplexity etc.
 
 The binaries (``llama-completion``, ``llama-perplexity``, ``llama-quantize``, ``llama-imatrix``)
 are linked statically and kept in ``~/.cache/inferflow/llama.cpp/<version>/bin``

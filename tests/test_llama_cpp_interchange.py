@@ -21,7 +21,10 @@ PROMPTS = (
     "The capital of France is",
     "Once upon a time, in a small village,",
     "def fibonacci(n):",
+    "The history of the Roman Empire",
+    "In mathematics, a prime number",
 )
+END = " [end of text]"  # what llama-completion prints for the end-of-generation token
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +48,7 @@ def _llama_greedy(bin_dir: Path, model: Path, prompt: str, n: int = 40) -> str:
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-2000:]
-    return run.stdout
+    return run.stdout.split(END)[0]
 
 
 @pytest.mark.slow
@@ -62,10 +65,12 @@ def test_llama_cpp_runs_our_ggml_quantized_smollm2(llama_bin: Path, tmp_path: Pa
         assert text.strip(), prompt
         n_prompt = len(tok.encode(prompt))
         ids = tok.encode(prompt + text)
-        ranks = prompt_logprobs(lm.model, ids).rank[n_prompt - 1 :]
+        # (the last token is left out: cut where generation stopped, its text may re-tokenize
+        # differently)
+        ranks = prompt_logprobs(lm.model, ids).rank[n_prompt - 1 : -1]
         agree += sum(1 for r in ranks if r == 1)
         total += len(ranks)
-    assert total >= 60 and agree / total >= 0.95, (agree, total)
+    assert total >= 150 and agree / total >= 0.95, (agree, total)
 
 
 @pytest.mark.slow

@@ -73,9 +73,13 @@ class QuantizeResult:
 
 def open_model(ref: str | Path) -> tuple[str, Path, WeightSource]:
     """(checkpoint format, first file, lazily opened source) of a spec or a checkpoint path."""
+    from inferflow.paths import expand_user
     from inferflow.spec import find_spec_file, load_spec
 
-    path = find_spec_file(ref)  # a file, a directory, or a built-in spec's (else: names them)
+    given = expand_user(ref)
+    if given.is_dir():  # an HF model directory
+        return "hf", given, open_files("hf", [given])
+    path = find_spec_file(ref)  # a file or a built-in spec's (else: names them)
     if path.suffix in (".yaml", ".yml"):
         spec = load_spec(path)
         files = spec.source.files

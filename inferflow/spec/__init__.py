@@ -68,7 +68,7 @@ def find_spec_file(ref: str | Path) -> Path:
         return resolve_ref(str(ref), Path.cwd(), what="spec")
     p = expand_user(ref, "spec")
     # os.path: False for any path that cannot be checked (too long, under a file, ...)
-    if os.path.isfile(p) or os.path.isdir(p):
+    if os.path.isfile(p):
         return p
     builtin = BUILTIN_DIR / f"{ref}.yaml"  # also templates such as "arch/llama"
     if os.path.isfile(builtin):

@@ -99,8 +99,14 @@ def open_source(path: str | Path) -> tuple[str, WeightSource]:
     return fmt, open_files(fmt, [path])
 
 
-def _progress(total: int, desc: str, enabled: bool) -> tqdm[Any]:
-    return tqdm(total=total, desc=desc, unit="tensor", file=sys.stderr, disable=not enabled)
+def weight_progress(source: WeightSource, desc: str, enabled: bool) -> tqdm[Any]:
+    """A bar over the weights of ``source`` (``update(weights)`` per tensor): counted in weights,
+    not tensors, its ETA holds when tensor sizes differ 1000x."""
+    total = sum(math.prod(source.shape(n)) for n in source.names())
+    return tqdm(
+        total=total, desc=desc, unit="weight", unit_scale=True, file=sys.stderr,
+        disable=not enabled,
+    )  # fmt: skip
 
 
 def _is_quant(dtype: str) -> bool:
@@ -273,10 +279,10 @@ def _to_safetensors(
         if target and _is_float(stored):
             stored = target
         plans.append(StoredTensor(name, stored, source.shape(name)))
-    bar = _progress(len(plans), "convert", progress)
+    bar = weight_progress(source, "convert", progress)
 
     def produce(t: StoredTensor) -> torch.Tensor:
-        bar.update()
+        bar.update(math.prod(t.shape))
         return _plain(source.get(t.name), dtype)
 
     with bar, atomic_output(out, force) as f:
@@ -287,10 +293,10 @@ def _to_pickle(
     source: WeightSource, out: str | Path, dtype: torch.dtype | None, force: bool, progress: bool
 ) -> None:
     state: dict[str, torch.Tensor] = {}
-    with _progress(len(source.names()), "convert", progress) as bar:
+    with weight_progress(source, "convert", progress) as bar:
         for name in source.names():
             state[name] = _owned(_plain(source.get(name), dtype))
-            bar.update()
+            bar.update(math.prod(source.shape(name)))
     with atomic_output(out, force) as f:
         # torch.save is fine for writing: only *reading* untrusted pickles is dangerous
         torch.save(state, f)
@@ -392,15 +398,7 @@ def write_gguf_from(
         metadata["general.quantization_version"] = 2  # GGML_QNT_VERSION
         types["general.quantization_version"] = (4,)
     metadata.update(extra or {})
-    weights = sum(math.prod(p.shape) for p in plans)
-    bar = tqdm(
-        total=weights,
-        desc="write",
-        unit="weight",
-        unit_scale=True,
-        file=sys.stderr,
-        disable=not progress,
-    )  # fmt: skip  (weights, not tensors: the ETA holds when sizes differ by 1000x)
+    bar = weight_progress(source, "write", progress)
 
     def produce(p: GGUFTensorPlan) -> torch.Tensor:
         w = source.get(p.name)

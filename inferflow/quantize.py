@@ -25,14 +25,12 @@ from __future__ import annotations
 import fnmatch
 import logging
 import math
-import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-from tqdm import tqdm
 
 from inferflow.convert import (
     LLAMA_FTYPE,
@@ -45,6 +43,7 @@ from inferflow.convert import (
     gguf_tensor_type,
     parse_per_tensor,
     parse_quant_format,
+    weight_progress,
     write_gguf_from,
 )
 from inferflow.errors import CheckpointError, QuantError
@@ -255,11 +254,7 @@ def _write_container(
     keep = src_format == "safetensors"
     meta = {k: v for k, v in source.metadata.items() if keep and isinstance(v, str)}
     meta.update(quant_metadata(entries))
-    weights = sum(math.prod(source.shape(n)) for n in targets)
-    bar = tqdm(
-        total=weights, desc="quantize", unit="weight", unit_scale=True, file=sys.stderr,
-        disable=not progress,
-    )  # fmt: skip
+    bar = weight_progress(source, "quantize", progress)
 
     def produce(t: StoredTensor) -> torch.Tensor:
         w, target = source.get(t.name), targets[t.name]

@@ -3,7 +3,6 @@ computations: errors from plain dequantization, activations from transformers' o
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -138,7 +137,6 @@ def test_imatrix_file_round_trip_and_checks(tiny, tmp_path: Path) -> None:
     with pytest.raises(QuantError, match="another model.*blk.0.attn_q.weight"):
         back.check(src, "x")
     src.close()
-    (tmp_path / "x.json").write_text(json.dumps({}))
     with pytest.raises(CheckpointError, match="not an importance matrix"):
         ImportanceMatrix.read(_plain_gguf(tmp_path))
 

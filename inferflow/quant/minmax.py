@@ -185,19 +185,21 @@ def _check_floats(x: torch.Tensor, lay: MinMaxLayout) -> torch.Tensor:
     return x.clamp(-F16_MAX, F16_MAX)  # saturate: fp16 cannot store a wider min or scale
 
 
+def _minmax_grid(x: torch.Tensor, top: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(min16, scale16), fp16 (n, 1) each, of the min-max rule: rounded outward, so the stored
+    grid [min16, min16 + L*scale16] covers [min, max] (scale 0 only when max == min16)."""
+    min16 = _f16_round(x.amin(dim=-1, keepdim=True), up=False)
+    mx = x.amax(dim=-1, keepdim=True)
+    return min16, _f16_round((mx - min16.to(torch.float32)) / top, up=True)
+
+
 def _quantize(x: torch.Tensor, lay: MinMaxLayout) -> torch.Tensor:
     x = _check_floats(x, lay)  # (n, block)
     top = lay.levels - 1  # L
-    mn = x.amin(dim=-1, keepdim=True)
-    mx = x.amax(dim=-1, keepdim=True)
-    # outward rounding: the stored grid [min16, min16 + L*scale16] covers [min, max]
-    min16 = _f16_round(mn, up=False)
-    lo = min16.to(torch.float32)
-    scale16 = _f16_round((mx - lo) / top, up=True)  # 0 only when max == min16
-    scale = scale16.to(torch.float32)
-    t = torch.where(scale > 0, (x - lo) / torch.where(scale > 0, scale, 1.0), 0.0)
-    q = torch.round(t).clamp(0, top).to(torch.int32)  # clamp only absorbs float32 noise
-    return _pack(q, min16, scale16, lay)
+    min16, scale16 = _minmax_grid(x, top)
+    # (the clamp in _codes only absorbs float32 noise here)
+    q = _codes(x, min16.to(torch.float32), scale16.to(torch.float32), top)
+    return _pack(q.to(torch.int32), min16, scale16, lay)
 
 
 _SEARCH_STEPS = 20  # candidate grids: L - 1 ... L + 1 steps across [min, max], 0.1 apart
@@ -264,8 +266,7 @@ def _search_grid(
 
     lo16 = best_lo.clamp(-F16_MAX, F16_MAX).to(torch.float16)
     sc16 = best_sc.clamp(max=F16_MAX).to(torch.float16)
-    mm_lo = _f16_round(mn, up=False)  # the min-max grid, kept where it is no worse
-    mm_sc = _f16_round((mx - mm_lo.to(torch.float32)) / top, up=True)
+    mm_lo, mm_sc = _minmax_grid(x, top)  # the min-max grid, kept where it is no worse
     keep = exact(mm_lo, mm_sc) <= exact(lo16, sc16)
     return torch.where(keep, mm_lo, lo16), torch.where(keep, mm_sc, sc16)
 

@@ -40,7 +40,7 @@ from inferflow.quant.tensor import QuantTensor
 logger = logging.getLogger(__name__)
 
 OUTPUT_FORMATS = ("gguf", "safetensors", "pickle")
-GGUF_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")
+GGUF_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q5_0", "Q5_1", "Q4_0", "Q4_1", "Q4_K")
 FLOAT_TYPES: dict[str, torch.dtype] = {
     "F32": torch.float32,
     "F16": torch.float16,
@@ -48,20 +48,23 @@ FLOAT_TYPES: dict[str, torch.dtype] = {
 }
 KEEP_FLOAT = ("none", "float")  # quantize FMT values that leave a tensor unquantized
 # llama.cpp ``enum llama_ftype`` (llama.h) for the types we write
-LLAMA_FTYPE = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "BF16": 32}
+LLAMA_FTYPE = {
+    "F32": 0,
+    "F16": 1,
+    "Q4_0": 2,
+    "Q4_1": 3,
+    "Q8_0": 7,
+    "Q5_0": 8,
+    "Q5_1": 9,
+    "Q4_K": 14,  # MOSTLY_Q4_K_S: what a file of Q4_K matrices is to llama.cpp
+    "BF16": 32,
+}
 _SUFFIX_FORMAT = {".gguf": "gguf", ".safetensors": "safetensors", ".bin": "pickle", ".pt": "pickle"}
 _SUFFIX_FORMAT |= {".pth": "pickle", ".ckpt": "pickle"}
 # dtypes GGUF lacks, widened losslessly (F8 floats go to F32 the same way)
 _GGUF_WIDEN = {"BOOL": "I8", "U8": "I16", "U16": "I32", "U32": "I64"}
 _TORCH_INT = {"I8": torch.int8, "I16": torch.int16, "I32": torch.int32, "I64": torch.int64}
 _PLAIN_GGUF = ("F32", "F16", "BF16", "F64", "I8", "I16", "I32", "I64")
-HF_TO_GGUF_UNSUPPORTED = (
-    "{src}: converting a Hugging Face model directory into a llama.cpp GGUF (architecture "
-    "keys from config.json, tokenizer, q/k row permutation) is not supported yet; supported: "
-    "GGUF -> GGUF (metadata kept, tensors re-typed), one safetensors or pickle file -> GGUF "
-    "tensor container, any checkpoint -> safetensors or pickle. For llama.cpp, use its "
-    "convert_hf_to_gguf.py, then `inferflow convert` between GGUF types"
-)
 
 
 # --- shared helpers ----------------------------------------------------------------------------
@@ -97,6 +100,20 @@ def open_source(path: str | Path) -> tuple[str, WeightSource]:
     """(detected format, lazily opened source) of any checkpoint ``detect_format`` knows."""
     fmt = detect_format(path)
     return fmt, open_files(fmt, [path])
+
+
+def gguf_view(fmt: str, path: Path, source: WeightSource) -> tuple[str, WeightSource]:
+    """``source`` as a GGUF source: an HF model directory under llama.cpp's names and keys (it
+    is closed if that fails); other sources as they are."""
+    if fmt != "hf":
+        return fmt, source
+    from inferflow.hf_gguf import HFAsGGUF
+
+    try:
+        return "gguf", HFAsGGUF(path, source)
+    except BaseException:
+        source.close()
+        raise
 
 
 def weight_progress(source: WeightSource, desc: str, enabled: bool) -> tqdm[Any]:
@@ -219,16 +236,18 @@ def convert_checkpoint(
     """Convert between pickle, safetensors and GGUF; ``type_name`` None keeps each tensor's type.
 
     GGUF output from a GGUF source keeps all its metadata (with the original value types) and
-    updates ``general.file_type``. From other sources the GGUF holds the tensors under their own
-    names with only ``general.*`` bookkeeping keys: a tensor container, not a llama.cpp model.
+    updates ``general.file_type``; from an HF model directory of an architecture with a GGUF
+    template it is a llama.cpp model (``inferflow.hf_gguf``). From one safetensors or pickle file
+    the GGUF holds the tensors under their own names with only ``general.*`` bookkeeping keys: a
+    tensor container, not a llama.cpp model.
     Quantized tensors become float only when asked: a GGUF keeps them as they are, and
     safetensors / pickle output of a quantized source needs ``dequantize`` (it grows 4-8x).
     """
     to = output_format(out, to)
     target = _check_type(type_name, to)
-    if to == "gguf" and detect_format(src) == "hf":
-        raise CheckpointError(HF_TO_GGUF_UNSUPPORTED.format(src=src))
     src_format, source = open_source(src)
+    if to == "gguf":
+        src_format, source = gguf_view(src_format, Path(src), source)
     try:
         packed = Counter(d for n in source.names() if _is_quant(d := source.dtype_name(n)))
         if to != "gguf" and packed and not dequantize:

@@ -8,15 +8,24 @@ from __future__ import annotations
 import importlib.util
 import subprocess
 from pathlib import Path
+from typing import Any
 
+import gguf
+import numpy as np
 import pytest
+import torch
+from transformers.convert_slow_tokenizer import bytes_to_unicode
 
-from inferflow.evaluate import prompt_logprobs
+from inferflow.convert import convert_checkpoint
+from inferflow.engine.generate import new_cache
+from inferflow.model.batch import FlatBatch
 from inferflow.quantize import quantize_checkpoint
 from inferflow.runtime import load
 from tests.conftest import smollm2_path
+from tests.test_hf_gguf import tiny_hf
 
 ROOT = Path(__file__).resolve().parent.parent
+NORMAL, CONTROL = 1, 3  # GGUF token types
 PROMPTS = (
     "The capital of France is",
     "Once upon a time, in a small village,",
@@ -24,7 +33,7 @@ PROMPTS = (
     "The history of the Roman Empire",
     "In mathematics, a prime number",
 )
-END = " [end of text]"  # what llama-completion prints for the end-of-generation token
+END = b" [end of text]"  # what llama-completion prints for the end-of-generation token
 
 
 @pytest.fixture(scope="module")
@@ -41,40 +50,133 @@ def llama_bin() -> Path:
         pytest.skip(f"llama.cpp could not be built here: {e}")
 
 
-def _llama_greedy(bin_dir: Path, model: Path, prompt: str, n: int = 40) -> str:
+def _llama_greedy(bin_dir: Path, model: Path, prompt: str, n: int = 40) -> bytes:
+    """llama-completion's greedy continuation as the bytes it prints (a byte-level token may
+    end inside a UTF-8 character), without what it prints after the tokens."""
     run = subprocess.run(
         [str(bin_dir / "llama-completion"), "-m", str(model), "-p", prompt, "-n", str(n),
          "--temp", "0", "-no-cnv", "--no-display-prompt", "--no-warmup", "-t", "2"],
-        capture_output=True, text=True, timeout=300,
+        capture_output=True, timeout=300,
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-2000:]
-    return run.stdout.split(END)[0]
+    text = run.stdout.split(END)[0]
+    # it ends the output with a blank line when it stops at -n (after END when at the end token)
+    return text.removesuffix(b"\n\n") if END not in run.stdout else text
 
 
-# Issue 30 asks 95%. Q4_0 measured 181 of 197 (92%): llama.cpp rounds activations to 8 bits and
-# 4-bit weights leave many near-ties; that bound is what this test holds it to until explained.
+def _token_bytes(model: Path) -> list[bytes]:
+    """Each token's bytes as llama.cpp prints them (gguf-py's view of the file; control tokens
+    print nothing)."""
+    byte_of = {c: b for b, c in bytes_to_unicode().items()}
+    field = gguf.GGUFReader(model).fields
+    tokens = field["tokenizer.ggml.tokens"].contents()
+    types = field["tokenizer.ggml.token_type"].contents()
+    return [
+        b"" if t == CONTROL else bytes(byte_of[c] for c in tok) if t == NORMAL else tok.encode()
+        for tok, t in zip(tokens, types, strict=True)
+    ]
+
+
+def _agreement(lm: Any, vocab: list[bytes], prompt: list[int], text: bytes) -> tuple[int, int]:
+    """(agreeing, all) positions of llama.cpp's continuation ``text``, teacher-forced through
+    ``lm``: at each step Inferflow's top-1 token agrees when llama.cpp's bytes go on with it;
+    otherwise llama.cpp's token is taken to be the likeliest one its bytes go on with. No
+    re-tokenizing of the text, which need not give llama.cpp's tokens back."""
+    by_bytes = {b: i for i, b in enumerate(vocab) if b}
+    longest = max(map(len, by_bytes))
+    cache = new_cache(lm.model, len(prompt) + len(text) + 1)
+    feed, pos, agree, total = list(prompt), 0, 0, 0
+    while text:
+        with torch.no_grad():  # the next token's logits, fed incrementally over one cache
+            logits = lm.model(FlatBatch.single(torch.tensor(feed), pos, cache))
+        pos += len(feed)
+        top = int(logits[-1].argmax())
+        if vocab[top] and text.startswith(vocab[top]):
+            agree, nxt = agree + 1, top
+        else:  # llama.cpp's token: of those its bytes go on with, the one Inferflow ranks first
+            fits = [by_bytes[text[:k]] for k in range(1, longest + 1) if text[:k] in by_bytes]
+            nxt = max(fits, key=lambda i: float(logits[-1, i]))
+        feed = [nxt]
+        text = text[len(vocab[nxt]) :]
+        total += 1
+    return agree, total
+
+
+def _check_agreement(
+    bin_dir: Path, model: Path, bound: float, least: int, quant: str | None = None
+) -> None:
+    lm = load(str(model), quant=quant)
+    tok, vocab = lm._tok(), _token_bytes(model)
+    agree = total = 0
+    for prompt in PROMPTS:
+        text = _llama_greedy(bin_dir, model, prompt)
+        assert text.strip(), prompt
+        a, t = _agreement(lm, vocab, tok.encode(prompt), text)
+        agree, total = agree + a, total + t
+    assert total >= least and agree / total >= bound, (agree, total)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize(("fmt", "bound"), [("Q4_0", 0.9), ("Q8_0", 0.95)])
+@pytest.mark.parametrize("fmt", ["Q4_0", "Q8_0"])
 def test_llama_cpp_runs_our_ggml_quantized_smollm2(
-    llama_bin: Path, tmp_path: Path, fmt: str, bound: float
+    llama_bin: Path, tmp_path: Path, fmt: str
 ) -> None:
     smollm2_path()
     out = tmp_path / f"smollm2-{fmt}.gguf"
     quantize_checkpoint("smollm2-135m-instruct", out, fmt)
-    lm = load(str(out))
-    tok = lm._tok()
-    agree = total = 0
-    for prompt in PROMPTS:
-        text = _llama_greedy(llama_bin, out, prompt)
-        assert text.strip(), prompt
-        n_prompt = len(tok.encode(prompt))
-        ids = tok.encode(prompt + text)
-        # (the last token is left out: cut where generation stopped, its text may re-tokenize
-        # differently)
-        ranks = prompt_logprobs(lm.model, ids).rank[n_prompt - 1 : -1]
-        agree += sum(1 for r in ranks if r == 1)
-        total += len(ranks)
-    assert total >= 150 and agree / total >= bound, (agree, total)
+    _check_agreement(llama_bin, out, 0.95, 150)
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random llama saved by transformers (safetensors), rows of 256 so k-quants apply."""
+    out = tmp_path_factory.mktemp("tiny-llama")
+    return tiny_hf(out, hidden_size=256, intermediate_size=512)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt", ["F32", "Q8_0", "Q4_0", "Q4_K"])
+def test_llama_cpp_runs_a_converted_hf_llama(
+    llama_bin: Path, tiny_llama: Path, tmp_path: Path, fmt: str
+) -> None:
+    """The HF llama made a GGUF by `convert` (q/k rows permuted for llama.cpp's rope,
+    hyperparameters, tokenizer) or by `quantize`: llama.cpp's greedy tokens are Inferflow's
+    teacher-forced top-1 at >= 95% of positions."""
+    out = tmp_path / f"tiny-{fmt}.gguf"
+    if fmt == "F32":
+        convert_checkpoint(tiny_llama, out, type_name="F32")
+    else:
+        quantize_checkpoint(tiny_llama, out, fmt)
+    _check_agreement(llama_bin, out, 0.95, 100)
+
+
+@pytest.mark.slow
+def test_q4_k_bytes_as_llama_quantize_writes_them(
+    llama_bin: Path, tiny_llama: Path, tmp_path: Path
+) -> None:
+    """Our Q4_K follows llama.cpp's quantize_row_q4_K_ref: `llama-quantize --pure` of the same
+    F32 weights writes the same bytes for nearly every block. Not all: ggml sums in float32 one
+    weight at a time (and the compiler may fuse multiply-adds), we sum in torch's order, so a
+    near tie between two grids can fall the other way (measured: 98.5% of blocks identical)."""
+    f32 = convert_checkpoint(tiny_llama, tmp_path / "f32.gguf", type_name="F32")
+    ours = convert_checkpoint(tiny_llama, tmp_path / "ours.gguf", type_name="Q4_K")
+    theirs = tmp_path / "theirs.gguf"
+    subprocess.run(
+        [str(llama_bin / "llama-quantize"), "--pure", str(f32), str(theirs), "Q4_K", "2"],
+        capture_output=True, check=True, timeout=300,
+    )  # fmt: skip
+    a = {t.name: t for t in gguf.GGUFReader(ours).tensors}
+    b = {t.name: t for t in gguf.GGUFReader(theirs).tensors}
+    same = blocks = 0
+    for name, t in a.items():
+        assert b[name].tensor_type == t.tensor_type, name
+        if t.tensor_type.name != "Q4_K":
+            continue
+        x = np.asarray(t.data).reshape(-1, 144)
+        y = np.asarray(b[name].data).reshape(-1, 144)
+        same += int((x == y).all(1).sum())
+        blocks += x.shape[0]
+    assert blocks > 10_000 and same / blocks >= 0.97, (same, blocks)
 
 
 @pytest.mark.slow

@@ -146,20 +146,25 @@ def _heads(model: nn.Module, b: Bound) -> int:
     return int(getattr(h, count))
 
 
-def _rope_rows(b: Bound, t: torch.Tensor, heads: int) -> torch.Tensor:
+def rope_rows(t: torch.Tensor, heads: int, to: str) -> torch.Tensor:
     """Each head's rows between the rope layouts: ``half`` (HF: dims i and i + d/2 rotate
-    together) from ``adjacent`` (llama.cpp's GGUF: dims 2i and 2i + 1), or back."""
+    together) from ``adjacent`` (llama.cpp's GGUF: dims 2i and 2i + 1), or back (``adjacent``:
+    the permutation llama.cpp's convert_hf_to_gguf.py applies to llama's q and k)."""
+    n, rest = t.shape[0], t.shape[1:]
+    d = n // heads
+    if to == "half":  # rows (head, d/2, 2) -> (head, 2, d/2)
+        return t.reshape(heads, d // 2, 2, *rest).transpose(1, 2).reshape(n, *rest)
+    return t.reshape(heads, 2, d // 2, *rest).transpose(1, 2).reshape(n, *rest)
+
+
+def _rope_rows(b: Bound, t: torch.Tensor, heads: int) -> torch.Tensor:
     to = b.entry.rope_rows[1] if b.entry.rope_rows is not None else "half"
     n = t.shape[0]
     if heads < 1 or n % (2 * heads):
         raise _Misfit(
             f"{b.name}: rope_rows: {n} rows do not split into {heads} heads of an even size"
         )
-    d = n // heads
-    rest = t.shape[1:]
-    if to == "half":  # rows (head, d/2, 2) -> (head, 2, d/2)
-        return t.reshape(heads, d // 2, 2, *rest).transpose(1, 2).reshape(n, *rest)
-    return t.reshape(heads, 2, d // 2, *rest).transpose(1, 2).reshape(n, *rest)
+    return rope_rows(t, heads, to)
 
 
 def _steps(b: Bound, t: torch.Tensor, heads: int = 0) -> torch.Tensor:

@@ -283,6 +283,92 @@ def _deq_q4_k(blocks: torch.Tensor) -> torch.Tensor:
     return (dl * q - dm).reshape(n, QK_K)
 
 
+def _nearest(x: torch.Tensor) -> torch.Tensor:
+    """ggml's ``nearest_int``: round half to even (its float trick), as float32."""
+    return torch.round(x)
+
+
+def _make_qkx2(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    nmax: int,
+    rmin: float = -1.0,
+    rdelta: float = 0.1,
+    nstep: int = 20,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """ggml-quants.c ``make_qkx2_quants`` over rows of ``x`` (m, n) with weights ``w``: the
+    (scale, -min) of least weighted squared error among min-max and ``nstep`` + 1 widened
+    grids, each refitted by least squares with the minimum held <= 0. Returns (m, 1) each.
+    Float32 throughout, in ggml's order of operations where it decides a code."""
+    mn = x.amin(1, keepdim=True).clamp(max=0)
+    mx = x.amax(1, keepdim=True)
+    flat = mx == mn
+    rng = torch.where(flat, 1.0, mx - mn)
+    sum_w, sum_x = w.sum(1, keepdim=True), (w * x).sum(1, keepdim=True)
+    iscale = nmax / rng
+    scale = 1 / iscale
+    lq = _nearest(iscale * (x - mn)).clamp(0, nmax)
+    best = (w * (scale * lq + mn - x).square()).sum(1, keepdim=True)
+    best_scale, best_min = scale, mn
+    for step in range(nstep + 1):
+        # (as in ggml: each grid starts from the best minimum so far, not the block's own)
+        f32 = torch.float32  # rmin + rdelta * step + nmax, each step rounded to float32
+        top = (torch.tensor(rmin, dtype=f32) + torch.tensor(rdelta, dtype=f32) * step) + nmax
+        iscale = top / torch.where(flat, 1.0, mx - best_min)
+        lq = _nearest(iscale * (x - best_min)).clamp(0, nmax)
+        sum_l, sum_l2 = (w * lq).sum(1, keepdim=True), (w * lq * lq).sum(1, keepdim=True)
+        sum_xl = (w * lq * x).sum(1, keepdim=True)
+        det = sum_w * sum_l2 - sum_l * sum_l
+        ok = det > 0
+        safe = torch.where(ok, det, 1.0)
+        this_scale = (sum_w * sum_xl - sum_x * sum_l) / safe
+        this_min = (sum_l2 * sum_x - sum_l * sum_xl) / safe
+        pos = this_min > 0
+        this_scale = torch.where(pos, sum_xl / torch.where(sum_l2 > 0, sum_l2, 1.0), this_scale)
+        this_min = torch.where(pos, 0.0, this_min)
+        err = (w * (this_scale * lq + this_min - x).square()).sum(1, keepdim=True)
+        better = ok & (err < best)
+        best = torch.where(better, err, best)
+        best_scale = torch.where(better, this_scale, best_scale)
+        best_min = torch.where(better, this_min, best_min)
+    return torch.where(flat, 0.0, best_scale), -torch.where(flat, mn, best_min)
+
+
+def _q_q4_k(x: torch.Tensor) -> torch.Tensor:
+    """ggml-quants.c ``quantize_row_q4_K_ref``: 8 sub-blocks of 32, each fitted by
+    make_qkx2_quants (weights: rms + |x|), their scales and minimums stored in 6 bits against
+    the super-block's fp16 d and dmin, then the codes re-chosen on the stored grid."""
+    x = _floats(x, QK_K, "Q4_K")
+    n = x.shape[0]
+    sub = x.reshape(n * 8, 32)
+    av = (sub.square().sum(1, keepdim=True) / 32).sqrt()
+    scales, mins = (t.reshape(n, 8) for t in _make_qkx2(sub, av + sub.abs(), 15))
+    max_scale = scales.amax(1, keepdim=True)
+    max_min = mins.amax(1, keepdim=True)
+    inv_scale = torch.where(max_scale > 0, 63 / torch.where(max_scale > 0, max_scale, 1.0), 0.0)
+    inv_min = torch.where(max_min > 0, 63 / torch.where(max_min > 0, max_min, 1.0), 0.0)
+    ls = _nearest(inv_scale * scales).clamp(max=63).to(torch.uint8)
+    lm = _nearest(inv_min * mins).clamp(max=63).to(torch.uint8)
+    packed = torch.cat(
+        [
+            ls[:, :4] | ((ls[:, 4:] >> 4) << 6),
+            lm[:, :4] | ((lm[:, 4:] >> 4) << 6),
+            (ls[:, 4:] & 0x0F) | ((lm[:, 4:] & 0x0F) << 4),
+        ],
+        dim=-1,
+    )
+    d16, dmin16 = (max_scale / 63).to(torch.float16), (max_min / 63).to(torch.float16)
+    sc, m = _scale_min_k4(packed)
+    d = d16.to(torch.float32) * sc.to(torch.float32)  # (n, 8)
+    dm = dmin16.to(torch.float32) * m.to(torch.float32)
+    safe = torch.where(d != 0, d, 1.0)[..., None]
+    q = _nearest((x.reshape(n, 8, 32) + dm[..., None]) / safe).clamp(0, 15)
+    q = torch.where(d[..., None] != 0, q, 0.0).to(torch.uint8).reshape(n, 4, 2, 32)
+    qs = (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(n, 128)
+    head = torch.cat([d16, dmin16], dim=-1).contiguous().view(torch.uint8)
+    return torch.cat([head, packed, qs], dim=-1)
+
+
 def _deq_q5_k(blocks: torch.Tensor) -> torch.Tensor:
     # gguf-py Q5_K.dequantize_blocks: as Q4_K with a fifth bit from qh
     n = _check(blocks, 176, "Q5_K")
@@ -405,7 +491,7 @@ _add("Q5_1", 7, 32, 24, _deq_q5_1, _q_q5_1)
 _add("Q8_0", 8, 32, 34, _deq_q8_0, _q_q8_0)
 _add("Q2_K", 10, QK_K, 84, _deq_q2_k)
 _add("Q3_K", 11, QK_K, 110, _deq_q3_k)
-_add("Q4_K", 12, QK_K, 144, _deq_q4_k)
+_add("Q4_K", 12, QK_K, 144, _deq_q4_k, _q_q4_k)
 _add("Q5_K", 13, QK_K, 176, _deq_q5_k)
 _add("Q6_K", 14, QK_K, 210, _deq_q6_k)
 _add("Q8_K", 15, QK_K, 292, _deq_q8_k)

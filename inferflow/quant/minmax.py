@@ -203,6 +203,9 @@ def _quantize(x: torch.Tensor, lay: MinMaxLayout) -> torch.Tensor:
 
 
 _SEARCH_STEPS = 20  # candidate grids: L - 1 ... L + 1 steps across [min, max], 0.1 apart
+# re-code and re-fit rounds on the winner: on Gemma-3-270M with an imatrix, 3 rounds took
+# Q4_B64 from 1.077x to 1.068x float perplexity and Q4_B32 from 1.043x to 1.040x
+_REFITS = 3
 
 
 def _codes(x: torch.Tensor, lo: torch.Tensor, scale: torch.Tensor, top: int) -> torch.Tensor:
@@ -235,10 +238,10 @@ def _search_grid(
     vx = v * x
     best = torch.full_like(mn, torch.inf)
     best_lo, best_sc = mn.clone(), torch.zeros_like(mn)
-    pos = torch.where(rng > 0, rng, 1.0)
-    t = (x - mn) / pos  # in [0, 1]: codes of every candidate grid are round(t * steps)
-    for k in range(_SEARCH_STEPS + 1):
-        q = torch.round(t * (top - 1 + k / 10)).clamp_(0, top)
+
+    def fit(q: torch.Tensor) -> None:
+        """Least-squares (scale, lo) for codes ``q``, kept per block where its error is lower."""
+        nonlocal best, best_lo, best_sc
         vq = v * q
         sq_, sqq, sqx = (
             vq.sum(1, keepdim=True),
@@ -259,6 +262,13 @@ def _search_grid(
         best = torch.where(better, err, best)
         best_lo = torch.where(better, lo, best_lo)
         best_sc = torch.where(better, scale, best_sc)
+
+    pos = torch.where(rng > 0, rng, 1.0)
+    t = (x - mn) / pos  # in [0, 1]: codes of every candidate grid are round(t * steps)
+    for k in range(_SEARCH_STEPS + 1):
+        fit(torch.round(t * (top - 1 + k / 10)).clamp_(0, top))
+    for _ in range(_REFITS):  # re-code on the best grid and fit again (never worse)
+        fit(_codes(x, best_lo, best_sc, top))
 
     def exact(lo16: torch.Tensor, sc16: torch.Tensor) -> torch.Tensor:
         lo, sc = lo16.to(torch.float32), sc16.to(torch.float32)

@@ -1,0 +1,321 @@
+"""A Hugging Face model directory seen as a llama.cpp GGUF: what ``convert`` and ``quantize``
+write when asked for a ``.gguf`` from ``config.json`` + weights + ``tokenizer.json``.
+
+Everything here is derived from data the project already has, so there is no table per model:
+
+- the architecture: config.json's ``model_type`` names the HF template ``specs/arch/<type>.yaml``
+  and the GGUF template ``specs/gguf/<type>.yaml``; the two networks must agree in everything but
+  tensor names and rope pairing (anything else, e.g. Mistral's sliding window, which llama.cpp's
+  ``llama`` architecture does not run, is refused with the differing settings named);
+- tensor names: the HF template's preset maps each checkpoint name to a canonical one, the
+  ``gguf`` preset maps canonical names back to llama.cpp's;
+- rope pairing: where the HF template rotates halves and the GGUF template adjacent pairs
+  (llama), the q/k rows of every head are reordered as llama.cpp's converter does;
+- hyperparameters: config.json read through ``HF_CONFIG_KEYS`` and written under ``GGUF_KEYS``;
+- tokenizer: byte-level BPE ``tokenizer.json`` (tokens, types, merges, the pre-tokenizer's
+  llama.cpp name), special ids and the chat template from ``tokenizer_config.json``.
+
+What has no place in the GGUF is logged as dropped (unmapped tensors, rope scaling, a tokenizer
+of another kind).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from inferflow.errors import CheckpointError
+from inferflow.loaders.base import Weight, WeightSource
+from inferflow.loaders.gguf import GGUFValueType as V
+from inferflow.model.binding import rope_rows
+from inferflow.model.names import PRESETS
+from inferflow.paths import read_json
+from inferflow.spec import BUILTIN_DIR, GGUF_TEMPLATES, _network, read_doc
+from inferflow.spec.hparams import GGUF_KEYS, from_hf_config
+from inferflow.tokenizer.gguf_vocab import BPE_PRE_TOKENIZER_SPLITS
+
+logger = logging.getLogger(__name__)
+
+# our hyperparameter name -> GGUF value type (llama.cpp checks the type of what it reads)
+HPARAM_TYPES: dict[str, int] = {
+    "vocab_size": V.UINT32,
+    "hidden": V.UINT32,
+    "n_layers": V.UINT32,
+    "n_heads": V.UINT32,
+    "n_kv_heads": V.UINT32,
+    "head_dim": V.UINT32,
+    "ffn_hidden": V.UINT32,
+    "norm_eps": V.FLOAT32,
+    "rope_theta": V.FLOAT32,
+    "max_positions": V.UINT32,
+    "bos_id": V.UINT32,
+    "eos_id": V.UINT32,
+}
+# GGUF token types (gguf-py TokenType)
+NORMAL, CONTROL, USER_DEFINED, UNUSED = 1, 3, 4, 5
+_GPT2_BYTE_LEVEL = BPE_PRE_TOKENIZER_SPLITS["gpt-2"]  # ByteLevel(use_regex=True)'s own split
+_DIGITS = r"\p{N}"  # Digits(individual_digits=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Rename:
+    gguf: str
+    permute_heads: int = 0  # > 0: reorder rows from half to adjacent rope pairs, per head
+
+
+def gguf_architecture(config: dict[str, Any], where: str) -> str:
+    """The GGUF architecture of a config.json: its ``model_type``, where both templates exist
+    and their networks agree apart from tensor names and rope pairing."""
+    kind = config.get("model_type")
+    known = sorted(
+        p.stem for p in GGUF_TEMPLATES.glob("*.yaml") if (BUILTIN_DIR / "arch" / p.name).is_file()
+    )
+    if not isinstance(kind, str) or kind not in known:
+        raise CheckpointError(
+            f"{where}: config.json model_type {str(kind)[:64]!r} has no llama.cpp GGUF template; "
+            f"convertible to a llama.cpp GGUF: {', '.join(known)}"
+        )
+    return kind
+
+
+def _networks(arch: str) -> tuple[Any, Any, dict[str, Any], dict[str, Any]]:
+    hf_doc = read_doc(BUILTIN_DIR / "arch" / f"{arch}.yaml")["network"]
+    gguf_doc = read_doc(GGUF_TEMPLATES / f"{arch}.yaml")["network"]
+    return _network(hf_doc), _network(gguf_doc), hf_doc, gguf_doc
+
+
+def _pairings(net: Any) -> tuple[str, ...]:
+    return tuple(getattr(o, "pairing", "") for _, o in net.positions)
+
+
+def _comparable(net: Any) -> Any:
+    positions = tuple((n, o) for n, o in net.positions if not hasattr(o, "pairing"))
+    return dataclasses.replace(net, positions=positions, tensors=None, output=None)
+
+
+def _renames(arch: str, names: list[str], hp: dict[str, Any], tied: bool) -> dict[str, _Rename]:
+    hf_net, gguf_net, _, _ = _networks(arch)
+    if _comparable(hf_net) != _comparable(gguf_net):
+        diff = [
+            f.name
+            for f in dataclasses.fields(hf_net)
+            if getattr(_comparable(hf_net), f.name) != getattr(_comparable(gguf_net), f.name)
+        ]
+        raise CheckpointError(
+            f"{arch}: the Hugging Face network (specs/arch/{arch}.yaml) differs from llama.cpp's "
+            f"(specs/gguf/{arch}.yaml) in: {', '.join(diff)}; a GGUF of it would not run the same"
+        )
+    if hf_net.tensors.map or gguf_net.tensors.map:
+        raise CheckpointError(f"{arch}: templates with tensors.map rules are not convertible yet")
+    permute = _pairings(hf_net) != _pairings(gguf_net)
+    if permute and hp.get("rope_partial", 1.0) != 1.0:
+        raise CheckpointError(f"{arch}: partial rotary with a rope pairing change is unsupported")
+    to_gguf = {v: k for k, v in PRESETS.get(str(gguf_net.tensors.preset)).items()}
+    heads = {"wq": int(hp["n_heads"]), "wk": int(hp.get("n_kv_heads") or hp["n_heads"])}
+    rules = [
+        (re.compile(re.escape(pattern).replace(r"\{i\}", r"(\d+)") + r"\Z"), canon)
+        for pattern, canon in PRESETS.get(str(hf_net.tensors.preset)).items()
+    ]
+    out: dict[str, _Rename] = {}
+    for name in names:  # the checkpoint's order
+        for rx, canon in rules:
+            m = rx.match(name)
+            target = to_gguf.get(canon) if m else None
+            if m is None or target is None or (tied and canon == "dec.output.weight"):
+                continue
+            layer = m.group(1) if m.groups() else None
+            n = heads.get(canon.split(".")[-2], 0) if permute else 0
+            out[name] = _Rename(target.replace("{i}", layer) if layer else target, n)
+            break
+    return out
+
+
+def _hparam_metadata(
+    arch: str, hp: dict[str, Any], config: dict[str, Any]
+) -> tuple[dict[str, Any], dict[str, tuple[int, ...]], list[str]]:
+    meta: dict[str, Any] = {"general.architecture": arch}
+    types: dict[str, tuple[int, ...]] = {"general.architecture": (V.STRING,)}
+    dropped: list[str] = []
+    for ours, keys in GGUF_KEYS.items():
+        if ours in hp and ours in HPARAM_TYPES and not isinstance(hp[ours], (list, dict)):
+            key = keys[0].format(arch=arch)
+            vtype = HPARAM_TYPES[ours]
+            meta[key] = float(hp[ours]) if vtype == V.FLOAT32 else int(hp[ours])
+            types[key] = (vtype,)
+    head_dim = int(hp.get("head_dim") or hp["hidden"] // hp["n_heads"])
+    for key in ("rope.dimension_count", "attention.key_length", "attention.value_length"):
+        meta[f"{arch}.{key}"], types[f"{arch}.{key}"] = head_dim, (V.UINT32,)
+    if "rope_scaling" in hp:
+        raise CheckpointError(
+            f"config.json rope scaling {hp['rope_scaling'].get('type')!r}: writing rope scaling "
+            "to a GGUF is not supported yet"
+        )
+    if config.get("sliding_window") and config.get("use_sliding_window", True):
+        dropped.append(f"sliding_window={config['sliding_window']} (llama.cpp's {arch} has none)")
+    return meta, types, dropped
+
+
+def _pre_tokenizer(pre: Any) -> tuple[str, ...]:
+    """The split regexes of a tokenizer.json pre_tokenizer, as llama.cpp applies them."""
+    steps = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else [pre]
+    out: list[str] = []
+    for s in steps:
+        kind = s.get("type")
+        if kind == "Split" and s.get("behavior") == "Isolated" and "Regex" in s.get("pattern", {}):
+            out.append(s["pattern"]["Regex"])
+        elif kind == "Digits" and s.get("individual_digits"):
+            out.append(_DIGITS)
+        elif kind == "ByteLevel":
+            if s.get("use_regex", True):
+                out.extend(_GPT2_BYTE_LEVEL)
+        else:
+            raise CheckpointError(f"pre-tokenizer step {kind!r}")
+    return tuple(out)
+
+
+def _read_optional_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    data = read_json(path)
+    return data if isinstance(data, dict) else {}
+
+
+def tokenizer_metadata(
+    directory: Path, vocab_size: int, hp: dict[str, Any]
+) -> tuple[dict[str, Any], dict[str, tuple[int, ...]], list[str]]:
+    """llama.cpp's tokenizer.* keys from a byte-level BPE tokenizer.json (+ its config)."""
+    path = directory / "tokenizer.json"
+    if not path.is_file():
+        return {}, {}, [f"the tokenizer ({path.name} not found; llama.cpp needs one to run)"]
+    tj = read_json(path)
+    model = tj.get("model", {}) if isinstance(tj, dict) else {}
+    if model.get("type") != "BPE" or not isinstance(model.get("vocab"), dict):
+        return (
+            {},
+            {},
+            [f"the tokenizer (a {model.get('type')!r} tokenizer.json; only byte-level BPE)"],
+        )
+    try:
+        splits = _pre_tokenizer(tj.get("pre_tokenizer") or {})
+    except CheckpointError as e:
+        return {}, {}, [f"the tokenizer (its {e}, which llama.cpp has no name for)"]
+    pre = next((k for k, v in BPE_PRE_TOKENIZER_SPLITS.items() if v == splits), None)
+    if pre is None or pre == "default":
+        return {}, {}, ["the tokenizer (a pre-tokenizer llama.cpp has no name for)"]
+    added = {int(a["id"]): a for a in tj.get("added_tokens", [])}
+    n = max(vocab_size, len(model["vocab"]), max(added, default=-1) + 1)
+    tokens = [f"[PAD{i}]" for i in range(n)]
+    types = [UNUSED] * n
+    for tok, i in model["vocab"].items():
+        tokens[i], types[i] = tok, NORMAL
+    for i, a in added.items():
+        tokens[i], types[i] = a["content"], CONTROL if a.get("special") else USER_DEFINED
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
+    meta: dict[str, Any] = {
+        "tokenizer.ggml.model": "gpt2",
+        "tokenizer.ggml.pre": pre,
+        "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.token_type": types,
+        "tokenizer.ggml.merges": merges,
+    }
+    vt: dict[str, tuple[int, ...]] = {
+        "tokenizer.ggml.model": (V.STRING,),
+        "tokenizer.ggml.pre": (V.STRING,),
+        "tokenizer.ggml.tokens": (V.ARRAY, V.STRING),
+        "tokenizer.ggml.token_type": (V.ARRAY, V.INT32),
+        "tokenizer.ggml.merges": (V.ARRAY, V.STRING),
+    }
+    cfg = _read_optional_json(directory / "tokenizer_config.json")
+    ids = {a["content"]: i for i, a in added.items()}
+    for role in ("bos", "eos", "unk", "pad"):
+        tid = hp.get(f"{role}_id")
+        spelled = cfg.get(f"{role}_token")
+        spelled = spelled.get("content") if isinstance(spelled, dict) else spelled
+        if tid is None and isinstance(spelled, str):
+            tid = ids.get(spelled, model["vocab"].get(spelled))
+        if tid is not None:
+            meta[f"tokenizer.ggml.{role}_token_id"] = int(tid)
+            vt[f"tokenizer.ggml.{role}_token_id"] = (V.UINT32,)
+    post = tj.get("post_processor") or {}
+    single = post.get("single", []) if post.get("type") == "TemplateProcessing" else []
+    add_bos = cfg.get("add_bos_token", bool(single) and "SpecialToken" in single[0])
+    meta["tokenizer.ggml.add_bos_token"], vt["tokenizer.ggml.add_bos_token"] = (
+        bool(add_bos),
+        (V.BOOL,),
+    )
+    template = cfg.get("chat_template")
+    jinja = directory / "chat_template.jinja"
+    if template is None and jinja.is_file():
+        template = jinja.read_text(encoding="utf-8")
+    if isinstance(template, str):
+        meta["tokenizer.chat_template"], vt["tokenizer.chat_template"] = template, (V.STRING,)
+    return meta, vt, []
+
+
+class HFAsGGUF:
+    """An HF directory's weights under llama.cpp's names, with the GGUF metadata of the model:
+    a WeightSource that ``write_gguf_from`` treats as a GGUF source."""
+
+    def __init__(self, directory: Path, source: WeightSource) -> None:
+        self.directory = directory
+        self._inner = source
+        config = source.metadata.get("config")
+        if not isinstance(config, dict):
+            raise CheckpointError(f"{directory}: no config.json, so no architecture for the GGUF")
+        arch = gguf_architecture(config, str(directory))
+        hp = from_hf_config(config)
+        for need in ("vocab_size", "hidden", "n_layers", "n_heads"):
+            if need not in hp:
+                raise CheckpointError(f"{directory}/config.json: no {need} value")
+        names = source.names()
+        tied = bool(config.get("tie_word_embeddings", False))
+        self._renames = _renames(arch, names, hp, tied)
+        self.metadata, self.metadata_types, dropped = _hparam_metadata(arch, hp, config)
+        meta, vt, lost = tokenizer_metadata(directory, int(hp["vocab_size"]), hp)
+        self.metadata |= meta | {"general.name": directory.name}
+        self.metadata_types |= vt | {"general.name": (V.STRING,)}
+        dropped += lost + [f"tensor {n}" for n in names if n not in self._renames]
+        self._names = {r.gguf: n for n, r in self._renames.items()}
+        self.dropped = dropped
+        for d in dropped:
+            logger.warning("dropped: %s", d)
+
+    def names(self) -> list[str]:
+        return list(self._names)
+
+    def source_name(self, name: str) -> str:
+        """The checkpoint's own name of the GGUF tensor ``name``."""
+        return self._names[name]
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._inner.shape(self._names[name])
+
+    def dtype_name(self, name: str) -> str:
+        return self._inner.dtype_name(self._names[name])
+
+    def get(self, name: str) -> Weight:
+        src = self._names[name]
+        w = self._inner.get(src)
+        heads = self._renames[src].permute_heads
+        if heads:
+            if not isinstance(w, torch.Tensor):
+                raise CheckpointError(f"{src}: a quantized q/k tensor cannot be re-paired for rope")
+            if w.shape[0] % (2 * heads):
+                raise CheckpointError(
+                    f"{src}: {w.shape[0]} rows do not split into {heads} heads (config.json) of "
+                    "an even size"
+                )
+            w = rope_rows(w, heads, "adjacent").contiguous()
+        return w
+
+    def __iter__(self) -> Iterator[tuple[str, Weight]]:
+        return ((n, self.get(n)) for n in self._names)
+
+    def close(self) -> None:
+        self._inner.close()

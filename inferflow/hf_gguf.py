@@ -5,8 +5,7 @@ Everything here is derived from data the project already has, so there is no tab
 
 - the architecture: config.json's ``model_type`` names the HF template ``specs/arch/<type>.yaml``
   and the GGUF template ``specs/gguf/<type>.yaml``; the two networks must agree in everything but
-  tensor names and rope pairing (anything else, e.g. Mistral's sliding window, which llama.cpp's
-  ``llama`` architecture does not run, is refused with the differing settings named);
+  tensor names and rope pairing (a difference is refused, naming the settings that differ);
 - tensor names: the HF template's preset maps each checkpoint name to a canonical one, the
   ``gguf`` preset maps canonical names back to llama.cpp's;
 - rope pairing: where the HF template rotates halves and the GGUF template adjacent pairs
@@ -84,10 +83,11 @@ def gguf_architecture(config: dict[str, Any], where: str) -> str:
     return kind
 
 
-def _networks(arch: str) -> tuple[Any, Any, dict[str, Any], dict[str, Any]]:
+def _networks(arch: str) -> tuple[Any, Any]:
+    """The networks of the HF and the GGUF template of ``arch``."""
     hf_doc = read_doc(BUILTIN_DIR / "arch" / f"{arch}.yaml")["network"]
     gguf_doc = read_doc(GGUF_TEMPLATES / f"{arch}.yaml")["network"]
-    return _network(hf_doc), _network(gguf_doc), hf_doc, gguf_doc
+    return _network(hf_doc), _network(gguf_doc)
 
 
 def _pairings(net: Any) -> tuple[str, ...]:
@@ -100,13 +100,10 @@ def _comparable(net: Any) -> Any:
 
 
 def _renames(arch: str, names: list[str], hp: dict[str, Any], tied: bool) -> dict[str, _Rename]:
-    hf_net, gguf_net, _, _ = _networks(arch)
-    if _comparable(hf_net) != _comparable(gguf_net):
-        diff = [
-            f.name
-            for f in dataclasses.fields(hf_net)
-            if getattr(_comparable(hf_net), f.name) != getattr(_comparable(gguf_net), f.name)
-        ]
+    hf_net, gguf_net = _networks(arch)
+    a, b = _comparable(hf_net), _comparable(gguf_net)
+    if a != b:
+        diff = [f.name for f in dataclasses.fields(a) if getattr(a, f.name) != getattr(b, f.name)]
         raise CheckpointError(
             f"{arch}: the Hugging Face network (specs/arch/{arch}.yaml) differs from llama.cpp's "
             f"(specs/gguf/{arch}.yaml) in: {', '.join(diff)}; a GGUF of it would not run the same"

@@ -20,6 +20,8 @@ gets Q6 (Inferflow formats) or Q8_0 (GGML formats), as llama.cpp gives it Q6_K i
 The 4-bit Inferflow formats also give attention's V projection Q6 and the FFN's down
 projection Q5 (``MIXES``), as llama.cpp's _K_M mixes do with more bits: that costs 0.16 (Q4_B32)
 to 0.29 (Q4_B64) bits per weight and halves the perplexity loss (measured in ``MIXES``' note).
+Tensors the source already stores quantized keep the main format instead (re-quantizing a Q4_1
+file to Q4_B32 keeps its grid; Q5's blocks of 64 would not).
 GGML formats keep every other tensor in the type asked for. ``--per-tensor`` rules come first
 and override the mix (``--per-tensor output.weight=Q3H``).
 """
@@ -115,17 +117,19 @@ MIXES: dict[str, tuple[tuple[tuple[str, ...], str], ...]] = {
 }
 
 
-def default_rules(names: Sequence[str], fmt: QuantFormat | None) -> list[tuple[str, QuantFormat]]:
-    """The default mix for ``fmt``: a higher-bit format for the output head, and ``MIXES``'
-    rules (module docstring)."""
+def default_rules(
+    names: Sequence[str], fmt: QuantFormat | None
+) -> tuple[list[tuple[str, QuantFormat]], list[tuple[str, QuantFormat]]]:
+    """The default mix for ``fmt`` (module docstring): (a higher-bit format for the output
+    head, ``MIXES``' rules)."""
     if fmt is None or fmt.bits_per_weight >= HEAD_BITS:
-        return []
+        return [], []
     head = get_format(HEAD_FORMAT[fmt.ggml_type is not None])
     heads = [n for n in names if n in HEAD_NAMES]
     if not heads:  # tied: the head reads the token embeddings
         heads = [n for n in names if any(fnmatch.fnmatchcase(n, p) for p in EMBED_NAMES)][:1]
     more = [(p, get_format(f)) for patterns, f in MIXES.get(fmt.name, ()) for p in patterns]
-    return [(n, head) for n in heads] + more
+    return [(n, head) for n in heads], more
 
 
 def _targets(
@@ -140,12 +144,18 @@ def _targets(
                 f"{', '.join(names[:5])}"
             )
     given = len(rules)
-    rules = [*rules, *default_rules(names, default)]
+    heads, mix = default_rules(names, default)
+    mixed = given + len(heads)  # rules from here on are MIXES'
+    rules = [*rules, *heads, *mix]
     out: dict[str, QuantFormat | None] = {}
     for name in names:
         shape, dtype = source.shape(name), source.dtype_name(name)
         rule = next((i for i, (p, _) in enumerate(rules) if fnmatch.fnmatchcase(name, p)), None)
         target = default if rule is None else rules[rule][1]
+        if rule is not None and rule >= mixed and _is_quant(dtype):
+            # a tensor the source stores quantized keeps the main format: the mix's formats
+            # (other block sizes) cannot hold its grid, the main one may (Q4_1 -> Q4_B32)
+            target = default
         if (
             rule is not None
             and rule >= given

@@ -21,6 +21,7 @@ from inferflow.runtime import load
 from tests.conftest import gemma3_path, qwen_coder_path, smollm2_path
 from tests.serving import run_server
 from tests.test_cli import run_cli
+from tests.test_hf_gguf import tiny_hf
 
 TEXT = Path.home() / ".cache" / "inferflow" / "texts" / "hamlet.txt"
 PROMPT = "The capital of France is"
@@ -81,6 +82,33 @@ def _kl_against_source(spec: str, quantized: Path, tmp: Path) -> tuple[float, fl
     got = perplexity(q.model, ids, 256, 2, kl_base=base, bos=bos)
     assert got.kl is not None
     return got.ppl / r.ppl, got.kl.mean, got.kl.top1_agreement
+
+
+@pytest.mark.parametrize("ffn", [128, 96])
+def test_default_mix_of_the_four_bit_formats(tmp_path: Path, ffn: int) -> None:
+    """Q4_B32's default mix (quantize.MIXES): the head Q6, attention V Q6, the FFN's down
+    projection Q5 (rows of 96 cannot take Q5's blocks of 64: the main format), the rest Q4_B32;
+    a --per-tensor rule overrides the mix; tensors stored quantized keep the main format. On an
+    HF directory, as llama.cpp names the GGUF."""
+    hf_dir = tiny_hf(tmp_path / "hf", intermediate_size=ffn)
+    res = quantize_checkpoint(hf_dir, tmp_path / "x.gguf", "Q4_B32")
+    down = "Q5" if ffn % 64 == 0 else "Q4_B32"
+    for i in (0, 1):
+        assert res.formats[f"blk.{i}.attn_v.weight"] == "Q6"
+        assert res.formats[f"blk.{i}.ffn_down.weight"] == down
+        assert res.formats[f"blk.{i}.attn_q.weight"] == "Q4_B32"
+        assert res.formats[f"blk.{i}.ffn_up.weight"] == "Q4_B32"
+    assert res.formats["output.weight"] == "Q6" and res.formats["token_embd.weight"] == "Q4_B32"
+    rule = ["blk.*.attn_v.weight=Q4_B64"]
+    res = quantize_checkpoint(hf_dir, tmp_path / "y.gguf", "Q4_B32", per_tensor=rule)
+    assert res.formats["blk.0.attn_v.weight"] == "Q4_B64"
+    assert res.formats["blk.0.ffn_down.weight"] == down
+    # from a quantized source the mix stands back (its grids would be lost), the head's does not
+    q8 = tmp_path / "q8.gguf"
+    quantize_checkpoint(hf_dir, q8, "Q8_0")
+    res = quantize_checkpoint(q8, tmp_path / "z.gguf", "Q4_B32")
+    assert res.formats["blk.0.attn_v.weight"] == res.formats["blk.1.ffn_down.weight"] == "Q4_B32"
+    assert res.formats["output.weight"] == "Q6"
 
 
 @pytest.mark.slow

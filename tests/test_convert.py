@@ -517,7 +517,7 @@ def test_failure_leaves_no_partial_file(
         (lambda s, o: convert_checkpoint(s, o / "missing" / "x.gguf"), "does not exist"),
         (
             lambda s, o: convert_checkpoint(o, o / "x.gguf"),
-            "Hugging Face model directory.*supported: GGUF -> GGUF",
+            "no weights found; looked for model.safetensors",
         ),
     ],
 )

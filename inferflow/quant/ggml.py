@@ -299,7 +299,8 @@ def _make_qkx2(
     """ggml-quants.c ``make_qkx2_quants`` over rows of ``x`` (m, n) with weights ``w``: the
     (scale, -min) of least weighted squared error among min-max and ``nstep`` + 1 widened
     grids, each refitted by least squares with the minimum held <= 0. Returns (m, 1) each.
-    Float32 throughout, in ggml's order of operations where it decides a code."""
+    Float32 throughout; sums run in torch's order, not ggml's one-at-a-time, so a near tie
+    between two grids can fall the other way (test_llama_cpp_interchange measures how often)."""
     mn = x.amin(1, keepdim=True).clamp(max=0)
     mx = x.amax(1, keepdim=True)
     flat = mx == mn

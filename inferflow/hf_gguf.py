@@ -53,9 +53,7 @@ HPARAM_TYPES: dict[str, int] = {
     "norm_eps": V.FLOAT32,
     "rope_theta": V.FLOAT32,
     "max_positions": V.UINT32,
-    "bos_id": V.UINT32,
-    "eos_id": V.UINT32,
-}
+}  # (bos / eos ids are the tokenizer's keys: tokenizer_metadata writes them)
 # GGUF token types (gguf-py TokenType)
 NORMAL, CONTROL, USER_DEFINED, UNUSED = 1, 3, 4, 5
 _GPT2_BYTE_LEVEL = BPE_PRE_TOKENIZER_SPLITS["gpt-2"]  # ByteLevel(use_regex=True)'s own split

@@ -168,8 +168,11 @@ def main() -> None:
         gguf = runs[0]["gguf"]
         peer = "-"
         if args.llama_cli and gguf:
-            theirs = llama_peak(args.llama_cli, str(gguf))  # (same file, same 2 threads' box)
-            peer = f"{theirs / MIB:.0f} (ours {med['peak'] / theirs:.2f}x)"
+            try:  # (same file, same 2 threads' box)
+                theirs = llama_peak(args.llama_cli, str(gguf))
+                peer = f"{theirs / MIB:.0f} (ours {med['peak'] / theirs:.2f}x)"
+            except RuntimeError:  # e.g. the synthetic file: no tokenizer in it
+                peer = "llama.cpp cannot load it"
         print(
             f"| {name} | {med['file'] / MIB:.0f} | {med['floor'] / MIB:.0f} | "
             f"{med['weights'] / MIB:.0f} | "

@@ -16,7 +16,7 @@ from inferflow.loaders import open_files
 from inferflow.model import build
 from inferflow.model import materialise as materialise_module
 from inferflow.model.binding import plan_weights
-from inferflow.model.materialise import KERNEL_COPY_FACTOR, _Loading, check_memory, materialise
+from inferflow.model.materialise import _Loading, check_memory, materialise
 from inferflow.model.names import NameMap
 from inferflow.quant import quantize
 from inferflow.quant.apply import stack_rows
@@ -158,8 +158,8 @@ def test_materialise_keeps_fast_formats_only_and_reads_the_rest(monkeypatch, cap
 
 def test_declared_sizes_that_cannot_fit_fail_before_allocating(monkeypatch) -> None:  # noqa: ANN001
     """From the plan alone (shapes and stored formats, nothing read or allocated): a float
-    parameter counts its dtype's bytes, one stored in blocks KERNEL_COPY_FACTOR times its stored
-    bytes; over the available memory, the error names the largest tensors."""
+    parameter counts its dtype's bytes, one stored in blocks a kernel reads its kernel's bytes;
+    over the available memory, the error names the largest tensors."""
     with build._meta_parameters():
         model = nn.Module()
         model.add_module("big", Linear(64, 4096))
@@ -172,7 +172,8 @@ def test_declared_sizes_that_cannot_fit_fail_before_allocating(monkeypatch) -> N
         )
     )
     plan = plan_weights(model, src, names)
-    need = 4096 * 64 * 4 + KERNEL_COPY_FACTOR * 32 * 64 * 20 // 32  # float32; Q4_1: 20 B / 32
+    # float32; Q4_1 as its plane: 4-bit codes, a float32 scale and min per 32 weights
+    need = 4096 * 64 * 4 + 32 * 64 // 2 + 8 * 32 * 64 // 32
     check_memory(model, src, plan, need)  # fits exactly
     with pytest.raises(CheckpointError, match=r"the largest tensors: big.weight \[4096, 64\]"):
         check_memory(model, src, plan, need - 1)

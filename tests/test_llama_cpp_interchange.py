@@ -135,19 +135,24 @@ def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("fmt", ["F32", "Q8_0", "Q4_0", "Q4_K"])
+@pytest.mark.parametrize(
+    ("fmt", "bound"), [("F32", 0.95), ("Q8_0", 0.95), ("Q4_0", 0.95), ("Q4_K", 0.93)]
+)
 def test_llama_cpp_runs_a_converted_hf_llama(
-    llama_bin: Path, tiny_llama: Path, tmp_path: Path, fmt: str
+    llama_bin: Path, tiny_llama: Path, tmp_path: Path, fmt: str, bound: float
 ) -> None:
     """The HF llama made a GGUF by `convert` (q/k rows permuted for llama.cpp's rope,
     hyperparameters, tokenizer) or by `quantize`: llama.cpp's greedy tokens are Inferflow's
-    teacher-forced top-1 at >= 95% of positions."""
+    teacher-forced top-1 at >= 95% of positions; Q4_K at >= 93%: llama.cpp rounds activations
+    to 8 bits per block of 256 for k-quants, and on this random model's near ties that moves
+    more tokens (measured 189 of 200 both with our kernels and with the weights dequantized to
+    float32, i.e. exact float32 on the file's values)."""
     out = tmp_path / f"tiny-{fmt}.gguf"
     if fmt == "F32":
         convert_checkpoint(tiny_llama, out, type_name="F32")
     else:
         quantize_checkpoint(tiny_llama, out, fmt)
-    _check_agreement(llama_bin, out, 0.95, 100)
+    _check_agreement(llama_bin, out, bound, 100)
 
 
 @pytest.mark.slow

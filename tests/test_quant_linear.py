@@ -5,9 +5,9 @@ unit roundoff of bf16's 8-bit significand):
 
 - ``dequant``: float32 GEMM of the exact dequantized weight; only the output cast rounds (bf16
   x: u relative) plus float32 accumulation-order noise.
-- ``plane``: one-row calls are float32 on the exact codes (as ``dequant``); with AVX512-BF16,
-  calls of more rows round x to bf16 for the codes' products only (u of |x| times
-  |code * scale|; exact for bf16 x), scales, mins and the min term's sums of x float32.
+- ``plane``: float32 on the exact codes (as ``dequant``); only with AVX512-BF16, calls of more
+  rows on 4-bit codes round x to bf16 for the codes' products (u of |x| times |code * scale|;
+  exact for bf16 x), scales, mins and the min term's sums of x float32.
 - ``int4pack``: activations are cast to bf16 (u of |x|), the kernel holds each group's scale
   and zero in bf16 (u each, of at most the block's max |w| after pack_int4 centres them),
   may round the dequantized weight to bf16 (u of |w|), and rounds the output to bf16 (u of
@@ -80,8 +80,13 @@ def _check(ql: QuantLinear, qt: QuantTensor, x: torch.Tensor) -> None:
         # output cast (bf16 only) + float32 accumulation noise (K * 2**-24, K <= 1536 here)
         rel = EPS_BF16 if x.dtype == torch.bfloat16 else 0.0
         bound = (rel + 1e-4) * (xf.abs() @ qt.dequantize().abs().t())
-        if ql.kernel_name == "plane" and xf.shape[0] > 1 and x.dtype == torch.float32:
-            # many-row planes round float32 x to bf16 for the codes' products (docstring)
+        assert ql.plane is not None or ql.kernel_name == "dequant"
+        if (
+            ql.plane is not None
+            and ql.plane.bits == 4
+            and quant_decode.gemm_built()
+            and (xf.shape[0] > 1 and x.dtype == torch.float32)
+        ):  # many-row 4-bit planes with AVX512-BF16 round x to bf16 for the codes (docstring)
             codes, scale, _ = affine_parts(qt)
             cs = codes.float() * scale.repeat_interleave(codes.shape[1] // scale.shape[1], 1)
             bound += EPS_BF16 * (xf.abs() @ cs.abs().t())
@@ -116,9 +121,8 @@ def test_kernel_matches_dequantize(
 
 
 def _fast_kernel() -> str:
-    """The C planes take every call where they are built with AVX512-BF16; else torch's int4
-    kernel (with a plane for one-row calls)."""
-    return "plane" if quant_decode.gemm_built() else "int4pack"
+    """The C plane takes every call where the C kernels build; else torch's int4 kernel."""
+    return "plane" if quant_decode.library() is not None else "int4pack"
 
 
 @pytest.mark.parametrize("name", AFFINE_WRITABLE)

@@ -14,11 +14,13 @@
 
    qmat_gemv: y = W x for M rows of x, one at a time, rows (or tiles) of W split over the threads.
    qmat_gemm: Y = X W^T for all rows of X at once, x in bf16 (4-bit tiles, AVX512-BF16 only).
+   qmat_gemm_f32: the same in float32 on the codec's values, any codes, any CPU.
    decode_stack: every layer of a pre-norm decoder (RMS norm, fused q/k/v, rotary embedding,
    GQA attention over cache slots, SiLU-gated FFN) for one new token of one sequence, in one
    OpenMP region; the caller embeds the token and runs the final norm and the head.
    Threads come from the OpenMP runtime torch already loaded (the same libgomp.so.1). */
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -45,6 +47,17 @@ typedef struct {
     int32_t adjacent; /* rotary pairs (2i, 2i + 1); else (i, i + rotary_dim / 2) */
     float eps, norm_offset, scale;
 } Dims;
+
+/* GCC vector types (AVX2 ymm; scalar code where the CPU has no vectors) */
+typedef float v8f __attribute__((vector_size(32)));
+typedef int32_t v8i __attribute__((vector_size(32)));
+typedef uint16_t v8u16 __attribute__((vector_size(16)));
+
+static inline v8f load8(const float *p) {
+    v8f v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
 
 /* 8-bit codes of one row, group by group: sum_g scale_g * (codes_g . x_g) + min_g * xs[g] */
 static float row_dot(const QMat *w, int64_t r, const float *x, const float *xs) {
@@ -151,21 +164,27 @@ static void tile_dot(const QMat *w, int64_t t, const float *x, const uint16_t *x
 #endif
     _mm512_storeu_ps(out, _mm512_add_ps(acc, mins));
 #else
-    (void)xp;
-    for (int i = 0; i < 16; i++) out[i] = 0.f;
+    (void)xp; /* GCC vector types: rows 8h .. 8h + 7 of the tile in one vector */
+    v8f acc[2] = {{0}, {0}};
     for (int64_t g = 0; g < G; g++) {
-        float t[16] = {0};
+        v8f a[2][2] = {{{0}, {0}}, {{0}, {0}}};
         for (int64_t j = 0; j < chunks; j++, c += 256) {
             const float *xc = x + (g * chunks + j) * 32;
-            for (int s = 0; s < 8; s++)
-                for (int i = 0; i < 16; i++)
-                    for (int e = 0; e < 2; e++) {
-                        const int b = c[s * 32 + 2 * i + e];
-                        t[i] += (float)(b & 15) * xc[2 * s + e] + (float)(b >> 4) * xc[16 + 2 * s + e];
-                    }
+            for (int s = 0; s < 8; s++) /* word i: row i's columns 2s, 16 + 2s, 2s + 1, 17 + 2s */
+                for (int h = 0; h < 2; h++) {
+                    v8u16 u;
+                    memcpy(&u, c + 32 * s + 16 * h, sizeof u);
+                    const v8i d = __builtin_convertvector(u, v8i);
+                    a[h][0] += __builtin_convertvector(d & 15, v8f) * xc[2 * s];
+                    a[h][1] += __builtin_convertvector((d >> 4) & 15, v8f) * xc[16 + 2 * s];
+                    a[h][0] += __builtin_convertvector((d >> 8) & 15, v8f) * xc[2 * s + 1];
+                    a[h][1] += __builtin_convertvector(d >> 12, v8f) * xc[17 + 2 * s];
+                }
         }
-        for (int i = 0; i < 16; i++) out[i] += sc[g * 16 + i] * t[i] + mn[g * 16 + i] * xs[g];
+        for (int h = 0; h < 2; h++)
+            acc[h] += (a[h][0] + a[h][1]) * load8(sc + g * 16 + 8 * h) + load8(mn + g * 16 + 8 * h) * xs[g];
     }
+    memcpy(out, acc, sizeof acc);
 #endif
 }
 
@@ -315,6 +334,150 @@ int qmat_gemm(const QMat *w, const float *x, int64_t M, uint16_t *xb, float *xs,
     (void)w, (void)x, (void)M, (void)xb, (void)xs, (void)y, (void)nthreads;
     return 1;
 #endif
+}
+
+/* --- many rows of x at once, float32 (every CPU) --------------------------------------------
+   Y (M, n) = X (M, k) W^T on the codec's values in float32: each 16-row tile of W is
+   dequantized (code * scale + min) KB columns at a time into a small float buffer, which then
+   meets every row of X (its 16 outputs per row stay in y). The weights are read once per call
+   whatever M is; no copy of W besides the plane. Written with GCC vector types of 8 floats (one ymm
+   on AVX2 and AVX-512, scalar code elsewhere). */
+#define KB 128 /* columns dequantized at once: 8 KiB of floats */
+
+/* columns [c0, c0 + KB) (a multiple of 32 wide, inside k) of 4-bit tile t as wt[c][i] */
+static void tile_floats(const QMat *w, int64_t t, int64_t c0, int64_t cols, float *wt) {
+    const int64_t G = w->k / w->group;
+    if (w->bits == 4) {
+        for (int64_t j = c0 / 32; j < (c0 + cols) / 32; j++) {
+            const uint8_t *c = w->codes + (t * (w->k / 32) + j) * 256;
+            const int64_t g = j * 32 / w->group;
+            const float *sc16 = w->scale + (t * G + g) * 16, *mn16 = w->min + (t * G + g) * 16;
+            float *out = wt + 16 * (j * 32 - c0);
+            for (int s = 0; s < 8; s++) { /* word i: row i's columns 2s, 16 + 2s, 2s + 1, 17 + 2s */
+                for (int h = 0; h < 2; h++) { /* rows 8h .. 8h + 7 */
+                    v8u16 u;
+                    memcpy(&u, c + 32 * s + 16 * h, sizeof u);
+                    const v8i d = __builtin_convertvector(u, v8i);
+                    const v8f sc = load8(sc16 + 8 * h), mn = load8(mn16 + 8 * h);
+                    const v8f f0 = __builtin_convertvector(d & 15, v8f) * sc + mn;
+                    const v8f f1 = __builtin_convertvector((d >> 4) & 15, v8f) * sc + mn;
+                    const v8f f2 = __builtin_convertvector((d >> 8) & 15, v8f) * sc + mn;
+                    const v8f f3 = __builtin_convertvector(d >> 12, v8f) * sc + mn;
+                    memcpy(out + 16 * (2 * s) + 8 * h, &f0, sizeof f0);
+                    memcpy(out + 16 * (16 + 2 * s) + 8 * h, &f1, sizeof f1);
+                    memcpy(out + 16 * (2 * s + 1) + 8 * h, &f2, sizeof f2);
+                    memcpy(out + 16 * (17 + 2 * s) + 8 * h, &f3, sizeof f3);
+                }
+            }
+        }
+    }
+}
+
+/* rows m0 .. m0 + mr of Y's tile t += X's columns [c0, c0 + cols) times wt; mr <= MR is a
+   constant where inlined, so the 2 mr accumulators stay in registers */
+#define MR 4
+static inline __attribute__((always_inline)) void tile_update(const float *wt, const float *x,
+                                                               int64_t k, int64_t c0, int64_t cols,
+                                                               float *y, int64_t n, int64_t rows,
+                                                               int64_t m0, const int mr) {
+    v8f acc[MR][2];
+    for (int m = 0; m < mr; m++) {
+        float *ym = y + (m0 + m) * n;
+        if (c0 == 0) acc[m][0] = acc[m][1] = (v8f){0};
+        else if (rows == 16) memcpy(acc[m], ym, sizeof acc[m]);
+        else {
+            float t[16] = {0};
+            memcpy(t, ym, sizeof(float) * rows);
+            memcpy(acc[m], t, sizeof t);
+        }
+    }
+    for (int64_t c = 0; c < cols; c++) {
+        v8f w0, w1;
+        memcpy(&w0, wt + 16 * c, sizeof w0);
+        memcpy(&w1, wt + 16 * c + 8, sizeof w1);
+        for (int m = 0; m < mr; m++) {
+            const float xv = x[(m0 + m) * k + c0 + c];
+            acc[m][0] += w0 * xv;
+            acc[m][1] += w1 * xv;
+        }
+    }
+    for (int m = 0; m < mr; m++) memcpy(y + (m0 + m) * n, acc[m], sizeof(float) * rows);
+}
+
+/* 8-bit rows: row r of W dequantized (wr, k floats) meets rows m0 .. m0 + mr of X */
+static inline __attribute__((always_inline)) void row_update(const float *wr, const float *x,
+                                                              int64_t k, float *y, int64_t n,
+                                                              int64_t r, int64_t m0, const int mr) {
+    v8f acc[MR];
+    for (int m = 0; m < mr; m++) acc[m] = (v8f){0};
+    for (int64_t c = 0; c < k; c += 8) {
+        v8f wv;
+        memcpy(&wv, wr + c, sizeof wv);
+        for (int m = 0; m < mr; m++) {
+            v8f xv;
+            memcpy(&xv, x + (m0 + m) * k + c, sizeof xv);
+            acc[m] += wv * xv;
+        }
+    }
+    for (int m = 0; m < mr; m++) {
+        float s = 0.f;
+        for (int i = 0; i < 8; i++) s += acc[m][i];
+        y[(m0 + m) * n + r] = s;
+    }
+}
+
+static void gemm_rows_f32(const QMat *w, const float *x, int64_t M, float *y, float *wr,
+                          int64_t r) {
+    const int64_t k = w->k, G = k / w->group;
+    const uint8_t *c = w->codes + r * k;
+    for (int64_t g = 0; g < G; g++) {
+        const float sc = w->scale[r * G + g], mn = w->min[r * G + g];
+        for (int64_t j = g * w->group; j < (g + 1) * w->group; j++) wr[j] = (float)c[j] * sc + mn;
+    }
+    int64_t m0 = 0;
+    for (; m0 + MR <= M; m0 += MR) row_update(wr, x, k, y, w->n, r, m0, MR);
+    switch (M - m0) {
+    case 1: row_update(wr, x, k, y, w->n, r, m0, 1); break;
+    case 2: row_update(wr, x, k, y, w->n, r, m0, 2); break;
+    case 3: row_update(wr, x, k, y, w->n, r, m0, 3); break;
+    default: break;
+    }
+}
+
+void qmat_gemm_f32(const QMat *w, const float *x, int64_t M, float *y, float *scratch,
+                   int nthreads) {
+    const int64_t k = w->k, n = w->n, T = (n + 15) / 16;
+    if (w->bits == 8) {
+#pragma omp parallel num_threads(nthreads)
+        {
+            float *wr = scratch + (int64_t)omp_get_thread_num() * k;
+#pragma omp for schedule(static)
+            for (int64_t r = 0; r < n; r++) gemm_rows_f32(w, x, M, y, wr, r);
+        }
+        return;
+    }
+#pragma omp parallel num_threads(nthreads)
+    {
+        float wt[16 * KB] __attribute__((aligned(32)));
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < T; t++) {
+            const int64_t rows = n - 16 * t < 16 ? n - 16 * t : 16;
+            float *yt = y + 16 * t;
+            for (int64_t c0 = 0; c0 < k; c0 += KB) {
+                const int64_t cols = k - c0 < KB ? k - c0 : KB;
+                const float *f = wt;
+                tile_floats(w, t, c0, cols, wt);
+                int64_t m0 = 0;
+                for (; m0 + MR <= M; m0 += MR) tile_update(f, x, k, c0, cols, yt, n, rows, m0, MR);
+                switch (M - m0) {
+                case 1: tile_update(f, x, k, c0, cols, yt, n, rows, m0, 1); break;
+                case 2: tile_update(f, x, k, c0, cols, yt, n, rows, m0, 2); break;
+                case 3: tile_update(f, x, k, c0, cols, yt, n, rows, m0, 3); break;
+                default: break;
+                }
+            }
+        }
+    }
 }
 
 /* x (hidden) in place through every layer. kc / vc: layer 0 of the cache, layer l at

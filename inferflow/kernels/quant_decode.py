@@ -46,6 +46,8 @@ def library() -> ctypes.CDLL | None:
     lib.qmat_gemv.restype = None
     lib.qmat_gemm.argtypes = [ctypes.POINTER(CQMat), _P, _I64, _P, _P, _P, ctypes.c_int]
     lib.qmat_gemm.restype = ctypes.c_int
+    lib.qmat_gemm_f32.argtypes = [ctypes.POINTER(CQMat), _P, _I64, _P, _P, ctypes.c_int]
+    lib.qmat_gemm_f32.restype = None
     lib.qmat_gemm_built.argtypes = []
     lib.qmat_gemm_built.restype = ctypes.c_int
     lib.decode_stack.argtypes = [ctypes.POINTER(CLayer), _I64, ctypes.POINTER(CDims), _P, _P]
@@ -99,6 +101,20 @@ class QPlane:
         xs = torch.empty(self.k // 32 + 2 * self.k, dtype=torch.float32)  # group sums, bf16 parts
         lib.qmat_gemv(ctypes.byref(self.struct), x.data_ptr(), x.shape[0], xs.data_ptr(), y.data_ptr(),
                       torch.get_num_threads())  # fmt: skip
+        return y
+
+    def matmul_f32(self, x: torch.Tensor) -> torch.Tensor:
+        """``x (M, k) float32 @ W.T`` -> (M, n) float32 on the codec's values in float32, all
+        rows at once (each tile of W dequantized once per call, whatever M is)."""
+        lib = library()
+        if lib is None:
+            raise RuntimeError("the quant_decode kernel is not available")
+        x = x.contiguous()
+        y = torch.empty((x.shape[0], self.n), dtype=torch.float32)
+        threads = torch.get_num_threads()
+        rows = torch.empty((threads, self.k), dtype=torch.float32)  # 8-bit codes: a row per thread
+        lib.qmat_gemm_f32(ctypes.byref(self.struct), x.data_ptr(), x.shape[0], y.data_ptr(),
+                          rows.data_ptr(), threads)  # fmt: skip
         return y
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor | None:

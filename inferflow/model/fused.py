@@ -15,7 +15,8 @@ call of ``decode_stack`` (inferflow/kernels/quant_decode.c) when the stack is on
 Anything else keeps the module path; ``FusedDecode.build`` logs why once. Embedding, final norm
 and head stay in torch. The math is float32 on the codec's exact weights, so it equals the
 module path with ``dequantize()``-d float weights up to summation order (tests/test_fused.py);
-calls of several rows (QuantLinear's int4pack or many-row plane kernel) round activations to bf16.
+calls of several rows round activations to bf16 only in QuantLinear's int4pack kernel and, with
+AVX512-BF16, its many-row kernel for 4-bit planes.
 """
 
 from __future__ import annotations

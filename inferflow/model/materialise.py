@@ -4,7 +4,8 @@ form (``materialise``), following a ``WeightPlan`` (inferflow.model.binding).
 With ``keep`` (the default for checkpoints stored quantized, e.g. GGUF Q4_1 / Q8_0 / Q4_K):
 
 - a ``Linear`` whose weight the checkpoint stores in blocks of a format the fast kernels read
-  (int4pack and the C plane: the affine formats) becomes a ``QuantLinear`` over those blocks;
+  (the C plane, or int4pack without it: the affine formats) becomes a ``QuantLinear`` holding
+  one copy of those blocks in its kernel's layout;
   other formats (Q6_K, Q2_K ...) are dequantized to float, which is faster on CPU than their
   dequantize-per-call path;
 - a tied head (logits = h @ E^T) whose embedding E is stored so gets a QuantLinear over E's
@@ -19,7 +20,6 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
-import math
 import time
 from collections.abc import Callable, Sequence
 
@@ -37,7 +37,7 @@ from inferflow.quant.apply import (
     set_module,
 )
 from inferflow.quant.formats import FORMATS, QuantFormat
-from inferflow.quant.linear import QuantLinear, select_kernel
+from inferflow.quant.linear import QuantLinear, kernel_bytes, select_kernel
 from inferflow.quant.tensor import QuantTensor
 
 log = logging.getLogger(__name__)
@@ -140,11 +140,6 @@ def resident_summary(model: nn.Module, kept: int) -> str:
     )
 
 
-# kept quantized layers: their kernels' copies hold up to ~4x the stored blocks (5-bit codes:
-# an 8-bit plane and two int4 planes, 2.5 bytes per weight against the file's 0.69)
-KERNEL_COPY_FACTOR = 4
-
-
 def available_memory() -> int | None:
     """MemAvailable of /proc/meminfo in bytes; None where the system does not say."""
     try:
@@ -167,22 +162,21 @@ def check_memory(
     model: nn.Module, source: WeightSource, plan: WeightPlan, available: int | None
 ) -> None:
     """Refuse, before anything is allocated, a load whose declared sizes need more memory than
-    ``available``: float parameters at their dtype's size, parameters stored in blocks at up
-    to KERNEL_COPY_FACTOR times their stored size. The error names the largest tensors."""
+    ``available``: a parameter stored in blocks of a format a fast kernel reads at its kernel's
+    bytes (``kernel_bytes``), every other one at its dtype's size (it is read as float). The
+    error names the largest tensors."""
     if available is None:
         return
     need: list[tuple[int, str]] = []
     for pname, parts in plan.parts.items():
         param = model.get_parameter(pname)
-        fmts = [_block_format(source.dtype_name(b.name)) for b in parts]
-        if all(fmts):
-            size = KERNEL_COPY_FACTOR * sum(
-                math.prod(source.shape(b.name)) * f.bytes_per_block // f.block_size
-                for b, f in zip(parts, fmts, strict=True)
-                if f is not None
-            )
-        else:
-            size = param.numel() * param.element_size()
+        size = param.numel() * param.element_size()
+        fmts = {_block_format(source.dtype_name(b.name)) for b in parts}
+        fmt = fmts.pop() if len(fmts) == 1 else None
+        if fmt is not None and param.dim() >= 2:
+            rows = param.shape[0]
+            kept = kernel_bytes(fmt, rows, param.numel() // rows)
+            size = size if kept is None else kept
         need.append((size, pname))
     total = sum(n for n, _ in need)
     if total > available:

@@ -1,8 +1,9 @@
 """QuantLinear: a linear layer over quantized weights, with one CPU kernel chosen per format.
 
-Kernels (timings from ``benchmarks/quant_kernels.py`` on this project's 2-core AVX-512 machine):
+Kernels (``benchmarks/quant_kernels.py`` times them; each layer holds one copy of its weights
+unless ``dense_rows`` adds one):
 
-- ``int4pack``: torch's tinygemm-style ``_weight_int4pack_mm_for_cpu`` for every format whose
+- ``int4pack`` (where no C plane can be made, or forced): torch's tinygemm-style ``_weight_int4pack_mm_for_cpu`` for every format whose
   blocks are affine in small integer codes, ``w = code * scale + min`` per group of 32..256
   weights (GGML Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K, all min-max formats). Codes of up to 4 bits
   are one int4 plane; 5..8-bit codes split into a high and a low nibble plane laid side by side
@@ -15,19 +16,15 @@ Kernels (timings from ``benchmarks/quant_kernels.py`` on this project's 2-core A
   less at M=128. ``attach_dense`` gives such a layer a bf16 copy of int4pack's own effective
   weights (2 more bytes per weight) and calls of at least ``dense_rows`` rows use it: batched
   decode steps and prefill chunks; single-sequence decode stays on int4pack (or ``plane``).
-- ``plane`` (when ``kernel`` is auto and a C compiler works): a copy of the codes in the layout
-  of ``inferflow/kernels/quant_decode.c`` with float32 scales and mins (0.75 bytes per weight
-  for 4-bit codes, 1.25 for 8-bit). One-row calls (one sequence's decode step) compute on the
-  codec's exact values in float32; the same copy feeds the one-call decode of a whole stack
-  (inferflow.model.fused). On CPUs with AVX512-BF16 planes take every call
-  (``kernel_name == "plane"``): calls of more rows round x to bf16 for the codes' products
-  (scales, mins and the min term's sums of x stay float32), on the plane itself for 4-bit codes
-  (its only copy: 6 bits per weight for Q4_1 against int4pack's 5) and on two 4-bit planes of
-  the nibbles for 8-bit codes (``(16 h + l) s + m``, 1.5 more bytes per weight). On SmolLM2's
-  shapes that is 1.0-2.1x faster than int4pack at 16-64 rows with the weights streaming from
-  memory, and faster than a dense bf16 GEMM (``benchmarks/quant_kernels.py``), so such layers
-  take no ``dense_rows`` copy. Without AVX512-BF16 the plane is a second copy beside int4pack,
-  for one-row calls. ``quant: {kernel: int4pack}`` keeps int4pack alone.
+- ``plane`` (when ``kernel`` is auto and a C compiler works; then the layer's only copy): the
+  codes in the layout of ``inferflow/kernels/quant_decode.c`` with float32 scales and mins (0.75
+  bytes per weight for 4-bit codes, 1.25 for 8-bit). One-row calls (one sequence's decode step)
+  compute on the codec's exact values in float32, and the same plane feeds the one-call decode
+  of a whole stack (inferflow.model.fused). Calls of more rows run ``qmat_gemm_f32``: each tile
+  of W is dequantized to float32 once per call and meets every row of x, so they too are float32
+  on the codec's values. With AVX512-BF16, 4-bit codes take many-row calls with x rounded to
+  bf16 for the codes' products instead (scales, mins and the min term's sums of x float32).
+  ``quant: {kernel: int4pack}`` keeps int4pack alone.
 - ``dequant``: everything else (k-quants with 16-weight groups, IQ/TQ/MXFP4, float formats):
   dequantize a bounded tile of rows (``TILE_BYTES`` of float32) at a time from the raw blocks and
   multiply in float32 (float32 GEMM is no slower than bf16 on this CPU, and the codecs emit
@@ -46,7 +43,7 @@ worst cases are ~0.11 * 2**-8 * (|x| @ A^T). Symmetric formats (Q4_0, Q5_0, Q8_0
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -218,6 +215,20 @@ def select_kernel(fmt: QuantFormat) -> str:
     return "dequant"
 
 
+def kernel_bytes(fmt: QuantFormat, rows: int, cols: int) -> int | None:
+    """The bytes a (rows, cols) QuantLinear of ``fmt`` holds with the auto kernel, from the shape
+    alone: its plane (4-bit codes in 16-row tiles or one byte per code, a float32 scale and min
+    per group; int4pack, where no plane can be made, holds no more). None where no fast kernel
+    takes the format (such weights are read as float)."""
+    if select_kernel(fmt) != "int4pack":
+        return None
+    view = AFFINE_VIEWS.get(fmt.name)
+    if view.levels <= 16:
+        rows = -(-rows // 16) * 16
+        return rows * cols // 2 + 8 * rows * (cols // view.group)
+    return rows * cols + 8 * rows * (cols // view.group)
+
+
 @dataclass(frozen=True)
 class Int4Pack:
     """A weight in torch's CPU int4pack form: ``planes`` nibble planes side by side along K."""
@@ -316,43 +327,25 @@ def rows_switch(small: Kernel, dense: torch.Tensor, rows: int) -> Kernel:
     return run
 
 
-def one_row_switch(plane: QPlane, many: Kernel) -> Kernel:
-    """Single-row calls (one sequence's decode step) on the C kernel's plane, in float32 with
-    the codec's exact values; calls of more rows on ``many``."""
-
-    def run(x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] == 1 and x.device.type == "cpu":  # C reads host memory only
-            return plane.matvec(x.float()).to(x.dtype)
-        return many(x)
-
-    return run
-
-
-def planes_kernel(planes: Sequence[QPlane]) -> Kernel:
-    """The sum of the 4-bit ``planes``' many-row products (x rounded to bf16 for the codes,
-    scales and mins float32); chosen only where ``gemm_built()``."""
+def plane_kernel(plane: QPlane) -> Kernel:
+    """Every call on the C kernel's plane. One-row calls (one sequence's decode step) and, where
+    AVX512-BF16 is not built or the codes are 8-bit, calls of more rows compute in float32 on the
+    codec's exact values; with AVX512-BF16, many-row calls on 4-bit codes round x to bf16 for the
+    codes' products (scales, mins and group sums float32)."""
+    bf16 = plane.bits == 4 and gemm_built()
 
     def run(x: torch.Tensor) -> torch.Tensor:
         if x.device.type != "cpu":
             raise QuantError(f"the plane kernel reads host memory; got x on {x.device}")
         xf = x.float()
-        y: torch.Tensor | None = None
-        for p in planes:  # one product alive at a time besides the sum
-            part = p.matmul(xf)
-            assert part is not None
-            y = part if y is None else y.add_(part)
-        assert y is not None
+        if x.shape[0] == 1:
+            y = plane.matvec(xf)
+        else:
+            many = plane.matmul(xf) if bf16 else None
+            y = plane.matmul_f32(xf) if many is None else many
         return y.to(x.dtype)
 
     return run
-
-
-def nibble_planes(codes: torch.Tensor, scale: torch.Tensor, mn: torch.Tensor) -> list[QPlane]:
-    """8-bit codes as two 4-bit planes: (16 h + l) s + m = h (16 s) + (l s + m)."""
-    hi = make_plane(codes >> 4, scale * 16, torch.zeros_like(mn), 16)
-    lo = make_plane(codes & 15, scale, mn, 16)
-    assert hi is not None and lo is not None  # the 8-bit plane was made from the same parts
-    return [hi, lo]
 
 
 def dequant_kernel(w: QuantTensor, tile_bytes: int = TILE_BYTES) -> Kernel:
@@ -414,19 +407,12 @@ class QuantLinear(nn.Module):
             parts = affine_parts(weight)
             if kernel is None:  # auto: the C kernel's plane
                 self.plane = make_plane(*parts, AFFINE_VIEWS.get(weight.format).levels)
-            if self.plane is not None and gemm_built():
-                # every call on planes: int4pack is neither faster nor needed; 8-bit codes take
-                # many-row calls on two 4-bit planes of their nibbles
+            if self.plane is not None:  # every call on the plane: one copy of the weights
                 self.kernel_name = "plane"
-                many = [self.plane] if self.plane.bits == 4 else nibble_planes(*parts)
-                self.kernel = planes_kernel(many)
-                self.nbytes = sum(p.nbytes for p in many if p is not self.plane)
+                self.kernel, self.nbytes = plane_kernel(self.plane), self.plane.nbytes
             else:
                 p = pack_int4(weight, parts)
                 self.kernel, self.nbytes = int4pack_kernel(p), p.nbytes
-            if self.plane is not None:  # one-row calls: float32 on the exact codes
-                self.kernel = one_row_switch(self.plane, self.kernel)
-                self.nbytes += self.plane.nbytes
         elif name == "dequant":
             self.kernel, self.nbytes = dequant_kernel(weight), weight.data.nbytes
         else:

@@ -34,10 +34,10 @@ def lib():  # noqa: ANN201
     return quant_decode.library()
 
 
-@pytest.mark.parametrize("name", [*AFFINE_WRITABLE, "Q4_K", "Q5_K"])
+@pytest.mark.parametrize("name", [*AFFINE_WRITABLE, "Q4_K", "Q5_K", "Q6_K"])
 def test_plane_matvec_matches_dequantize(name: str, lib) -> None:  # noqa: ANN001
     g = torch.Generator().manual_seed(0)
-    if name in ("Q4_K", "Q5_K"):
+    if name in ("Q4_K", "Q5_K", "Q6_K"):
         qt = random_blocks(name, 96, 512)
     else:
         w = torch.randn(200, 576, generator=g) * 0.05 + torch.randn(200, 1, generator=g) * 0.05

@@ -25,7 +25,7 @@ from inferflow.quant.tensor import QuantTensor
 from inferflow.runtime import load
 from inferflow.spec import load_spec
 from inferflow.spec.types import MapEntry, TensorsSpec
-from tests.conftest import smollm2_path
+from tests.conftest import random_blocks, smollm2_path
 
 
 def test_smollm2_keeps_gguf_blocks_and_agrees_with_float() -> None:
@@ -106,8 +106,8 @@ class _DictSource:
 
 def test_materialise_keeps_fast_formats_only_and_reads_the_rest(monkeypatch, caplog) -> None:  # noqa: ANN001
     """On a network built on the meta device: a Linear whose checkpoint weight is stored whole
-    in a fast (int4pack) format becomes a QuantLinear over those very blocks; a slow format
-    (Q6_K) and a float weight are read into float parameters equal to the checkpoint's values;
+    in a fast (C plane / int4pack) format becomes a QuantLinear over those very blocks; a slow
+    format (Q2_K) and a float weight are read into float parameters equal to the checkpoint's values;
     a quantized embedding keeps its blocks and looks up exactly the dequantized rows."""
     with build._meta_parameters():
         model = nn.Module()
@@ -117,17 +117,14 @@ def test_materialise_keeps_fast_formats_only_and_reads_the_rest(monkeypatch, cap
     assert all(p.is_meta for p in model.parameters())
     (_, a), (_, b) = _q(16, "Q4_1", 1), _q(8, "Q4_1", 2)
     q4 = QuantTensor(torch.cat([a.data, b.data]), "Q4_1", (24, 64))
-    # Q6_K (no writer here): random codes and sub-scales, each block's f16 d (last 2 bytes) set
-    raw = torch.randint(0, 256, (24, 210), dtype=torch.uint8, generator=torch.Generator())
-    raw[:, 208:] = torch.tensor([0.01], dtype=torch.float16).view(torch.uint8)
-    q6 = QuantTensor(raw.reshape(-1), "Q6_K", (24, 256))
-    assert q6.dequantize().abs().sum() > 0
+    q2 = random_blocks("Q2_K", 24, 256)  # (no writer here)
+    assert q2.dequantize().abs().sum() > 0
     plain, bias = torch.randn(24, 64), torch.randn(24)
     src = {
         "fast.weight": q4,
         "fast.bias": bias,
         "plain.weight": plain,
-        "slow.weight": q6,
+        "slow.weight": q2,
         "table.weight": a,  # 16 rows: does not fit 24
     }
     names = NameMap(TensorsSpec(map=tuple(MapEntry(k, k) for k in src)))
@@ -147,7 +144,7 @@ def test_materialise_keeps_fast_formats_only_and_reads_the_rest(monkeypatch, cap
     want = x.bfloat16().float() @ q4.dequantize().t() + bias
     assert (model.fast(x) - want).abs().max() <= 2**-6 * want.abs().max()
     assert type(model.plain) is Linear and torch.equal(model.plain.weight, plain)
-    assert type(model.slow) is Linear and torch.equal(model.slow.weight, q6.dequantize())
+    assert type(model.slow) is Linear and torch.equal(model.slow.weight, q2.dequantize())
     ids = torch.tensor([[5, 0], [23, 5]])
     blocks = model.table.blocks  # (a copy of the checkpoint blocks: no view pins the file)
     assert blocks is not None and torch.equal(blocks.data, q4.data.reshape(blocks.data.shape))

@@ -135,12 +135,14 @@ def test_affine_formats_use_a_fast_kernel(name: str, layers) -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_read_only_formats(name: str, dtype: torch.dtype) -> None:
     """k-quants and IQ4_NL from random blocks: Q4_K/Q5_K (32-weight groups) take the affine
-    kernels (and int4pack when forced), the 16-weight-group and non-affine ones dequant."""
+    kernels (and int4pack when forced), Q6_K (16-weight groups of 6-bit codes) the C plane
+    alone, Q2_K and the non-affine ones dequant."""
     qt = random_blocks(name, 192, 512)
     affine = name in ("Q4_K", "Q5_K")
-    assert select_kernel(get_format(name)) == ("int4pack" if affine else "dequant")
+    plane = affine or (name == "Q6_K" and quant_decode.library() is not None)
+    assert select_kernel(get_format(name)) == (_fast_kernel() if plane else "dequant")
     ql = QuantLinear(qt)
-    assert ql.kernel_name == (_fast_kernel() if affine else "dequant")
+    assert ql.kernel_name == (_fast_kernel() if plane else "dequant")
     _check(ql, qt, torch.randn(7, 512).to(dtype))
     if affine:
         _check(QuantLinear(qt, kernel="int4pack"), qt, torch.randn(7, 512).to(dtype))

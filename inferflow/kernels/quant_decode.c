@@ -1,7 +1,7 @@
 /* One-token decode over affine-quantized weights, float32 activations.
 
    A QMat holds a weight W (n, k) as w = code * scale + min per group of `group` weights
-   (a multiple of 32), so W x = sum_g scale_g * (codes_g . x_g) + min_g * sum(x_g).
+   (a multiple of 32; of 16 for 8-bit codes), so W x = sum_g scale_g * (codes_g . x_g) + min_g * sum(x_g).
    - 8-bit codes: row by row, one byte per code; scale and min (n, k / group) float32.
    - 4-bit codes: tiles of 16 rows (n padded to a multiple of 16 with zero rows). Tile t,
      chunk j of 32 columns, sub-block s < 8 holds 32 bytes; byte 2i + e (row 16t + i, e < 2) is
@@ -52,6 +52,7 @@ typedef struct {
 typedef float v8f __attribute__((vector_size(32)));
 typedef int32_t v8i __attribute__((vector_size(32)));
 typedef uint16_t v8u16 __attribute__((vector_size(16)));
+typedef uint8_t v8u8 __attribute__((vector_size(8)));
 
 static inline v8f load8(const float *p) {
     v8f v;
@@ -59,42 +60,50 @@ static inline v8f load8(const float *p) {
     return v;
 }
 
-/* 8-bit codes of one row, group by group: sum_g scale_g * (codes_g . x_g) + min_g * xs[g] */
+/* 8-bit codes of one row, group by group: sum_g scale_g * (codes_g . x_g) + min_g * xs[g]
+   (groups of 16 weights or any multiple) */
 static float row_dot(const QMat *w, int64_t r, const float *x, const float *xs) {
-    const int64_t G = w->k / w->group, chunks = w->group / 32, bytes = 32;
+    const int64_t G = w->k / w->group;
     const uint8_t *c = w->codes + r * w->k;
     const float *sc = w->scale + r * G, *mn = w->min + r * G;
 #if defined(__AVX512F__)
-    __m512 acc = _mm512_setzero_ps(), mins = _mm512_setzero_ps();
-    for (int64_t g = 0; g < G; g++) {
-        __m512 t = _mm512_setzero_ps();
-        for (int64_t j = 0; j < chunks; j++, c += bytes) {
-            const float *xc = x + (g * chunks + j) * 32;
-            const __m512 fa = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)c)));
-            const __m512 fb = _mm512_cvtepi32_ps(
-                _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(c + 16))));
-            t = _mm512_fmadd_ps(fa, _mm512_loadu_ps(xc), t);
-            t = _mm512_fmadd_ps(fb, _mm512_loadu_ps(xc + 16), t);
+    if (w->group % 32 == 0) {
+        const int64_t chunks = w->group / 32;
+        __m512 acc = _mm512_setzero_ps(), mins = _mm512_setzero_ps();
+        for (int64_t g = 0; g < G; g++) {
+            __m512 t = _mm512_setzero_ps();
+            for (int64_t j = 0; j < chunks; j++, c += 32) {
+                const float *xc = x + (g * chunks + j) * 32;
+                const __m512 fa = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)c)));
+                const __m512 fb = _mm512_cvtepi32_ps(
+                    _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(c + 16))));
+                t = _mm512_fmadd_ps(fa, _mm512_loadu_ps(xc), t);
+                t = _mm512_fmadd_ps(fb, _mm512_loadu_ps(xc + 16), t);
+            }
+            acc = _mm512_fmadd_ps(t, _mm512_set1_ps(sc[g]), acc);
         }
-        acc = _mm512_fmadd_ps(t, _mm512_set1_ps(sc[g]), acc);
-    }
-    for (int64_t g = 0; g < G; g += 16) {
-        const __mmask16 m = G - g >= 16 ? 0xFFFF : (__mmask16)((1u << (G - g)) - 1);
-        mins = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, mn + g), _mm512_maskz_loadu_ps(m, xs + g), mins);
-    }
-    return _mm512_reduce_add_ps(acc) + _mm512_reduce_add_ps(mins);
-#else
-    float total = 0.f;
-    for (int64_t g = 0; g < G; g++) {
-        float t = 0.f;
-        for (int64_t j = 0; j < chunks; j++, c += bytes) {
-            const float *xc = x + (g * chunks + j) * 32;
-            for (int i = 0; i < 32; i++) t += (float)c[i] * xc[i];
+        for (int64_t g = 0; g < G; g += 16) {
+            const __mmask16 m = G - g >= 16 ? 0xFFFF : (__mmask16)((1u << (G - g)) - 1);
+            mins = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, mn + g), _mm512_maskz_loadu_ps(m, xs + g), mins);
         }
-        total += sc[g] * t + mn[g] * xs[g];
+        return _mm512_reduce_add_ps(acc) + _mm512_reduce_add_ps(mins);
     }
-    return total;
 #endif
+    v8f acc = {0};
+    float mins = 0.f;
+    for (int64_t g = 0; g < G; g++) {
+        v8f t = {0};
+        for (int64_t j = 0; j < w->group; j += 8, c += 8) {
+            v8u8 u;
+            memcpy(&u, c, sizeof u);
+            t += __builtin_convertvector(u, v8f) * load8(x + g * w->group + j);
+        }
+        acc += t * sc[g];
+        mins += mn[g] * xs[g];
+    }
+    float total = mins;
+    for (int i = 0; i < 8; i++) total += acc[i];
+    return total;
 }
 
 #if defined(__AVX512BF16__)

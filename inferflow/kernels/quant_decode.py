@@ -135,15 +135,20 @@ class QPlane:
         return y
 
 
+def plane_takes(levels: int, group: int) -> bool:
+    """Whether a plane holds codes of ``levels`` values in groups of ``group``: 4-bit tiles
+    need groups of a multiple of 32, 8-bit rows of 16."""
+    return levels <= 256 and group % (32 if levels <= 16 else 16) == 0
+
+
 def make_plane(
     codes: torch.Tensor, scale: torch.Tensor, mn: torch.Tensor, levels: int
 ) -> QPlane | None:
     """The plane of an affine weight (codes (n, k) uint8 < levels; scale, min (n, k / group)
-    float32), or None where the kernel cannot take it (no compiler, groups not a multiple of
-    32, more than 256 levels)."""
+    float32), or None where the kernel cannot take it (no compiler, or not ``plane_takes``)."""
     n, k = codes.shape
     group = k // scale.shape[1]
-    if library() is None or group % 32 or levels > 256 or k % group:
+    if library() is None or not plane_takes(levels, group) or k % group:
         return None
     scale, mn = scale.to(torch.float32), mn.to(torch.float32)
     if levels > 16:

@@ -44,7 +44,7 @@ log = logging.getLogger(__name__)
 
 
 def _fast(qt: QuantTensor | None) -> QuantTensor | None:
-    return qt if qt is not None and select_kernel(qt.qformat) == "int4pack" else None
+    return qt if qt is not None and select_kernel(qt.qformat) != "dequant" else None
 
 
 def materialise(

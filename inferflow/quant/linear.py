@@ -50,7 +50,8 @@ import torch
 from torch import nn
 
 from inferflow.errors import QuantError
-from inferflow.kernels.quant_decode import QPlane, gemm_built, make_plane
+from inferflow.kernels import quant_decode
+from inferflow.kernels.quant_decode import QPlane, gemm_built, make_plane, plane_takes
 from inferflow.quant import ggml
 from inferflow.quant.formats import QuantFormat
 from inferflow.quant.minmax import _MIN_BYTES, MINMAX_LAYOUTS, MinMaxLayout, _unpack_bits
@@ -136,6 +137,16 @@ def _q5_k(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return (_u8(ql.reshape(n, -1) | (qh.reshape(n, -1) << 4)), *_k_scales(b))
 
 
+def _q6_k(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    # gguf-py Q6_K: (d * int8 scale) * (q6 - 32) per 16 weights; q6 * s - 32 s is exact in float32
+    n = b.shape[0]
+    lo = ggml._shr(b[:, :128].reshape(n, -1, 1, 64), [0, 4], (1, 1, 2, 1)) & 0x0F
+    hi = ggml._shr(b[:, 128:192].reshape(n, -1, 1, 32), [0, 2, 4, 6], (1, 1, 4, 1)) & 3
+    q = _u8(lo.reshape(n, -1, 32) | (hi.reshape(n, -1, 32) << 4)).reshape(n, -1)
+    s = ggml._f16(b, 208) * b[:, 192:208].contiguous().view(torch.int8).to(torch.float32)
+    return q, s, -32 * s
+
+
 def _minmax_view(lay: MinMaxLayout) -> AffineView:
     # inferflow.quant.minmax layout: fp16 min, fp16 scale, LSB-first codes (Q3H: base-11 pairs)
     n_codes = lay.block_size // 2 if lay.pairs else lay.block_size
@@ -158,6 +169,7 @@ for _name, _levels, _group, _fn in [
     ("Q8_0", 256, 32, _q8_0),
     ("Q4_K", 16, 32, _q4_k),
     ("Q5_K", 32, 32, _q5_k),
+    ("Q6_K", 64, 16, _q6_k),
 ]:
     AFFINE_VIEWS.add(_name, AffineView(_levels, _group, _fn))
 for _lay in MINMAX_LAYOUTS:
@@ -205,12 +217,21 @@ def _has_int4pack() -> bool:
     )
 
 
+def _int4pack_takes(fmt: QuantFormat) -> bool:
+    """int4pack: an affine view of <= 8-bit codes in groups it accepts, and torch has the op."""
+    view = AFFINE_VIEWS.get(fmt.name) if fmt.name in AFFINE_VIEWS else None
+    return view is not None and view.bits <= 8 and view.group in INT4_GROUPS and _has_int4pack()
+
+
 def select_kernel(fmt: QuantFormat) -> str:
-    """The kernel a weight of ``fmt`` gets: ``int4pack`` where the format is affine in codes of
-    <= 8 bits with a group size int4pack accepts (and torch has the op), else ``dequant``."""
-    if fmt.name in AFFINE_VIEWS and _has_int4pack():
+    """The kernel a weight of ``fmt`` gets: ``plane`` where its affine view fits the C kernel's
+    planes (``plane_takes``) and the kernel builds, else ``int4pack`` where torch's op takes
+    it, else ``dequant``."""
+    if fmt.name in AFFINE_VIEWS:
         view = AFFINE_VIEWS.get(fmt.name)
-        if view.bits <= 8 and view.group in INT4_GROUPS:
+        if plane_takes(view.levels, view.group) and quant_decode.library() is not None:
+            return "plane"
+        if _int4pack_takes(fmt):
             return "int4pack"
     return "dequant"
 
@@ -220,7 +241,7 @@ def kernel_bytes(fmt: QuantFormat, rows: int, cols: int) -> int | None:
     alone: its plane (4-bit codes in 16-row tiles or one byte per code, a float32 scale and min
     per group; int4pack, where no plane can be made, holds no more). None where no fast kernel
     takes the format (such weights are read as float)."""
-    if select_kernel(fmt) != "int4pack":
+    if select_kernel(fmt) == "dequant":
         return None
     view = AFFINE_VIEWS.get(fmt.name)
     if view.levels <= 16:
@@ -389,26 +410,23 @@ class QuantLinear(nn.Module):
         if bias is not None and tuple(bias.shape) != (self.out_features,):
             raise QuantError(f"bias of shape {list(bias.shape)} for {self.out_features} outputs")
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
-        auto = select_kernel(weight.qformat)
-        name = kernel or auto
-        if kernel == "int4pack" and auto != "int4pack":
+        name = kernel or select_kernel(weight.qformat)
+        if kernel == "int4pack" and not _int4pack_takes(weight.qformat):
             raise QuantError(f"{self.format} cannot use the int4pack kernel; use dequant")
-        if name == "int4pack":
+        if name in ("plane", "int4pack"):
             view = AFFINE_VIEWS.get(weight.format)
             if not _view_matches(weight, view):  # a wrong view would be silently wrong output
                 log.warning("%s: affine view disagrees with the codec; using dequant", self.format)
                 name = "dequant"
-        self.kernel_name = name
         self.nbytes: int  # resident weight bytes (bias excluded)
         self.kernel: Kernel
         self.dense_rows: int | None = None
         self.plane: QPlane | None = None
-        if name == "int4pack":
+        if name in ("plane", "int4pack"):
             parts = affine_parts(weight)
-            if kernel is None:  # auto: the C kernel's plane
+            if name == "plane":  # every call on the plane: one copy of the weights
                 self.plane = make_plane(*parts, AFFINE_VIEWS.get(weight.format).levels)
-            if self.plane is not None:  # every call on the plane: one copy of the weights
-                self.kernel_name = "plane"
+                assert self.plane is not None  # (select_kernel checked what make_plane needs)
                 self.kernel, self.nbytes = plane_kernel(self.plane), self.plane.nbytes
             else:
                 p = pack_int4(weight, parts)
@@ -417,6 +435,7 @@ class QuantLinear(nn.Module):
             self.kernel, self.nbytes = dequant_kernel(weight), weight.data.nbytes
         else:
             raise QuantError(f"unknown QuantLinear kernel {name!r}; known: dequant, int4pack")
+        self.kernel_name = name
 
     def attach_dense(self, rows: int) -> None:
         """Calls of ``rows`` rows or more multiply by a dense bf16 copy of the int4pack

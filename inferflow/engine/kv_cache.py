@@ -17,6 +17,7 @@ import torch
 
 from inferflow import kernels
 from inferflow.errors import InferflowError, RequestError
+from inferflow.model.batch import lazy_zeros
 
 log = logging.getLogger(__name__)
 
@@ -113,8 +114,7 @@ class PagedKVCache:
                 f"KV cache needs at least one block of at least one token, got {num_blocks} x {block_size}"
             )
         shape = (n_layers, num_blocks * block_size, n_kv_heads, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype)
-        self.v = torch.zeros(shape, dtype=dtype)
+        self.k, self.v = lazy_zeros(shape, dtype), lazy_zeros(shape, dtype)
         self.block_size = block_size
         self.alloc = BlockAllocator(num_blocks)
         self.prefix: dict[int, int] = {}  # prefix hash -> block

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from inferflow.errors import RequestError
@@ -118,6 +119,17 @@ def packed(seqs: list[list[int]], types: list[list[int]] | None = None) -> FlatB
     return batch
 
 
+_UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+
+
+def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zero tensor whose pages the system maps only when written: numpy's zeros come from
+    calloc, which takes fresh zero pages from the kernel for large sizes, where torch.zeros
+    writes every byte. A KV cache costs no time and no resident memory until it is used."""
+    size = torch.empty((), dtype=dtype).element_size()
+    return torch.from_numpy(np.zeros(shape, dtype=_UINT[size])).view(dtype)
+
+
 class ContiguousKVCache:
     """One sequence's keys and values in preallocated (layers, max_len, KVH, D) tensors.
 
@@ -129,8 +141,7 @@ class ContiguousKVCache:
         self, n_layers: int, n_kv_heads: int, head_dim: int, max_len: int, dtype: torch.dtype
     ) -> None:
         shape = (n_layers, max_len, n_kv_heads, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype)
-        self.v = torch.zeros(shape, dtype=dtype)
+        self.k, self.v = lazy_zeros(shape, dtype), lazy_zeros(shape, dtype)
         self.max_len = max_len
         self._pos = torch.arange(max_len, dtype=torch.long)
 

@@ -52,6 +52,9 @@ def test_plane_matvec_matches_dequantize(name: str, lib) -> None:  # noqa: ANN00
     # x's three-part split leaves <= 2^-24 |x| per product, float32's own unit roundoff)
     bound = 1e-5 * (x.abs() @ qt.dequantize().abs().t()) + 1e-6
     assert ((plane.matvec(x) - ref).abs() <= bound).all()
+    # rows read back from the plane (a tied embedding's lookups) are the codec's values exactly
+    ids = torch.tensor([0, qt.shape[0] - 1, 17, 5, 5, 16])
+    assert torch.equal(plane.rows(ids), qt.dequantize()[ids])
     # QuantLinear holds the plane alone and takes every call there: one row through matvec,
     # more rows through the float32 many-row kernel (with AVX512-BF16, 4-bit codes through the
     # bf16 one instead)

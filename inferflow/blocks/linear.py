@@ -14,6 +14,7 @@ from torch.nn import functional as F
 
 from inferflow.blocks.options import Options
 from inferflow.errors import QuantError
+from inferflow.kernels.quant_decode import QPlane
 from inferflow.quant.tensor import QuantTensor
 
 
@@ -79,29 +80,43 @@ class Linear(nn.Module):
 
 class Embedding(nn.Module):
     """A lookup table: a float ``weight``, or (``keep_blocks``) a checkpoint's quantized rows,
-    of which a lookup dequantizes only those it reads (the same values as the float table)."""
+    or (``share_plane``) the C plane of a tied head over the same table; a lookup dequantizes
+    only the rows it reads (the same values as the float table)."""
 
     def __init__(self, num: int, dim: int) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(num, dim))
         self.blocks: QuantTensor | None = None
+        self.plane: QPlane | None = None
         self.dtype = self.weight.dtype
+
+    def _drop_weight(self, shape: tuple[int, ...], what: str) -> None:
+        if tuple(shape) != tuple(self.weight.shape):
+            raise QuantError(
+                f"embedding {what} of shape {list(shape)} for a table of {list(self.weight.shape)}"
+            )
+        del self.weight
 
     def keep_blocks(self, table: QuantTensor) -> None:
         """Serve lookups from ``table`` (num, dim); the float ``weight`` goes."""
-        if tuple(table.shape) != tuple(self.weight.shape):
-            raise QuantError(
-                f"embedding blocks of shape {list(table.shape)} for a table of "
-                f"{list(self.weight.shape)}"
-            )
+        self._drop_weight(table.shape, "blocks")
         self.blocks = table
-        del self.weight
+
+    def share_plane(self, plane: QPlane) -> None:
+        """Serve lookups from a tied head's ``plane`` (no bytes of its own); the float
+        ``weight`` goes."""
+        self._drop_weight(plane.shape, "plane")
+        self.plane = plane
 
     @property
     def device(self) -> torch.device:
-        return torch.device("cpu") if self.blocks is not None else self.weight.device
+        quantized = self.blocks is not None or self.plane is not None
+        return torch.device("cpu") if quantized else self.weight.device
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.plane is not None:
+            rows = self.plane.rows(ids.reshape(-1)).to(self.dtype)
+            return rows.reshape(*ids.shape, self.plane.k)
         if self.blocks is None:
             return F.embedding(ids, self.weight)
         num, dim = self.blocks.shape

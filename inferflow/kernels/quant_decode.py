@@ -103,6 +103,20 @@ class QPlane:
                       torch.get_num_threads())  # fmt: skip
         return y
 
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` (N,) of W as float32 (N, k): code * scale + min, the codec's values (an
+        embedding lookup from a tied head's plane)."""
+        if self.bits == 8:
+            codes, scale, mn = self.codes[ids], self.scale[ids], self.min[ids]
+        else:  # tile t = id // 16, row i = id % 16; byte (t, j, s, i, e): columns 2s + e, +16
+            t, i = ids // 16, ids % 16
+            b = self.codes[t, :, :, i, :].reshape(len(ids), -1, 16)  # (N, k / 32, (s, e))
+            codes = torch.cat([b & 15, b >> 4], dim=-1).reshape(len(ids), self.k)
+            scale, mn = self.scale[t, :, i], self.min[t, :, i]  # (N, G)
+        g = self.group
+        w = codes.to(torch.float32).reshape(len(ids), -1, g) * scale[..., None] + mn[..., None]
+        return w.reshape(len(ids), self.k)
+
     def matmul_f32(self, x: torch.Tensor) -> torch.Tensor:
         """``x (M, k) float32 @ W.T`` -> (M, n) float32 on the codec's values in float32, all
         rows at once (each tile of W dequantized once per call, whatever M is)."""

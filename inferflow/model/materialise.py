@@ -9,7 +9,8 @@ With ``keep`` (the default for checkpoints stored quantized, e.g. GGUF Q4_1 / Q8
   other formats (Q6_K, Q2_K ...) are dequantized to float, which is faster on CPU than their
   dequantize-per-call path;
 - a tied head (logits = h @ E^T) whose embedding E is stored so gets a QuantLinear over E's
-  blocks, and then E itself keeps its blocks too (lookups dequantize the rows they read);
+  blocks, and E's lookups read that layer's C plane (one copy of the table; with int4pack, E
+  keeps its own copy of the blocks); lookups dequantize the rows they read;
 - an embedding stored quantized keeps its blocks unless a float tied head reads the table.
 
 Everything else is read into a tensor of the run dtype, one parameter at a time.
@@ -87,11 +88,16 @@ def materialise(
             rows = table.weight.shape[0]
             qt = _fast(stored_blocks(source, plan.parts.get(f"{embed}.weight", []), rows))
             if qt is not None:
-                set_module(model, head, QuantLinear(qt, None, kernel))
+                tied = QuantLinear(qt, None, kernel)
+                set_module(model, head, tied)
                 kept += 1
+                if tied.plane is not None:  # one copy: lookups read the head's plane
+                    table.share_plane(tied.plane)
+                    done.add(f"{embed}.weight")
+                    loading.finished(f"{embed}.weight")
         float_heads = {e for h, e in ties if get_module(model, h) is None}
         for path, mod in list(model.named_modules()):
-            if isinstance(mod, Embedding) and path not in float_heads:
+            if isinstance(mod, Embedding) and path not in float_heads and mod.plane is None:
                 pname = f"{path}.weight"
                 qt = stored_blocks(source, plan.parts.get(pname, []), mod.weight.shape[0])
                 if qt is not None:  # (a copy: no view keeps the file mapped)

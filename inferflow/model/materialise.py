@@ -64,22 +64,7 @@ def materialise(
     check_memory(model, source, plan, available_memory())
     done: set[str] = set()  # parameters given storage (or replaced)
     kept, loading = 0, _Loading(source, plan)
-    if keep:
-        for path, mod in list(model.named_modules()):
-            if type(mod) is not Linear:
-                continue
-            qt = _fast(
-                stored_blocks(source, plan.parts.get(f"{path}.weight", []), mod.out_features)
-            )
-            if qt is None:
-                continue
-            bias = None
-            if mod.bias is not None:
-                bias = read_param(model, source, mod.bias, plan.parts[f"{path}.bias"])
-            set_module(model, path, QuantLinear(qt, bias, kernel))
-            done.update((f"{path}.weight", f"{path}.bias"))
-            loading.finished(f"{path}.weight", f"{path}.bias")
-            kept += 1
+    if keep:  # tied heads and quantized tables first: the largest tensors (see below)
         for head, embed in ties:
             if get_module(model, head) is not None:
                 continue  # the head is not tied after all
@@ -104,6 +89,23 @@ def materialise(
                     mod.keep_blocks(QuantTensor(qt.data.clone(), qt.format, qt.shape))
                     done.add(pname)
                     loading.finished(pname)
+        # largest first: a tensor's file pages and its kernel's layout are both resident while
+        # it is repacked, so the peak is lowest while little else is loaded yet
+        linears = [(p, m) for p, m in model.named_modules() if type(m) is Linear]
+        linears.sort(key=lambda pm: -pm[1].in_features * pm[1].out_features)
+        for path, mod in linears:
+            qt = _fast(
+                stored_blocks(source, plan.parts.get(f"{path}.weight", []), mod.out_features)
+            )
+            if qt is None:
+                continue
+            bias = None
+            if mod.bias is not None:
+                bias = read_param(model, source, mod.bias, plan.parts[f"{path}.bias"])
+            set_module(model, path, QuantLinear(qt, bias, kernel))
+            done.update((f"{path}.weight", f"{path}.bias"))
+            loading.finished(f"{path}.weight", f"{path}.bias")
+            kept += 1
     for pname, param in list(model.named_parameters()):
         if pname in done:
             continue

@@ -46,6 +46,10 @@ def test_plane_matvec_matches_dequantize(name: str, lib) -> None:  # noqa: ANN00
     plane = quant_decode.make_plane(*affine_parts(qt), view.levels)
     assert plane is not None
     assert plane.bits == (4 if view.levels <= 16 else 8)
+    # the writable formats' scales and mins are their blocks' float16 fields: exact in float16,
+    # so held so where the build reads them (k-quants' d * sub-scale products stay float32)
+    half = quant_decode.half_built() and name in AFFINE_WRITABLE
+    assert plane.scale.dtype == plane.min.dtype == (torch.float16 if half else torch.float32)
     x = torch.randn(7, qt.shape[1], generator=g)  # (rows of x go 4 at a time: 4 + 3)
     ref = (x.double() @ qt.dequantize().double().t()).float()
     # float32 sums of <= 576 terms: accumulation-order noise only (4-bit tiles with AVX512-BF16:
@@ -104,10 +108,11 @@ def test_plane_keeps_float32_activations(name: str, lib) -> None:  # noqa: ANN00
 
 
 def test_forced_int4pack_builds_no_plane() -> None:
-    # quant: {kernel: int4pack} trades the one-row speed for memory: one copy of the weights
+    # quant: {kernel: int4pack} is torch's kernel alone (bf16 activations), no C plane
     qt = quantize(torch.randn(64, 64), "Q4_B32")
     forced, auto = QuantLinear(qt, kernel="int4pack"), QuantLinear(qt)
-    assert forced.plane is None and forced.nbytes < auto.nbytes
+    assert forced.plane is None and forced.kernel_name == "int4pack"
+    assert auto.kernel_name == "plane" and auto.nbytes == auto.plane.nbytes
 
 
 def test_no_plane_where_the_kernel_is_off(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -35,6 +35,7 @@ typedef struct {
     const float *scale, *min; /* (n, k / group) */
     int64_t n, k, group;
     int32_t bits; /* 4 or 8 */
+    int32_t half; /* scale and min are float16 (only where qmat_half_built()) */
 } QMat;
 
 typedef struct {
@@ -52,12 +53,56 @@ typedef struct {
 typedef float v8f __attribute__((vector_size(32)));
 typedef int32_t v8i __attribute__((vector_size(32)));
 typedef uint16_t v8u16 __attribute__((vector_size(16)));
-typedef uint8_t v8u8 __attribute__((vector_size(8)));
 
 static inline v8f load8(const float *p) {
     v8f v;
     memcpy(&v, p, sizeof v);
     return v;
+}
+
+/* Scales and mins are float32, or float16 where every one is exact in it (they come from the
+   file's float16 fields: Q4_0 .. Q8_0, Inferflow's min-max formats) in builds whose loops
+   below read them: F16C and no AVX-512 (the AVX-512 loops read float32 only). */
+#if defined(__F16C__) && !defined(__AVX512F__)
+#define HALF_BUILT 1
+#include <immintrin.h>
+#else
+#define HALF_BUILT 0
+#endif
+
+int qmat_half_built(void) { return HALF_BUILT; }
+
+/* element i of a scale or min array */
+static inline float ld1(const QMat *w, const float *a, int64_t i) {
+#if HALF_BUILT
+    if (w->half) return _cvtsh_ss(((const uint16_t *)a)[i]);
+#else
+    (void)w;
+#endif
+    return a[i];
+}
+
+/* elements i .. i + 7 of a scale or min array */
+static inline v8f ld8(const QMat *w, const float *a, int64_t i) {
+#if HALF_BUILT
+    if (w->half) {
+        const __m256 h = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)a + i)));
+        v8f v;
+        memcpy(&v, &h, sizeof v);
+        return v;
+    }
+#else
+    (void)w;
+#endif
+    return load8(a + i);
+}
+
+/* codes . x over n (a constant where inlined) */
+static inline __attribute__((always_inline)) float dot_u8(const uint8_t *c, const float *x,
+                                                          const int n) {
+    float t = 0.f;
+    for (int i = 0; i < n; i++) t += (float)c[i] * x[i];
+    return t;
 }
 
 /* 8-bit codes of one row, group by group: sum_g scale_g * (codes_g . x_g) + min_g * xs[g]
@@ -89,20 +134,14 @@ static float row_dot(const QMat *w, int64_t r, const float *x, const float *xs) 
         return _mm512_reduce_add_ps(acc) + _mm512_reduce_add_ps(mins);
     }
 #endif
-    v8f acc = {0};
-    float mins = 0.f;
+    const int64_t step = w->group % 32 ? 16 : 32; /* (fixed-length dots: the compiler unrolls) */
+    float total = 0.f;
     for (int64_t g = 0; g < G; g++) {
-        v8f t = {0};
-        for (int64_t j = 0; j < w->group; j += 8, c += 8) {
-            v8u8 u;
-            memcpy(&u, c, sizeof u);
-            t += __builtin_convertvector(u, v8f) * load8(x + g * w->group + j);
-        }
-        acc += t * sc[g];
-        mins += mn[g] * xs[g];
+        float t = 0.f;
+        for (int64_t j = 0; j < w->group; j += step, c += step)
+            t += step == 32 ? dot_u8(c, x + g * w->group + j, 32) : dot_u8(c, x + g * w->group + j, 16);
+        total += ld1(w, w->scale, r * G + g) * t + ld1(w, w->min, r * G + g) * xs[g];
     }
-    float total = mins;
-    for (int i = 0; i < 8; i++) total += acc[i];
     return total;
 }
 
@@ -191,7 +230,8 @@ static void tile_dot(const QMat *w, int64_t t, const float *x, const uint16_t *x
                 }
         }
         for (int h = 0; h < 2; h++)
-            acc[h] += (a[h][0] + a[h][1]) * load8(sc + g * 16 + 8 * h) + load8(mn + g * 16 + 8 * h) * xs[g];
+            acc[h] += (a[h][0] + a[h][1]) * ld8(w, w->scale, (t * G + g) * 16 + 8 * h) +
+                      ld8(w, w->min, (t * G + g) * 16 + 8 * h) * xs[g];
     }
     memcpy(out, acc, sizeof acc);
 #endif
@@ -360,14 +400,14 @@ static void tile_floats(const QMat *w, int64_t t, int64_t c0, int64_t cols, floa
         for (int64_t j = c0 / 32; j < (c0 + cols) / 32; j++) {
             const uint8_t *c = w->codes + (t * (w->k / 32) + j) * 256;
             const int64_t g = j * 32 / w->group;
-            const float *sc16 = w->scale + (t * G + g) * 16, *mn16 = w->min + (t * G + g) * 16;
+            const int64_t at = (t * G + g) * 16;
             float *out = wt + 16 * (j * 32 - c0);
             for (int s = 0; s < 8; s++) { /* word i: row i's columns 2s, 16 + 2s, 2s + 1, 17 + 2s */
                 for (int h = 0; h < 2; h++) { /* rows 8h .. 8h + 7 */
                     v8u16 u;
                     memcpy(&u, c + 32 * s + 16 * h, sizeof u);
                     const v8i d = __builtin_convertvector(u, v8i);
-                    const v8f sc = load8(sc16 + 8 * h), mn = load8(mn16 + 8 * h);
+                    const v8f sc = ld8(w, w->scale, at + 8 * h), mn = ld8(w, w->min, at + 8 * h);
                     const v8f f0 = __builtin_convertvector(d & 15, v8f) * sc + mn;
                     const v8f f1 = __builtin_convertvector((d >> 4) & 15, v8f) * sc + mn;
                     const v8f f2 = __builtin_convertvector((d >> 8) & 15, v8f) * sc + mn;
@@ -440,7 +480,7 @@ static void gemm_rows_f32(const QMat *w, const float *x, int64_t M, float *y, fl
     const int64_t k = w->k, G = k / w->group;
     const uint8_t *c = w->codes + r * k;
     for (int64_t g = 0; g < G; g++) {
-        const float sc = w->scale[r * G + g], mn = w->min[r * G + g];
+        const float sc = ld1(w, w->scale, r * G + g), mn = ld1(w, w->min, r * G + g);
         for (int64_t j = g * w->group; j < (g + 1) * w->group; j++) wr[j] = (float)c[j] * sc + mn;
     }
     int64_t m0 = 0;

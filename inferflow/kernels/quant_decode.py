@@ -23,7 +23,7 @@ _P, _I64, _I32, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_f
 
 class CQMat(ctypes.Structure):
     _fields_ = [("codes", _P), ("scale", _P), ("min", _P), ("n", _I64), ("k", _I64)]
-    _fields_ += [("group", _I64), ("bits", _I32)]
+    _fields_ += [("group", _I64), ("bits", _I32), ("half", _I32)]
 
 
 class CLayer(ctypes.Structure):
@@ -48,12 +48,20 @@ def library() -> ctypes.CDLL | None:
     lib.qmat_gemm.restype = ctypes.c_int
     lib.qmat_gemm_f32.argtypes = [ctypes.POINTER(CQMat), _P, _I64, _P, _P, ctypes.c_int]
     lib.qmat_gemm_f32.restype = None
+    lib.qmat_half_built.argtypes = []
+    lib.qmat_half_built.restype = ctypes.c_int
     lib.qmat_gemm_built.argtypes = []
     lib.qmat_gemm_built.restype = ctypes.c_int
     lib.decode_stack.argtypes = [ctypes.POINTER(CLayer), _I64, ctypes.POINTER(CDims), _P, _P]
     lib.decode_stack.argtypes += [_P, _P, _P, _I64, _P, _I64, _P, ctypes.c_int]
     lib.decode_stack.restype = None
     return lib
+
+
+def half_built() -> bool:
+    """Whether this build's kernels read float16 scales and mins (F16C, no AVX-512)."""
+    lib = library()
+    return lib is not None and bool(lib.qmat_half_built())
 
 
 def gemm_built() -> bool:
@@ -67,7 +75,8 @@ class QPlane:
     """A weight (n, k) in the layout of ``quant_decode.c``: for <= 16 levels, 4-bit codes in
     tiles of 16 rows (tiles, k / 32, 8, 16, 2) with scale and min (tiles, k / group, 16); for
     <= 256 levels, codes (n, k) uint8 with scale and min (n, k / group). Scales and mins are
-    float32 (float16 copies were slower in the row kernel)."""
+    float32, or float16 where every one is exact in it and the build reads them (``half_built``:
+    the file's own float16 fields, 2 bytes less per group and per weight array)."""
 
     codes: torch.Tensor
     scale: torch.Tensor
@@ -89,7 +98,8 @@ class QPlane:
     def struct(self) -> CQMat:
         """The C view of the tensors above (they must not be replaced afterwards)."""
         ptrs = (self.codes.data_ptr(), self.scale.data_ptr(), self.min.data_ptr())
-        return CQMat(*ptrs, self.n, self.k, self.group, self.bits)
+        half = int(self.scale.dtype == torch.float16)
+        return CQMat(*ptrs, self.n, self.k, self.group, self.bits, half)
 
     def matvec(self, x: torch.Tensor) -> torch.Tensor:
         """``x (M, k) float32 @ W.T`` -> (M, n) float32, one row of x at a time."""
@@ -113,7 +123,7 @@ class QPlane:
             b = self.codes[t, :, :, i, :].reshape(len(ids), -1, 16)  # (N, k / 32, (s, e))
             codes = torch.cat([b & 15, b >> 4], dim=-1).reshape(len(ids), self.k)
             scale, mn = self.scale[t, :, i], self.min[t, :, i]  # (N, G)
-        g = self.group
+        g, scale, mn = self.group, scale.float(), mn.float()
         w = codes.to(torch.float32).reshape(len(ids), -1, g) * scale[..., None] + mn[..., None]
         return w.reshape(len(ids), self.k)
 
@@ -165,6 +175,8 @@ def make_plane(
     if library() is None or not plane_takes(levels, group) or k % group:
         return None
     scale, mn = scale.to(torch.float32), mn.to(torch.float32)
+    if half_built() and all(torch.equal(t.half().float(), t) for t in (scale, mn)):
+        scale, mn = scale.half(), mn.half()  # (exact: no value changes)
     if levels > 16:
         return QPlane(codes.contiguous(), scale.contiguous(), mn.contiguous(), n, k, group, 8)
     tiles = -(-n // 16)

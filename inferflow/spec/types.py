@@ -237,8 +237,9 @@ class QuantSpec:
     # "keep": linear weights a checkpoint already stores quantized (GGUF Q4_1, Q8_0 ...) stay in
     # their blocks where a fast kernel reads them, when ``weights`` is unset; "dequantize": float
     checkpoint: str = "keep"
-    # the matmul kernel of runtime-quantized layers: None picks the fastest; "dequant" computes
-    # in float32 (int4pack rounds activations to bf16), "int4pack" insists on the fast one
+    # the matmul kernel of quantized layers: None picks the C plane (float32 on the codes) where
+    # it builds; "dequant" dequantizes row tiles per call (float32), "int4pack" is torch's
+    # kernel (bf16 activations)
     kernel: str | None = None
     # int4pack layers also keep a dense bf16 copy, used by calls of at least this many rows
     # (batched decode, prefill): faster from ~16 rows, 2 more bytes per weight. None: off

@@ -3,9 +3,10 @@
 Kernels (``benchmarks/quant_kernels.py`` times them; each layer holds one copy of its weights
 unless ``dense_rows`` adds one):
 
-- ``int4pack`` (where no C plane can be made, or forced): torch's tinygemm-style ``_weight_int4pack_mm_for_cpu`` for every format whose
-  blocks are affine in small integer codes, ``w = code * scale + min`` per group of 32..256
-  weights (GGML Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K, all min-max formats). Codes of up to 4 bits
+- ``int4pack`` (where no C plane can be made, or forced): torch's tinygemm-style
+  ``_weight_int4pack_mm_for_cpu`` for every format whose blocks are affine in small integer
+  codes, ``w = code * scale + min`` per group of 32..256 weights (GGML Q4_0/Q4_1/Q5_0/Q5_1/
+  Q8_0/Q4_K/Q5_K, all min-max formats). Codes of up to 4 bits
   are one int4 plane; 5..8-bit codes split into a high and a low nibble plane laid side by side
   along K (``[x, x] @ [W_hi | W_lo]^T``), so one call sums both. 2-6x faster than any dense or
   dequantizing path at decode sizes, but only with bf16 activations (fp32 and fp16 inputs are
@@ -18,14 +19,15 @@ unless ``dense_rows`` adds one):
   decode steps and prefill chunks; single-sequence decode stays on int4pack (or ``plane``).
 - ``plane`` (when ``kernel`` is auto and a C compiler works; then the layer's only copy): the
   codes in the layout of ``inferflow/kernels/quant_decode.c`` with float32 scales and mins (0.75
-  bytes per weight for 4-bit codes, 1.25 for 8-bit). One-row calls (one sequence's decode step)
+  bytes per weight for 4-bit codes, 1.25 for 8-bit; float16 ones where exact and the build reads
+  them: 0.625 and 1.125). One-row calls (one sequence's decode step)
   compute on the codec's exact values in float32, and the same plane feeds the one-call decode
   of a whole stack (inferflow.model.fused). Calls of more rows run ``qmat_gemm_f32``: each tile
   of W is dequantized to float32 once per call and meets every row of x, so they too are float32
   on the codec's values. With AVX512-BF16, 4-bit codes take many-row calls with x rounded to
   bf16 for the codes' products instead (scales, mins and the min term's sums of x float32).
   ``quant: {kernel: int4pack}`` keeps int4pack alone.
-- ``dequant``: everything else (k-quants with 16-weight groups, IQ/TQ/MXFP4, float formats):
+- ``dequant``: everything else (Q2_K, Q3_K, IQ/TQ/MXFP4, float formats):
   dequantize a bounded tile of rows (``TILE_BYTES`` of float32) at a time from the raw blocks and
   multiply in float32 (float32 GEMM is no slower than bf16 on this CPU, and the codecs emit
   float32 anyway). Keeps the format's own memory footprint; slow per call.
@@ -238,8 +240,8 @@ def select_kernel(fmt: QuantFormat) -> str:
 
 def kernel_bytes(fmt: QuantFormat, rows: int, cols: int) -> int | None:
     """The bytes a (rows, cols) QuantLinear of ``fmt`` holds with the auto kernel, from the shape
-    alone: its plane (4-bit codes in 16-row tiles or one byte per code, a float32 scale and min
-    per group; int4pack, where no plane can be made, holds no more). None where no fast kernel
+    alone, at most: its plane (4-bit codes in 16-row tiles or one byte per code, a float32 scale
+    and min per group, float16 where exact; int4pack, where no plane can be made, holds no more). None where no fast kernel
     takes the format (such weights are read as float)."""
     if select_kernel(fmt) == "dequant":
         return None

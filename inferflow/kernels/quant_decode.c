@@ -97,6 +97,18 @@ static inline v8f ld8(const QMat *w, const float *a, int64_t i) {
     return load8(a + i);
 }
 
+/* 4-bit tile bytes: rows 8h .. 8h + 7 of sub-block s (p = chunk + 32 s + 16 h) as the codes of
+   columns 2s, 16 + 2s, 2s + 1, 17 + 2s (word i holds row i's four nibbles) */
+static inline void tile_codes(const uint8_t *p, v8f q[4]) {
+    v8u16 u;
+    memcpy(&u, p, sizeof u);
+    const v8i d = __builtin_convertvector(u, v8i);
+    q[0] = __builtin_convertvector(d & 15, v8f);
+    q[1] = __builtin_convertvector((d >> 4) & 15, v8f);
+    q[2] = __builtin_convertvector((d >> 8) & 15, v8f);
+    q[3] = __builtin_convertvector(d >> 12, v8f);
+}
+
 /* codes . x over n (a constant where inlined) */
 static inline __attribute__((always_inline)) float dot_u8(const uint8_t *c, const float *x,
                                                           const int n) {
@@ -220,13 +232,10 @@ static void tile_dot(const QMat *w, int64_t t, const float *x, const uint16_t *x
             const float *xc = x + (g * chunks + j) * 32;
             for (int s = 0; s < 8; s++) /* word i: row i's columns 2s, 16 + 2s, 2s + 1, 17 + 2s */
                 for (int h = 0; h < 2; h++) {
-                    v8u16 u;
-                    memcpy(&u, c + 32 * s + 16 * h, sizeof u);
-                    const v8i d = __builtin_convertvector(u, v8i);
-                    a[h][0] += __builtin_convertvector(d & 15, v8f) * xc[2 * s];
-                    a[h][1] += __builtin_convertvector((d >> 4) & 15, v8f) * xc[16 + 2 * s];
-                    a[h][0] += __builtin_convertvector((d >> 8) & 15, v8f) * xc[2 * s + 1];
-                    a[h][1] += __builtin_convertvector(d >> 12, v8f) * xc[17 + 2 * s];
+                    v8f q[4];
+                    tile_codes(c + 32 * s + 16 * h, q);
+                    a[h][0] += q[0] * xc[2 * s] + q[2] * xc[2 * s + 1];
+                    a[h][1] += q[1] * xc[16 + 2 * s] + q[3] * xc[17 + 2 * s];
                 }
         }
         for (int h = 0; h < 2; h++)
@@ -396,29 +405,21 @@ int qmat_gemm(const QMat *w, const float *x, int64_t M, uint16_t *xb, float *xs,
 /* columns [c0, c0 + KB) (a multiple of 32 wide, inside k) of 4-bit tile t as wt[c][i] */
 static void tile_floats(const QMat *w, int64_t t, int64_t c0, int64_t cols, float *wt) {
     const int64_t G = w->k / w->group;
-    if (w->bits == 4) {
-        for (int64_t j = c0 / 32; j < (c0 + cols) / 32; j++) {
-            const uint8_t *c = w->codes + (t * (w->k / 32) + j) * 256;
-            const int64_t g = j * 32 / w->group;
-            const int64_t at = (t * G + g) * 16;
-            float *out = wt + 16 * (j * 32 - c0);
-            for (int s = 0; s < 8; s++) { /* word i: row i's columns 2s, 16 + 2s, 2s + 1, 17 + 2s */
-                for (int h = 0; h < 2; h++) { /* rows 8h .. 8h + 7 */
-                    v8u16 u;
-                    memcpy(&u, c + 32 * s + 16 * h, sizeof u);
-                    const v8i d = __builtin_convertvector(u, v8i);
-                    const v8f sc = ld8(w, w->scale, at + 8 * h), mn = ld8(w, w->min, at + 8 * h);
-                    const v8f f0 = __builtin_convertvector(d & 15, v8f) * sc + mn;
-                    const v8f f1 = __builtin_convertvector((d >> 4) & 15, v8f) * sc + mn;
-                    const v8f f2 = __builtin_convertvector((d >> 8) & 15, v8f) * sc + mn;
-                    const v8f f3 = __builtin_convertvector(d >> 12, v8f) * sc + mn;
-                    memcpy(out + 16 * (2 * s) + 8 * h, &f0, sizeof f0);
-                    memcpy(out + 16 * (16 + 2 * s) + 8 * h, &f1, sizeof f1);
-                    memcpy(out + 16 * (2 * s + 1) + 8 * h, &f2, sizeof f2);
-                    memcpy(out + 16 * (17 + 2 * s) + 8 * h, &f3, sizeof f3);
+    for (int64_t j = c0 / 32; j < (c0 + cols) / 32; j++) {
+        const uint8_t *c = w->codes + (t * (w->k / 32) + j) * 256;
+        const int64_t at = (t * G + j * 32 / w->group) * 16;
+        float *out = wt + 16 * (j * 32 - c0);
+        for (int s = 0; s < 8; s++)
+            for (int h = 0; h < 2; h++) { /* rows 8h .. 8h + 7 */
+                const v8f sc = ld8(w, w->scale, at + 8 * h), mn = ld8(w, w->min, at + 8 * h);
+                const int col[4] = {2 * s, 16 + 2 * s, 2 * s + 1, 17 + 2 * s};
+                v8f q[4];
+                tile_codes(c + 32 * s + 16 * h, q);
+                for (int e = 0; e < 4; e++) {
+                    const v8f f = q[e] * sc + mn;
+                    memcpy(out + 16 * col[e] + 8 * h, &f, sizeof f);
                 }
             }
-        }
     }
 }
 

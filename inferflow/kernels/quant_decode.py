@@ -136,9 +136,11 @@ class QPlane:
         x = x.contiguous()
         y = torch.empty((x.shape[0], self.n), dtype=torch.float32)
         threads = torch.get_num_threads()
-        rows = torch.empty((threads, self.k), dtype=torch.float32)  # 8-bit codes: a row per thread
+        rows = None  # 8-bit codes: a dequantized row per thread
+        if self.bits == 8:
+            rows = torch.empty((threads, self.k), dtype=torch.float32)
         lib.qmat_gemm_f32(ctypes.byref(self.struct), x.data_ptr(), x.shape[0], y.data_ptr(),
-                          rows.data_ptr(), threads)  # fmt: skip
+                          None if rows is None else rows.data_ptr(), threads)  # fmt: skip
         return y
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor | None:

@@ -6,7 +6,7 @@ With ``keep`` (the default for checkpoints stored quantized, e.g. GGUF Q4_1 / Q8
 - a ``Linear`` whose weight the checkpoint stores in blocks of a format the fast kernels read
   (the C plane, or int4pack without it: the affine formats) becomes a ``QuantLinear`` holding
   one copy of those blocks in its kernel's layout;
-  other formats (Q6_K, Q2_K ...) are dequantized to float, which is faster on CPU than their
+  other formats (Q2_K, Q3_K, IQ types ...) are dequantized to float, which is faster on CPU than their
   dequantize-per-call path;
 - a tied head (logits = h @ E^T) whose embedding E is stored so gets a QuantLinear over E's
   blocks, and E's lookups read that layer's C plane (one copy of the table; with int4pack, E

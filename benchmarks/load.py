@@ -3,7 +3,7 @@
 Per model (medians over ``--rounds`` fresh processes): checkpoint file size; resident memory
 after ``import torch`` and the loader (the floor every model pays); the bytes the loaded
 weights hold (inferflow.model.materialise.resident_bytes: kernel copies included); load time; peak RSS while
-loading (``ru_maxrss`` when load_model returns); RSS once loaded; time to the first token
+loading (VmHWM when load_model returns); RSS once loaded; time to the first token
 (one decode step of a 4-token prompt, an embedding or one translation step); the peak over
 the whole run. With ``--llama-cli``, llama.cpp's peak RSS for one token on the same GGUF.
 
@@ -44,7 +44,11 @@ def _rss() -> int:
 
 
 def _peak() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # (KiB on Linux)
+    try:
+        from inferflow.model.materialise import peak_rss
+    except ImportError:  # (an older checkout measured for comparison)
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # (KiB on Linux)
+    return peak_rss()
 
 
 def child(ref: str) -> None:

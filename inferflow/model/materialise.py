@@ -21,6 +21,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
+import sys
 import time
 from collections.abc import Callable, Sequence
 
@@ -148,16 +149,21 @@ def resident_summary(model: nn.Module, kept: int) -> str:
     )
 
 
-def available_memory() -> int | None:
-    """MemAvailable of /proc/meminfo in bytes; None where the system does not say."""
+def _proc_kib(path: str, key: str) -> int | None:
+    """The ``key: N kB`` line of a /proc file in bytes; None where the system does not say."""
     try:
-        with open("/proc/meminfo") as f:
+        with open(path) as f:
             for line in f:
-                if line.startswith("MemAvailable:"):
+                if line.startswith(f"{key}:"):
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
     return None
+
+
+def available_memory() -> int | None:
+    """MemAvailable of /proc/meminfo in bytes; None where the system does not say."""
+    return _proc_kib("/proc/meminfo", "MemAvailable")
 
 
 def _block_format(dtype: str) -> QuantFormat | None:
@@ -197,6 +203,20 @@ def check_memory(
             f"loading this model needs about {total / gib:.1f} GiB and {available / gib:.1f} GiB "
             f"of memory is available; the largest tensors: {largest}"
         )
+
+
+def peak_rss() -> int:
+    """This process's peak resident memory in bytes: VmHWM of /proc/self/status, the high-water
+    mark of this program's own memory. (``ru_maxrss`` also counts the parent's memory at the
+    fork that started this process: a model loaded from a large test process reported the
+    test process's 6 GiB.) Where /proc is absent, ``ru_maxrss``."""
+    peak = _proc_kib("/proc/self/status", "VmHWM")
+    if peak is not None:
+        return peak
+    import resource
+
+    scale = 1 if sys.platform == "darwin" else 1024  # (bytes on macOS, KiB on Linux)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
 
 
 @functools.cache

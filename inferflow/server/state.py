@@ -10,7 +10,6 @@ import hashlib
 import json
 import logging
 import os
-import resource
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -22,6 +21,7 @@ from inferflow.engine.constrain import compile_grammar, lltokenizer
 from inferflow.engine.engine import Engine, EngineConfig
 from inferflow.errors import RequestError
 from inferflow.model.batch import check_input
+from inferflow.model.materialise import peak_rss
 from inferflow.runtime import LanguageModel, load
 from inferflow.server.echo import Echo
 from inferflow.server.generation import Generation
@@ -110,7 +110,7 @@ class ServerState:
             runner = EngineRunner(engine, self.metrics, self.cfg.engine.scheduler.max_waiting)
             runner.start(loop)
             self.lm, self.runner = lm, runner
-            peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10  # (KiB on Linux)
+            peak = peak_rss() / 2**20
             log.info(
                 "model %s loaded in %.1f s (peak RSS %.0f MiB)%s",
                 self.name,

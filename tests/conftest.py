@@ -135,7 +135,15 @@ def dequantized_copy(model: torch.nn.Module, policy: QuantPolicy) -> torch.nn.Mo
 # GGML's writable affine formats and Inferflow's min-max ones (every format QuantLinear packs)
 AFFINE_WRITABLE = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", *MINMAX_FORMATS]
 # raw blocks for read-only formats: (format, byte offsets of fp16 scale fields)
-RANDOM_BLOCKS = {"Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208], "Q2_K": [80, 82], "IQ4_NL": [0]}
+RANDOM_BLOCKS = {
+    "Q4_0": [0],
+    "Q5_0": [0],
+    "Q4_K": [0, 2],
+    "Q5_K": [0, 2],
+    "Q6_K": [208],
+    "Q2_K": [80, 82],
+    "IQ4_NL": [0],
+}
 
 
 def random_blocks(name: str, out: int, inp: int) -> QuantTensor:

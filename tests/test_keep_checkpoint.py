@@ -88,6 +88,23 @@ def test_stack_rows_concatenates_one_format_only() -> None:
     assert stack_rows({0: qa}, 24) is None  # type: ignore[dict-item]  rows missing
 
 
+@pytest.mark.parametrize("narrow", ["Q4_0", "Q5_0"])
+def test_stack_rows_widens_exactly_to_a_common_format(narrow: str) -> None:
+    """A fused q/k/v stored as Q5_0 (or Q4_0) with a Q8_0 v becomes one Q8_0 tensor whose
+    every value gguf-py's Q8_0 decoder reads as its own decoder reads the narrow blocks."""
+    gguf_quants = pytest.importorskip("gguf.quants")
+    from gguf import GGMLQuantizationType as T
+
+    qn = random_blocks(narrow, 16, 64)  # every code, random bits
+    _, q8 = _q(8, "Q8_0", 3)
+    both = stack_rows({0: qn, 16: q8}, 24)  # type: ignore[dict-item]
+    assert both is not None and both.format == "Q8_0" and both.shape == (24, 64)
+    got = gguf_quants.dequantize(both.data.numpy(), T.Q8_0).reshape(24, 64)
+    want_n = gguf_quants.dequantize(qn.data.numpy(), T[narrow]).reshape(16, 64)
+    want_8 = gguf_quants.dequantize(q8.data.numpy(), T.Q8_0).reshape(8, 64)  # type: ignore[attr-defined]
+    assert (got[:16] == want_n).all() and (got[16:] == want_8).all()
+
+
 class _DictSource:
     """A checkpoint held in a dict (the WeightSource calls materialise makes)."""
 

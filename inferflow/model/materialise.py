@@ -31,6 +31,7 @@ from inferflow.blocks.linear import Embedding, Linear
 from inferflow.errors import CheckpointError, WeightBindingError
 from inferflow.loaders.base import WeightSource
 from inferflow.model.binding import WeightPlan, read_param, set_param, stored_blocks
+from inferflow.quant import ggml
 from inferflow.quant.apply import (
     QuantPolicy,
     forget_fused,
@@ -185,8 +186,9 @@ def check_memory(
     for pname, parts in plan.parts.items():
         param = model.get_parameter(pname)
         size = param.numel() * param.element_size()
-        fmts = {_block_format(source.dtype_name(b.name)) for b in parts}
-        fmt = fmts.pop() if len(fmts) == 1 else None
+        names = {source.dtype_name(b.name) for b in parts}
+        common = ggml.common_format(names)  # (parts stored in two formats that fuse into one)
+        fmt = _block_format(common) if common is not None else None
         if fmt is not None and param.dim() >= 2:
             rows = param.shape[0]
             kept = kernel_bytes(fmt, rows, param.numel() // rows)

@@ -23,7 +23,7 @@ from torch import nn
 
 from inferflow.blocks.linear import Linear
 from inferflow.errors import QuantError
-from inferflow.quant import QuantTensor, get_format, quantize
+from inferflow.quant import QuantTensor, get_format, ggml, quantize
 from inferflow.quant.linear import QuantLinear
 
 log = logging.getLogger(__name__)
@@ -132,20 +132,31 @@ def forget_fused(model: nn.Module) -> None:
 
 
 def stack_rows(parts: dict[int, QuantTensor], rows: int) -> QuantTensor | None:
-    """Row blocks of one parameter as one QuantTensor, or None unless they are of one format
-    and cover all ``rows`` in order (a fused q/k/v with a Q6_K v among Q4_K stays float)."""
+    """Row blocks of one parameter as one QuantTensor, or None unless they cover all ``rows``
+    in order and share a format, directly or by an exact widening (a fused q/k/v with a Q8_0 v
+    among Q5_0 parts becomes Q8_0; one with a Q6_K v among Q4_K stays float)."""
     starts = sorted(parts)
     ordered = [parts[k] for k in starts]
-    fmt = ordered[0].format
+    fmt = ggml.common_format({p.format for p in ordered})
     ends = [s + p.shape[0] for s, p in zip(starts, ordered, strict=True)]
-    if any(p.format != fmt or len(p.shape) != 2 for p in ordered):
+    if fmt is None or any(len(p.shape) != 2 for p in ordered):
         return None
     if starts[0] != 0 or ends[-1] != rows or starts[1:] != ends[:-1]:
         return None
     if len(ordered) == 1:
         return ordered[0]
-    data = torch.cat([p.data.reshape(p.shape[0], -1) for p in ordered])
+    data = torch.cat([_blocks_as(p, fmt) for p in ordered])
     return QuantTensor(data, fmt, (rows, ordered[0].shape[1]))
+
+
+def _blocks_as(w: QuantTensor, fmt: str) -> torch.Tensor:
+    """``w``'s blocks (rows, bytes per row) in format ``fmt`` (the same values)."""
+    rows = w.shape[0]
+    if w.format == fmt:
+        return w.data.reshape(rows, -1)
+    src = get_format(w.format)
+    blocks = w.data.reshape(-1, src.bytes_per_block)
+    return ggml.EXACT_WIDENINGS[w.format, fmt](blocks).reshape(rows, -1)
 
 
 def get_module(model: nn.Module, path: str) -> nn.Module | None:

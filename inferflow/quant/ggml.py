@@ -9,6 +9,8 @@ no Python loop runs over blocks.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from inferflow.errors import QuantError
@@ -465,6 +467,35 @@ def _deq_mxfp4(blocks: torch.Tensor) -> torch.Tensor:
     q = _shr(blocks[:, 1:].reshape(n, 1, 16), [0, 4], (1, 2, 1)).reshape(n, 32) & 0x0F
     table = torch.tensor(_MXFP4_VALUES, dtype=torch.float32, device=blocks.device)
     return d * table[q.long()]
+
+
+# --- exact widenings: blocks rewritten in a wider format with the same values ---------------
+# (a fused q/k/v whose parts a converter stored as Q5_0 and Q8_0 becomes one Q8_0 tensor)
+
+Reencode = Callable[[torch.Tensor], torch.Tensor]  # (n, bytes) blocks -> (n, bytes) blocks
+
+
+def _as_q8_0(codes: Callable[[torch.Tensor], torch.Tensor], offset: int) -> Reencode:
+    def run(blocks: torch.Tensor) -> torch.Tensor:  # d * (q - offset) == d * int8(q - offset)
+        q = (codes(blocks).to(torch.int16) - offset).to(torch.int8).view(torch.uint8)
+        return torch.cat([blocks[:, :2], q], dim=-1)
+
+    return run
+
+
+EXACT_WIDENINGS: dict[tuple[str, str], Reencode] = {
+    ("Q4_0", "Q8_0"): _as_q8_0(lambda b: _nibbles(b[:, 2:]), 8),
+    ("Q5_0", "Q8_0"): _as_q8_0(lambda b: _nibbles(b[:, 6:]) | (_bits32(b[:, 2:6]) << 4), 16),
+}
+
+
+def common_format(formats: set[str]) -> str | None:
+    """The one format every block format in ``formats`` is, or widens to exactly; None when
+    there is none."""
+    for target in sorted(formats):
+        if all(f == target or (f, target) in EXACT_WIDENINGS for f in formats):
+            return target
+    return None
 
 
 # --- the table -------------------------------------------------------------------------------

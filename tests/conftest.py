@@ -136,23 +136,23 @@ def dequantized_copy(model: torch.nn.Module, policy: QuantPolicy) -> torch.nn.Mo
 AFFINE_WRITABLE = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", *MINMAX_FORMATS]
 # raw blocks for read-only formats: (format, byte offsets of fp16 scale fields)
 RANDOM_BLOCKS = {
-    "Q4_0": [0],
-    "Q5_0": [0],
     "Q4_K": [0, 2],
     "Q5_K": [0, 2],
     "Q6_K": [208],
     "Q2_K": [80, 82],
     "IQ4_NL": [0],
 }
+_SCALE_FIELDS = {**RANDOM_BLOCKS, "Q4_0": [0], "Q5_0": [0]}  # (writable ones: every code too)
 
 
 def random_blocks(name: str, out: int, inp: int) -> QuantTensor:
-    """Random blocks of a read-only format, with sane fp16 scales (not random bits: inf, NaN)."""
+    """Random blocks of a read-only format (or Q4_0 / Q5_0: every code), with sane fp16 scales
+    (not random bits: inf, NaN)."""
     fmt = get_format(name)
     n = out * inp // fmt.block_size
     g = torch.Generator().manual_seed(1)
     data = torch.randint(0, 256, (n, fmt.bytes_per_block), generator=g, dtype=torch.uint8)
-    for off in RANDOM_BLOCKS[name]:
+    for off in _SCALE_FIELDS[name]:
         d = (torch.rand(n, 1, generator=g) * 0.01 + 0.001).to(torch.float16)
         data[:, off : off + 2] = d.view(torch.uint8)
     return QuantTensor(data.reshape(out, -1), name, (out, inp))

@@ -45,7 +45,16 @@ def test_plane_matvec_matches_dequantize(name: str, lib) -> None:  # noqa: ANN00
     view = AFFINE_VIEWS.get(qt.format)
     plane = quant_decode.make_plane(*affine_parts(qt), view.levels)
     assert plane is not None
-    assert plane.bits == (4 if view.levels <= 16 else 8)
+    # 4-bit tiles; 5-bit ones (a tile of the low four bits and a plane of the fifth) where the
+    # groups are multiples of 32; else one byte per code
+    five = view.levels in (17, 32) and view.group % 32 == 0  # (no format has 17..31 levels)
+    assert plane.bits == (4 if view.levels <= 16 else 5 if five else 8)
+    if plane.bits == 5:
+        assert plane.high is not None
+        assert (
+            plane.codes.nbytes + plane.high.nbytes
+            == -(-qt.shape[0] // 16) * 16 * qt.shape[1] * 5 // 8
+        )
     # the writable formats' scales and mins are their blocks' float16 fields: exact in float16,
     # so held so where the build reads them (k-quants' d * sub-scale products stay float32)
     half = quant_decode.half_built() and name in AFFINE_WRITABLE
@@ -262,7 +271,7 @@ def test_portable_builds(
     _reset()
     try:
         assert quant_decode.library() is not None
-        for name in ("Q4_B64", "Q8_0"):
+        for name in ("Q4_B64", "Q5_1", "Q8_0"):
             qt = quantize(torch.randn(100, 256, generator=torch.Generator().manual_seed(1)), name)
             plane = quant_decode.make_plane(*affine_parts(qt), AFFINE_VIEWS.get(name).levels)
             assert plane is not None

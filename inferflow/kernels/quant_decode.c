@@ -6,6 +6,10 @@
    - 4-bit codes: tiles of 16 rows (n padded to a multiple of 16 with zero rows). Tile t,
      chunk j of 32 columns, sub-block s < 8 holds 32 bytes; byte 2i + e (row 16t + i, e < 2) is
      c[32j + 2s + e] | c[32j + 16 + 2s + e] << 4. Scale and min are (tiles, k / group, 16).
+   - 5-bit codes (Q5_0, Q5_1, Q5_K): the 4-bit tiles of their low four bits, and their fifth
+     bits beside them, 64 bytes per tile and chunk: byte (t, j, s, h, e) has bit i set where row
+     16t + 8h + i's code of column 2s, 16 + 2s, 2s + 1, 17 + 2s (e = 0 .. 3) is >= 16 (the order
+     of tile_codes' vectors). They run in the vector-type loops only (also in AVX-512 builds).
      With AVX512-BF16 one vdpbf16ps multiplies a pair of columns of 16 rows: the codes are
      exact in bf16 and x is split into three bf16 parts (x = x0 + x1 + x2 + r, each part the
      bf16 rounding of what is left, |r| <= 2^-24 |x|, every product exact in float32), so the
@@ -36,6 +40,7 @@ typedef struct {
     int64_t n, k, group;
     int32_t bits; /* 4 or 8 */
     int32_t half; /* scale and min are float16 (only where qmat_half_built()) */
+    const uint8_t *high; /* 5-bit codes: their fifth bits (else NULL) */
 } QMat;
 
 typedef struct {
@@ -109,6 +114,18 @@ static inline void tile_codes(const uint8_t *p, v8f q[4]) {
     q[3] = __builtin_convertvector(d >> 12, v8f);
 }
 
+/* 5-bit codes: the fifth bits of tile_codes' q (hb: 4 bytes, byte e for q[e], bit i for row
+   8h + i) add 16 */
+static inline void tile_high(const uint8_t *hb, v8f q[4]) {
+    const v8i lane = {1, 2, 4, 8, 16, 32, 64, 128};
+    for (int e = 0; e < 4; e++) q[e] += __builtin_convertvector(((hb[e] & lane) != 0) & 16, v8f);
+}
+
+/* the fifth bits of tile t, chunk j, sub-block s, rows 8h .. 8h + 7 */
+static inline const uint8_t *high_bits(const QMat *w, int64_t t, int64_t j, int s, int h) {
+    return w->high + (((t * (w->k / 32) + j) * 8 + s) * 2 + h) * 4;
+}
+
 /* codes . x over n (a constant where inlined) */
 static inline __attribute__((always_inline)) float dot_u8(const uint8_t *c, const float *x,
                                                           const int n) {
@@ -167,13 +184,42 @@ static inline __m512i nibble_table(void) {
 }
 #endif
 
+/* 4- or 5-bit codes of tile t in GCC vector types: rows 8h .. 8h + 7 of the tile in one vector */
+static void tile_dot_v8(const QMat *w, int64_t t, const float *x, const float *xs, float *out) {
+    const int64_t G = w->k / w->group, chunks = w->group / 32;
+    const uint8_t *c = w->codes + t * (w->k / 32) * 256;
+    v8f acc[2] = {{0}, {0}};
+    for (int64_t g = 0; g < G; g++) {
+        v8f a[2][2] = {{{0}, {0}}, {{0}, {0}}};
+        for (int64_t j = 0; j < chunks; j++, c += 256) {
+            const float *xc = x + (g * chunks + j) * 32;
+            for (int s = 0; s < 8; s++) /* word i: row i's columns 2s, 16 + 2s, 2s + 1, 17 + 2s */
+                for (int h = 0; h < 2; h++) {
+                    v8f q[4];
+                    tile_codes(c + 32 * s + 16 * h, q);
+                    if (w->high) tile_high(high_bits(w, t, g * chunks + j, s, h), q);
+                    a[h][0] += q[0] * xc[2 * s] + q[2] * xc[2 * s + 1];
+                    a[h][1] += q[1] * xc[16 + 2 * s] + q[3] * xc[17 + 2 * s];
+                }
+        }
+        for (int h = 0; h < 2; h++)
+            acc[h] += (a[h][0] + a[h][1]) * ld8(w, w->scale, (t * G + g) * 16 + 8 * h) +
+                      ld8(w, w->min, (t * G + g) * 16 + 8 * h) * xs[g];
+    }
+    memcpy(out, acc, sizeof acc);
+}
+
 /* 4-bit codes of tile t (16 rows): out[i] = row 16t + i of W x. xp: x's three bf16 parts */
 static void tile_dot(const QMat *w, int64_t t, const float *x, const uint16_t *xp,
                      const float *xs, float *out) {
+#if defined(__AVX512F__)
+    if (w->high) { /* 5-bit codes */
+        tile_dot_v8(w, t, x, xs, out);
+        return;
+    }
     const int64_t G = w->k / w->group, chunks = w->group / 32;
     const uint8_t *c = w->codes + t * (w->k / 32) * 256;
     const float *sc = w->scale + t * G * 16, *mn = w->min + t * G * 16;
-#if defined(__AVX512F__)
     __m512 acc = _mm512_setzero_ps(), mins = _mm512_setzero_ps();
 #if defined(__AVX512BF16__)
     const __m512i bf = nibble_table();
@@ -224,25 +270,8 @@ static void tile_dot(const QMat *w, int64_t t, const float *x, const uint16_t *x
 #endif
     _mm512_storeu_ps(out, _mm512_add_ps(acc, mins));
 #else
-    (void)xp; /* GCC vector types: rows 8h .. 8h + 7 of the tile in one vector */
-    v8f acc[2] = {{0}, {0}};
-    for (int64_t g = 0; g < G; g++) {
-        v8f a[2][2] = {{{0}, {0}}, {{0}, {0}}};
-        for (int64_t j = 0; j < chunks; j++, c += 256) {
-            const float *xc = x + (g * chunks + j) * 32;
-            for (int s = 0; s < 8; s++) /* word i: row i's columns 2s, 16 + 2s, 2s + 1, 17 + 2s */
-                for (int h = 0; h < 2; h++) {
-                    v8f q[4];
-                    tile_codes(c + 32 * s + 16 * h, q);
-                    a[h][0] += q[0] * xc[2 * s] + q[2] * xc[2 * s + 1];
-                    a[h][1] += q[1] * xc[16 + 2 * s] + q[3] * xc[17 + 2 * s];
-                }
-        }
-        for (int h = 0; h < 2; h++)
-            acc[h] += (a[h][0] + a[h][1]) * ld8(w, w->scale, (t * G + g) * 16 + 8 * h) +
-                      ld8(w, w->min, (t * G + g) * 16 + 8 * h) * xs[g];
-    }
-    memcpy(out, acc, sizeof acc);
+    (void)xp;
+    tile_dot_v8(w, t, x, xs, out);
 #endif
 }
 
@@ -287,7 +316,7 @@ static void prepare_x(const QMat *w, const float *x, float *xs) {
 static void gemv_in_team(const QMat *w, const float *x, float *xs, float *y, int add) {
 #pragma omp single
     prepare_x(w, x, xs);
-    if (w->bits == 4) {
+    if (w->bits != 8) { /* 4- or 5-bit tiles */
         const uint16_t *xp = (const uint16_t *)(xs + w->k / 32);
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < (w->n + 15) / 16; t++) {
@@ -402,7 +431,7 @@ int qmat_gemm(const QMat *w, const float *x, int64_t M, uint16_t *xb, float *xs,
    on AVX2 and AVX-512, scalar code elsewhere). */
 #define KB 128 /* columns dequantized at once: 8 KiB of floats */
 
-/* columns [c0, c0 + KB) (a multiple of 32 wide, inside k) of 4-bit tile t as wt[c][i] */
+/* columns [c0, c0 + KB) (a multiple of 32 wide, inside k) of 4- or 5-bit tile t as wt[c][i] */
 static void tile_floats(const QMat *w, int64_t t, int64_t c0, int64_t cols, float *wt) {
     const int64_t G = w->k / w->group;
     for (int64_t j = c0 / 32; j < (c0 + cols) / 32; j++) {
@@ -415,6 +444,7 @@ static void tile_floats(const QMat *w, int64_t t, int64_t c0, int64_t cols, floa
                 const int col[4] = {2 * s, 16 + 2 * s, 2 * s + 1, 17 + 2 * s};
                 v8f q[4];
                 tile_codes(c + 32 * s + 16 * h, q);
+                if (w->high) tile_high(high_bits(w, t, j, s, h), q);
                 for (int e = 0; e < 4; e++) {
                     const v8f f = q[e] * sc + mn;
                     memcpy(out + 16 * col[e] + 8 * h, &f, sizeof f);

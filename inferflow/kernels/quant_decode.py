@@ -23,7 +23,7 @@ _P, _I64, _I32, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_f
 
 class CQMat(ctypes.Structure):
     _fields_ = [("codes", _P), ("scale", _P), ("min", _P), ("n", _I64), ("k", _I64)]
-    _fields_ += [("group", _I64), ("bits", _I32), ("half", _I32)]
+    _fields_ += [("group", _I64), ("bits", _I32), ("half", _I32), ("high", _P)]
 
 
 class CLayer(ctypes.Structure):
@@ -74,7 +74,8 @@ def gemm_built() -> bool:
 class QPlane:
     """A weight (n, k) in the layout of ``quant_decode.c``: for <= 16 levels, 4-bit codes in
     tiles of 16 rows (tiles, k / 32, 8, 16, 2) with scale and min (tiles, k / group, 16); for
-    <= 256 levels, codes (n, k) uint8 with scale and min (n, k / group). Scales and mins are
+    <= 32 levels in groups of 32s, the same tiles of the low four bits and ``high``, the fifth
+    bits (tiles, k / 32, 8, 2, 4); else codes (n, k) uint8 with scale and min (n, k / group). Scales and mins are
     float32, or float16 where every one is exact in it and the build reads them (``half_built``:
     the file's own float16 fields, 2 bytes less per group and per weight array)."""
 
@@ -85,6 +86,7 @@ class QPlane:
     k: int
     group: int
     bits: int
+    high: torch.Tensor | None = None  # 5-bit codes' fifth bits
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -92,14 +94,16 @@ class QPlane:
 
     @property
     def nbytes(self) -> int:
-        return self.codes.nbytes + self.scale.nbytes + self.min.nbytes
+        high = 0 if self.high is None else self.high.nbytes
+        return self.codes.nbytes + self.scale.nbytes + self.min.nbytes + high
 
     @cached_property
     def struct(self) -> CQMat:
         """The C view of the tensors above (they must not be replaced afterwards)."""
         ptrs = (self.codes.data_ptr(), self.scale.data_ptr(), self.min.data_ptr())
         half = int(self.scale.dtype == torch.float16)
-        return CQMat(*ptrs, self.n, self.k, self.group, self.bits, half)
+        high = None if self.high is None else self.high.data_ptr()
+        return CQMat(*ptrs, self.n, self.k, self.group, self.bits, half, high)
 
     def matvec(self, x: torch.Tensor) -> torch.Tensor:
         """``x (M, k) float32 @ W.T`` -> (M, n) float32, one row of x at a time."""
@@ -122,6 +126,10 @@ class QPlane:
             t, i = ids // 16, ids % 16
             b = self.codes[t, :, :, i, :].reshape(len(ids), -1, 16)  # (N, k / 32, (s, e))
             codes = torch.cat([b & 15, b >> 4], dim=-1).reshape(len(ids), self.k)
+            if self.high is not None:  # byte (t, j, s, i // 8, 2 e + h), bit i % 8: + 16
+                hb = self.high[t, :, :, i // 8, :] >> (i % 8).reshape(-1, 1, 1, 1).to(torch.uint8)
+                hb = (hb & 1).reshape(len(ids), -1, 8, 2, 2).permute(0, 1, 4, 2, 3)
+                codes = codes | (hb.reshape(len(ids), self.k) << 4)
             scale, mn = self.scale[t, :, i], self.min[t, :, i]  # (N, G)
         g, scale, mn = self.group, scale.float(), mn.float()
         w = codes.to(torch.float32).reshape(len(ids), -1, g) * scale[..., None] + mn[..., None]
@@ -167,6 +175,14 @@ def plane_takes(levels: int, group: int) -> bool:
     return levels <= 256 and group % (32 if levels <= 16 else 16) == 0
 
 
+def plane_bits(levels: int, group: int) -> int:
+    """The bits per code of the plane ``plane_takes``: 4- and 5-bit tiles where the groups are
+    multiples of 32, else 8-bit rows."""
+    if group % 32 == 0 and levels <= 32:
+        return 4 if levels <= 16 else 5
+    return 8
+
+
 def make_plane(
     codes: torch.Tensor, scale: torch.Tensor, mn: torch.Tensor, levels: int
 ) -> QPlane | None:
@@ -179,18 +195,26 @@ def make_plane(
     scale, mn = scale.to(torch.float32), mn.to(torch.float32)
     if half_built() and all(torch.equal(t.half().float(), t) for t in (scale, mn)):
         scale, mn = scale.half(), mn.half()  # (exact: no value changes)
-    if levels > 16:
+    bits = plane_bits(levels, group)
+    if bits == 8:
         return QPlane(codes.contiguous(), scale.contiguous(), mn.contiguous(), n, k, group, 8)
     tiles = -(-n // 16)
 
     def pad(t: torch.Tensor) -> torch.Tensor:
         return torch.cat([t, t.new_zeros(tiles * 16 - n, t.shape[1])]) if n % 16 else t
 
+    codes = pad(codes)
     # column 32j + 16h + 2s + e of row 16t + i -> nibble h of byte (t, j, s, i, e)
-    c = pad(codes).reshape(tiles, 16, k // 32, 2, 8, 2)
+    c = (codes & 15 if bits == 5 else codes).reshape(tiles, 16, k // 32, 2, 8, 2)
     packed = (c[:, :, :, 0] | (c[:, :, :, 1] << 4)).permute(0, 2, 3, 1, 4).contiguous()
+    high = None
+    if bits == 5:  # fifth bit of column 32j + 16 h2 + 2s + e2, row 16t + 8h + i -> bit i of
+        # byte (t, j, s, h, 2 e2 + h2)
+        hb = (codes >> 4).reshape(tiles, 2, 8, k // 32, 2, 8, 2).permute(0, 3, 5, 1, 6, 4, 2)
+        lanes = torch.tensor([1 << i for i in range(8)], dtype=torch.uint8)
+        high = (hb * lanes).sum(-1, dtype=torch.uint8).reshape(tiles, k // 32, 8, 2, 4)
 
     def tiled(t: torch.Tensor) -> torch.Tensor:
         return pad(t).reshape(tiles, 16, -1).transpose(1, 2).contiguous()
 
-    return QPlane(packed, tiled(scale), tiled(mn), n, k, group, 4)
+    return QPlane(packed, tiled(scale), tiled(mn), n, k, group, bits, high)

@@ -19,8 +19,8 @@ unless ``dense_rows`` adds one):
   decode steps and prefill chunks; single-sequence decode stays on int4pack (or ``plane``).
 - ``plane`` (when ``kernel`` is auto and a C compiler works; then the layer's only copy): the
   codes in the layout of ``inferflow/kernels/quant_decode.c`` with float32 scales and mins (0.75
-  bytes per weight for 4-bit codes, 1.25 for 8-bit; float16 ones where exact and the build reads
-  them: 0.625 and 1.125). One-row calls (one sequence's decode step)
+  bytes per weight for 4-bit codes, 0.875 for 5-bit, 1.25 for 8-bit in groups of 32; float16
+  ones where exact and the build reads them: 0.625, 0.75 and 1.125). One-row calls (one sequence's decode step)
   compute on the codec's exact values in float32, and the same plane feeds the one-call decode
   of a whole stack (inferflow.model.fused). Calls of more rows run ``qmat_gemm_f32``: each tile
   of W is dequantized to float32 once per call and meets every row of x, so they too are float32
@@ -53,7 +53,13 @@ from torch import nn
 
 from inferflow.errors import QuantError
 from inferflow.kernels import quant_decode
-from inferflow.kernels.quant_decode import QPlane, gemm_built, make_plane, plane_takes
+from inferflow.kernels.quant_decode import (
+    QPlane,
+    gemm_built,
+    make_plane,
+    plane_bits,
+    plane_takes,
+)
 from inferflow.quant import ggml
 from inferflow.quant.formats import QuantFormat
 from inferflow.quant.minmax import _MIN_BYTES, MINMAX_LAYOUTS, MinMaxLayout, _unpack_bits
@@ -240,16 +246,16 @@ def select_kernel(fmt: QuantFormat) -> str:
 
 def kernel_bytes(fmt: QuantFormat, rows: int, cols: int) -> int | None:
     """The bytes a (rows, cols) QuantLinear of ``fmt`` holds with the auto kernel, from the shape
-    alone, at most: its plane (4-bit codes in 16-row tiles or one byte per code, a float32 scale
+    alone, at most: its plane (4- or 5-bit codes in 16-row tiles or one byte per code, a float32 scale
     and min per group, float16 where exact; int4pack, where no plane can be made, holds no more). None where no fast kernel
     takes the format (such weights are read as float)."""
     if select_kernel(fmt) == "dequant":
         return None
     view = AFFINE_VIEWS.get(fmt.name)
-    if view.levels <= 16:
+    bits = plane_bits(view.levels, view.group)
+    if bits < 8:  # tiles of 16 rows
         rows = -(-rows // 16) * 16
-        return rows * cols // 2 + 8 * rows * (cols // view.group)
-    return rows * cols + 8 * rows * (cols // view.group)
+    return rows * cols * bits // 8 + 8 * rows * (cols // view.group)
 
 
 @dataclass(frozen=True)

@@ -474,3 +474,30 @@ def test_open_files_errors(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match=r"checkpoint file not found: .*missing\.pt"):
         open_files("pickle", [tmp_path / "missing.pt"])
     assert set(LOADERS.names()) >= {"gguf", "hf", "pickle", "safetensors"}
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+
+
+@pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="needs Linux /proc for RSS")
+def test_safetensors_tensors_are_views_their_pages_released(tmp_path: Path) -> None:
+    """A tensor is a view of the file's mapping (its values are the file's, written by the
+    safetensors package); once read, ``release`` takes its pages out of this process's
+    resident memory, and a write into a tensor stays in the process (a private mapping)."""
+    big = torch.arange(16 << 20, dtype=torch.float32)  # 64 MiB
+    small = torch.randn(3, 5, dtype=torch.bfloat16)
+    save_file({"big": big, "small": small, "empty": torch.zeros(0, 4)}, tmp_path / "m.safetensors")
+    src = SafetensorsSource([tmp_path / "m.safetensors"])
+    assert torch.equal(src.get("small"), small) and src.get("empty").shape == (0, 4)
+    before = _rss()
+    t = src.get("big")
+    assert torch.equal(t, big)  # (reads every page)
+    assert _rss() - before > (48 << 20)
+    del t
+    src.release("big")
+    assert _rss() - before < (16 << 20)
+    w = src.get("small")
+    w += 1  # copy-on-write: the file is unchanged
+    assert torch.equal(SafetensorsSource([tmp_path / "m.safetensors"]).get("small"), small)

@@ -8,10 +8,12 @@ it once a tensor is in its final form, so the file's pages need not stay residen
 
 from __future__ import annotations
 
+import mmap
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Protocol, Union
 
+import numpy as np
 import torch
 
 from inferflow.quant.tensor import QuantTensor
@@ -42,3 +44,18 @@ class TensorInfo(Protocol):
 
 # format name (the spec's ``source.format``) -> opener of a list of files
 LOADERS: Registry[Callable[[Sequence[Path]], WeightSource]] = Registry("checkpoint format")
+
+
+def release_pages(mm: np.ndarray | None, offset: int, nbytes: int) -> None:
+    """Drop the whole pages of bytes [offset, offset + nbytes) of an np.memmap from this process's
+    resident memory (``madvise(MADV_DONTNEED)``): they stay in the page cache, and a view still
+    held faults them back in (a private mapping's own writes are dropped). Pages shared with a
+    neighbouring tensor stay."""
+    mapping = getattr(mm, "_mmap", None)  # np.memmap's mmap.mmap
+    if mapping is None or not hasattr(mmap, "MADV_DONTNEED"):
+        return
+    page = mmap.PAGESIZE
+    start = -(-offset // page) * page
+    end = (offset + nbytes) // page * page
+    if end > start:
+        mapping.madvise(mmap.MADV_DONTNEED, start, end - start)

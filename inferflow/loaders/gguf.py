@@ -15,7 +15,6 @@ from __future__ import annotations
 import functools
 import logging
 import math
-import mmap
 import struct
 import warnings
 from collections.abc import Iterator, Sequence
@@ -28,7 +27,7 @@ import numpy as np
 import torch
 
 from inferflow.errors import CheckpointError
-from inferflow.loaders.base import LOADERS, Weight, WeightSource
+from inferflow.loaders.base import LOADERS, Weight, WeightSource, release_pages
 from inferflow.quant.formats import (
     GGUF_TYPE_NAMES,
     GGUF_TYPES_KEY,
@@ -514,16 +513,10 @@ class GGUFSource:
 
     def release(self, name: str) -> None:
         """Drop ``name``'s pages from this process's resident memory once it has been read
-        into its final form: they stay in the page cache, and a view still held faults them
-        back in. A load then never holds the whole file resident beside the model."""
-        mapping = getattr(self._mm, "_mmap", None)  # np.memmap's mmap.mmap
-        if mapping is None or not hasattr(mmap, "MADV_DONTNEED"):
-            return
-        info, page = self.info(name), mmap.PAGESIZE
-        start = -(-info.offset // page) * page  # the whole pages inside the tensor's bytes
-        end = (info.offset + info.nbytes) // page * page  # (pages shared with a neighbour stay)
-        if end > start:
-            mapping.madvise(mmap.MADV_DONTNEED, start, end - start)
+        into its final form (``release_pages``). A load then never holds the whole file
+        resident beside the model."""
+        info = self.info(name)
+        release_pages(self._mm, info.offset, info.nbytes)
 
     def close(self) -> None:
         # np.memmap has no close(): dropping our reference unmaps once no tensor views remain

@@ -120,6 +120,12 @@ class HFSource:
     def shape(self, name: str) -> tuple[int, ...]:
         return self._inner.shape(name)
 
+    def release(self, name: str) -> None:
+        """The inner source's ``release``, where it has one (safetensors, GGUF)."""
+        release = getattr(self._inner, "release", None)
+        if release is not None:
+            release(name)
+
     def dtype_name(self, name: str) -> str:
         return self._inner.dtype_name(name)
 

@@ -1,11 +1,12 @@
 """safetensors files (one, or the shards of an index) as a WeightSource.
 
-Tensors come from ``safetensors.safe_open(framework="pt")``, which memory-maps the file. Before
-handing a file to it we validate the header ourselves, with the rules of the reference
+Each file is memory-mapped (private, copy-on-write: a caller writing into a tensor changes only
+its own pages) and a tensor is a view of its bytes, so ``release`` can drop a tensor's pages once
+the model holds it in its final form. The header is validated with the rules of the reference
 implementation (safetensors ``Metadata::validate``): an 8-byte little-endian header length that
 fits in the file, a JSON object, known dtypes, and data offsets that tile the data section exactly
 and agree with dtype x shape. A truncated or garbage file then fails with a CheckpointError that
-says what is wrong instead of a Rust error string.
+says what is wrong.
 """
 
 from __future__ import annotations
@@ -21,10 +22,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from inferflow.errors import CheckpointError
-from inferflow.loaders.base import LOADERS, WeightSource
+from inferflow.loaders.base import LOADERS, WeightSource, release_pages
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +56,12 @@ _TORCH_NAMES: dict[str, str] = {
     "float16": "F16", "bfloat16": "BF16", "int32": "I32", "uint32": "U32", "float32": "F32",
     "complex64": "C64", "float64": "F64", "int64": "I64", "uint64": "U64",
 }  # fmt: skip
+
+
+# safetensors name -> torch dtype, where this torch build has one (F4 / F6 packed types: none)
+_TORCH_DTYPES: dict[str, torch.dtype] = {
+    st: getattr(torch, name) for name, st in _TORCH_NAMES.items() if hasattr(torch, name)
+}
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -192,13 +200,12 @@ class SafetensorsSource:
     """One or more safetensors files (shards are merged; a name in two shards is an error)."""
 
     def __init__(self, paths: Sequence[str | Path]) -> None:
-        from safetensors import safe_open
-
         if not paths:
             raise CheckpointError("no safetensors file given")
         self.metadata: dict[str, Any] = {}
         self._owner: dict[str, tuple[Path, TensorEntry]] = {}
-        self._handles: dict[Path, Any] = {}
+        self._maps: dict[Path, np.ndarray] = {}
+        self._data: dict[Path, int] = {}  # absolute offset of each file's data section
         for p in map(Path, paths):
             if not os.path.isfile(p):
                 raise CheckpointError(f"safetensors file not found: {p}")
@@ -212,11 +219,12 @@ class SafetensorsSource:
             for k, v in header.metadata.items():  # shards repeat the same metadata
                 self.metadata.setdefault(k, v)
             try:
-                self._handles[p] = safe_open(str(p), framework="pt")
-            except Exception as e:  # the Rust side raises its own exception types
-                raise CheckpointError(f"{p}: safetensors cannot open it: {e}") from e
+                self._maps[p] = np.memmap(p, dtype=np.uint8, mode="c")
+            except (OSError, ValueError) as e:
+                raise CheckpointError(f"{p}: cannot map it: {e}") from e
+            self._data[p] = header.data_offset
         log.debug(
-            "opened %d tensors from %d safetensors file(s)", len(self._owner), len(self._handles)
+            "opened %d tensors from %d safetensors file(s)", len(self._owner), len(self._maps)
         )
 
     def _entry(self, name: str) -> tuple[Path, TensorEntry]:
@@ -231,14 +239,32 @@ class SafetensorsSource:
         return list(self._owner)
 
     def get(self, name: str) -> torch.Tensor:
-        path, _ = self._entry(name)
-        handle = self._handles.get(path)
-        if handle is None:
+        """A view of the tensor's bytes in the mapping (copied only where its offset is not a
+        multiple of its element size)."""
+        path, entry = self._entry(name)
+        mm = self._maps.get(path)
+        if mm is None:
             raise CheckpointError(f"{path}: safetensors source is closed")
-        try:
-            return handle.get_tensor(name)
-        except Exception as e:  # e.g. a dtype this torch build lacks
-            raise CheckpointError(f"{path}: cannot load tensor {name!r}: {e}") from e
+        dtype = _TORCH_DTYPES.get(entry.dtype)
+        if dtype is None:
+            raise CheckpointError(
+                f"{path}: cannot load tensor {name!r}: dtype {entry.dtype} has no torch dtype "
+                f"here; loadable: {', '.join(_TORCH_DTYPES)}"
+            )
+        if entry.end == entry.start:
+            return torch.empty(entry.shape, dtype=dtype)  # (no bytes to view)
+        start = self._data[path] + entry.start
+        raw = mm[start : self._data[path] + entry.end]
+        if start % dtype.itemsize:
+            raw = np.array(raw)  # (aligned copy)
+        return torch.from_numpy(raw).view(dtype).reshape(entry.shape)
+
+    def release(self, name: str) -> None:
+        """Drop ``name``'s pages from this process's resident memory once it has been read
+        into its final form (``release_pages``)."""
+        path, entry = self._entry(name)
+        start = self._data[path] + entry.start
+        release_pages(self._maps.get(path), start, entry.end - entry.start)
 
     def shape(self, name: str) -> tuple[int, ...]:
         return self._entry(name)[1].shape
@@ -257,8 +283,8 @@ class SafetensorsSource:
         return name in self._owner
 
     def close(self) -> None:
-        # safe_open has no close(); dropping it unmaps once no tensor uses the mapping
-        self._handles.clear()
+        # np.memmap has no close(): dropping it unmaps once no tensor views remain
+        self._maps.clear()
 
     def __enter__(self) -> SafetensorsSource:
         return self

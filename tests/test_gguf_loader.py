@@ -388,3 +388,37 @@ def test_gemma3_metadata_is_fast() -> None:
     assert len(meta["tokenizer.ggml.tokens"]) == 262144
     assert meta["general.architecture"] == "gemma3"
     assert best < 2.0, f"reading Gemma-3 metadata took {best:.2f} s"
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+
+
+@pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="needs Linux /proc for RSS")
+def test_repacking_lets_a_tensors_file_pages_go(tmp_path: Path) -> None:
+    """A quantized tensor read from the file's mapping carries ``release``: unpacking it into
+    a kernel's layout (affine_parts, chunk by chunk) drops each chunk's file pages once read,
+    so the file's bytes and the new layout are never both resident whole. Its values are
+    gguf-py's."""
+    from inferflow.model.materialise import trim_heap
+    from inferflow.quant.linear import affine_parts
+
+    rows, cols = 8192, 4096  # Q8_0: 34 MiB in the file
+    blocks = RNG.integers(-127, 128, (rows * cols // 32, 34), dtype=np.int8).view(np.uint8)
+    blocks[:, :2] = np.full((1, 1), 0.01, np.float16).view(np.uint8)  # d
+    path = _write(
+        tmp_path / "big.gguf",
+        lambda w: w.add_tensor("w", blocks.reshape(rows, -1), raw_dtype=GT.Q8_0),
+    )
+    qt = GGUFSource(path).get("w")
+    assert isinstance(qt, QuantTensor) and qt.release is not None
+    before = _rss()
+    codes, scale, mn = affine_parts(qt)
+    trim_heap()  # (the chunks' freed temporaries, as loading does)
+    grown = _rss() - before
+    held = codes.nbytes + scale.nbytes + mn.nbytes  # 32 + 8 MiB; the file's pages: 34 MiB
+    assert grown < held + qt.data.nbytes // 2, f"grew {grown >> 20} MiB, {held >> 20} MiB held"
+    ref = gguf.quants.dequantize(blocks.reshape(rows, -1), GT.Q8_0)
+    got = codes.float().reshape(rows, -1, 32) * scale[..., None] + mn[..., None]
+    assert np.array_equal(got.reshape(rows, cols).numpy(), ref)

@@ -504,7 +504,12 @@ class GGUFSource:
             # never 0-d: _tensor_infos refuses one (a single weight, less than a block)
             per_row = info.shape[-1] // fmt.block_size * fmt.bytes_per_block
             data = torch.from_numpy(raw.reshape(-1, per_row) if per_row else raw)
-        qt = QuantTensor(data, info.type_name, info.shape)
+        mm = self._mm
+
+        def release(start: int, stop: int) -> None:
+            release_pages(mm, info.offset + start, stop - start)
+
+        qt = QuantTensor(data, info.type_name, info.shape, release)
         return qt if dtype is None else qt.dequantize(dtype)
 
     def __iter__(self) -> Iterator[tuple[str, Weight]]:

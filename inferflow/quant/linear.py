@@ -193,6 +193,7 @@ def affine_parts(w: QuantTensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
     codes = torch.empty(rows, cols, dtype=torch.uint8)
     scale, mn = torch.empty(rows, g), torch.empty(rows, g)
     blocks = w.data.reshape(rows, -1)
+    per_row = blocks.shape[1]
     for r in range(0, rows, _CHUNK_ROWS):  # (the unpacking's temporaries stay a chunk's size)
         c, s, m = view.unpack(blocks[r : r + _CHUNK_ROWS].reshape(-1, fmt.bytes_per_block))
         n = c.numel() // cols
@@ -201,6 +202,8 @@ def affine_parts(w: QuantTensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
             s.reshape(n, g),
             m.reshape(n, g),
         )
+        if w.release is not None:  # the chunk's file pages: read, so let them go
+            w.release(r * per_row, (r + n) * per_row)
     return codes, scale, mn
 
 

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 
@@ -22,6 +23,11 @@ class QuantTensor:
     data: torch.Tensor  # uint8, (rows, bytes_per_row) or flat
     format: str
     shape: tuple[int, ...]
+    # set by a loader whose file mapping backs ``data``: release(start, stop) lets the pages of
+    # bytes [start, stop) of data go from resident memory once they are read (a later read
+    # faults them in again from the file), so repacking a large tensor never holds its file
+    # pages and its new layout whole at once
+    release: Callable[[int, int], None] | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         fmt = self.qformat

@@ -4,7 +4,9 @@
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -170,7 +172,7 @@ def test_materialise_keeps_fast_formats_only_and_reads_the_rest(monkeypatch, cap
     assert type(model.plain) is Linear and torch.equal(model.plain.weight, plain)
     assert type(model.slow) is Linear and torch.equal(model.slow.weight, q2.dequantize())
     ids = torch.tensor([[5, 0], [23, 5]])
-    blocks = model.table.blocks  # (a copy of the checkpoint blocks: no view pins the file)
+    blocks = model.table.blocks  # (the checkpoint's blocks)
     assert blocks is not None and torch.equal(blocks.data, q4.data.reshape(blocks.data.shape))
     assert not hasattr(model.table, "weight")
     assert torch.equal(model.table(ids), q4.dequantize()[ids])
@@ -204,3 +206,41 @@ def test_declared_sizes_that_cannot_fit_fail_before_allocating(monkeypatch) -> N
     monkeypatch.setattr(materialise_module, "available_memory", lambda: 64 << 20)
     with pytest.raises(CheckpointError, match="needs about 0.[0-9] GiB and 0.1 GiB"):
         load("smollm2-135m-instruct")
+
+
+@pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="needs Linux /proc for RSS")
+def test_a_kept_table_from_a_gguf_is_resident_only_where_read(tmp_path: Path) -> None:
+    """A quantized embedding table kept from a GGUF stays a view of the file's mapping: after
+    loading, its pages are not resident (the file's 34 MiB table adds little), and lookups
+    return gguf-py's values of the rows asked for."""
+    gguf = pytest.importorskip("gguf")
+    from gguf.constants import GGMLQuantizationType as GT
+
+    from inferflow.loaders.gguf import GGUFSource
+    from inferflow.model.materialise import trim_heap
+
+    rows, dim = 8192, 4096
+    rng = np.random.default_rng(0)
+    blocks = rng.integers(-127, 128, (rows * dim // 32, 34), dtype=np.int8).view(np.uint8)
+    blocks[:, :2] = np.full((1, 1), 0.01, np.float16).view(np.uint8)  # d
+    w = gguf.GGUFWriter(tmp_path / "t.gguf", "llama")
+    w.add_tensor("table.weight", blocks.reshape(rows, -1), raw_dtype=GT.Q8_0)
+    w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
+    with build._meta_parameters():
+        model = nn.Module()
+        model.add_module("table", Embedding(rows, dim))
+    source = GGUFSource(tmp_path / "t.gguf")
+    names = NameMap(TensorsSpec(map=(MapEntry("table.weight", "table.weight"),)))
+    trim_heap()
+    before = _rss()
+    materialise(model, source, plan_weights(model, source, names), keep=True)
+    trim_heap()
+    assert _rss() - before < (8 << 20)  # (a copy: + 34 MiB)
+    ids = torch.tensor([3, rows - 1, 3])
+    ref = gguf.quants.dequantize(blocks.reshape(rows, -1), GT.Q8_0)[ids.numpy()]
+    assert np.array_equal(model.table(ids).numpy(), ref)
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096

@@ -11,7 +11,9 @@ With ``keep`` (the default for checkpoints stored quantized, e.g. GGUF Q4_1 / Q8
 - a tied head (logits = h @ E^T) whose embedding E is stored so gets a QuantLinear over E's
   blocks, and E's lookups read that layer's C plane (one copy of the table; with int4pack, E
   keeps its own copy of the blocks); lookups dequantize the rows they read;
-- an embedding stored quantized keeps its blocks unless a float tied head reads the table.
+- an embedding stored quantized keeps its blocks unless a float tied head reads the table: the
+  checkpoint's own bytes, a view of a memory-mapped file (GGUF), so only the rows lookups read
+  become resident, as llama.cpp's mapped tables (the file must not be truncated while in use).
 
 Everything else is read into a tensor of the run dtype, one parameter at a time.
 """
@@ -87,8 +89,8 @@ def materialise(
             if isinstance(mod, Embedding) and path not in float_heads and mod.plane is None:
                 pname = f"{path}.weight"
                 qt = stored_blocks(source, plan.parts.get(pname, []), mod.weight.shape[0])
-                if qt is not None:  # (a copy: no view keeps the file mapped)
-                    mod.keep_blocks(QuantTensor(qt.data.clone(), qt.format, qt.shape))
+                if qt is not None:  # a view of a mapped file: rows resident once looked up
+                    mod.keep_blocks(QuantTensor(qt.data, qt.format, qt.shape))
                     done.add(pname)
                     loading.finished(pname)
         # largest first: a tensor's file pages and its kernel's layout are both resident while
@@ -146,7 +148,8 @@ def resident_summary(model: nn.Module, kept: int) -> str:
     return (
         f"weights resident: {quant + floats + blocks:.0f} MiB (quantized linear layers as "
         f"their kernels read them: {quant:.0f} MiB, {kept} of them over the checkpoint's "
-        f"blocks; float tensors {floats:.0f} MiB; quantized embedding rows {blocks:.0f} MiB)"
+        f"blocks; float tensors {floats:.0f} MiB; quantized embedding rows {blocks:.0f} MiB, "
+        "resident as they are read where mapped from the file)"
     )
 
 

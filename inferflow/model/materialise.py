@@ -247,7 +247,7 @@ class _Loading:
     progress line is logged at most every PROGRESS_S seconds."""
 
     PROGRESS_S = 2.0
-    TRIM_S = 1.0  # (each trim makes later allocations fault their pages in again: not too often)
+    TRIM_S = 0.2  # (each trim makes later allocations fault their pages in again: not too often)
 
     def __init__(self, source: WeightSource, plan: WeightPlan) -> None:
         self.release = getattr(source, "release", None)

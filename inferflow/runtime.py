@@ -280,4 +280,9 @@ def load(
     tokenizer = (
         tokenizer if tokenizer is not None else tokenizer_for(spec)
     )  # (a bad one fails before weights load)
-    return LanguageModel(spec, load_model(spec, dt, q), tokenizer)
+    model = load_model(spec, dt, q)
+    if spec.source.format == "gguf":  # (the tokenizer and the weights hold what they need)
+        from inferflow.loaders.gguf import forget_metadata
+
+        forget_metadata()
+    return LanguageModel(spec, model, tokenizer)

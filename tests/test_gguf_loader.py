@@ -422,3 +422,19 @@ def test_repacking_lets_a_tensors_file_pages_go(tmp_path: Path) -> None:
     ref = gguf.quants.dequantize(blocks.reshape(rows, -1), GT.Q8_0)
     got = codes.float().reshape(rows, -1, 32) * scale[..., None] + mn[..., None]
     assert np.array_equal(got.reshape(rows, cols).numpy(), ref)
+
+
+def test_metadata_is_parsed_once_and_forgotten_after_loading(full_gguf: Path) -> None:
+    """Hyperparameters, the tokenizer and the weight source read one parse of a file's
+    key/values (a large vocabulary is parsed and held once); forget_metadata drops it (a model's
+    load calls it once the tokenizer and the weights hold what they need)."""
+    from inferflow.loaders.gguf import forget_metadata
+
+    forget_metadata()
+    first = read_gguf_metadata(full_gguf)
+    src = GGUFSource(full_gguf)
+    assert src.metadata["a.str"] is first["a.str"]  # the same objects: one parse
+    assert src.metadata == first and src.metadata_types["a.str"] == (V.ARRAY, V.STRING)
+    forget_metadata()
+    again = read_gguf_metadata(full_gguf)
+    assert again == first and again["a.str"] is not first["a.str"]

@@ -284,6 +284,7 @@ class _Header:
     tensors: dict[str, GGUFTensorInfo]
     alignment: int
     data_offset: int
+    kv_end: int  # where the key/values end (the tensor infos begin)
 
 
 def _map(path: Path) -> np.memmap[Any, np.dtype[np.uint8]]:
@@ -312,7 +313,11 @@ def _map(path: Path) -> np.memmap[Any, np.dtype[np.uint8]]:
     return np.memmap(path, dtype=np.uint8, mode="r")
 
 
-def _parse(mm: np.ndarray, path: Path, with_tensors: bool = True) -> _Header:
+def _parse(
+    mm: np.ndarray, path: Path, with_tensors: bool = True, known: _Header | None = None
+) -> _Header:
+    """The header; with ``known`` (this file's key/values, parsed before), its key/values are
+    taken from there (the same objects: a 262k-token vocabulary is parsed and held once)."""
     cur = _Cursor(mm.data, path)  # a memoryview of the mapping: no copy
     cur.pos = 4
     version = cur.u32("version")
@@ -321,12 +326,15 @@ def _parse(mm: np.ndarray, path: Path, with_tensors: bool = True) -> _Header:
     cur.bound(n_kv, 13, "the metadata count")  # key length + type + a 1-byte value at least
     metadata: dict[str, Any] = {}
     types: dict[str, tuple[int, ...]] = {}
-    for i in range(n_kv):
+    if known is not None:
+        metadata, types, cur.pos = dict(known.metadata), dict(known.metadata_types), known.kv_end
+    for i in range(0 if known is not None else n_kv):
         key = cur.name(f"metadata key #{i}")
         if key in metadata:
             raise CheckpointError(f"{path}: duplicate metadata key {key!r}")
         vtype = cur.u32(f"value type of {key!r}")
         metadata[key], types[key] = _read_value(cur, vtype, key)
+    kv_end = cur.pos
 
     alignment = DEFAULT_ALIGNMENT
     if "general.alignment" in metadata:
@@ -341,7 +349,7 @@ def _parse(mm: np.ndarray, path: Path, with_tensors: bool = True) -> _Header:
                 f"of type {[GGUFValueType(t).name for t in types['general.alignment']]}"
             )
     if not with_tensors:
-        return _Header(version, metadata, types, {}, alignment, 0)
+        return _Header(version, metadata, types, {}, alignment, 0, kv_end)
 
     cur.bound(n_tensors, 24, "the tensor count")  # name length + n_dims + type + offset
     raw_infos = []
@@ -358,7 +366,7 @@ def _parse(mm: np.ndarray, path: Path, with_tensors: bool = True) -> _Header:
 
     declared = _declared_types(path, metadata)
     tensors = _tensor_infos(path, cur.size, raw_infos, data_offset, alignment, declared)
-    return _Header(version, metadata, types, tensors, alignment, data_offset)
+    return _Header(version, metadata, types, tensors, alignment, data_offset, kv_end)
 
 
 def _tensor_infos(
@@ -432,18 +440,28 @@ def _refuse_overlaps(path: Path, infos: dict[str, GGUFTensorInfo]) -> None:
 
 def read_gguf_metadata(path: str | Path) -> dict[str, Any]:
     """Only the header's key/values (no tensor infos): for resolving hyperparameters and the
-    tokenizer. Parsed once per file version (the vocabulary arrays take a while)."""
-    path = Path(path)
+    tokenizer. Parsed once per file version (the vocabulary arrays take a while) and shared with
+    the file's GGUFSource until ``forget_metadata``."""
+    return dict(_key_values(Path(path)).metadata)
+
+
+def _key_values(path: Path) -> _Header:
     try:
         st = path.stat()
     except OSError as e:
         raise CheckpointError(f"cannot read GGUF file {path}: {e}") from e
-    return dict(_metadata(path.resolve(), st.st_mtime_ns, st.st_size))
+    return _parsed_key_values(path.resolve(), st.st_mtime_ns, st.st_size)
 
 
-@functools.lru_cache(maxsize=8)
-def _metadata(path: Path, mtime_ns: int, size: int) -> dict[str, Any]:
-    return _parse(_map(path), path, with_tensors=False).metadata
+@functools.lru_cache(maxsize=4)
+def _parsed_key_values(path: Path, mtime_ns: int, size: int) -> _Header:
+    return _parse(_map(path), path, with_tensors=False)
+
+
+def forget_metadata() -> None:
+    """Drop the parsed key/values kept for the next reader of each file (a loaded model's
+    tokenizer and weights hold what they need: a 262k-token vocabulary's strings are ~35 MB)."""
+    _parsed_key_values.cache_clear()
 
 
 class GGUFSource:
@@ -457,7 +475,7 @@ class GGUFSource:
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         self._mm: np.ndarray | None = _map(self.path)
-        header = _parse(self._mm, self.path)
+        header = _parse(self._mm, self.path, known=_key_values(self.path))
         self.version = header.version
         self.metadata: dict[str, Any] = header.metadata
         # key -> GGUF type path, e.g. (UINT32,) or (ARRAY, STRING): what a writer needs

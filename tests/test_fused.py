@@ -43,8 +43,12 @@ def test_plane_matvec_matches_dequantize(name: str, lib) -> None:  # noqa: ANN00
         w = torch.randn(200, 576, generator=g) * 0.05 + torch.randn(200, 1, generator=g) * 0.05
         qt = quantize(w, name)
     view = AFFINE_VIEWS.get(qt.format)
-    plane = quant_decode.make_plane(*affine_parts(qt), view.levels)
+    plane = quant_decode.make_plane(*affine_parts(qt), view.levels, view.zero)
     assert plane is not None
+    # symmetric formats (the codec's min is -zero * scale) hold no mins where the build derives
+    # them: the vector-type loops
+    symmetric = name in ("Q4_0", "Q5_0", "Q8_0", "Q6_K")
+    assert (plane.min is None) == (symmetric and quant_decode.symmetric_built())
     # 4-bit tiles; 5-bit ones (a tile of the low four bits and a plane of the fifth) where the
     # groups are multiples of 32; else one byte per code
     five = view.levels in (17, 32) and view.group % 32 == 0  # (no format has 17..31 levels)
@@ -58,7 +62,8 @@ def test_plane_matvec_matches_dequantize(name: str, lib) -> None:  # noqa: ANN00
     # the writable formats' scales and mins are their blocks' float16 fields: exact in float16,
     # so held so where the build reads them (k-quants' d * sub-scale products stay float32)
     half = quant_decode.half_built() and name in AFFINE_WRITABLE
-    assert plane.scale.dtype == plane.min.dtype == (torch.float16 if half else torch.float32)
+    dtypes = {t.dtype for t in (plane.scale, plane.min) if t is not None}
+    assert dtypes == {torch.float16 if half else torch.float32}
     x = torch.randn(7, qt.shape[1], generator=g)  # (rows of x go 4 at a time: 4 + 3)
     ref = (x.double() @ qt.dequantize().double().t()).float()
     # float32 sums of <= 576 terms: accumulation-order noise only (4-bit tiles with AVX512-BF16:
@@ -273,7 +278,8 @@ def test_portable_builds(
         assert quant_decode.library() is not None
         for name in ("Q4_B64", "Q5_1", "Q8_0"):
             qt = quantize(torch.randn(100, 256, generator=torch.Generator().manual_seed(1)), name)
-            plane = quant_decode.make_plane(*affine_parts(qt), AFFINE_VIEWS.get(name).levels)
+            view = AFFINE_VIEWS.get(name)
+            plane = quant_decode.make_plane(*affine_parts(qt), view.levels, view.zero)
             assert plane is not None
             x = torch.randn(2, 256)
             ref = (x.double() @ qt.dequantize().double().t()).float()

@@ -16,6 +16,8 @@
      result is float32 math on the codec's values: no bf16 rounding of x, scales or mins.
      Without BF16 the same tiles run in float32 FMAs.
 
+   Symmetric formats (min = -zero * scale) may leave min NULL in builds without AVX-512.
+
    qmat_gemv: y = W x for M rows of x, one at a time, rows (or tiles) of W split over the threads.
    qmat_gemm: Y = X W^T for all rows of X at once, x in bf16 (4-bit tiles, AVX512-BF16 only).
    qmat_gemm_f32: the same in float32 on the codec's values, any codes, any CPU.
@@ -41,6 +43,7 @@ typedef struct {
     int32_t bits; /* 4 or 8 */
     int32_t half; /* scale and min are float16 (only where qmat_half_built()) */
     const uint8_t *high; /* 5-bit codes: their fifth bits (else NULL) */
+    float zero;          /* min NULL (symmetric formats, SYMMETRIC_BUILT only): min = -zero * scale */
 } QMat;
 
 typedef struct {
@@ -77,6 +80,16 @@ static inline v8f load8(const float *p) {
 
 int qmat_half_built(void) { return HALF_BUILT; }
 
+/* Symmetric formats (Q4_0, Q5_0, Q8_0, Q6_K: min = -zero * scale, zero a power of two, so
+   exact) hold no mins in builds whose loops derive them: the vector-type loops (no AVX-512). */
+#if defined(__AVX512F__)
+#define SYMMETRIC_BUILT 0
+#else
+#define SYMMETRIC_BUILT 1
+#endif
+
+int qmat_symmetric_built(void) { return SYMMETRIC_BUILT; }
+
 /* element i of a scale or min array */
 static inline float ld1(const QMat *w, const float *a, int64_t i) {
 #if HALF_BUILT
@@ -100,6 +113,15 @@ static inline v8f ld8(const QMat *w, const float *a, int64_t i) {
     (void)w;
 #endif
     return load8(a + i);
+}
+
+/* min i, and mins i .. i + 7 */
+static inline float min1(const QMat *w, int64_t i) {
+    return w->min ? ld1(w, w->min, i) : -w->zero * ld1(w, w->scale, i);
+}
+
+static inline v8f min8(const QMat *w, int64_t i) {
+    return w->min ? ld8(w, w->min, i) : -w->zero * ld8(w, w->scale, i);
 }
 
 /* 4-bit tile bytes: rows 8h .. 8h + 7 of sub-block s (p = chunk + 32 s + 16 h) as the codes of
@@ -139,9 +161,9 @@ static inline __attribute__((always_inline)) float dot_u8(const uint8_t *c, cons
 static float row_dot(const QMat *w, int64_t r, const float *x, const float *xs) {
     const int64_t G = w->k / w->group;
     const uint8_t *c = w->codes + r * w->k;
-    const float *sc = w->scale + r * G, *mn = w->min + r * G;
 #if defined(__AVX512F__)
     if (w->group % 32 == 0) {
+        const float *sc = w->scale + r * G, *mn = w->min + r * G;
         const int64_t chunks = w->group / 32;
         __m512 acc = _mm512_setzero_ps(), mins = _mm512_setzero_ps();
         for (int64_t g = 0; g < G; g++) {
@@ -169,7 +191,7 @@ static float row_dot(const QMat *w, int64_t r, const float *x, const float *xs) 
         float t = 0.f;
         for (int64_t j = 0; j < w->group; j += step, c += step)
             t += step == 32 ? dot_u8(c, x + g * w->group + j, 32) : dot_u8(c, x + g * w->group + j, 16);
-        total += ld1(w, w->scale, r * G + g) * t + ld1(w, w->min, r * G + g) * xs[g];
+        total += ld1(w, w->scale, r * G + g) * t + min1(w, r * G + g) * xs[g];
     }
     return total;
 }
@@ -204,7 +226,7 @@ static void tile_dot_v8(const QMat *w, int64_t t, const float *x, const float *x
         }
         for (int h = 0; h < 2; h++)
             acc[h] += (a[h][0] + a[h][1]) * ld8(w, w->scale, (t * G + g) * 16 + 8 * h) +
-                      ld8(w, w->min, (t * G + g) * 16 + 8 * h) * xs[g];
+                      min8(w, (t * G + g) * 16 + 8 * h) * xs[g];
     }
     memcpy(out, acc, sizeof acc);
 }
@@ -440,7 +462,7 @@ static void tile_floats(const QMat *w, int64_t t, int64_t c0, int64_t cols, floa
         float *out = wt + 16 * (j * 32 - c0);
         for (int s = 0; s < 8; s++)
             for (int h = 0; h < 2; h++) { /* rows 8h .. 8h + 7 */
-                const v8f sc = ld8(w, w->scale, at + 8 * h), mn = ld8(w, w->min, at + 8 * h);
+                const v8f sc = ld8(w, w->scale, at + 8 * h), mn = min8(w, at + 8 * h);
                 const int col[4] = {2 * s, 16 + 2 * s, 2 * s + 1, 17 + 2 * s};
                 v8f q[4];
                 tile_codes(c + 32 * s + 16 * h, q);
@@ -511,7 +533,7 @@ static void gemm_rows_f32(const QMat *w, const float *x, int64_t M, float *y, fl
     const int64_t k = w->k, G = k / w->group;
     const uint8_t *c = w->codes + r * k;
     for (int64_t g = 0; g < G; g++) {
-        const float sc = ld1(w, w->scale, r * G + g), mn = ld1(w, w->min, r * G + g);
+        const float sc = ld1(w, w->scale, r * G + g), mn = min1(w, r * G + g);
         for (int64_t j = g * w->group; j < (g + 1) * w->group; j++) wr[j] = (float)c[j] * sc + mn;
     }
     int64_t m0 = 0;

@@ -23,7 +23,7 @@ _P, _I64, _I32, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_f
 
 class CQMat(ctypes.Structure):
     _fields_ = [("codes", _P), ("scale", _P), ("min", _P), ("n", _I64), ("k", _I64)]
-    _fields_ += [("group", _I64), ("bits", _I32), ("half", _I32), ("high", _P)]
+    _fields_ += [("group", _I64), ("bits", _I32), ("half", _I32), ("high", _P), ("zero", _F)]
 
 
 class CLayer(ctypes.Structure):
@@ -48,8 +48,8 @@ def library() -> ctypes.CDLL | None:
     lib.qmat_gemm.restype = ctypes.c_int
     lib.qmat_gemm_f32.argtypes = [ctypes.POINTER(CQMat), _P, _I64, _P, _P, ctypes.c_int]
     lib.qmat_gemm_f32.restype = None
-    lib.qmat_half_built.argtypes = []
-    lib.qmat_half_built.restype = ctypes.c_int
+    for flag in (lib.qmat_half_built, lib.qmat_symmetric_built):
+        flag.argtypes, flag.restype = [], ctypes.c_int
     lib.qmat_gemm_built.argtypes = []
     lib.qmat_gemm_built.restype = ctypes.c_int
     lib.decode_stack.argtypes = [ctypes.POINTER(CLayer), _I64, ctypes.POINTER(CDims), _P, _P]
@@ -62,6 +62,13 @@ def half_built() -> bool:
     """Whether this build's kernels read float16 scales and mins (F16C, no AVX-512)."""
     lib = library()
     return lib is not None and bool(lib.qmat_half_built())
+
+
+def symmetric_built() -> bool:
+    """Whether this build's kernels derive a symmetric format's mins (-zero * scale) instead of
+    reading them (the vector-type loops: no AVX-512)."""
+    lib = library()
+    return lib is not None and bool(lib.qmat_symmetric_built())
 
 
 def gemm_built() -> bool:
@@ -81,12 +88,13 @@ class QPlane:
 
     codes: torch.Tensor
     scale: torch.Tensor
-    min: torch.Tensor
+    min: torch.Tensor | None  # None: -zero * scale (a symmetric format, ``symmetric_built``)
     n: int
     k: int
     group: int
     bits: int
     high: torch.Tensor | None = None  # 5-bit codes' fifth bits
+    zero: int = 0
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -94,16 +102,17 @@ class QPlane:
 
     @property
     def nbytes(self) -> int:
-        high = 0 if self.high is None else self.high.nbytes
-        return self.codes.nbytes + self.scale.nbytes + self.min.nbytes + high
+        extra = sum(t.nbytes for t in (self.min, self.high) if t is not None)
+        return self.codes.nbytes + self.scale.nbytes + extra
 
     @cached_property
     def struct(self) -> CQMat:
         """The C view of the tensors above (they must not be replaced afterwards)."""
-        ptrs = (self.codes.data_ptr(), self.scale.data_ptr(), self.min.data_ptr())
+        mn = None if self.min is None else self.min.data_ptr()
+        ptrs = (self.codes.data_ptr(), self.scale.data_ptr(), mn)
         half = int(self.scale.dtype == torch.float16)
         high = None if self.high is None else self.high.data_ptr()
-        return CQMat(*ptrs, self.n, self.k, self.group, self.bits, half, high)
+        return CQMat(*ptrs, self.n, self.k, self.group, self.bits, half, high, self.zero)
 
     def matvec(self, x: torch.Tensor) -> torch.Tensor:
         """``x (M, k) float32 @ W.T`` -> (M, n) float32, one row of x at a time."""
@@ -120,8 +129,9 @@ class QPlane:
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows ``ids`` (N,) of W as float32 (N, k): code * scale + min, the codec's values (an
         embedding lookup from a tied head's plane)."""
+        mins = -self.zero * self.scale if self.min is None else self.min
         if self.bits == 8:
-            codes, scale, mn = self.codes[ids], self.scale[ids], self.min[ids]
+            codes, scale, mn = self.codes[ids], self.scale[ids], mins[ids]
         else:  # tile t = id // 16, row i = id % 16; byte (t, j, s, i, e): columns 2s + e, +16
             t, i = ids // 16, ids % 16
             b = self.codes[t, :, :, i, :].reshape(len(ids), -1, 16)  # (N, k / 32, (s, e))
@@ -130,7 +140,7 @@ class QPlane:
                 hb = self.high[t, :, :, i // 8, :] >> (i % 8).reshape(-1, 1, 1, 1).to(torch.uint8)
                 hb = (hb & 1).reshape(len(ids), -1, 8, 2, 2).permute(0, 1, 4, 2, 3)
                 codes = codes | (hb.reshape(len(ids), self.k) << 4)
-            scale, mn = self.scale[t, :, i], self.min[t, :, i]  # (N, G)
+            scale, mn = self.scale[t, :, i], mins[t, :, i]  # (N, G)
         g, scale, mn = self.group, scale.float(), mn.float()
         w = codes.to(torch.float32).reshape(len(ids), -1, g) * scale[..., None] + mn[..., None]
         return w.reshape(len(ids), self.k)
@@ -184,20 +194,26 @@ def plane_bits(levels: int, group: int) -> int:
 
 
 def make_plane(
-    codes: torch.Tensor, scale: torch.Tensor, mn: torch.Tensor, levels: int
+    codes: torch.Tensor, scale: torch.Tensor, mn: torch.Tensor, levels: int, zero: int | None = None
 ) -> QPlane | None:
     """The plane of an affine weight (codes (n, k) uint8 < levels; scale, min (n, k / group)
-    float32), or None where the kernel cannot take it (no compiler, or not ``plane_takes``)."""
+    float32), or None where the kernel cannot take it (no compiler, or not ``plane_takes``).
+    ``zero``: a symmetric format's code offset (min == -zero * scale): no mins are held where
+    the build derives them."""
     n, k = codes.shape
     group = k // scale.shape[1]
     if library() is None or not plane_takes(levels, group) or k % group:
         return None
     scale, mn = scale.to(torch.float32), mn.to(torch.float32)
-    if half_built() and all(torch.equal(t.half().float(), t) for t in (scale, mn)):
+    minless = zero is not None and symmetric_built() and torch.equal(mn, -zero * scale)
+    kept = (scale,) if minless else (scale, mn)
+    if half_built() and all(torch.equal(t.half().float(), t) for t in kept):
         scale, mn = scale.half(), mn.half()  # (exact: no value changes)
+    z = zero if minless and zero is not None else 0
     bits = plane_bits(levels, group)
     if bits == 8:
-        return QPlane(codes.contiguous(), scale.contiguous(), mn.contiguous(), n, k, group, 8)
+        mins = None if minless else mn.contiguous()
+        return QPlane(codes.contiguous(), scale.contiguous(), mins, n, k, group, 8, None, z)
     tiles = -(-n // 16)
 
     def pad(t: torch.Tensor) -> torch.Tensor:
@@ -217,4 +233,5 @@ def make_plane(
     def tiled(t: torch.Tensor) -> torch.Tensor:
         return pad(t).reshape(tiles, 16, -1).transpose(1, 2).contiguous()
 
-    return QPlane(packed, tiled(scale), tiled(mn), n, k, group, bits, high)
+    mins = None if minless else tiled(mn)
+    return QPlane(packed, tiled(scale), mins, n, k, group, bits, high, z)

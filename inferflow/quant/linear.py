@@ -20,7 +20,8 @@ unless ``dense_rows`` adds one):
 - ``plane`` (when ``kernel`` is auto and a C compiler works; then the layer's only copy): the
   codes in the layout of ``inferflow/kernels/quant_decode.c`` with float32 scales and mins (0.75
   bytes per weight for 4-bit codes, 0.875 for 5-bit, 1.25 for 8-bit in groups of 32; float16
-  ones where exact and the build reads them: 0.625, 0.75 and 1.125). One-row calls (one sequence's decode step)
+  ones where exact and the build reads them: 0.625, 0.75 and 1.125; symmetric formats, Q4_0,
+  Q5_0, Q8_0, Q6_K, hold no mins where the build derives them, -zero * scale). One-row calls (one sequence's decode step)
   compute on the codec's exact values in float32, and the same plane feeds the one-call decode
   of a whole stack (inferflow.model.fused). Calls of more rows run ``qmat_gemm_f32``: each tile
   of W is dequantized to float32 once per call and meets every row of x, so they too are float32
@@ -59,6 +60,7 @@ from inferflow.kernels.quant_decode import (
     make_plane,
     plane_bits,
     plane_takes,
+    symmetric_built,
 )
 from inferflow.quant import ggml
 from inferflow.quant.formats import QuantFormat
@@ -89,6 +91,7 @@ class AffineView:
     levels: int  # codes lie in [0, levels)
     group: int  # weights sharing one (scale, min)
     unpack: Unpack
+    zero: int | None = None  # symmetric formats: min == -zero * scale always
 
     @property
     def bits(self) -> int:
@@ -169,17 +172,17 @@ def _minmax_view(lay: MinMaxLayout) -> AffineView:
     return AffineView(lay.levels, lay.block_size, unpack)
 
 
-for _name, _levels, _group, _fn in [
-    ("Q4_0", 16, 32, _q4_0),
-    ("Q4_1", 16, 32, _q4_1),
-    ("Q5_0", 32, 32, _q5_0),
-    ("Q5_1", 32, 32, _q5_1),
-    ("Q8_0", 256, 32, _q8_0),
-    ("Q4_K", 16, 32, _q4_k),
-    ("Q5_K", 32, 32, _q5_k),
-    ("Q6_K", 64, 16, _q6_k),
+for _name, _levels, _group, _fn, _zero in [
+    ("Q4_0", 16, 32, _q4_0, 8),
+    ("Q4_1", 16, 32, _q4_1, None),
+    ("Q5_0", 32, 32, _q5_0, 16),
+    ("Q5_1", 32, 32, _q5_1, None),
+    ("Q8_0", 256, 32, _q8_0, 128),
+    ("Q4_K", 16, 32, _q4_k, None),
+    ("Q5_K", 32, 32, _q5_k, None),
+    ("Q6_K", 64, 16, _q6_k, 32),
 ]:
-    AFFINE_VIEWS.add(_name, AffineView(_levels, _group, _fn))
+    AFFINE_VIEWS.add(_name, AffineView(_levels, _group, _fn, _zero))
 for _lay in MINMAX_LAYOUTS:
     AFFINE_VIEWS.add(_lay.name, _minmax_view(_lay))
 
@@ -249,16 +252,18 @@ def select_kernel(fmt: QuantFormat) -> str:
 
 def kernel_bytes(fmt: QuantFormat, rows: int, cols: int) -> int | None:
     """The bytes a (rows, cols) QuantLinear of ``fmt`` holds with the auto kernel, from the shape
-    alone, at most: its plane (4- or 5-bit codes in 16-row tiles or one byte per code, a float32 scale
-    and min per group, float16 where exact; int4pack, where no plane can be made, holds no more). None where no fast kernel
-    takes the format (such weights are read as float)."""
+    alone, at most: its plane (4- or 5-bit codes in 16-row tiles or one byte per code, a
+    float32 scale and min per group, float16 where exact, no mins for a symmetric format where
+    the build derives them; int4pack, where no plane can be made, holds no more). None where no
+    fast kernel takes the format (such weights are read as float)."""
     if select_kernel(fmt) == "dequant":
         return None
     view = AFFINE_VIEWS.get(fmt.name)
     bits = plane_bits(view.levels, view.group)
     if bits < 8:  # tiles of 16 rows
         rows = -(-rows // 16) * 16
-    return rows * cols * bits // 8 + 8 * rows * (cols // view.group)
+    per_group = 4 if view.zero is not None and symmetric_built() else 8
+    return rows * cols * bits // 8 + per_group * rows * (cols // view.group)
 
 
 @dataclass(frozen=True)
@@ -436,7 +441,7 @@ class QuantLinear(nn.Module):
         if name in ("plane", "int4pack"):
             parts = affine_parts(weight)
             if name == "plane":  # every call on the plane: one copy of the weights
-                self.plane = make_plane(*parts, AFFINE_VIEWS.get(weight.format).levels)
+                self.plane = make_plane(*parts, view.levels, view.zero)
                 assert self.plane is not None  # (select_kernel checked what make_plane needs)
                 self.kernel, self.nbytes = plane_kernel(self.plane), self.plane.nbytes
             else:

@@ -152,6 +152,19 @@ def test_quantize_matches_gguf_py(name: str) -> None:
     assert _same_bits(back, gguf.quants.dequantize(ref.reshape(-1), GT[name]))
 
 
+def _k_quant_round_trip(name: str, nbytes: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The corner-case rows, our blocks of them, and what gguf-py decodes (our decoder: the same
+    floats)."""
+    fmt = get_format(name)
+    assert fmt.quantize_blocks is not None
+    x = _quantize_inputs(256)
+    blocks = fmt.quantize_blocks(torch.from_numpy(x)).numpy()
+    assert blocks.shape == (x.shape[0], nbytes)
+    back = gguf.quants.dequantize(blocks.reshape(-1), GT[name]).reshape(x.shape)
+    assert _same_bits(fmt.dequantize_blocks(torch.from_numpy(blocks)), back)
+    return x, blocks, back
+
+
 def test_q4_k_quantize_decodes_through_gguf_py() -> None:
     """gguf-py has no k-quant quantizer, so Q4_K's (llama.cpp's quantize_row_q4_K_ref, compared
     byte for byte with llama-quantize in test_llama_cpp_interchange) is checked here by what
@@ -159,13 +172,7 @@ def test_q4_k_quantize_decodes_through_gguf_py() -> None:
     step (its group's range over 15 levels, plus the 6-bit scales' 1/63 of the super-block's
     largest) on every row shape (flat, one-signed, constant, huge, zero; 1e-5 absolute for the
     row whose fp16 scale underflows), and a mean error below min-max's."""
-    fmt = get_format("Q4_K")
-    assert fmt.quantize_blocks is not None
-    x = _quantize_inputs(256)
-    blocks = fmt.quantize_blocks(torch.from_numpy(x)).numpy()
-    assert blocks.shape == (x.shape[0], 144)
-    back = gguf.quants.dequantize(blocks.reshape(-1), GT.Q4_K).reshape(x.shape)
-    assert _same_bits(fmt.dequantize_blocks(torch.from_numpy(blocks)), back)
+    x, blocks, back = _k_quant_round_trip("Q4_K", 144)
     groups, out = x.reshape(-1, 32), back.reshape(-1, 32)
     step = (np.maximum(groups.max(1), 0) - np.minimum(groups.min(1), 0)) / 15
     slack = np.repeat(np.abs(x).max(1) / 63, 8)
@@ -173,6 +180,24 @@ def test_q4_k_quantize_decodes_through_gguf_py() -> None:
     assert np.array_equal(back[0], np.zeros(256))  # a zero block stays zero
     rms = np.sqrt(((back[9:] - x[9:]) ** 2).mean() / (x[9:] ** 2).mean())
     assert rms < 0.09, rms  # measured 0.072 on normal data; min-max Q4_1 gives 0.10
+
+
+def test_q6_k_quantize_decodes_through_gguf_py() -> None:
+    """Q6_K's quantizer (llama.cpp's quantize_row_q6_K_ref, compared byte for byte with
+    llama-quantize in test_llama_cpp_interchange) checked by what gguf-py decodes from it: the
+    same floats as our decoder, each weight within 0.6 of a step of its sub-block's stored
+    scale (the nearest code on the grid the block stores), a zero block zero, and 6-bit accuracy
+    on normal data."""
+    x, blocks, back = _k_quant_round_trip("Q6_K", 210)
+    d = blocks[:, 208:].copy().view(np.float16).astype(np.float32)  # (rows, 1)
+    step = np.abs(d * blocks[:, 192:208].view(np.int8)).reshape(-1)  # each sub-block's scale
+    err = np.abs(back - x).reshape(-1, 16).max(1)
+    # the nearest code on the stored grid, or the end code where the rounded int8 scale puts
+    # a weight just past it (measured 0.564 steps); 1e-5: the row whose fp16 d underflows
+    assert (err <= 0.6 * step + 1e-5).all()
+    assert np.array_equal(back[0], np.zeros(256))  # a zero block stays zero
+    rms = np.sqrt(((back[9:] - x[9:]) ** 2).mean() / (x[9:] ** 2).mean())
+    assert rms < 0.02, rms  # measured 0.015 (Q6_K's 6.56 bits per weight)
 
 
 def test_bf16_quantize_nan_and_rounding() -> None:

@@ -136,17 +136,20 @@ def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("fmt", "bound"), [("F32", 0.95), ("Q8_0", 0.95), ("Q4_0", 0.95), ("Q4_K", 0.93)]
+    ("fmt", "bound"),
+    [("F32", 0.95), ("Q8_0", 0.95), ("Q4_0", 0.95), ("Q4_K", 0.88), ("Q6_K", 0.88)],
 )
 def test_llama_cpp_runs_a_converted_hf_llama(
     llama_bin: Path, tiny_llama: Path, tmp_path: Path, fmt: str, bound: float
 ) -> None:
     """The HF llama made a GGUF by `convert` (q/k rows permuted for llama.cpp's rope,
     hyperparameters, tokenizer) or by `quantize`: llama.cpp's greedy tokens are Inferflow's
-    teacher-forced top-1 at >= 95% of positions; Q4_K at >= 93%: llama.cpp rounds activations
-    to 8 bits per block of 256 for k-quants, and on this random model's near ties that moves
-    more tokens (measured 189 of 200 both with our kernels and with the weights dequantized to
-    float32, i.e. exact float32 on the file's values)."""
+    teacher-forced top-1 at >= 95% of positions; the k-quants at >= 88%: llama.cpp rounds
+    activations to 8 bits per block of 256 for them, and on this random model's near ties that
+    moves more tokens (measured 182 of 200 for Q4_K and for Q6_K, while our logits on the same
+    files equal the dequantized float32 model's to 4e-6, every top-1 the same; Q4_K's count
+    was 189 before its bytes matched llama-quantize's more closely: which ties fall which way
+    depends on the exact weights)."""
     out = tmp_path / f"tiny-{fmt}.gguf"
     if fmt == "F32":
         convert_checkpoint(tiny_llama, out, type_name="F32")
@@ -156,18 +159,20 @@ def test_llama_cpp_runs_a_converted_hf_llama(
 
 
 @pytest.mark.slow
-def test_q4_k_bytes_as_llama_quantize_writes_them(
-    llama_bin: Path, tiny_llama: Path, tmp_path: Path
+@pytest.mark.parametrize(("fmt", "nbytes"), [("Q4_K", 144), ("Q6_K", 210)])
+def test_k_quant_bytes_as_llama_quantize_writes_them(
+    llama_bin: Path, tiny_llama: Path, tmp_path: Path, fmt: str, nbytes: int
 ) -> None:
-    """Our Q4_K follows llama.cpp's quantize_row_q4_K_ref: `llama-quantize --pure` of the same
-    F32 weights writes the same bytes for nearly every block. Not all: ggml sums in float32 one
-    weight at a time (and the compiler may fuse multiply-adds), we sum in torch's order, so a
-    near tie between two grids can fall the other way (measured: 98.5% of blocks identical)."""
+    """Our Q4_K and Q6_K follow llama.cpp's quantize_row_q4_K_ref / quantize_row_q6_K_ref:
+    `llama-quantize --pure` of the same F32 weights writes the same bytes for nearly every
+    block (measured: Q4_K 99.7% of blocks identical, Q6_K 100%; the sums run one term at a
+    time in float32 as ggml's loops, no fused multiply-adds; a near tie between two grids can
+    still fall the other way)."""
     f32 = convert_checkpoint(tiny_llama, tmp_path / "f32.gguf", type_name="F32")
-    ours = convert_checkpoint(tiny_llama, tmp_path / "ours.gguf", type_name="Q4_K")
+    ours = convert_checkpoint(tiny_llama, tmp_path / "ours.gguf", type_name=fmt)
     theirs = tmp_path / "theirs.gguf"
     subprocess.run(
-        [str(llama_bin / "llama-quantize"), "--pure", str(f32), str(theirs), "Q4_K", "2"],
+        [str(llama_bin / "llama-quantize"), "--pure", str(f32), str(theirs), fmt, "2"],
         capture_output=True, check=True, timeout=300,
     )  # fmt: skip
     a = {t.name: t for t in gguf.GGUFReader(ours).tensors}
@@ -175,13 +180,13 @@ def test_q4_k_bytes_as_llama_quantize_writes_them(
     same = blocks = 0
     for name, t in a.items():
         assert b[name].tensor_type == t.tensor_type, name
-        if t.tensor_type.name != "Q4_K":
+        if t.tensor_type.name != fmt:
             continue
-        x = np.asarray(t.data).reshape(-1, 144)
-        y = np.asarray(b[name].data).reshape(-1, 144)
+        x = np.asarray(t.data).reshape(-1, nbytes)
+        y = np.asarray(b[name].data).reshape(-1, nbytes)
         same += int((x == y).all(1).sum())
         blocks += x.shape[0]
-    assert blocks > 10_000 and same / blocks >= 0.97, (same, blocks)
+    assert blocks > 10_000 and same / blocks >= 0.99, (same, blocks)
 
 
 @pytest.mark.slow

@@ -290,6 +290,15 @@ def _nearest(x: torch.Tensor) -> torch.Tensor:
     return torch.round(x)
 
 
+def _seq_sum(t: torch.Tensor) -> torch.Tensor:
+    """Column sums of ``t`` (n, m) as ggml's loops add a group's n terms: one at a time in
+    float32 (1, m). (The fits below hold groups as columns, so each term is a contiguous row.)"""
+    acc = torch.zeros(t.shape[1], dtype=t.dtype)
+    for term in t:
+        acc += term
+    return acc[None, :]
+
+
 def _make_qkx2(
     x: torch.Tensor,
     w: torch.Tensor,
@@ -297,30 +306,30 @@ def _make_qkx2(
     rmin: float = -1.0,
     rdelta: float = 0.1,
     nstep: int = 20,
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """ggml-quants.c ``make_qkx2_quants`` over rows of ``x`` (m, n) with weights ``w``: the
     (scale, -min) of least weighted squared error among min-max and ``nstep`` + 1 widened
-    grids, each refitted by least squares with the minimum held <= 0. Returns (m, 1) each.
-    Float32 throughout; sums run in torch's order, not ggml's one-at-a-time, so a near tie
-    between two grids can fall the other way (test_llama_cpp_interchange measures how often)."""
-    mn = x.amin(1, keepdim=True).clamp(max=0)
-    mx = x.amax(1, keepdim=True)
+    grids, each refitted by least squares with the minimum held <= 0. Returns (m, 1) each and
+    the best grid's codes (m, n). Float32 throughout, sums one term at a time as ggml's loops
+    (test_llama_cpp_interchange measures how often the bytes match llama-quantize's)."""
+    x, w = x.t().contiguous(), w.t().contiguous()  # (n, m): groups as columns
+    mn = x.amin(0, keepdim=True).clamp(max=0)
+    mx = x.amax(0, keepdim=True)
     flat = mx == mn
     rng = torch.where(flat, 1.0, mx - mn)
-    sum_w, sum_x = w.sum(1, keepdim=True), (w * x).sum(1, keepdim=True)
+    sum_w, sum_x = _seq_sum(w), _seq_sum(w * x)
     iscale = nmax / rng
     scale = 1 / iscale
     lq = _nearest(iscale * (x - mn)).clamp(0, nmax)
-    best = (w * (scale * lq + mn - x).square()).sum(1, keepdim=True)
-    best_scale, best_min = scale, mn
+    best = _seq_sum(w * (scale * lq + mn - x).square())
+    best_scale, best_min, best_l = scale, mn, lq
     for step in range(nstep + 1):
         # (as in ggml: each grid starts from the best minimum so far, not the block's own)
         f32 = torch.float32  # rmin + rdelta * step + nmax, each step rounded to float32
         top = (torch.tensor(rmin, dtype=f32) + torch.tensor(rdelta, dtype=f32) * step) + nmax
         iscale = top / torch.where(flat, 1.0, mx - best_min)
         lq = _nearest(iscale * (x - best_min)).clamp(0, nmax)
-        sum_l, sum_l2 = (w * lq).sum(1, keepdim=True), (w * lq * lq).sum(1, keepdim=True)
-        sum_xl = (w * lq * x).sum(1, keepdim=True)
+        sum_l, sum_l2, sum_xl = _seq_sum(w * lq), _seq_sum(w * lq * lq), _seq_sum(w * lq * x)
         det = sum_w * sum_l2 - sum_l * sum_l
         ok = det > 0
         safe = torch.where(ok, det, 1.0)
@@ -329,12 +338,14 @@ def _make_qkx2(
         pos = this_min > 0
         this_scale = torch.where(pos, sum_xl / torch.where(sum_l2 > 0, sum_l2, 1.0), this_scale)
         this_min = torch.where(pos, 0.0, this_min)
-        err = (w * (this_scale * lq + this_min - x).square()).sum(1, keepdim=True)
+        err = _seq_sum(w * (this_scale * lq + this_min - x).square())
         better = ok & (err < best)
         best = torch.where(better, err, best)
         best_scale = torch.where(better, this_scale, best_scale)
         best_min = torch.where(better, this_min, best_min)
-    return torch.where(flat, 0.0, best_scale), -torch.where(flat, mn, best_min)
+        best_l = torch.where(better, lq, best_l)
+    codes = torch.where(flat, 0.0, best_l).t()
+    return torch.where(flat, 0.0, best_scale).t(), -torch.where(flat, mn, best_min).t(), codes
 
 
 def _q_q4_k(x: torch.Tensor) -> torch.Tensor:
@@ -344,8 +355,9 @@ def _q_q4_k(x: torch.Tensor) -> torch.Tensor:
     x = _floats(x, QK_K, "Q4_K")
     n = x.shape[0]
     sub = x.reshape(n * 8, 32)
-    av = (sub.square().sum(1, keepdim=True) / 32).sqrt()
-    scales, mins = (t.reshape(n, 8) for t in _make_qkx2(sub, av + sub.abs(), 15))
+    av = (_seq_sum(sub.t().square()).t() / 32).sqrt()
+    scales, mins, first = _make_qkx2(sub, av + sub.abs(), 15)
+    scales, mins = scales.reshape(n, 8), mins.reshape(n, 8)
     max_scale = scales.amax(1, keepdim=True)
     max_min = mins.amax(1, keepdim=True)
     inv_scale = torch.where(max_scale > 0, 63 / torch.where(max_scale > 0, max_scale, 1.0), 0.0)
@@ -366,7 +378,8 @@ def _q_q4_k(x: torch.Tensor) -> torch.Tensor:
     dm = dmin16.to(torch.float32) * m.to(torch.float32)
     safe = torch.where(d != 0, d, 1.0)[..., None]
     q = _nearest((x.reshape(n, 8, 32) + dm[..., None]) / safe).clamp(0, 15)
-    q = torch.where(d[..., None] != 0, q, 0.0).to(torch.uint8).reshape(n, 4, 2, 32)
+    q = torch.where(d[..., None] != 0, q, first.reshape(n, 8, 32))  # (scale 0: the fit's codes)
+    q = q.to(torch.uint8).reshape(n, 4, 2, 32)
     qs = (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(n, 128)
     head = torch.cat([d16, dmin16], dim=-1).contiguous().view(torch.uint8)
     return torch.cat([head, packed, qs], dim=-1)
@@ -395,6 +408,70 @@ def _deq_q6_k(blocks: torch.Tensor) -> torch.Tensor:
     hi = (_shr(qh.reshape(n, -1, 1, 32), [0, 2, 4, 6], (1, 1, 4, 1)) & 3).reshape(n, -1, 32)
     q = _int(lo | (hi << 4), 32).reshape(n, 16, -1)
     return (d * q).reshape(n, QK_K)
+
+
+_GROUP_MAX_EPS = 1e-15  # ggml-quants.c: a group whose largest |x| is below it is all zeros
+
+
+def _make_qx(x: torch.Tensor, nmax: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """ggml-quants.c ``make_qx_quants`` with rmse_type 1 (weights x^2) over rows of ``x``
+    (m, n): signed codes in [-nmax, nmax) on the grid -nmax / max (max: the first value of
+    largest magnitude) and 18 neighbours -(nmax + 0.1 is) / max, the least-squares scale of the
+    best. Returns (scale (m, 1), codes + nmax (m, n) float32); sums in ggml's order."""
+    f32 = torch.float32
+    x = x.t().contiguous()  # (n, m): groups as columns
+    top = torch.gather(x, 0, x.abs().argmax(0, keepdim=True))
+    zero = top.abs() < _GROUP_MAX_EPS
+    safe = torch.where(zero, 1.0, top)
+    w = x * x
+    wx = w * x
+
+    def fit(iscale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        q = _nearest(iscale * x).clamp(-nmax, nmax - 1)
+        return q, _seq_sum(wx * q), _seq_sum(w * q * q)
+
+    q, sumlx, suml2 = fit(-nmax / safe)
+    scale = torch.where(suml2 > 0, sumlx / torch.where(suml2 > 0, suml2, 1.0), 0.0)
+    best = scale * sumlx
+    for step in (*range(-9, 0), *range(1, 10)):
+        top_q = torch.tensor(nmax, dtype=f32) + torch.tensor(0.1, dtype=f32) * step
+        q2, lx, l2 = fit(-top_q / safe)
+        better = (l2 > 0) & (lx * lx > best * l2)
+        q = torch.where(better, q2, q)
+        scale = torch.where(better, lx / torch.where(l2 > 0, l2, 1.0), scale)
+        best = torch.where(better, scale * lx, best)
+    return torch.where(zero, 0.0, scale).t(), torch.where(zero, 0.0, q + nmax).t()
+
+
+def _q_q6_k(x: torch.Tensor) -> torch.Tensor:
+    """ggml-quants.c ``quantize_row_q6_K_ref``: 16 sub-blocks of 16, each fitted by
+    make_qx_quants(nmax 32); their scales stored as int8 against the super-block's fp16 d (the
+    scale of largest magnitude maps to -128), then the codes re-chosen on the stored grid (a
+    sub-block whose stored scale is 0 keeps make_qx_quants' codes)."""
+    x = _floats(x, QK_K, "Q6_K")
+    n = x.shape[0]
+    scales, first = _make_qx(x.reshape(n * 16, 16), 32)
+    scales, codes = scales.reshape(n, 16), first.reshape(n, 16, 16)
+    at = scales.abs().argmax(1, keepdim=True)
+    max_scale = torch.gather(scales, 1, at)
+    zero = max_scale.abs() < _GROUP_MAX_EPS
+    iscale = -128 / torch.where(zero, 1.0, max_scale)
+    d16 = torch.where(zero, 0.0, 1 / iscale).to(torch.float16)
+    sc = _nearest(iscale * scales).clamp(max=127)
+    sc = torch.where(zero, 0.0, sc)
+    d = d16.to(torch.float32) * sc  # (n, 16)
+    safe = torch.where(d != 0, d, 1.0)[..., None]
+    again = _nearest(x.reshape(n, 16, 16) / safe).clamp(-32, 31) + 32
+    codes = torch.where(d[..., None] != 0, again, codes)
+    codes = torch.where(zero[..., None], 0.0, codes).to(torch.uint8).reshape(n, 2, 4, 32)
+    # per half of 128: ql[l] = q[l] | q[l + 64] << 4, ql[32 + l] = q[32 + l] | q[96 + l] << 4,
+    # qh[l] = bits 4-5 of q[l], q[32 + l], q[64 + l], q[96 + l] at 0, 2, 4, 6
+    lo, hi = codes & 0x0F, codes >> 4
+    ql = torch.cat([lo[:, :, 0] | (lo[:, :, 2] << 4), lo[:, :, 1] | (lo[:, :, 3] << 4)], dim=-1)
+    qh = hi[:, :, 0] | (hi[:, :, 1] << 2) | (hi[:, :, 2] << 4) | (hi[:, :, 3] << 6)
+    scale_bytes = sc.to(torch.int8).view(torch.uint8)
+    head = d16.contiguous().view(torch.uint8)
+    return torch.cat([ql.reshape(n, 128), qh.reshape(n, 64), scale_bytes, head], dim=-1)
 
 
 def _deq_q8_k(blocks: torch.Tensor) -> torch.Tensor:
@@ -525,7 +602,7 @@ _add("Q2_K", 10, QK_K, 84, _deq_q2_k)
 _add("Q3_K", 11, QK_K, 110, _deq_q3_k)
 _add("Q4_K", 12, QK_K, 144, _deq_q4_k, _q_q4_k)
 _add("Q5_K", 13, QK_K, 176, _deq_q5_k)
-_add("Q6_K", 14, QK_K, 210, _deq_q6_k)
+_add("Q6_K", 14, QK_K, 210, _deq_q6_k, _q_q6_k)
 _add("Q8_K", 15, QK_K, 292, _deq_q8_k)
 _add("IQ4_NL", 20, 32, 18, _deq_iq4_nl)
 _add("IQ4_XS", 23, QK_K, 136, _deq_iq4_xs)

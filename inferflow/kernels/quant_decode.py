@@ -81,10 +81,11 @@ def gemm_built() -> bool:
 class QPlane:
     """A weight (n, k) in the layout of ``quant_decode.c``: for <= 16 levels, 4-bit codes in
     tiles of 16 rows (tiles, k / 32, 8, 16, 2) with scale and min (tiles, k / group, 16); for
-    <= 32 levels in groups of 32s, the same tiles of the low four bits and ``high``, the fifth
-    bits (tiles, k / 32, 8, 2, 4); else codes (n, k) uint8 with scale and min (n, k / group). Scales and mins are
-    float32, or float16 where every one is exact in it and the build reads them (``half_built``:
-    the file's own float16 fields, 2 bytes less per group and per weight array)."""
+    <= 32 levels in groups of a multiple of 32, the same tiles of the low four bits and
+    ``high``, the fifth bits (tiles, k / 32, 8, 2, 4); else codes (n, k) uint8 with scale and
+    min (n, k / group). Scales and mins are float32, or float16 where every one is exact in it
+    and the build reads them (``half_built``: the file's own float16 fields, 2 bytes less per
+    group and per weight array); no mins for a symmetric format where the build derives them."""
 
     codes: torch.Tensor
     scale: torch.Tensor
@@ -209,7 +210,7 @@ def make_plane(
     kept = (scale,) if minless else (scale, mn)
     if half_built() and all(torch.equal(t.half().float(), t) for t in kept):
         scale, mn = scale.half(), mn.half()  # (exact: no value changes)
-    z = zero if minless and zero is not None else 0
+    z = zero if minless and zero is not None else 0  # (minless implies a zero)
     bits = plane_bits(levels, group)
     if bits == 8:
         mins = None if minless else mn.contiguous()

@@ -21,8 +21,9 @@ unless ``dense_rows`` adds one):
   codes in the layout of ``inferflow/kernels/quant_decode.c`` with float32 scales and mins (0.75
   bytes per weight for 4-bit codes, 0.875 for 5-bit, 1.25 for 8-bit in groups of 32; float16
   ones where exact and the build reads them: 0.625, 0.75 and 1.125; symmetric formats, Q4_0,
-  Q5_0, Q8_0, Q6_K, hold no mins where the build derives them, -zero * scale). One-row calls (one sequence's decode step)
-  compute on the codec's exact values in float32, and the same plane feeds the one-call decode
+  Q5_0, Q8_0, Q6_K, hold no mins where the build derives them, -zero * scale). One-row calls
+  (one sequence's decode step) compute on the codec's exact values in float32, and the same
+  plane feeds the one-call decode
   of a whole stack (inferflow.model.fused). Calls of more rows run ``qmat_gemm_f32``: each tile
   of W is dequantized to float32 once per call and meets every row of x, so they too are float32
   on the codec's values. With AVX512-BF16, 4-bit codes take many-row calls with x rounded to

@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tools"))
@@ -77,3 +78,24 @@ def test_peak_rss_is_the_child_process_own() -> None:
     assert len(held) == GIB // 2
     # (ru_maxrss said > 0.5 GiB here: the 6.4 GiB "peak" of a load from a large test process)
     assert peak < GIB // 4, f"the child's peak {peak / GIB:.2f} GiB counts its parent's memory"
+
+
+@pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="needs Linux /proc for RSS")
+def test_kv_cache_pages_become_resident_only_where_written() -> None:
+    """A KV cache (lazy_zeros) costs nothing until written, and then only the 4 KiB pages
+    written: one row in each of 16 layers' 4 MiB makes well under 1 MiB resident (with
+    transparent huge pages, as numpy's zeros ask for, 16 x 2 MiB)."""
+    from inferflow.model.batch import lazy_zeros
+
+    def rss() -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * 4096
+
+    lazy_zeros((16, 1024), torch.float32)[:, 0] = 1.0  # (first-use costs)
+    before = rss()
+    cache = lazy_zeros((16, 1 << 20), torch.float32)  # 64 MiB
+    assert cache.shape == (16, 1 << 20) and cache.dtype == torch.float32
+    assert rss() - before < (1 << 20)
+    cache[:, 0] = 1.0  # one value in each 4 MiB layer
+    assert rss() - before < (4 << 20), f"{(rss() - before) >> 20} MiB resident"
+    assert float(cache.sum()) == 16.0

@@ -8,6 +8,8 @@ cache below, or the engine's paged cache.
 
 from __future__ import annotations
 
+import math
+import mmap
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -123,11 +125,16 @@ _UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
 
 def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A zero tensor whose pages the system maps only when written: numpy's zeros come from
-    calloc, which takes fresh zero pages from the kernel for large sizes, where torch.zeros
-    writes every byte. A KV cache costs no time and no resident memory until it is used."""
+    """A zero tensor whose pages the system maps only when written, 4 KiB at a time: an
+    anonymous memory map of fresh zero pages (torch.zeros writes every byte; numpy's zeros ask
+    for transparent huge pages, so writing one cache row made 2 MiB resident: 120 MiB for
+    SmolLM2's first prefill). A KV cache costs no time and no resident memory until used."""
     size = torch.empty((), dtype=dtype).element_size()
-    return torch.from_numpy(np.zeros(shape, dtype=_UINT[size])).view(dtype)
+    n = math.prod(shape)
+    if n == 0:
+        return torch.zeros(shape, dtype=dtype)
+    pages = mmap.mmap(-1, n * size)  # (private, anonymous: zeros; freed with the tensor)
+    return torch.from_numpy(np.frombuffer(pages, dtype=_UINT[size]).reshape(shape)).view(dtype)
 
 
 class ContiguousKVCache:

@@ -231,3 +231,15 @@ def spec_doc(arch: str, d: Path, ckpt: str) -> dict:
         name = "pytorch_model.bin" if ckpt == "pickle_zip" else "legacy.bin"
         source = {"format": "pickle", "files": [str(d / name)], "config": str(d / "config.json")}
     return {"name": f"tiny-{arch}", "base": f"arch/{arch}", "source": source}
+
+
+def rss() -> int:
+    """This process's resident memory in bytes (Linux /proc; tests using it skip with
+    ``needs_proc``)."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+needs_proc = pytest.mark.skipif(
+    not Path("/proc/self/statm").exists(), reason="needs Linux /proc for RSS"
+)

@@ -17,6 +17,7 @@ from inferflow.errors import CheckpointError
 from inferflow.loaders.base import LOADERS
 from inferflow.loaders.gguf import GGUFSource, GGUFValueType, open_gguf, read_gguf_metadata
 from inferflow.quant.tensor import QuantTensor
+from tests.conftest import needs_proc, rss
 
 gguf = pytest.importorskip("gguf")
 from gguf.constants import GGMLQuantizationType as GT  # noqa: E402
@@ -390,12 +391,7 @@ def test_gemma3_metadata_is_fast() -> None:
     assert best < 2.0, f"reading Gemma-3 metadata took {best:.2f} s"
 
 
-def _rss() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * 4096
-
-
-@pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="needs Linux /proc for RSS")
+@needs_proc
 def test_repacking_lets_a_tensors_file_pages_go(tmp_path: Path) -> None:
     """A quantized tensor read from the file's mapping carries ``release``: unpacking it into
     a kernel's layout (affine_parts, chunk by chunk) drops each chunk's file pages once read,
@@ -413,10 +409,10 @@ def test_repacking_lets_a_tensors_file_pages_go(tmp_path: Path) -> None:
     )
     qt = GGUFSource(path).get("w")
     assert isinstance(qt, QuantTensor) and qt.release is not None
-    before = _rss()
+    before = rss()
     codes, scale, mn = affine_parts(qt)
     trim_heap()  # (the chunks' freed temporaries, as loading does)
-    grown = _rss() - before
+    grown = rss() - before
     held = codes.nbytes + scale.nbytes + mn.nbytes  # 32 + 8 MiB; the file's pages: 34 MiB
     assert grown < held + qt.data.nbytes // 2, f"grew {grown >> 20} MiB, {held >> 20} MiB held"
     ref = gguf.quants.dequantize(blocks.reshape(rows, -1), GT.Q8_0)

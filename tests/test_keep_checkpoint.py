@@ -27,7 +27,7 @@ from inferflow.quant.tensor import QuantTensor
 from inferflow.runtime import load
 from inferflow.spec import load_spec
 from inferflow.spec.types import MapEntry, TensorsSpec
-from tests.conftest import random_blocks, smollm2_path
+from tests.conftest import needs_proc, random_blocks, rss, smollm2_path
 
 
 def test_smollm2_keeps_gguf_blocks_and_agrees_with_float() -> None:
@@ -208,7 +208,7 @@ def test_declared_sizes_that_cannot_fit_fail_before_allocating(monkeypatch) -> N
         load("smollm2-135m-instruct")
 
 
-@pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="needs Linux /proc for RSS")
+@needs_proc
 def test_a_kept_table_from_a_gguf_is_resident_only_where_read(tmp_path: Path) -> None:
     """A quantized embedding table kept from a GGUF stays a view of the file's mapping: after
     loading, its pages are not resident (the file's 34 MiB table adds little), and lookups
@@ -232,15 +232,10 @@ def test_a_kept_table_from_a_gguf_is_resident_only_where_read(tmp_path: Path) ->
     source = GGUFSource(tmp_path / "t.gguf")
     names = NameMap(TensorsSpec(map=(MapEntry("table.weight", "table.weight"),)))
     trim_heap()
-    before = _rss()
+    before = rss()
     materialise(model, source, plan_weights(model, source, names), keep=True)
     trim_heap()
-    assert _rss() - before < (8 << 20)  # (a copy: + 34 MiB)
+    assert rss() - before < (8 << 20)  # (a copy: + 34 MiB)
     ids = torch.tensor([3, rows - 1, 3])
     ref = gguf.quants.dequantize(blocks.reshape(rows, -1), GT.Q8_0)[ids.numpy()]
     assert np.array_equal(model.table(ids).numpy(), ref)
-
-
-def _rss() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * 4096

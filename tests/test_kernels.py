@@ -19,6 +19,7 @@ from inferflow.engine.engine import Engine, EngineConfig
 from inferflow.engine.kv_cache import PagedKVCache, SeqBlocks, gather
 from inferflow.engine.sampling import SamplingParams
 from inferflow.engine.scheduler import SchedulerConfig
+from tests.conftest import needs_proc, rss
 
 BS = 4
 
@@ -309,20 +310,15 @@ def test_a_changed_header_rebuilds_the_kernels_that_include_it(
     assert kernels.build("rows") != first  # a stale library would keep the old row code
 
 
-def _rss() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-@pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="needs Linux /proc for RSS")
+@needs_proc
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_kv_cache_costs_no_memory_until_written(dtype: torch.dtype) -> None:
     """A paged cache of 256-512 MiB (K and V) reads as zeros and is not resident until written
     (torch.zeros writes every byte: the process would grow by the whole cache)."""
-    before = _rss()
+    before = rss()
     cache = PagedKVCache(8, 4, 64, 16, 2048, dtype)  # K: 8 layers x 32768 slots x 4 x 64
     assert cache.k.numel() * cache.k.element_size() * 2 >= (256 << 20)
-    assert _rss() - before < (32 << 20)
+    assert rss() - before < (32 << 20)
     assert cache.k.dtype == dtype and not cache.k[:, :1000].any() and not cache.v[-1].any()
     cache.k[0, :16] = 1.0
-    assert cache.k[0, :16].eq(1).all() and _rss() - before < (64 << 20)
+    assert cache.k[0, :16].eq(1).all() and rss() - before < (64 << 20)

@@ -17,6 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.conftest import needs_proc, rss
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tools"))
 
@@ -80,16 +82,12 @@ def test_peak_rss_is_the_child_process_own() -> None:
     assert peak < GIB // 4, f"the child's peak {peak / GIB:.2f} GiB counts its parent's memory"
 
 
-@pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="needs Linux /proc for RSS")
+@needs_proc
 def test_kv_cache_pages_become_resident_only_where_written() -> None:
     """A KV cache (lazy_zeros) costs nothing until written, and then only the 4 KiB pages
     written: one row in each of 16 layers' 4 MiB makes well under 1 MiB resident (with
     transparent huge pages, as numpy's zeros ask for, 16 x 2 MiB)."""
     from inferflow.model.batch import lazy_zeros
-
-    def rss() -> int:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * 4096
 
     lazy_zeros((16, 1024), torch.float32)[:, 0] = 1.0  # (first-use costs)
     before = rss()

@@ -22,6 +22,7 @@ from inferflow.loaders.hf import find_checkpoint_files
 from inferflow.loaders.pickle_safe import PickleSource, _Checkpoint, open_checkpoint
 from inferflow.loaders.safetensors import SafetensorsSource
 from inferflow.registry import RegistryError
+from tests.conftest import needs_proc, rss
 
 
 def reference_state() -> dict[str, torch.Tensor]:
@@ -476,12 +477,7 @@ def test_open_files_errors(tmp_path: Path) -> None:
     assert set(LOADERS.names()) >= {"gguf", "hf", "pickle", "safetensors"}
 
 
-def _rss() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * 4096
-
-
-@pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="needs Linux /proc for RSS")
+@needs_proc
 def test_safetensors_tensors_are_views_their_pages_released(tmp_path: Path) -> None:
     """A tensor is a view of the file's mapping (its values are the file's, written by the
     safetensors package); once read, ``release`` takes its pages out of this process's
@@ -491,13 +487,13 @@ def test_safetensors_tensors_are_views_their_pages_released(tmp_path: Path) -> N
     save_file({"big": big, "small": small, "empty": torch.zeros(0, 4)}, tmp_path / "m.safetensors")
     src = SafetensorsSource([tmp_path / "m.safetensors"])
     assert torch.equal(src.get("small"), small) and src.get("empty").shape == (0, 4)
-    before = _rss()
+    before = rss()
     t = src.get("big")
     assert torch.equal(t, big)  # (reads every page)
-    assert _rss() - before > (48 << 20)
+    assert rss() - before > (48 << 20)
     del t
     src.release("big")
-    assert _rss() - before < (16 << 20)
+    assert rss() - before < (16 << 20)
     w = src.get("small")
     w += 1  # copy-on-write: the file is unchanged
     assert torch.equal(SafetensorsSource([tmp_path / "m.safetensors"]).get("small"), small)

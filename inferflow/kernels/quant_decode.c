@@ -206,8 +206,11 @@ static inline __m512i nibble_table(void) {
 }
 #endif
 
-/* 4- or 5-bit codes of tile t in GCC vector types: rows 8h .. 8h + 7 of the tile in one vector */
-static void tile_dot_v8(const QMat *w, int64_t t, const float *x, const float *xs, float *out) {
+/* 4- or 5-bit codes of tile t in GCC vector types: rows 8h .. 8h + 7 of the tile in one vector
+   (five: a constant where inlined, so the 4-bit loop carries no test of the fifth bits) */
+static inline __attribute__((always_inline)) void tile_dot_body(const QMat *w, int64_t t,
+                                                                const float *x, const float *xs,
+                                                                float *out, const int five) {
     const int64_t G = w->k / w->group, chunks = w->group / 32;
     const uint8_t *c = w->codes + t * (w->k / 32) * 256;
     v8f acc[2] = {{0}, {0}};
@@ -219,7 +222,7 @@ static void tile_dot_v8(const QMat *w, int64_t t, const float *x, const float *x
                 for (int h = 0; h < 2; h++) {
                     v8f q[4];
                     tile_codes(c + 32 * s + 16 * h, q);
-                    if (w->high) tile_high(high_bits(w, t, g * chunks + j, s, h), q);
+                    if (five) tile_high(high_bits(w, t, g * chunks + j, s, h), q);
                     a[h][0] += q[0] * xc[2 * s] + q[2] * xc[2 * s + 1];
                     a[h][1] += q[1] * xc[16 + 2 * s] + q[3] * xc[17 + 2 * s];
                 }
@@ -229,6 +232,11 @@ static void tile_dot_v8(const QMat *w, int64_t t, const float *x, const float *x
                       min8(w, (t * G + g) * 16 + 8 * h) * xs[g];
     }
     memcpy(out, acc, sizeof acc);
+}
+
+static void tile_dot_v8(const QMat *w, int64_t t, const float *x, const float *xs, float *out) {
+    if (w->high) tile_dot_body(w, t, x, xs, out, 1);
+    else tile_dot_body(w, t, x, xs, out, 0);
 }
 
 /* 4-bit codes of tile t (16 rows): out[i] = row 16t + i of W x. xp: x's three bf16 parts */

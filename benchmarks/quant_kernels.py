@@ -6,9 +6,8 @@ Per format, (in -> out) shape and batch N, the median time of one call of each p
 
     fp32       F.linear on a float32 copy of the dequantized weight (the unquantized baseline)
     bf16       F.linear on a kept bf16 copy, bf16 activations (the "cache a dense copy" option)
-    plane      QuantLinear's C planes (its path for every call where AVX512-BF16 is built), float32
-               in and out: one row exact, more rows with x rounded to bf16 (8-bit codes: on two
-               4-bit planes of their nibbles)
+    plane      QuantLinear's C planes (its path for every call), float32 in and out, the same
+               operations per row whatever the batch
     int4pack   QuantLinear's int4pack kernel, bf16 activations (the chosen path for other affine
                formats)
     int4p/f32  the same with float32 activations: includes the casts in and out

@@ -1,26 +1,27 @@
-/* One-token decode over affine-quantized weights, float32 activations.
+/* Products over affine-quantized weights, float32 activations, one arithmetic per row.
 
    A QMat holds a weight W (n, k) as w = code * scale + min per group of `group` weights
    (a multiple of 32; of 16 for 8-bit codes), so W x = sum_g scale_g * (codes_g . x_g) + min_g * sum(x_g).
-   - 8-bit codes: row by row, one byte per code; scale and min (n, k / group) float32.
+   - 8-bit codes: row by row, one byte per code; scale and min (n, k / group).
    - 4-bit codes: tiles of 16 rows (n padded to a multiple of 16 with zero rows). Tile t,
      chunk j of 32 columns, sub-block s < 8 holds 32 bytes; byte 2i + e (row 16t + i, e < 2) is
      c[32j + 2s + e] | c[32j + 16 + 2s + e] << 4. Scale and min are (tiles, k / group, 16).
    - 5-bit codes (Q5_0, Q5_1, Q5_K): the 4-bit tiles of their low four bits, and their fifth
      bits beside them, 64 bytes per tile and chunk: byte (t, j, s, h, e) has bit i set where row
      16t + 8h + i's code of column 2s, 16 + 2s, 2s + 1, 17 + 2s (e = 0 .. 3) is >= 16 (the order
-     of tile_codes' vectors). They run in the vector-type loops only (also in AVX-512 builds).
-     With AVX512-BF16 one vdpbf16ps multiplies a pair of columns of 16 rows: the codes are
-     exact in bf16 and x is split into three bf16 parts (x = x0 + x1 + x2 + r, each part the
-     bf16 rounding of what is left, |r| <= 2^-24 |x|, every product exact in float32), so the
-     result is float32 math on the codec's values: no bf16 rounding of x, scales or mins.
-     Without BF16 the same tiles run in float32 FMAs.
+     of tile_codes' vectors).
+   Scales and mins are float32, or float16 where every one is exact in it (F16C builds);
+   symmetric formats (min = -zero * scale, zero a power of two) may leave min NULL.
 
-   Symmetric formats (min = -zero * scale) may leave min NULL in builds without AVX-512.
+   Batch invariance: every output y[m][r] is computed by the same sequence of float32 operations
+   whatever the number of rows M of x, which other rows are in the call, and how the rows are
+   split over threads: the products are written once (tile_dot_rows, row_dot_rows) with the
+   rows of x as an inner constant-count loop, so one row's arithmetic is the same whether it
+   runs alone (qmat_gemv, decode_stack) or beside others (qmat_gemm_f32). Rows of x share each
+   unpacked tile of codes, which is where many rows gain.
 
    qmat_gemv: y = W x for M rows of x, one at a time, rows (or tiles) of W split over the threads.
-   qmat_gemm: Y = X W^T for all rows of X at once, x in bf16 (4-bit tiles, AVX512-BF16 only).
-   qmat_gemm_f32: the same in float32 on the codec's values, any codes, any CPU.
+   qmat_gemm_f32: Y = X W^T for all rows of X at once, the same arithmetic per row.
    decode_stack: every layer of a pre-norm decoder (RMS norm, fused q/k/v, rotary embedding,
    GQA attention over cache slots, SiLU-gated FFN) for one new token of one sequence, in one
    OpenMP region; the caller embeds the token and runs the final norm and the head.
@@ -29,12 +30,17 @@
 #include <omp.h>
 #include <stdint.h>
 #include <string.h>
+#if defined(__FMA__) || defined(__F16C__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 #include "attend.h"
 #include "rows.h"
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
+
+/* The library's flags allow reassociation and fused multiply-adds wherever the compiler likes,
+   and its choices depend on how many rows share a loop: not here. Every multiply-add below is
+   written as one (fma8, or AVX-512's) or as two operations. */
+#pragma GCC optimize("no-associative-math", "fp-contract=off")
 
 typedef struct {
     const uint8_t *codes;
@@ -61,6 +67,16 @@ typedef struct {
 typedef float v8f __attribute__((vector_size(32)));
 typedef int32_t v8i __attribute__((vector_size(32)));
 typedef uint16_t v8u16 __attribute__((vector_size(16)));
+typedef uint8_t v8u8 __attribute__((vector_size(8)));
+
+/* a * b + c, one rounding where the CPU has FMA */
+static inline v8f fma8(v8f a, v8f b, v8f c) {
+#if defined(__FMA__)
+    return (v8f)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+#else
+    return a * b + c;
+#endif
+}
 
 static inline v8f load8(const float *p) {
     v8f v;
@@ -68,27 +84,15 @@ static inline v8f load8(const float *p) {
     return v;
 }
 
-/* Scales and mins are float32, or float16 where every one is exact in it (they come from the
-   file's float16 fields: Q4_0 .. Q8_0, Inferflow's min-max formats) in builds whose loops
-   below read them: F16C and no AVX-512 (the AVX-512 loops read float32 only). */
-#if defined(__F16C__) && !defined(__AVX512F__)
+/* Scales and mins are float16 where every one is exact in it (they come from the file's
+   float16 fields: Q4_0 .. Q8_0, Inferflow's min-max formats) in builds with F16C. */
+#if defined(__F16C__)
 #define HALF_BUILT 1
-#include <immintrin.h>
 #else
 #define HALF_BUILT 0
 #endif
 
 int qmat_half_built(void) { return HALF_BUILT; }
-
-/* Symmetric formats (Q4_0, Q5_0, Q8_0, Q6_K: min = -zero * scale, zero a power of two, so
-   exact) hold no mins in builds whose loops derive them: the vector-type loops (no AVX-512). */
-#if defined(__AVX512F__)
-#define SYMMETRIC_BUILT 0
-#else
-#define SYMMETRIC_BUILT 1
-#endif
-
-int qmat_symmetric_built(void) { return SYMMETRIC_BUILT; }
 
 /* element i of a scale or min array */
 static inline float ld1(const QMat *w, const float *a, int64_t i) {
@@ -148,177 +152,7 @@ static inline const uint8_t *high_bits(const QMat *w, int64_t t, int64_t j, int 
     return w->high + (((t * (w->k / 32) + j) * 8 + s) * 2 + h) * 4;
 }
 
-/* codes . x over n (a constant where inlined) */
-static inline __attribute__((always_inline)) float dot_u8(const uint8_t *c, const float *x,
-                                                          const int n) {
-    float t = 0.f;
-    for (int i = 0; i < n; i++) t += (float)c[i] * x[i];
-    return t;
-}
-
-/* 8-bit codes of one row, group by group: sum_g scale_g * (codes_g . x_g) + min_g * xs[g]
-   (groups of 16 weights or any multiple) */
-static float row_dot(const QMat *w, int64_t r, const float *x, const float *xs) {
-    const int64_t G = w->k / w->group;
-    const uint8_t *c = w->codes + r * w->k;
-#if defined(__AVX512F__)
-    if (w->group % 32 == 0) {
-        const float *sc = w->scale + r * G, *mn = w->min + r * G;
-        const int64_t chunks = w->group / 32;
-        __m512 acc = _mm512_setzero_ps(), mins = _mm512_setzero_ps();
-        for (int64_t g = 0; g < G; g++) {
-            __m512 t = _mm512_setzero_ps();
-            for (int64_t j = 0; j < chunks; j++, c += 32) {
-                const float *xc = x + (g * chunks + j) * 32;
-                const __m512 fa = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)c)));
-                const __m512 fb = _mm512_cvtepi32_ps(
-                    _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(c + 16))));
-                t = _mm512_fmadd_ps(fa, _mm512_loadu_ps(xc), t);
-                t = _mm512_fmadd_ps(fb, _mm512_loadu_ps(xc + 16), t);
-            }
-            acc = _mm512_fmadd_ps(t, _mm512_set1_ps(sc[g]), acc);
-        }
-        for (int64_t g = 0; g < G; g += 16) {
-            const __mmask16 m = G - g >= 16 ? 0xFFFF : (__mmask16)((1u << (G - g)) - 1);
-            mins = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, mn + g), _mm512_maskz_loadu_ps(m, xs + g), mins);
-        }
-        return _mm512_reduce_add_ps(acc) + _mm512_reduce_add_ps(mins);
-    }
-#endif
-    const int64_t step = w->group % 32 ? 16 : 32; /* (fixed-length dots: the compiler unrolls) */
-    float total = 0.f;
-    for (int64_t g = 0; g < G; g++) {
-        float t = 0.f;
-        for (int64_t j = 0; j < w->group; j += step, c += step)
-            t += step == 32 ? dot_u8(c, x + g * w->group + j, 32) : dot_u8(c, x + g * w->group + j, 16);
-        total += ld1(w, w->scale, r * G + g) * t + min1(w, r * G + g) * xs[g];
-    }
-    return total;
-}
-
-#if defined(__AVX512BF16__)
-/* vpermw reads the low 5 bits of each word: entry i is bf16(i & 15), so one nibble */
-static inline __m512i nibble_table(void) {
-    return _mm512_set_epi16(0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100,
-                            0x40E0, 0x40C0, 0x40A0, 0x4080, 0x4040, 0x4000, 0x3F80, 0, 0x4170,
-                            0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100, 0x40E0,
-                            0x40C0, 0x40A0, 0x4080, 0x4040, 0x4000, 0x3F80, 0);
-}
-#endif
-
-/* 4- or 5-bit codes of tile t in GCC vector types: rows 8h .. 8h + 7 of the tile in one vector
-   (five: a constant where inlined, so the 4-bit loop carries no test of the fifth bits) */
-static inline __attribute__((always_inline)) void tile_dot_body(const QMat *w, int64_t t,
-                                                                const float *x, const float *xs,
-                                                                float *out, const int five) {
-    const int64_t G = w->k / w->group, chunks = w->group / 32;
-    const uint8_t *c = w->codes + t * (w->k / 32) * 256;
-    v8f acc[2] = {{0}, {0}};
-    for (int64_t g = 0; g < G; g++) {
-        v8f a[2][2] = {{{0}, {0}}, {{0}, {0}}};
-        for (int64_t j = 0; j < chunks; j++, c += 256) {
-            const float *xc = x + (g * chunks + j) * 32;
-            for (int s = 0; s < 8; s++) /* word i: row i's columns 2s, 16 + 2s, 2s + 1, 17 + 2s */
-                for (int h = 0; h < 2; h++) {
-                    v8f q[4];
-                    tile_codes(c + 32 * s + 16 * h, q);
-                    if (five) tile_high(high_bits(w, t, g * chunks + j, s, h), q);
-                    a[h][0] += q[0] * xc[2 * s] + q[2] * xc[2 * s + 1];
-                    a[h][1] += q[1] * xc[16 + 2 * s] + q[3] * xc[17 + 2 * s];
-                }
-        }
-        for (int h = 0; h < 2; h++)
-            acc[h] += (a[h][0] + a[h][1]) * ld8(w, w->scale, (t * G + g) * 16 + 8 * h) +
-                      min8(w, (t * G + g) * 16 + 8 * h) * xs[g];
-    }
-    memcpy(out, acc, sizeof acc);
-}
-
-static void tile_dot_v8(const QMat *w, int64_t t, const float *x, const float *xs, float *out) {
-    if (w->high) tile_dot_body(w, t, x, xs, out, 1);
-    else tile_dot_body(w, t, x, xs, out, 0);
-}
-
-/* 4-bit codes of tile t (16 rows): out[i] = row 16t + i of W x. xp: x's three bf16 parts */
-static void tile_dot(const QMat *w, int64_t t, const float *x, const uint16_t *xp,
-                     const float *xs, float *out) {
-#if defined(__AVX512F__)
-    if (w->high) { /* 5-bit codes */
-        tile_dot_v8(w, t, x, xs, out);
-        return;
-    }
-    const int64_t G = w->k / w->group, chunks = w->group / 32;
-    const uint8_t *c = w->codes + t * (w->k / 32) * 256;
-    const float *sc = w->scale + t * G * 16, *mn = w->min + t * G * 16;
-    __m512 acc = _mm512_setzero_ps(), mins = _mm512_setzero_ps();
-#if defined(__AVX512BF16__)
-    const __m512i bf = nibble_table();
-    (void)x;
-    for (int64_t g = 0; g < G; g++) {
-        __m512 a[6];
-        for (int i = 0; i < 6; i++) a[i] = _mm512_setzero_ps();
-        for (int64_t j = 0; j < chunks; j++, c += 256) {
-            const int64_t col = (g * chunks + j) * 32;
-            for (int s = 0; s < 8; s++) { /* columns 2s, 2s + 1 (low nibbles), 16 + 2s, 17 + 2s */
-                const __m512i b = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(c + 32 * s)));
-                const __m512bh lo = (__m512bh)_mm512_permutexvar_epi16(b, bf);
-                const __m512bh hi = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(b, 4), bf);
-                for (int p = 0; p < 3; p++) {
-                    const int32_t *pair = (const int32_t *)(xp + p * w->k + col) + s;
-                    a[2 * p] = _mm512_dpbf16_ps(a[2 * p], lo, (__m512bh)_mm512_set1_epi32(pair[0]));
-                    a[2 * p + 1] = _mm512_dpbf16_ps(a[2 * p + 1], hi, (__m512bh)_mm512_set1_epi32(pair[8]));
-                }
-            }
-        }
-        const __m512 sum = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(a[0], a[1]), _mm512_add_ps(a[2], a[3])),
-                                         _mm512_add_ps(a[4], a[5]));
-        acc = _mm512_fmadd_ps(sum, _mm512_loadu_ps(sc + g * 16), acc);
-        mins = _mm512_fmadd_ps(_mm512_loadu_ps(mn + g * 16), _mm512_set1_ps(xs[g]), mins);
-    }
-#else
-    (void)xp;
-    /* vpermps reads the low 4 bits of each index: one nibble */
-    const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    for (int64_t g = 0; g < G; g++) {
-        __m512 a0 = _mm512_setzero_ps(), a1 = a0;
-        for (int64_t j = 0; j < chunks; j++) {
-            const float *xc = x + (g * chunks + j) * 32;
-            for (int s = 0; s < 8; s++, c += 32) { /* dword i: bytes 2i, 2i + 1 of row i */
-                const __m512i d = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)c));
-                a0 = _mm512_fmadd_ps(_mm512_permutexvar_ps(d, iota), _mm512_set1_ps(xc[2 * s]), a0);
-                a1 = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(d, 4), iota),
-                                     _mm512_set1_ps(xc[16 + 2 * s]), a1);
-                a0 = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(d, 8), iota),
-                                     _mm512_set1_ps(xc[2 * s + 1]), a0);
-                a1 = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(d, 12), iota),
-                                     _mm512_set1_ps(xc[17 + 2 * s]), a1);
-            }
-        }
-        acc = _mm512_fmadd_ps(_mm512_add_ps(a0, a1), _mm512_loadu_ps(sc + g * 16), acc);
-        mins = _mm512_fmadd_ps(_mm512_loadu_ps(mn + g * 16), _mm512_set1_ps(xs[g]), mins);
-    }
-#endif
-    _mm512_storeu_ps(out, _mm512_add_ps(acc, mins));
-#else
-    (void)xp;
-    tile_dot_v8(w, t, x, xs, out);
-#endif
-}
-
-static uint16_t to_bf16(float f) { /* round to nearest even (x is finite) */
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    return (uint16_t)((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
-}
-
-static float from_bf16(uint16_t h) {
-    const uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-/* xs[g]: the sum of x's group g (the min term's factor) */
+/* xs[g]: the sum of x's group g (the min term's factor), in order */
 static void group_sums(const QMat *w, const float *x, float *xs) {
     for (int64_t g = 0; g < w->k / w->group; g++) {
         float s = 0.f;
@@ -327,38 +161,309 @@ static void group_sums(const QMat *w, const float *x, float *xs) {
     }
 }
 
-/* group sums of x; for 4-bit tiles also x's three bf16 parts (k each) after them */
-static void prepare_x(const QMat *w, const float *x, float *xs) {
-    group_sums(w, x, xs);
-    if (w->bits == 4) {
-        uint16_t *xp = (uint16_t *)(xs + w->k / 32);
-        for (int64_t i = 0; i < w->k; i++) { /* each subtraction is exact in float32 */
-            float left = x[i];
-            for (int p = 0; p < 3; p++) {
-                xp[p * w->k + i] = to_bf16(left);
-                left -= from_bf16(xp[p * w->k + i]);
+/* The one arithmetic of 4- and 5-bit tiles: rows x_m = x + m k (m < mr) times tile t (16 rows
+   of W, row 8h + i in lane i of vector h): per group, a = codes . x in two vectors per h, then
+   acc += (a0 + a1) * scale + min * sum(x_g). out + m n receives row m's 16 (or fewer) outputs,
+   added to what is there where add. mr and five are constants where inlined: the row count
+   changes how often a tile's codes are unpacked, never a row's operations. */
+#define MR 3 /* rows of x per unpacked tile (the accumulators of 3 rows fit AVX2's registers) */
+static inline __attribute__((always_inline)) void tile_dot_rows(const QMat *w, int64_t t,
+                                                                const float *x, const float *xs,
+                                                                float *out, int add, const int mr,
+                                                                const int five) {
+    const int64_t k = w->k, G = k / w->group, chunks = w->group / 32;
+    const uint8_t *c = w->codes + t * (k / 32) * 256;
+    v8f acc[MR][2];
+    for (int m = 0; m < mr; m++) acc[m][0] = acc[m][1] = (v8f){0};
+    for (int64_t g = 0; g < G; g++) {
+        v8f a[MR][2][2];
+        for (int m = 0; m < mr; m++) a[m][0][0] = a[m][0][1] = a[m][1][0] = a[m][1][1] = (v8f){0};
+        for (int64_t j = 0; j < chunks; j++, c += 256) {
+            const int64_t col = (g * chunks + j) * 32;
+            for (int s = 0; s < 8; s++) /* word i: row i's columns 2s, 16 + 2s, 2s + 1, 17 + 2s */
+                for (int h = 0; h < 2; h++) {
+                    v8f q[4];
+                    tile_codes(c + 32 * s + 16 * h, q);
+                    if (five) tile_high(high_bits(w, t, g * chunks + j, s, h), q);
+                    for (int m = 0; m < mr; m++) {
+                        const float *xc = x + m * k + col;
+                        a[m][h][0] = fma8(q[0], (v8f){0} + xc[2 * s], a[m][h][0]);
+                        a[m][h][1] = fma8(q[1], (v8f){0} + xc[16 + 2 * s], a[m][h][1]);
+                        a[m][h][0] = fma8(q[2], (v8f){0} + xc[2 * s + 1], a[m][h][0]);
+                        a[m][h][1] = fma8(q[3], (v8f){0} + xc[17 + 2 * s], a[m][h][1]);
+                    }
+                }
+        }
+        for (int h = 0; h < 2; h++) {
+            const v8f sc = ld8(w, w->scale, (t * G + g) * 16 + 8 * h);
+            const v8f mn = min8(w, (t * G + g) * 16 + 8 * h);
+            for (int m = 0; m < mr; m++) {
+                acc[m][h] = fma8(a[m][h][0] + a[m][h][1], sc, acc[m][h]);
+                acc[m][h] = fma8(mn, (v8f){0} + xs[m * G + g], acc[m][h]);
             }
         }
     }
+    const int64_t rows = w->n - 16 * t < 16 ? w->n - 16 * t : 16;
+    for (int m = 0; m < mr; m++) {
+        float o[16];
+        memcpy(o, acc[m], sizeof o);
+        float *y = out + m * w->n + 16 * t;
+        for (int64_t i = 0; i < rows; i++) y[i] = (add ? y[i] : 0.f) + o[i];
+    }
 }
 
-/* inside a parallel region: y[r] = (add ? y[r] : 0) + W x; xs: scratch of k / 32 + 2k floats */
-static void gemv_in_team(const QMat *w, const float *x, float *xs, float *y, int add) {
-#pragma omp single
-    prepare_x(w, x, xs);
-    if (w->bits != 8) { /* 4- or 5-bit tiles */
-        const uint16_t *xp = (const uint16_t *)(xs + w->k / 32);
-#pragma omp for schedule(static)
-        for (int64_t t = 0; t < (w->n + 15) / 16; t++) {
-            float out[16];
-            tile_dot(w, t, x, xp, xs, out);
-            for (int64_t i = 0; i < 16 && t * 16 + i < w->n; i++)
-                y[t * 16 + i] = (add ? y[t * 16 + i] : 0.f) + out[i];
+/* The one arithmetic of 8-bit rows: rows r0 .. r0 + RW - 1 of W (rw of them) times rows x_m
+   (m < mr): per group, a = codes . x_g as 8 lanes, acc += a * scale; the mins' sum
+   min_g * sum(x_g) separately, in order; y = (lanes summed pairwise) + mins. */
+#define RW 4 /* rows of W at once: independent chains for one row of x */
+static inline __attribute__((always_inline)) void row_dot_rows(const QMat *w, int64_t r0,
+                                                               const int rw, const float *x,
+                                                               const float *xs, float *out,
+                                                               int add, const int mr) {
+    const int64_t k = w->k, G = k / w->group;
+    v8f acc[RW][MR];
+    float mins[RW][MR];
+    for (int r = 0; r < rw; r++)
+        for (int m = 0; m < mr; m++) acc[r][m] = (v8f){0}, mins[r][m] = 0.f;
+    for (int64_t g = 0; g < G; g++) {
+        for (int r = 0; r < rw; r++) {
+            const uint8_t *c = w->codes + (r0 + r) * k + g * w->group;
+            v8f a[MR];
+            for (int m = 0; m < mr; m++) a[m] = (v8f){0};
+            for (int64_t j = 0; j < w->group; j += 8) {
+                v8u8 b;
+                memcpy(&b, c + j, sizeof b);
+                const v8f q = __builtin_convertvector(__builtin_convertvector(b, v8i), v8f);
+                for (int m = 0; m < mr; m++) a[m] = fma8(q, load8(x + m * k + g * w->group + j), a[m]);
+            }
+            const float sc = ld1(w, w->scale, (r0 + r) * G + g), mn = min1(w, (r0 + r) * G + g);
+            for (int m = 0; m < mr; m++) {
+                acc[r][m] = fma8(a[m], (v8f){0} + sc, acc[r][m]);
+                mins[r][m] += mn * xs[m * G + g];
+            }
         }
-    } else {
-#pragma omp for schedule(static)
-        for (int64_t r = 0; r < w->n; r++) y[r] = (add ? y[r] : 0.f) + row_dot(w, r, x, xs);
     }
+    for (int r = 0; r < rw; r++)
+        for (int m = 0; m < mr; m++) {
+            const v8f v = acc[r][m];
+            const float s = ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7]));
+            float *y = out + m * w->n + r0 + r;
+            *y = (add ? *y : 0.f) + (s + mins[r][m]);
+        }
+}
+
+#if defined(__AVX512F__)
+/* AVX-512 builds: 4-bit tiles with all 16 rows of a tile in one vector, 8-bit rows in groups
+   of a multiple of 32 sixteen columns at a time; the same rule (a row's operations do not
+   depend on the other rows) */
+#define MR16 4 /* rows of x per unpacked tile: 4 accumulators each */
+
+static inline __m512 ld16(const QMat *w, const float *a, int64_t i) {
+#if HALF_BUILT
+    if (w->half) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)a + i)));
+#endif
+    return _mm512_loadu_ps(a + i);
+}
+
+static inline __m512 min16(const QMat *w, int64_t i) {
+    return w->min ? ld16(w, w->min, i) : _mm512_mul_ps(_mm512_set1_ps(-w->zero), ld16(w, w->scale, i));
+}
+
+/* elements i .. i + 15 of the mins, those past keep zero */
+static inline __m512 min16_masked(const QMat *w, int64_t i, __mmask16 keep) {
+    const float *a = w->min ? w->min : w->scale;
+    __m512 v;
+#if HALF_BUILT
+    if (w->half)
+        v = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(keep, (const uint16_t *)a + i));
+    else
+#endif
+        v = _mm512_maskz_loadu_ps(keep, a + i);
+    return w->min ? v : _mm512_mul_ps(_mm512_set1_ps(-w->zero), v);
+}
+
+/* 4-bit tile t (vpermps reads the low 4 bits of each index: one nibble per lookup) */
+static inline __attribute__((always_inline)) void tile_dot_rows16(const QMat *w, int64_t t,
+                                                                  const float *x, const float *xs,
+                                                                  float *out, int add, const int mr) {
+    const int64_t k = w->k, G = k / w->group, chunks = w->group / 32;
+    const uint8_t *c = w->codes + t * (k / 32) * 256;
+    const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    __m512 acc[MR16], mins[MR16];
+    for (int m = 0; m < mr; m++) acc[m] = mins[m] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < G; g++) {
+        __m512 a0[MR16], a1[MR16];
+        for (int m = 0; m < mr; m++) a0[m] = a1[m] = _mm512_setzero_ps();
+        for (int64_t j = 0; j < chunks; j++) {
+            const int64_t col = (g * chunks + j) * 32;
+            for (int s = 0; s < 8; s++, c += 32) { /* dword i: bytes 2i, 2i + 1 of row i */
+                const __m512i d = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)c));
+                const __m512 q0 = _mm512_permutexvar_ps(d, iota);
+                const __m512 q1 = _mm512_permutexvar_ps(_mm512_srli_epi32(d, 4), iota);
+                const __m512 q2 = _mm512_permutexvar_ps(_mm512_srli_epi32(d, 8), iota);
+                const __m512 q3 = _mm512_permutexvar_ps(_mm512_srli_epi32(d, 12), iota);
+                for (int m = 0; m < mr; m++) {
+                    const float *xc = x + m * k + col;
+                    a0[m] = _mm512_fmadd_ps(q0, _mm512_set1_ps(xc[2 * s]), a0[m]);
+                    a1[m] = _mm512_fmadd_ps(q1, _mm512_set1_ps(xc[16 + 2 * s]), a1[m]);
+                    a0[m] = _mm512_fmadd_ps(q2, _mm512_set1_ps(xc[2 * s + 1]), a0[m]);
+                    a1[m] = _mm512_fmadd_ps(q3, _mm512_set1_ps(xc[17 + 2 * s]), a1[m]);
+                }
+            }
+        }
+        const __m512 sc = ld16(w, w->scale, (t * G + g) * 16), mn = min16(w, (t * G + g) * 16);
+        for (int m = 0; m < mr; m++) {
+            acc[m] = _mm512_fmadd_ps(_mm512_add_ps(a0[m], a1[m]), sc, acc[m]);
+            mins[m] = _mm512_fmadd_ps(mn, _mm512_set1_ps(xs[m * G + g]), mins[m]);
+        }
+    }
+    const int64_t rows = w->n - 16 * t < 16 ? w->n - 16 * t : 16;
+    const __mmask16 keep = (__mmask16)((1u << rows) - 1);
+    for (int m = 0; m < mr; m++) {
+        float *y = out + m * w->n + 16 * t;
+        const __m512 o = _mm512_add_ps(acc[m], mins[m]);
+        _mm512_mask_storeu_ps(y, keep, add ? _mm512_add_ps(_mm512_maskz_loadu_ps(keep, y), o) : o);
+    }
+}
+
+/* 8-bit rows r .. r + rw - 1, groups of a multiple of 32 */
+#define RW16 2
+static inline __attribute__((always_inline)) void row_dot_rows16(const QMat *w, int64_t r0,
+                                                                 const int rw, const float *x,
+                                                                 const float *xs, float *out,
+                                                                 int add, const int mr) {
+    const int64_t k = w->k, G = k / w->group, chunks = w->group / 32;
+    __m512 acc[RW16][MR16], mins[RW16][MR16];
+    for (int r = 0; r < rw; r++)
+        for (int m = 0; m < mr; m++) acc[r][m] = mins[r][m] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < G; g++) {
+        __m512 a[RW16][MR16];
+        for (int r = 0; r < rw; r++)
+            for (int m = 0; m < mr; m++) a[r][m] = _mm512_setzero_ps();
+        for (int64_t j = 0; j < chunks; j++) {
+            const int64_t col = (g * chunks + j) * 32;
+            for (int r = 0; r < rw; r++) {
+                const uint8_t *c = w->codes + (r0 + r) * k + col;
+                const __m512 fa = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)c)));
+                const __m512 fb = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(c + 16))));
+                for (int m = 0; m < mr; m++) {
+                    a[r][m] = _mm512_fmadd_ps(fa, _mm512_loadu_ps(x + m * k + col), a[r][m]);
+                    a[r][m] = _mm512_fmadd_ps(fb, _mm512_loadu_ps(x + m * k + col + 16), a[r][m]);
+                }
+            }
+        }
+        for (int r = 0; r < rw; r++) {
+            const __m512 sc = _mm512_set1_ps(ld1(w, w->scale, (r0 + r) * G + g));
+            for (int m = 0; m < mr; m++) acc[r][m] = _mm512_fmadd_ps(a[r][m], sc, acc[r][m]);
+        }
+    }
+    for (int64_t g = 0; g < G; g += 16) { /* the mins' term, 16 groups at a time */
+        const __mmask16 keep = G - g >= 16 ? 0xFFFF : (__mmask16)((1u << (G - g)) - 1);
+        for (int r = 0; r < rw; r++) {
+            const __m512 mn = min16_masked(w, (r0 + r) * G + g, keep);
+            for (int m = 0; m < mr; m++)
+                mins[r][m] = _mm512_fmadd_ps(mn, _mm512_maskz_loadu_ps(keep, xs + m * G + g), mins[r][m]);
+        }
+    }
+    for (int r = 0; r < rw; r++)
+        for (int m = 0; m < mr; m++) {
+            const float v = _mm512_reduce_add_ps(acc[r][m]) + _mm512_reduce_add_ps(mins[r][m]);
+            float *y = out + m * w->n + r0 + r;
+            *y = (add ? *y : 0.f) + v;
+        }
+}
+#endif
+
+/* How W is walked: 0 = 4/5-bit tiles (vector types), 1 = 8-bit rows RW at a time (vector
+   types), 2 = 4-bit tiles (AVX-512), 3 = 8-bit rows RW16 at a time (AVX-512, groups of 32k). A
+   property of W and the build, never of the rows of x. */
+static inline int path_of(const QMat *w) {
+#if defined(__AVX512F__)
+    if (w->bits == 4 && !w->high) return 2;
+    if (w->bits == 8 && w->group % 32 == 0) return 3;
+#endif
+    return w->bits == 8 ? 1 : 0;
+}
+
+/* rows of W per block, rows of x per block */
+#if defined(__AVX512F__)
+static const int64_t BLOCK_ROWS[4] = {16, RW, 16, RW16};
+#else
+static const int64_t BLOCK_ROWS[4] = {16, RW, 16, 1};
+#endif
+#if defined(__AVX512F__)
+static const int64_t X_ROWS[4] = {MR, MR, MR16, 2};
+#else
+static const int64_t X_ROWS[4] = {MR, MR, MR, MR};
+#endif
+
+/* one body per path and constant row count, so that every body is inlined with constants */
+#define CASES(call)                                                                                 \
+    switch (mr) {                                                                                   \
+    case 1: call(1); break;                                                                         \
+    case 2: call(2); break;                                                                         \
+    case 3: call(3); break;                                                                         \
+    default: call(4); break;                                                                        \
+    }
+
+/* rows x .. x + mr - 1 (mr <= X_ROWS[path]) times block t of W */
+static void block_dot(const QMat *w, int path, int64_t t, const float *x, const float *xs,
+                      float *y, int add, int64_t mr) {
+    switch (path) {
+    case 0:
+        if (w->high) {
+#define C0(n) tile_dot_rows(w, t, x, xs, y, add, (n) < MR ? (n) : MR, 1)
+            CASES(C0);
+        } else {
+#define C1(n) tile_dot_rows(w, t, x, xs, y, add, (n) < MR ? (n) : MR, 0)
+            CASES(C1);
+        }
+        break;
+    case 1: {
+        const int64_t r0 = t * RW, rw = w->n - r0 < RW ? w->n - r0 : RW;
+        if (rw == RW) {
+#define C2(n) row_dot_rows(w, r0, RW, x, xs, y, add, (n) < MR ? (n) : MR)
+            CASES(C2);
+        } else
+            for (int64_t r = r0; r < r0 + rw; r++) {
+#define C3(n) row_dot_rows(w, r, 1, x, xs, y, add, (n) < MR ? (n) : MR)
+                CASES(C3);
+            }
+        break;
+    }
+#if defined(__AVX512F__)
+    case 2:
+#define C4(n) tile_dot_rows16(w, t, x, xs, y, add, n)
+        CASES(C4);
+        break;
+    case 3: {
+        const int64_t r0 = t * RW16;
+        if (w->n - r0 >= RW16) {
+#define C5(n) row_dot_rows16(w, r0, RW16, x, xs, y, add, n)
+            CASES(C5);
+        } else {
+#define C6(n) row_dot_rows16(w, r0, 1, x, xs, y, add, n)
+            CASES(C6);
+        }
+        break;
+    }
+#endif
+    default: break;
+    }
+}
+
+/* blocks of W (tiles or rows) */
+static inline int64_t blocks_of(const QMat *w, int path) {
+    return (w->n + BLOCK_ROWS[path] - 1) / BLOCK_ROWS[path];
+}
+
+/* inside a parallel region: y = (add ? y : 0) + W x for one row x; xs: scratch of k / 16 floats */
+static void gemv_in_team(const QMat *w, const float *x, float *xs, float *y, int add) {
+    const int path = path_of(w);
+#pragma omp single
+    group_sums(w, x, xs);
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < blocks_of(w, path); t++) block_dot(w, path, t, x, xs, y, add, 1);
 }
 
 void qmat_gemv(const QMat *w, const float *x, int64_t M, float *xs, float *y, int nthreads) {
@@ -368,233 +473,30 @@ void qmat_gemv(const QMat *w, const float *x, int64_t M, float *xs, float *y, in
     }
 }
 
-/* --- many rows of x at once (4-bit tiles, AVX512-BF16) ---------------------------------------
-   Y (M, n) = X (M, k) W^T with X rounded to bf16 for the codes' products (the precision of the
-   batched calls, as torch's int4pack kernel; scales, mins and the min term's group sums of X
-   stay float32). Rows of X go MB at a time, so each tile's codes are unpacked once per MB rows.
-   xb: scratch of M k uint16, xs: of M k / group floats. Returns 1 (nothing written) where it
-   cannot run: 8-bit codes, or no AVX512-BF16 in this build. */
-#if defined(__AVX512BF16__)
-#define MB 6
-static inline __attribute__((always_inline)) void tile_rows(const QMat *w, int64_t t,
-                                                            const uint16_t *xb, const float *xs,
-                                                            int64_t m0, const int mb, float *y) {
-    const int64_t G = w->k / w->group, chunks = w->group / 32, k = w->k;
-    const uint8_t *c = w->codes + t * (k / 32) * 256;
-    const float *sc = w->scale + t * G * 16, *mn = w->min + t * G * 16;
-    const __m512i bf = nibble_table();
-    __m512 acc[MB], lo_acc[MB], hi_acc[MB];
-    for (int m = 0; m < mb; m++) acc[m] = _mm512_setzero_ps();
-    for (int64_t g = 0; g < G; g++) {
-        for (int m = 0; m < mb; m++) lo_acc[m] = hi_acc[m] = _mm512_setzero_ps();
-        for (int64_t j = 0; j < chunks; j++, c += 256) {
-            const int64_t col = (g * chunks + j) * 32;
-            for (int s = 0; s < 8; s++) {
-                const __m512i b = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(c + 32 * s)));
-                const __m512bh lo = (__m512bh)_mm512_permutexvar_epi16(b, bf);
-                const __m512bh hi = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(b, 4), bf);
-                for (int m = 0; m < mb; m++) {
-                    const int32_t *pair = (const int32_t *)(xb + (m0 + m) * k + col) + s;
-                    lo_acc[m] = _mm512_dpbf16_ps(lo_acc[m], lo, (__m512bh)_mm512_set1_epi32(pair[0]));
-                    hi_acc[m] = _mm512_dpbf16_ps(hi_acc[m], hi, (__m512bh)_mm512_set1_epi32(pair[8]));
-                }
-            }
-        }
-        const __m512 scv = _mm512_loadu_ps(sc + g * 16), mnv = _mm512_loadu_ps(mn + g * 16);
-        for (int m = 0; m < mb; m++) {
-            acc[m] = _mm512_fmadd_ps(_mm512_add_ps(lo_acc[m], hi_acc[m]), scv, acc[m]);
-            acc[m] = _mm512_fmadd_ps(mnv, _mm512_set1_ps(xs[(m0 + m) * G + g]), acc[m]);
-        }
-    }
-    const int64_t rows = w->n - 16 * t < 16 ? w->n - 16 * t : 16;
-    for (int m = 0; m < mb; m++)
-        _mm512_mask_storeu_ps(y + (m0 + m) * w->n + 16 * t, (__mmask16)((1u << rows) - 1), acc[m]);
-}
-#endif
-
-int qmat_gemm_built(void) {
-#if defined(__AVX512BF16__)
-    return 1;
-#else
-    return 0;
-#endif
-}
-
-int qmat_gemm(const QMat *w, const float *x, int64_t M, uint16_t *xb, float *xs, float *y,
-              int nthreads) {
-#if defined(__AVX512BF16__)
-    if (w->bits != 4) return 1;
-    const int64_t k = w->k, G = k / w->group, T = (w->n + 15) / 16, blocks = (M + MB - 1) / MB;
+/* Y (M, n) = X (M, k) W^T, X_ROWS rows of X per unpacked block of W; xs: scratch of M k / group floats.
+   Each row's outputs equal qmat_gemv's bit for bit. */
+void qmat_gemm_f32(const QMat *w, const float *x, int64_t M, float *xs, float *y, int nthreads) {
+    const int path = path_of(w);
+    const int64_t k = w->k, G = k / w->group, T = blocks_of(w, path), R = X_ROWS[path];
+    const int64_t B = (M + R - 1) / R;
 #pragma omp parallel num_threads(nthreads)
     {
 #pragma omp for schedule(static)
-        for (int64_t m = 0; m < M; m++) {
-            for (int64_t i = 0; i < k; i++) xb[m * k + i] = to_bf16(x[m * k + i]);
-            group_sums(w, x + m * k, xs + m * G);
-        }
+        for (int64_t m = 0; m < M; m++) group_sums(w, x + m * k, xs + m * G);
 #pragma omp for collapse(2) schedule(static)
-        for (int64_t b = 0; b < blocks; b++)
-            for (int64_t t = 0; t < T; t++) {
-                const int64_t m0 = b * MB;
-                switch (M - m0 < MB ? M - m0 : MB) { /* constant row counts: accumulators in registers */
-                case 1: tile_rows(w, t, xb, xs, m0, 1, y); break;
-                case 2: tile_rows(w, t, xb, xs, m0, 2, y); break;
-                case 3: tile_rows(w, t, xb, xs, m0, 3, y); break;
-                case 4: tile_rows(w, t, xb, xs, m0, 4, y); break;
-                case 5: tile_rows(w, t, xb, xs, m0, 5, y); break;
-                default: tile_rows(w, t, xb, xs, m0, MB, y);
-                }
+        for (int64_t t = 0; t < T; t++)
+            for (int64_t b = 0; b < B; b++) {
+                const int64_t m0 = b * R, mr = M - m0 < R ? M - m0 : R;
+                block_dot(w, path, t, x + m0 * k, xs + m0 * G, y + m0 * w->n, 0, mr);
             }
-    }
-    return 0;
-#else
-    (void)w, (void)x, (void)M, (void)xb, (void)xs, (void)y, (void)nthreads;
-    return 1;
-#endif
-}
-
-/* --- many rows of x at once, float32 (every CPU) --------------------------------------------
-   Y (M, n) = X (M, k) W^T on the codec's values in float32: each 16-row tile of W is
-   dequantized (code * scale + min) KB columns at a time into a small float buffer, which then
-   meets every row of X (its 16 outputs per row stay in y). The weights are read once per call
-   whatever M is; no copy of W besides the plane. Written with GCC vector types of 8 floats (one ymm
-   on AVX2 and AVX-512, scalar code elsewhere). */
-#define KB 128 /* columns dequantized at once: 8 KiB of floats */
-
-/* columns [c0, c0 + KB) (a multiple of 32 wide, inside k) of 4- or 5-bit tile t as wt[c][i] */
-static void tile_floats(const QMat *w, int64_t t, int64_t c0, int64_t cols, float *wt) {
-    const int64_t G = w->k / w->group;
-    for (int64_t j = c0 / 32; j < (c0 + cols) / 32; j++) {
-        const uint8_t *c = w->codes + (t * (w->k / 32) + j) * 256;
-        const int64_t at = (t * G + j * 32 / w->group) * 16;
-        float *out = wt + 16 * (j * 32 - c0);
-        for (int s = 0; s < 8; s++)
-            for (int h = 0; h < 2; h++) { /* rows 8h .. 8h + 7 */
-                const v8f sc = ld8(w, w->scale, at + 8 * h), mn = min8(w, at + 8 * h);
-                const int col[4] = {2 * s, 16 + 2 * s, 2 * s + 1, 17 + 2 * s};
-                v8f q[4];
-                tile_codes(c + 32 * s + 16 * h, q);
-                if (w->high) tile_high(high_bits(w, t, j, s, h), q);
-                for (int e = 0; e < 4; e++) {
-                    const v8f f = q[e] * sc + mn;
-                    memcpy(out + 16 * col[e] + 8 * h, &f, sizeof f);
-                }
-            }
-    }
-}
-
-/* rows m0 .. m0 + mr of Y's tile t += X's columns [c0, c0 + cols) times wt; mr <= MR is a
-   constant where inlined, so the 2 mr accumulators stay in registers */
-#define MR 4
-static inline __attribute__((always_inline)) void tile_update(const float *wt, const float *x,
-                                                               int64_t k, int64_t c0, int64_t cols,
-                                                               float *y, int64_t n, int64_t rows,
-                                                               int64_t m0, const int mr) {
-    v8f acc[MR][2];
-    for (int m = 0; m < mr; m++) {
-        float *ym = y + (m0 + m) * n;
-        if (c0 == 0) acc[m][0] = acc[m][1] = (v8f){0};
-        else if (rows == 16) memcpy(acc[m], ym, sizeof acc[m]);
-        else {
-            float t[16] = {0};
-            memcpy(t, ym, sizeof(float) * rows);
-            memcpy(acc[m], t, sizeof t);
-        }
-    }
-    for (int64_t c = 0; c < cols; c++) {
-        v8f w0, w1;
-        memcpy(&w0, wt + 16 * c, sizeof w0);
-        memcpy(&w1, wt + 16 * c + 8, sizeof w1);
-        for (int m = 0; m < mr; m++) {
-            const float xv = x[(m0 + m) * k + c0 + c];
-            acc[m][0] += w0 * xv;
-            acc[m][1] += w1 * xv;
-        }
-    }
-    for (int m = 0; m < mr; m++) memcpy(y + (m0 + m) * n, acc[m], sizeof(float) * rows);
-}
-
-/* 8-bit rows: row r of W dequantized (wr, k floats) meets rows m0 .. m0 + mr of X */
-static inline __attribute__((always_inline)) void row_update(const float *wr, const float *x,
-                                                              int64_t k, float *y, int64_t n,
-                                                              int64_t r, int64_t m0, const int mr) {
-    v8f acc[MR];
-    for (int m = 0; m < mr; m++) acc[m] = (v8f){0};
-    for (int64_t c = 0; c < k; c += 8) {
-        v8f wv;
-        memcpy(&wv, wr + c, sizeof wv);
-        for (int m = 0; m < mr; m++) {
-            v8f xv;
-            memcpy(&xv, x + (m0 + m) * k + c, sizeof xv);
-            acc[m] += wv * xv;
-        }
-    }
-    for (int m = 0; m < mr; m++) {
-        float s = 0.f;
-        for (int i = 0; i < 8; i++) s += acc[m][i];
-        y[(m0 + m) * n + r] = s;
-    }
-}
-
-static void gemm_rows_f32(const QMat *w, const float *x, int64_t M, float *y, float *wr,
-                          int64_t r) {
-    const int64_t k = w->k, G = k / w->group;
-    const uint8_t *c = w->codes + r * k;
-    for (int64_t g = 0; g < G; g++) {
-        const float sc = ld1(w, w->scale, r * G + g), mn = min1(w, r * G + g);
-        for (int64_t j = g * w->group; j < (g + 1) * w->group; j++) wr[j] = (float)c[j] * sc + mn;
-    }
-    int64_t m0 = 0;
-    for (; m0 + MR <= M; m0 += MR) row_update(wr, x, k, y, w->n, r, m0, MR);
-    switch (M - m0) {
-    case 1: row_update(wr, x, k, y, w->n, r, m0, 1); break;
-    case 2: row_update(wr, x, k, y, w->n, r, m0, 2); break;
-    case 3: row_update(wr, x, k, y, w->n, r, m0, 3); break;
-    default: break;
-    }
-}
-
-void qmat_gemm_f32(const QMat *w, const float *x, int64_t M, float *y, float *scratch,
-                   int nthreads) {
-    const int64_t k = w->k, n = w->n, T = (n + 15) / 16;
-    if (w->bits == 8) {
-#pragma omp parallel num_threads(nthreads)
-        {
-            float *wr = scratch + (int64_t)omp_get_thread_num() * k;
-#pragma omp for schedule(static)
-            for (int64_t r = 0; r < n; r++) gemm_rows_f32(w, x, M, y, wr, r);
-        }
-        return;
-    }
-#pragma omp parallel num_threads(nthreads)
-    {
-        float wt[16 * KB] __attribute__((aligned(32)));
-#pragma omp for schedule(static)
-        for (int64_t t = 0; t < T; t++) {
-            const int64_t rows = n - 16 * t < 16 ? n - 16 * t : 16;
-            float *yt = y + 16 * t;
-            for (int64_t c0 = 0; c0 < k; c0 += KB) {
-                const int64_t cols = k - c0 < KB ? k - c0 : KB;
-                const float *f = wt;
-                tile_floats(w, t, c0, cols, wt);
-                int64_t m0 = 0;
-                for (; m0 + MR <= M; m0 += MR) tile_update(f, x, k, c0, cols, yt, n, rows, m0, MR);
-                switch (M - m0) {
-                case 1: tile_update(f, x, k, c0, cols, yt, n, rows, m0, 1); break;
-                case 2: tile_update(f, x, k, c0, cols, yt, n, rows, m0, 2); break;
-                case 3: tile_update(f, x, k, c0, cols, yt, n, rows, m0, 3); break;
-                default: break;
-                }
-            }
-        }
     }
 }
 
 /* x (hidden) in place through every layer. kc / vc: layer 0 of the cache, layer l at
    l * layer_stride floats, slot s of KV head g at (s * KV heads + g) * head_dim; this token's
    K / V go to slots[n - 1]. scratch: at least hidden + (heads + 2 kv_heads) head_dim + heads
-   head_dim + 3 inner + heads * n + K / 32 + 2K floats, K = max(hidden, inner, heads * head_dim)
-   (the widest product's input: its group sums and bf16 parts). */
+   head_dim + 3 inner + heads * n + K / 16 floats, K = max(hidden, inner, heads * head_dim)
+   (the widest product's input: its group sums). */
 void decode_stack(const Layer *layers, int64_t L, const Dims *d, float *x, const float *cos,
                   const float *sin, float *kc, float *vc, int64_t layer_stride,
                   const int64_t *slots, int64_t n, float *scratch, int nthreads) {

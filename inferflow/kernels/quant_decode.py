@@ -3,9 +3,9 @@ in the C layout), their one-row product, and one decode token through a whole pr
 
 A plane holds exactly the codec's values (``code * scale + min`` per group), so
 ``plane.matvec(x)`` equals ``x @ W.dequantize().T`` up to float32 summation order, with no bf16
-rounding of x or of the scales (torch's int4pack kernel needs both). On CPUs with AVX512-BF16 the
-4-bit products run as bf16 dot products of the exact codes with x split into three bf16 parts
-(what is left is at most 2^-24 |x|, float32's own unit roundoff).
+rounding of x or of the scales (torch's int4pack kernel needs both). ``matvec`` (one row of x at
+a time) and ``matmul_f32`` (all rows at once) give every row the same float32 operations: a row's
+result does not depend on the other rows of the call (batch invariance).
 """
 
 from __future__ import annotations
@@ -44,14 +44,9 @@ def library() -> ctypes.CDLL | None:
         return None
     lib.qmat_gemv.argtypes = [ctypes.POINTER(CQMat), _P, _I64, _P, _P, ctypes.c_int]
     lib.qmat_gemv.restype = None
-    lib.qmat_gemm.argtypes = [ctypes.POINTER(CQMat), _P, _I64, _P, _P, _P, ctypes.c_int]
-    lib.qmat_gemm.restype = ctypes.c_int
     lib.qmat_gemm_f32.argtypes = [ctypes.POINTER(CQMat), _P, _I64, _P, _P, ctypes.c_int]
     lib.qmat_gemm_f32.restype = None
-    for flag in (lib.qmat_half_built, lib.qmat_symmetric_built):
-        flag.argtypes, flag.restype = [], ctypes.c_int
-    lib.qmat_gemm_built.argtypes = []
-    lib.qmat_gemm_built.restype = ctypes.c_int
+    lib.qmat_half_built.argtypes, lib.qmat_half_built.restype = [], ctypes.c_int
     lib.decode_stack.argtypes = [ctypes.POINTER(CLayer), _I64, ctypes.POINTER(CDims), _P, _P]
     lib.decode_stack.argtypes += [_P, _P, _P, _I64, _P, _I64, _P, ctypes.c_int]
     lib.decode_stack.restype = None
@@ -59,22 +54,10 @@ def library() -> ctypes.CDLL | None:
 
 
 def half_built() -> bool:
-    """Whether this build's kernels read float16 scales and mins (F16C, no AVX-512)."""
+    """Whether this build's kernels read float16 scales and mins (F16C)."""
     lib = library()
     return lib is not None and bool(lib.qmat_half_built())
 
-
-def symmetric_built() -> bool:
-    """Whether this build's kernels derive a symmetric format's mins (-zero * scale) instead of
-    reading them (the vector-type loops: no AVX-512)."""
-    lib = library()
-    return lib is not None and bool(lib.qmat_symmetric_built())
-
-
-def gemm_built() -> bool:
-    """Whether ``QPlane.matmul`` runs here (4-bit planes, a build with AVX512-BF16)."""
-    lib = library()
-    return lib is not None and bool(lib.qmat_gemm_built())
 
 
 @dataclass
@@ -85,11 +68,11 @@ class QPlane:
     ``high``, the fifth bits (tiles, k / 32, 8, 2, 4); else codes (n, k) uint8 with scale and
     min (n, k / group). Scales and mins are float32, or float16 where every one is exact in it
     and the build reads them (``half_built``: the file's own float16 fields, 2 bytes less per
-    group and per weight array); no mins for a symmetric format where the build derives them."""
+    group and per weight array); no mins for a symmetric format (derived as -zero * scale)."""
 
     codes: torch.Tensor
     scale: torch.Tensor
-    min: torch.Tensor | None  # None: -zero * scale (a symmetric format, ``symmetric_built``)
+    min: torch.Tensor | None  # None: -zero * scale (a symmetric format)
     n: int
     k: int
     group: int
@@ -122,7 +105,7 @@ class QPlane:
             raise RuntimeError("the quant_decode kernel is not available")
         x = x.contiguous()
         y = torch.empty((x.shape[0], self.n), dtype=torch.float32)
-        xs = torch.empty(self.k // 32 + 2 * self.k, dtype=torch.float32)  # group sums, bf16 parts
+        xs = torch.empty(self.k // 16, dtype=torch.float32)  # group sums
         lib.qmat_gemv(ctypes.byref(self.struct), x.data_ptr(), x.shape[0], xs.data_ptr(), y.data_ptr(),
                       torch.get_num_threads())  # fmt: skip
         return y
@@ -147,36 +130,16 @@ class QPlane:
         return w.reshape(len(ids), self.k)
 
     def matmul_f32(self, x: torch.Tensor) -> torch.Tensor:
-        """``x (M, k) float32 @ W.T`` -> (M, n) float32 on the codec's values in float32, all
-        rows at once (each tile of W dequantized once per call, whatever M is)."""
+        """``x (M, k) float32 @ W.T`` -> (M, n) float32, all rows at once (each unpacked tile of
+        codes meets several rows); every row equals ``matvec``'s bit for bit."""
         lib = library()
         if lib is None:
             raise RuntimeError("the quant_decode kernel is not available")
         x = x.contiguous()
         y = torch.empty((x.shape[0], self.n), dtype=torch.float32)
-        threads = torch.get_num_threads()
-        rows = None  # 8-bit codes: a dequantized row per thread
-        if self.bits == 8:
-            rows = torch.empty((threads, self.k), dtype=torch.float32)
-        lib.qmat_gemm_f32(ctypes.byref(self.struct), x.data_ptr(), x.shape[0], y.data_ptr(),
-                          None if rows is None else rows.data_ptr(), threads)  # fmt: skip
-        return y
-
-    def matmul(self, x: torch.Tensor) -> torch.Tensor | None:
-        """``x (M, k) float32 @ W.T`` -> (M, n) float32 with x rounded to bf16 for the codes'
-        products (scales, mins and group sums float32), all rows at once; None where this
-        build or these codes have no such kernel (8-bit codes, no AVX512-BF16)."""
-        lib = library()
-        if lib is None or self.bits != 4:
-            return None
-        x = x.contiguous()
-        M = x.shape[0]
-        y = torch.empty((M, self.n), dtype=torch.float32)
-        xb = torch.empty((M, self.k), dtype=torch.int16)
-        xs = torch.empty((M, self.k // self.group), dtype=torch.float32)
-        ptrs = (x.data_ptr(), M, xb.data_ptr(), xs.data_ptr(), y.data_ptr())
-        if lib.qmat_gemm(ctypes.byref(self.struct), *ptrs, torch.get_num_threads()):
-            return None
+        xs = torch.empty((x.shape[0], self.k // self.group), dtype=torch.float32)  # group sums
+        lib.qmat_gemm_f32(ctypes.byref(self.struct), x.data_ptr(), x.shape[0], xs.data_ptr(),
+                          y.data_ptr(), torch.get_num_threads())  # fmt: skip
         return y
 
 
@@ -206,7 +169,7 @@ def make_plane(
     if library() is None or not plane_takes(levels, group) or k % group:
         return None
     scale, mn = scale.to(torch.float32), mn.to(torch.float32)
-    minless = zero is not None and symmetric_built() and torch.equal(mn, -zero * scale)
+    minless = zero is not None and torch.equal(mn, -zero * scale)
     kept = (scale,) if minless else (scale, mn)
     if half_built() and all(torch.equal(t.half().float(), t) for t in kept):
         scale, mn = scale.half(), mn.half()  # (exact: no value changes)

@@ -15,8 +15,7 @@ call of ``decode_stack`` (inferflow/kernels/quant_decode.c) when the stack is on
 Anything else keeps the module path; ``FusedDecode.build`` logs why once. Embedding, final norm
 and head stay in torch. The math is float32 on the codec's exact weights, so it equals the
 module path with ``dequantize()``-d float weights up to summation order (tests/test_fused.py);
-calls of several rows round activations to bf16 only in QuantLinear's int4pack kernel and, with
-AVX512-BF16, its many-row kernel for 4-bit planes.
+its products are QuantLinear's plane arithmetic, bit for bit.
 """
 
 from __future__ import annotations
@@ -142,7 +141,7 @@ class FusedDecode:
         d = self.dims
         size = d.hidden + 2 * (d.heads + d.kv_heads) * d.head_dim + 3 * d.inner + d.heads * n
         widest = max(d.hidden, d.inner, d.heads * d.head_dim)
-        size += widest // 32 + 2 * widest  # group sums and bf16 parts of a product's input
+        size += widest // 16  # a product input's group sums
         scratch = torch.empty(size, dtype=torch.float32)
         lib = library()
         assert lib is not None

@@ -21,13 +21,11 @@ unless ``dense_rows`` adds one):
   codes in the layout of ``inferflow/kernels/quant_decode.c`` with float32 scales and mins (0.75
   bytes per weight for 4-bit codes, 0.875 for 5-bit, 1.25 for 8-bit in groups of 32; float16
   ones where exact and the build reads them: 0.625, 0.75 and 1.125; symmetric formats, Q4_0,
-  Q5_0, Q8_0, Q6_K, hold no mins where the build derives them, -zero * scale). One-row calls
-  (one sequence's decode step) compute on the codec's exact values in float32, and the same
-  plane feeds the one-call decode
-  of a whole stack (inferflow.model.fused). Calls of more rows run ``qmat_gemm_f32``: each tile
-  of W is dequantized to float32 once per call and meets every row of x, so they too are float32
-  on the codec's values. With AVX512-BF16, 4-bit codes take many-row calls with x rounded to
-  bf16 for the codes' products instead (scales, mins and the min term's sums of x float32).
+  Q5_0, Q8_0, Q6_K, hold no mins: -zero * scale). Every call computes on the codec's exact
+  values in float32, and each row of x gets the same operations whatever else is in the call
+  (one row alone, many rows sharing each unpacked tile of codes in ``qmat_gemm_f32``): a
+  request's outputs do not depend on its batch. The same plane feeds the one-call decode of a
+  whole stack (inferflow.model.fused), with the same arithmetic.
   ``quant: {kernel: int4pack}`` keeps int4pack alone.
 - ``dequant``: everything else (Q2_K, Q3_K, IQ/TQ/MXFP4, float formats):
   dequantize a bounded tile of rows (``TILE_BYTES`` of float32) at a time from the raw blocks and
@@ -57,11 +55,9 @@ from inferflow.errors import QuantError
 from inferflow.kernels import quant_decode
 from inferflow.kernels.quant_decode import (
     QPlane,
-    gemm_built,
     make_plane,
     plane_bits,
     plane_takes,
-    symmetric_built,
 )
 from inferflow.quant import ggml
 from inferflow.quant.formats import QuantFormat
@@ -254,8 +250,7 @@ def select_kernel(fmt: QuantFormat) -> str:
 def kernel_bytes(fmt: QuantFormat, rows: int, cols: int) -> int | None:
     """The bytes a (rows, cols) QuantLinear of ``fmt`` holds with the auto kernel, from the shape
     alone, at most: its plane (4- or 5-bit codes in 16-row tiles or one byte per code, a
-    float32 scale and min per group, float16 where exact, no mins for a symmetric format where
-    the build derives them; int4pack, where no plane can be made, holds no more). None where no
+    float32 scale and min per group, float16 where exact, no mins for a symmetric format; int4pack, where no plane can be made, holds no more). None where no
     fast kernel takes the format (such weights are read as float)."""
     if select_kernel(fmt) == "dequant":
         return None
@@ -263,7 +258,7 @@ def kernel_bytes(fmt: QuantFormat, rows: int, cols: int) -> int | None:
     bits = plane_bits(view.levels, view.group)
     if bits < 8:  # tiles of 16 rows
         rows = -(-rows // 16) * 16
-    per_group = 4 if view.zero is not None and symmetric_built() else 8
+    per_group = 4 if view.zero is not None else 8
     return rows * cols * bits // 8 + per_group * rows * (cols // view.group)
 
 
@@ -366,21 +361,15 @@ def rows_switch(small: Kernel, dense: torch.Tensor, rows: int) -> Kernel:
 
 
 def plane_kernel(plane: QPlane) -> Kernel:
-    """Every call on the C kernel's plane. One-row calls (one sequence's decode step) and, where
-    AVX512-BF16 is not built or the codes are 8-bit, calls of more rows compute in float32 on the
-    codec's exact values; with AVX512-BF16, many-row calls on 4-bit codes round x to bf16 for the
-    codes' products (scales, mins and group sums float32)."""
-    bf16 = plane.bits == 4 and gemm_built()
+    """Every call on the C kernel's plane, float32 on the codec's exact values; a row's result
+    is the same bit for bit whatever else is in the call (one-row calls take ``matvec``, calls
+    of more rows ``matmul_f32``: the same operations per row)."""
 
     def run(x: torch.Tensor) -> torch.Tensor:
         if x.device.type != "cpu":
             raise QuantError(f"the plane kernel reads host memory; got x on {x.device}")
         xf = x.float()
-        if x.shape[0] == 1:
-            y = plane.matvec(xf)
-        else:
-            many = plane.matmul(xf) if bf16 else None
-            y = plane.matmul_f32(xf) if many is None else many
+        y = plane.matvec(xf) if x.shape[0] == 1 else plane.matmul_f32(xf)
         return y.to(x.dtype)
 
     return run

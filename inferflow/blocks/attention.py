@@ -240,9 +240,11 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if not pos.rotate_(q, k, batch.positions):  # q and k are this call's own buffers
             q, k = pos.rotate(q, k, batch.positions)
+        # causal attention without soft-cap or bias runs every row in the C decode kernel
+        # where the KV view has it: a row's result is then the same in any batch or chunking
+        plain = a.causal and a.softcap is None and not pos.has_bias
         if batch.group is not None:
-            plain = a.window is None and a.softcap is None and not pos.has_bias
-            out = batch.group.attend(a.layer, q, k, v, self.scale) if plain else None
+            out = batch.group.attend(a.layer, q, k, v, self.scale, a.window) if plain else None
             if out is None:  # no kernel path: keys gathered into a padded copy
                 kp, vp, kpos, valid = batch.group.update(a.layer, k, v)
                 bias = pos.group_bias(batch.positions, kpos)
@@ -254,6 +256,15 @@ class Attention(nn.Module):
         for i, s in enumerate(batch.seqs):
             rows = slice(s.start, s.start + s.length)
             qpos = batch.positions[rows]
+            kernel = getattr(batch.kv[i], "attend", None) if plain else None
+            got = (
+                kernel(a.layer, q[rows], k[rows], v[rows], qpos, self.scale, a.window)
+                if kernel
+                else None
+            )
+            if got is not None:
+                out[rows] = got
+                continue
             k_all, v_all, k_pos = batch.kv[i].update(a.layer, k[rows], v[rows], qpos)
             out[rows] = attend(
                 q[rows],

@@ -97,7 +97,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--deterministic",
         action="store_true",
-        help="batch-invariant outputs (each request computed on its own; slower under load)",
+        help="each request computed on its own (slower under load): batch-invariant also where "
+        "the default is not (soft-capped or biased attention, float layers, bfloat16)",
     )
     p.add_argument(
         "--max-body-bytes", type=int, default=4 << 20, help="request body limit, bytes (4 MiB)"

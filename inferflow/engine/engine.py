@@ -267,9 +267,9 @@ class Engine:
         pos, seqs, rows = [], [], []
         # a pure decode step of several sequences (or of one, read by the C kernel) attends
         # in one grouped call
-        grouped = all(s.length == 1 for s in batch) and (
-            len(batch) > 1 or self.cache.kernel_decode()
-        )
+        decode = [s.start >= len(s.req.prompt_ids) for s in batch]
+        grouped = all(s.length == 1 for s in batch) and all(decode)
+        grouped = grouped and (len(batch) > 1 or self.cache.kernel_decode())
         row = 0
         for s in batch:
             ids.extend(s.req.tokens[s.start : s.start + s.length])
@@ -283,6 +283,9 @@ class Engine:
         flat = FlatBatch(
             torch.tensor(ids), torch.cat(pos), seqs, views, torch.tensor(rows, dtype=torch.long)
         )
+        # a generated token fed back is a decode row; a prompt's rows never are, however they
+        # are chunked (inferflow.model.stack: the same path for a token in any batch)
+        flat.decode = decode
         if grouped:
             flat.group = self.cache.group_view([s.req.kv for s in batch], [s.start for s in batch])
         logits = self.model(flat).float()

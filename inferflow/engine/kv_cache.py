@@ -274,28 +274,33 @@ class PagedGroupView:
     ) -> None:
         self.cache, self.write, self.read, self.pos, self.valid = cache, write, read, pos, valid
         self.kernel = kernels.decode_attention_for(cache.k)
-        self.lens = valid.sum(1) if self.kernel is not None else None
 
     def attend(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        scale: float,
+        window: int | None = None,
     ) -> torch.Tensor | None:
-        """Writes the new K/V and returns plain attention (every key visible, no bias) of the
-        queries (B, H, D) over each sequence's keys, read from the blocks by the C kernel
-        (inferflow.kernels): no padded copy. None, with nothing written, where the kernel
-        cannot run; the caller then uses ``update``."""
-        if self.kernel is None or self.lens is None:
+        """Writes the new K/V and returns causal attention (within ``window`` positions, no
+        bias or soft-cap) of the queries (B, H, D) over each sequence's keys, read from the
+        blocks by the C kernel (inferflow.kernels.causal_rows): no padded copy, and each row
+        as it would be computed in any other batch. None, with nothing written, where the
+        kernel cannot run; the caller then uses ``update``."""
+        if self.kernel is None:
             return None
         ck, cv = self.cache.k[layer], self.cache.v[layer]
         ck[self.write] = k
         cv[self.write] = v
-        return self.kernel(q, ck, cv, self.read, self.lens, scale)
+        at = self.valid.sum(1) - 1
+        return kernels.causal_rows(self.kernel, q, ck, cv, self.read, at, scale, window)
 
-    def decode_slots(self, position: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """For inferflow.model.fused (one sequence): the whole cache and the slots of its
-        positions 0..position, the last being where this step writes."""
-        if self.read.shape[0] != 1:
-            raise ValueError(f"decode_slots reads one sequence, not {self.read.shape[0]}")
-        return self.cache.k, self.cache.v, self.read[0, : position + 1]
+    def decode_slots(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """For inferflow.model.fused: the whole cache and each sequence's slots (B, S), its
+        first positions + 1 being its keys, the last of them where this step writes."""
+        return self.cache.k, self.cache.v, self.read
 
     def update(
         self, layer: int, k: torch.Tensor, v: torch.Tensor
@@ -311,6 +316,32 @@ class PagedView:
         self, cache: PagedKVCache, write: torch.Tensor, read: torch.Tensor, pos: torch.Tensor
     ) -> None:
         self.cache, self.write, self.read, self.pos = cache, write, read, pos
+
+    def decode_slots(self, position: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """For inferflow.model.fused: the whole cache and the slots of positions 0..position,
+        the last being where this step writes."""
+        return self.cache.k, self.cache.v, self.read[: position + 1]
+
+    def attend(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        positions: torch.Tensor,
+        scale: float,
+        window: int | None = None,
+    ) -> torch.Tensor | None:
+        """Writes the new K/V and returns causal attention of the new rows' queries (T, H, D)
+        by the C decode kernel, each row as in any other batch or chunking
+        (inferflow.kernels.causal_rows); None, with nothing written, where it cannot run."""
+        kernel = kernels.decode_attention_for(self.cache.k)
+        if kernel is None:
+            return None
+        ck, cv = self.cache.k[layer], self.cache.v[layer]
+        ck[self.write] = k
+        cv[self.write] = v
+        return kernels.causal_rows(kernel, q, ck, cv, self.read, positions, scale, window)
 
     def update(
         self, layer: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor

@@ -132,7 +132,13 @@ class StepRows:
         return keys, values, pos, valid
 
     def attend(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        scale: float,
+        window: int | None = None,
     ) -> torch.Tensor | None:
         """Each row's keys read in place by the kernel (no padded copy); None, with nothing
         written, where it cannot run."""
@@ -141,7 +147,7 @@ class StepRows:
             return None
         self._write(layer, k, v)
         ck, cv = c.k[layer].flatten(0, 1), c.v[layer].flatten(0, 1)
-        return c.kernel(q, ck, cv, self._read, self.lens + 1, scale)
+        return kernels.causal_rows(c.kernel, q, ck, cv, self._read, self.lens, scale, window)
 
     def row(self, i: int) -> _Row:
         return _Row(self.cache, self.ids[i])

@@ -19,7 +19,7 @@ why once and returns None, and callers keep their torch path (tests cover both).
 - ``rows``: row-wise ops torch runs as several kernels: rotary embedding in place
   (``rope_in_place``, bit for bit the torch path) and RMS norm (``rms_norm``).
 - ``quant_decode`` (``quant_decode.py``): products over affine-quantized weights (QuantLinear's
-  ``plane``: one row in float32, many rows with x in bf16), and one sequence's decode step
+  ``plane``: float32, each row the same operations whatever the batch), and one sequence's decode step
   through every layer of a pre-norm decoder in one call (inferflow.model.fused).
 """
 
@@ -120,7 +120,9 @@ PagedDecode = Callable[
 def paged_decode_attention() -> PagedDecode | None:
     """``f(q (B, H, D), k_cache, v_cache (slots, KVH, D), slots (B, S) int64, lens (B,) int64,
     scale) -> (B, H, D)``, all float32 on the CPU: sequence b attends over the keys in its first
-    lens[b] slots (every one visible). None where the kernel cannot be built."""
+    lens[b] slots (every one visible); slots (S,): every row reads that one list. Each row's
+    result is the same bits whatever else is in the call. None where the kernel cannot be
+    built."""
     lib = _library("paged_attention")
     if lib is None:
         return None
@@ -144,9 +146,10 @@ def paged_decode_attention() -> PagedDecode | None:
         if not (kc.is_contiguous() and vc.is_contiguous()):
             raise ValueError("paged_decode_attention: the cache layers must be contiguous")
         out = torch.empty_like(q)
+        stride = 0 if slots.dim() == 1 else slots.shape[1]  # (S,): one list every row reads
         failed = fn(
             q.data_ptr(), kc.data_ptr(), vc.data_ptr(), slots.data_ptr(), lens.data_ptr(),
-            B, slots.shape[1], H, KVH, D, scale, out.data_ptr(), torch.get_num_threads(),
+            B, stride, H, KVH, D, scale, out.data_ptr(), torch.get_num_threads(),
         )  # fmt: skip
         if failed:
             raise MemoryError("paged_decode_attention: out of memory for the scores")
@@ -208,6 +211,30 @@ def rms_norm() -> RmsNorm | None:
         return out
 
     return run
+
+
+def causal_rows(
+    kernel: PagedDecode,
+    q: torch.Tensor,
+    kc: torch.Tensor,
+    vc: torch.Tensor,
+    slots: torch.Tensor,
+    positions: torch.Tensor,
+    scale: float,
+    window: int | None = None,
+) -> torch.Tensor:
+    """Causal attention of query rows q (T, H, D) at ``positions`` (T,) over the keys whose
+    slots ``slots`` lists by position ((S,): one sequence; (T, S): each row's own), within
+    ``window`` positions where one is given: every row by the decode kernel, so a row's result
+    does not depend on how its sequence was chunked or batched."""
+    lo = torch.zeros_like(positions) if window is None else (positions - window + 1).clamp(min=0)
+    lens = positions + 1 - lo
+    if window is None:
+        return kernel(q, kc, vc, slots, lens, scale)
+    idx = lo[:, None] + torch.arange(int(lens.max()))
+    idx = idx.clamp(max=slots.shape[-1] - 1)  # (past a row's lens: never read)
+    rows = slots.expand(len(positions), -1) if slots.dim() == 1 else slots
+    return kernel(q, kc, vc, rows.gather(1, idx), lens, scale)
 
 
 def decode_attention_for(cache: torch.Tensor) -> PagedDecode | None:

@@ -23,8 +23,9 @@
    qmat_gemv: y = W x for M rows of x, one at a time, rows (or tiles) of W split over the threads.
    qmat_gemm_f32: Y = X W^T for all rows of X at once, the same arithmetic per row.
    decode_stack: every layer of a pre-norm decoder (RMS norm, fused q/k/v, rotary embedding,
-   GQA attention over cache slots, SiLU-gated FFN) for one new token of one sequence, in one
-   OpenMP region; the caller embeds the token and runs the final norm and the head.
+   GQA attention over cache slots, SiLU-gated FFN) for one new token of each of B sequences, in
+   one OpenMP region; the caller embeds the tokens and runs the final norm and the head. A
+   sequence's token gets the same operations whatever B is.
    Threads come from the OpenMP runtime torch already loaded (the same libgomp.so.1). */
 #include <math.h>
 #include <omp.h>
@@ -457,77 +458,85 @@ static inline int64_t blocks_of(const QMat *w, int path) {
     return (w->n + BLOCK_ROWS[path] - 1) / BLOCK_ROWS[path];
 }
 
-/* inside a parallel region: y = (add ? y : 0) + W x for one row x; xs: scratch of k / 16 floats */
-static void gemv_in_team(const QMat *w, const float *x, float *xs, float *y, int add) {
-    const int path = path_of(w);
-#pragma omp single
-    group_sums(w, x, xs);
-#pragma omp for schedule(static)
-    for (int64_t t = 0; t < blocks_of(w, path); t++) block_dot(w, path, t, x, xs, y, add, 1);
-}
-
-void qmat_gemv(const QMat *w, const float *x, int64_t M, float *xs, float *y, int nthreads) {
-    for (int64_t m = 0; m < M; m++) {
-#pragma omp parallel num_threads(nthreads)
-        gemv_in_team(w, x + m * w->k, xs, y + m * w->n, 0);
-    }
-}
-
-/* Y (M, n) = X (M, k) W^T, X_ROWS rows of X per unpacked block of W; xs: scratch of M k / group floats.
-   Each row's outputs equal qmat_gemv's bit for bit. */
-void qmat_gemm_f32(const QMat *w, const float *x, int64_t M, float *xs, float *y, int nthreads) {
+/* inside a parallel region: Y = (add ? Y : 0) + X W^T for M rows of X, X_ROWS rows per unpacked
+   block of W; xs: scratch of M k / group floats. A row's outputs are the same bits whatever M
+   is and whichever rows share its blocks. */
+static void gemm_in_team(const QMat *w, const float *x, int64_t M, float *xs, float *y, int add) {
     const int path = path_of(w);
     const int64_t k = w->k, G = k / w->group, T = blocks_of(w, path), R = X_ROWS[path];
     const int64_t B = (M + R - 1) / R;
-#pragma omp parallel num_threads(nthreads)
-    {
 #pragma omp for schedule(static)
-        for (int64_t m = 0; m < M; m++) group_sums(w, x + m * k, xs + m * G);
+    for (int64_t m = 0; m < M; m++) group_sums(w, x + m * k, xs + m * G);
 #pragma omp for collapse(2) schedule(static)
-        for (int64_t t = 0; t < T; t++)
-            for (int64_t b = 0; b < B; b++) {
-                const int64_t m0 = b * R, mr = M - m0 < R ? M - m0 : R;
-                block_dot(w, path, t, x + m0 * k, xs + m0 * G, y + m0 * w->n, 0, mr);
-            }
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t b = 0; b < B; b++) {
+            const int64_t m0 = b * R, mr = M - m0 < R ? M - m0 : R;
+            block_dot(w, path, t, x + m0 * k, xs + m0 * G, y + m0 * w->n, add, mr);
+        }
+}
+
+/* y = W x for M rows of x, one row per call (xs: k / 16 floats) */
+void qmat_gemv(const QMat *w, const float *x, int64_t M, float *xs, float *y, int nthreads) {
+    for (int64_t m = 0; m < M; m++) {
+#pragma omp parallel num_threads(nthreads)
+        gemm_in_team(w, x + m * w->k, 1, xs, y + m * w->n, 0);
     }
 }
 
-/* x (hidden) in place through every layer. kc / vc: layer 0 of the cache, layer l at
-   l * layer_stride floats, slot s of KV head g at (s * KV heads + g) * head_dim; this token's
-   K / V go to slots[n - 1]. scratch: at least hidden + (heads + 2 kv_heads) head_dim + heads
-   head_dim + 3 inner + heads * n + K / 16 floats, K = max(hidden, inner, heads * head_dim)
-   (the widest product's input: its group sums). */
-void decode_stack(const Layer *layers, int64_t L, const Dims *d, float *x, const float *cos,
-                  const float *sin, float *kc, float *vc, int64_t layer_stride,
-                  const int64_t *slots, int64_t n, float *scratch, int nthreads) {
-    const int64_t H = d->heads, KVH = d->kv_heads, D = d->head_dim, F = d->inner;
-    float *h = scratch, *qkv = h + d->hidden, *att = qkv + (H + 2 * KVH) * D;
-    float *gu = att + H * D, *act = gu + 2 * F, *p = act + F, *xs = p + H * n;
-    const int64_t w = slots[n - 1];
+/* Y (M, n) = X (M, k) W^T, all rows in one call (xs: M k / group floats) */
+void qmat_gemm_f32(const QMat *w, const float *x, int64_t M, float *xs, float *y, int nthreads) {
+#pragma omp parallel num_threads(nthreads)
+    gemm_in_team(w, x, M, xs, y, 0);
+}
+
+/* B new tokens, one per sequence, through every layer: x (B, hidden) in place. cos / sin: (B,
+   rotary_dim / 2), row b's angles. kc / vc: layer 0 of the cache, layer l at l * layer_stride
+   floats, slot s of KV head g at (s * KV heads + g) * head_dim. slots (B, S): row b's keys are
+   in its first lens[b] slots, the last one where its own K / V go. scratch: at least B (hidden +
+   (heads + 2 kv_heads) head_dim + heads head_dim + 3 inner + heads S + K / 16) floats, K = max(
+   hidden, inner, heads * head_dim) (the widest product's input: its group sums). Every row gets
+   the same operations whatever B is and whichever rows are beside it. */
+void decode_stack(const Layer *layers, int64_t L, const Dims *d, int64_t B, float *x,
+                  const float *cos, const float *sin, float *kc, float *vc, int64_t layer_stride,
+                  const int64_t *slots, int64_t S, const int64_t *lens, float *scratch,
+                  int nthreads) {
+    const int64_t H = d->heads, KVH = d->kv_heads, D = d->head_dim, F = d->inner, E = d->hidden;
+    const int64_t QKV = (H + 2 * KVH) * D, R2 = d->rotary_dim / 2;
+    float *h = scratch, *qkv = h + B * E, *att = qkv + B * QKV;
+    float *gu = att + B * H * D, *act = gu + B * 2 * F, *p = act + B * F, *xs = p + B * H * S;
 #pragma omp parallel num_threads(nthreads)
     for (int64_t l = 0; l < L; l++) {
         const Layer *ly = layers + l;
         float *k = kc + l * layer_stride, *v = vc + l * layer_stride;
-#pragma omp single
-        rms_norm_row(x, ly->attn_norm, d->hidden, d->eps, d->norm_offset, h);
-        gemv_in_team(&ly->qkv, h, xs, qkv, 0);
-#pragma omp single
-        {
+#pragma omp for schedule(static)
+        for (int64_t b = 0; b < B; b++)
+            rms_norm_row(x + b * E, ly->attn_norm, E, d->eps, d->norm_offset, h + b * E);
+        gemm_in_team(&ly->qkv, h, B, xs, qkv, 0);
+#pragma omp for schedule(static)
+        for (int64_t b = 0; b < B; b++) {
+            float *row = qkv + b * QKV;
+            const int64_t w = slots[b * S + lens[b] - 1];
             for (int64_t j = 0; j < H + KVH; j++)
-                rope_head(qkv + j * D, cos, sin, d->rotary_dim, d->adjacent);
-            memcpy(k + w * KVH * D, qkv + H * D, sizeof(float) * KVH * D);
-            memcpy(v + w * KVH * D, qkv + (H + KVH) * D, sizeof(float) * KVH * D);
+                rope_head(row + j * D, cos + b * R2, sin + b * R2, d->rotary_dim, d->adjacent);
+            memcpy(k + w * KVH * D, row + H * D, sizeof(float) * KVH * D);
+            memcpy(v + w * KVH * D, row + (H + KVH) * D, sizeof(float) * KVH * D);
         }
+#pragma omp for collapse(2) schedule(static)
+        for (int64_t b = 0; b < B; b++)
+            for (int64_t j = 0; j < H; j++) /* (the last slot is this token's) */
+                attend_head_any(qkv + b * QKV + j * D, k, v, slots + b * S, lens[b], KVH * D,
+                                j / (H / KVH) * D, D, d->scale, p + (b * H + j) * S,
+                                att + (b * H + j) * D);
+        gemm_in_team(&ly->o, att, B, xs, x, 1);
 #pragma omp for schedule(static)
-        for (int64_t j = 0; j < H; j++) /* (the last slot is this token's) */
-            attend_head_any(qkv + j * D, k, v, slots, n, KVH * D, j / (H / KVH) * D, D, d->scale,
-                            p + j * n, att + j * D);
-        gemv_in_team(&ly->o, att, xs, x, 1);
-#pragma omp single
-        rms_norm_row(x, ly->ffn_norm, d->hidden, d->eps, d->norm_offset, h);
-        gemv_in_team(&ly->gate_up, h, xs, gu, 0);
+        for (int64_t b = 0; b < B; b++)
+            rms_norm_row(x + b * E, ly->ffn_norm, E, d->eps, d->norm_offset, h + b * E);
+        gemm_in_team(&ly->gate_up, h, B, xs, gu, 0);
 #pragma omp for schedule(static)
-        for (int64_t i = 0; i < F; i++) act[i] = gu[i] / (1.f + expf(-gu[i])) * gu[F + i];
-        gemv_in_team(&ly->down, act, xs, x, 1);
+        for (int64_t i = 0; i < B * F; i++) {
+            const float *g = gu + (i / F) * 2 * F + i % F;
+            act[i] = g[0] / (1.f + expf(-g[0])) * g[F];
+        }
+        gemm_in_team(&ly->down, act, B, xs, x, 1);
     }
 }

@@ -47,8 +47,8 @@ def library() -> ctypes.CDLL | None:
     lib.qmat_gemm_f32.argtypes = [ctypes.POINTER(CQMat), _P, _I64, _P, _P, ctypes.c_int]
     lib.qmat_gemm_f32.restype = None
     lib.qmat_half_built.argtypes, lib.qmat_half_built.restype = [], ctypes.c_int
-    lib.decode_stack.argtypes = [ctypes.POINTER(CLayer), _I64, ctypes.POINTER(CDims), _P, _P]
-    lib.decode_stack.argtypes += [_P, _P, _P, _I64, _P, _I64, _P, ctypes.c_int]
+    lib.decode_stack.argtypes = [ctypes.POINTER(CLayer), _I64, ctypes.POINTER(CDims), _I64, _P]
+    lib.decode_stack.argtypes += [_P, _P, _P, _P, _I64, _P, _I64, _P, _P, ctypes.c_int]
     lib.decode_stack.restype = None
     return lib
 
@@ -57,7 +57,6 @@ def half_built() -> bool:
     """Whether this build's kernels read float16 scales and mins (F16C)."""
     lib = library()
     return lib is not None and bool(lib.qmat_half_built())
-
 
 
 @dataclass

@@ -16,6 +16,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from inferflow import kernels
 from inferflow.errors import RequestError
 from inferflow.model.cross import CrossRows
 
@@ -29,11 +30,17 @@ class GroupKVView(Protocol):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]: ...
 
     def attend(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        scale: float,
+        window: int | None = None,
     ) -> torch.Tensor | None:
-        """Writes the new K/V and returns plain attention (every key visible, no window, bias
-        or soft-cap) of q (B, H, D) without a padded copy; None, with nothing written, where
-        the view has no such path (then ``update``)."""
+        """Writes the new K/V and returns causal attention (within ``window`` positions; no
+        bias or soft-cap) of q (B, H, D) without a padded copy; None, with nothing written,
+        where the view has no such path (then ``update``)."""
         ...
 
 
@@ -61,12 +68,42 @@ class FlatBatch:
     # (inferflow.model.cross: a CrossBank's rows)
     cross: CrossRows | None = None
     token_types: torch.Tensor | None = None  # (N,) segment ids (text pairs); None: all 0
+    # per sequence: its one row is a token the model generated, fed back (a decode step), as
+    # opposed to a prompt token; None: every sequence of one row is. A stack with a one-call
+    # decode path (inferflow.model.fused) runs such rows there, and only such rows, so that a
+    # request's tokens take the same path whatever else is in the batch.
+    decode: list[bool] | None = None
 
     @classmethod
     def single(cls, token_ids: torch.Tensor, start_pos: int, kv: KVView) -> FlatBatch:
         n = token_ids.numel()
         pos = torch.arange(start_pos, start_pos + n, dtype=torch.long)
         return cls(token_ids.reshape(-1).long(), pos, [SeqSlice(0, n)], [kv])
+
+    def decode_seqs(self) -> list[int]:
+        """The sequences whose one row is a decode step (see ``decode``)."""
+        flags = self.decode or [True] * len(self.seqs)
+        return [i for i, s in enumerate(self.seqs) if s.length == 1 and flags[i]]
+
+    def subset(self, which: list[int]) -> tuple[FlatBatch, torch.Tensor]:
+        """The batch of sequences ``which`` alone (a decoder's self-attention state only), and
+        their rows in this batch."""
+        if self.cross is not None or self.group is not None:
+            raise ValueError("subset: a batch with cross-attention rows or a group view")
+        seqs, parts, row = [], [], 0
+        for i in which:
+            s = self.seqs[i]
+            parts.append(torch.arange(s.start, s.start + s.length))
+            seqs.append(SeqSlice(row, s.length))
+            row += s.length
+        rows = torch.cat(parts) if parts else torch.empty(0, dtype=torch.long)
+        types = None if self.token_types is None else self.token_types[rows]
+        flags = None if self.decode is None else [self.decode[i] for i in which]
+        sub = FlatBatch(
+            self.token_ids[rows], self.positions[rows], seqs, [self.kv[i] for i in which],
+            token_types=types, decode=flags,
+        )  # fmt: skip
+        return sub, rows
 
     def default_logits_rows(self) -> torch.Tensor:
         return torch.tensor([s.start + s.length - 1 for s in self.seqs], dtype=torch.long)
@@ -161,6 +198,29 @@ class ContiguousKVCache:
         self.k[layer, start:end] = k
         self.v[layer, start:end] = v
         return self.k[layer, :end], self.v[layer, :end], self._pos[:end]
+
+    def attend(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        positions: torch.Tensor,
+        scale: float,
+        window: int | None = None,
+    ) -> torch.Tensor | None:
+        """As the engine's paged views: the new rows' causal attention by the C decode kernel,
+        or None (nothing written) where it cannot run."""
+        kernel = kernels.decode_attention_for(self.k)
+        start, end = int(positions[0]), int(positions[-1]) + 1
+        if kernel is None or end > self.max_len:
+            return None
+        self.k[layer, start:end] = k
+        self.v[layer, start:end] = v
+        slots = self._pos[:end]
+        return kernels.causal_rows(
+            kernel, q, self.k[layer], self.v[layer], slots, positions, scale, window
+        )
 
     def decode_slots(self, position: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """For inferflow.model.fused: the whole cache and the rows of positions 0..position."""

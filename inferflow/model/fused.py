@@ -1,9 +1,11 @@
-"""One decode token of one sequence through a whole decoder stack in a single C call.
+"""One decode token of each of B sequences through a whole decoder stack in a single C call.
 
-A batch-1 decode step is a few hundred small torch ops (norms, four projections, rotary
-embedding, cache write, attention, gating, residuals, per layer), and at this size their
-dispatch costs more than their arithmetic. ``FusedDecode`` runs every layer of a stack in one
-call of ``decode_stack`` (inferflow/kernels/quant_decode.c) when the stack is one it implements:
+A decode step is a few hundred small torch ops (norms, four projections, rotary embedding,
+cache write, attention, gating, residuals, per layer), and at these sizes their dispatch costs
+more than their arithmetic. ``FusedDecode`` runs every layer of a stack in one call of
+``decode_stack`` (inferflow/kernels/quant_decode.c) when the stack is one it implements, for
+every decode row of a step (inferflow.model.stack sends them all here, alone or many, so that a
+generated token gets the same operations in any batch):
 
 - residual ``pre_norm`` with ``rms`` / ``rms_offset`` norms (one eps for the stack);
 - attention without bias, q/k-norm, sliding window, soft-cap or additive position bias, with
@@ -122,32 +124,61 @@ class FusedDecode:
         return cls(stack, parts)
 
     def run(self, x: torch.Tensor, batch: FlatBatch) -> torch.Tensor | None:
-        """The stack's output for a one-token batch (1, hidden), or None where the batch's KV
-        view cannot be read by the kernel (then the module path runs)."""
-        view = batch.group if batch.group is not None else batch.kv[0]
-        # a view the kernel can read has decode_slots(position) -> every layer's K and V
-        # (layers, slots, KV heads, D) and the slots of positions 0..position, the last one
-        # where this token's K/V go (ContiguousKVCache, PagedGroupView)
-        decode_slots = getattr(view, "decode_slots", None)
-        if decode_slots is None or x.dtype != torch.float32 or x.device.type != "cpu":
+        """The stack's output (B, hidden) for a batch of one new token per sequence, or None
+        where the batch's KV views cannot be read by the kernel (then the module path runs)."""
+        if x.dtype != torch.float32 or x.device.type != "cpu":
             return None
-        k, v, slots = decode_slots(int(batch.positions[0]))
-        if k.dtype != torch.float32:
+        kv = decode_slots(batch)
+        if kv is None:
             return None
-        n = slots.numel()
+        k, v, slots, lens = kv
+        B, S = slots.shape
         cos, sin = self.rope.cos_sin(batch.positions, torch.float32)
-        cos, sin = cos.reshape(-1).contiguous(), sin.reshape(-1).contiguous()
-        out = x.reshape(-1).clone()
+        cos, sin = cos.reshape(B, -1).contiguous(), sin.reshape(B, -1).contiguous()
+        out = x.reshape(B, -1).clone()
         d = self.dims
-        size = d.hidden + 2 * (d.heads + d.kv_heads) * d.head_dim + 3 * d.inner + d.heads * n
+        size = d.hidden + 2 * (d.heads + d.kv_heads) * d.head_dim + 3 * d.inner + d.heads * S
         widest = max(d.hidden, d.inner, d.heads * d.head_dim)
         size += widest // 16  # a product input's group sums
-        scratch = torch.empty(size, dtype=torch.float32)
+        scratch = torch.empty(B * size, dtype=torch.float32)
         lib = library()
         assert lib is not None
         lib.decode_stack(
-            self.layers, len(self.layers), ctypes.byref(self.dims), out.data_ptr(),
+            self.layers, len(self.layers), ctypes.byref(self.dims), B, out.data_ptr(),
             cos.data_ptr(), sin.data_ptr(), k.data_ptr(), v.data_ptr(), k[0].numel(),
-            slots.data_ptr(), n, scratch.data_ptr(), torch.get_num_threads(),
+            slots.data_ptr(), S, lens.data_ptr(), scratch.data_ptr(), torch.get_num_threads(),
         )  # fmt: skip
-        return out.view(1, -1)
+        return out
+
+
+def decode_slots(
+    batch: FlatBatch,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """For a batch of one new token per sequence: every layer's K and V (layers, slots, KV
+    heads, D) float32, each row's slots (B, S) int64 (its first lens[b] are positions 0 ..
+    its own, the last where its K/V go) and lens (B,); None where a view cannot say
+    (``decode_slots(position)``: ContiguousKVCache, the engine's paged views)."""
+    if any(s.length != 1 for s in batch.seqs):
+        return None
+    positions = [int(p) for p in batch.positions]
+    if batch.group is not None:
+        read = getattr(batch.group, "decode_slots", None)
+        if read is None:
+            return None
+        k, v, slots = read()
+        lens = torch.tensor([p + 1 for p in positions], dtype=torch.long)
+    else:
+        views = [getattr(view, "decode_slots", None) for view in batch.kv]
+        if any(f is None for f in views):
+            return None
+        got = [f(p) for f, p in zip(views, positions, strict=True)]  # type: ignore[misc]
+        k, v = got[0][0], got[0][1]
+        if any(g[0] is not k or g[1] is not v for g in got):
+            return None  # (sequences in different caches)
+        lens = torch.tensor([g[2].numel() for g in got], dtype=torch.long)
+        slots = torch.zeros((len(got), int(lens.max())), dtype=torch.long)
+        for i, g in enumerate(got):
+            slots[i, : g[2].numel()] = g[2]
+    if k.dtype != torch.float32:
+        return None
+    return k, v, slots.contiguous(), lens

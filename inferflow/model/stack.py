@@ -304,11 +304,39 @@ class Stack(nn.Module):
         return x
 
     def run_layers(self, x: torch.Tensor, batch: FlatBatch) -> torch.Tensor:
-        if x.shape[0] == 1:  # one sequence's decode step: one C call where the stack allows
-            fused = self.fused_decode()
-            out = fused.run(x, batch) if fused is not None else None
-            if out is not None:
-                return out
+        # decode rows (one generated token of a sequence) go through the one-call C decode
+        # where the stack allows, always, and the other rows through the modules: a request's
+        # tokens take the same path, so the same arithmetic, whatever else is in the batch
+        dec = batch.decode_seqs()
+        fused = self.fused_decode() if dec else None
+        if fused is not None:
+            if len(dec) == len(batch.seqs):
+                out = fused.run(x, batch)
+                if out is not None:
+                    return out
+            elif batch.group is None:
+                mixed = self._run_mixed(fused, x, batch, dec)
+                if mixed is not None:
+                    return mixed
+        return self._run_modules(x, batch)
+
+    def _run_mixed(
+        self, fused: FusedDecode, x: torch.Tensor, batch: FlatBatch, dec: list[int]
+    ) -> torch.Tensor | None:
+        """Decode rows through the C decode, prompt rows through the modules; None where the
+        C decode cannot read these rows' KV views."""
+        sub, rows = batch.subset(dec)
+        out_dec = fused.run(x[rows], sub)
+        if out_dec is None:
+            return None
+        others = [i for i in range(len(batch.seqs)) if i not in set(dec)]
+        rest, rest_rows = batch.subset(others)
+        out = torch.empty_like(x)
+        out[rows] = out_dec
+        out[rest_rows] = self._run_modules(x[rest_rows], rest)
+        return out
+
+    def _run_modules(self, x: torch.Tensor, batch: FlatBatch) -> torch.Tensor:
         x0 = x  # the embedding output (network.gates.embedding_skip)
         for layer in self.layers():
             pos = self.pos_local if layer.local and self.pos_local is not None else self.pos_embed

@@ -124,7 +124,10 @@ def test_llama_cpp_runs_our_ggml_quantized_smollm2(
     smollm2_path()
     out = tmp_path / f"smollm2-{fmt}.gguf"
     quantize_checkpoint("smollm2-135m-instruct", out, fmt)
-    _check_agreement(llama_bin, out, 0.95, 150)
+    # llama.cpp multiplies 4-bit weights by activations rounded to 8 bits, Inferflow in float32:
+    # near-ties go either way (Q4_0: 188/200 with llama.cpp's AVX-512 build, >= 190 with its AVX2
+    # one); a file llama.cpp misreads agrees on next to nothing
+    _check_agreement(llama_bin, out, 0.95 if fmt == "Q8_0" else 0.9, 150)
 
 
 @pytest.fixture(scope="module")

@@ -2,6 +2,7 @@
 distribution on PyPI (it vendors llama.cpp), built once and cached.
 
     python tools/build_llama_cpp.py            # prints the directory holding llama-perplexity etc.
+    python tools/build_llama_cpp.py --server   # the same for llama-server (benchmarks/serve.py)
 
 The binaries (``llama-completion``, ``llama-perplexity``, ``llama-quantize``, ``llama-imatrix``)
 are linked statically and kept in ``~/.cache/inferflow/llama.cpp/<version>/bin``
@@ -23,6 +24,7 @@ from pathlib import Path
 
 VERSION = "0.3.36"  # llama-cpp-python's release; its vendor/llama.cpp is what gets built
 TOOLS = ("llama-completion", "llama-perplexity", "llama-quantize", "llama-imatrix")
+SERVER = ("llama-server",)  # built apart (its own directory): the tests do not need it
 CACHE = Path.home() / ".cache" / "inferflow" / "llama.cpp" / VERSION
 
 
@@ -30,8 +32,8 @@ class BuildError(RuntimeError):
     pass
 
 
-def _have(bin_dir: Path) -> bool:
-    return all(os.access(bin_dir / t, os.X_OK) for t in TOOLS)
+def _have(bin_dir: Path, tools: tuple[str, ...] = TOOLS) -> bool:
+    return all(os.access(bin_dir / t, os.X_OK) for t in tools)
 
 
 def _run(cmd: list[str], log: Path, cwd: Path | None = None) -> None:
@@ -44,15 +46,17 @@ def _run(cmd: list[str], log: Path, cwd: Path | None = None) -> None:
         raise BuildError(f"{cmd[0]} failed (exit {rc}); log {log}:\n" + "\n".join(tail))
 
 
-def ensure(jobs: int | None = None) -> Path:
-    """The directory holding the llama.cpp tools, building them first if no cached build exists."""
+def ensure(jobs: int | None = None, server: bool = False) -> Path:
+    """The directory holding the llama.cpp tools (``server``: llama-server), building them
+    first if no cached build exists."""
+    tools = SERVER if server else TOOLS
     given = os.environ.get("INFERFLOW_LLAMA_CPP")
     if given:
-        if not _have(Path(given)):
-            raise BuildError(f"INFERFLOW_LLAMA_CPP={given} lacks one of {', '.join(TOOLS)}")
+        if not _have(Path(given), tools):
+            raise BuildError(f"INFERFLOW_LLAMA_CPP={given} lacks one of {', '.join(tools)}")
         return Path(given)
-    bin_dir = CACHE / "bin"
-    if _have(bin_dir):
+    bin_dir = CACHE / ("server-bin" if server else "bin")
+    if _have(bin_dir, tools):
         return bin_dir
     for tool in ("cmake", "c++"):
         if shutil.which(tool) is None:
@@ -60,13 +64,13 @@ def ensure(jobs: int | None = None) -> Path:
     CACHE.mkdir(parents=True, exist_ok=True)
     with open(CACHE / ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # a second caller waits for the first build
-        if not _have(bin_dir):
-            _build(bin_dir, jobs)
+        if not _have(bin_dir, tools):
+            _build(bin_dir, jobs, tools)
     return bin_dir
 
 
-def _build(bin_dir: Path, jobs: int | None) -> None:
-    log = CACHE / "build.log"
+def _build(bin_dir: Path, jobs: int | None, tools: tuple[str, ...]) -> None:
+    log = CACHE / ("build-server.log" if tools == SERVER else "build.log")
     log.unlink(missing_ok=True)
     with tempfile.TemporaryDirectory(dir=CACHE) as tmp:
         work = Path(tmp)
@@ -89,13 +93,14 @@ def _build(bin_dir: Path, jobs: int | None) -> None:
         build = work / "build"
         flags = ["-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=OFF", "-DGGML_NATIVE=ON"]
         flags += ["-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF"]
-        flags += ["-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=OFF"]
+        server = "ON" if tools == SERVER else "OFF"
+        flags += ["-DLLAMA_BUILD_EXAMPLES=OFF", f"-DLLAMA_BUILD_SERVER={server}"]
         _run(["cmake", "-S", str(src), "-B", str(build), *flags], log)
         jobs = jobs or os.cpu_count() or 2
-        _run(["cmake", "--build", str(build), "-j", str(jobs), "--target", *TOOLS], log)
+        _run(["cmake", "--build", str(build), "-j", str(jobs), "--target", *tools], log)
         staged = work / "bin"
         staged.mkdir()
-        for t in TOOLS:
+        for t in tools:
             shutil.copy2(build / "bin" / t, staged / t)
         if bin_dir.exists():
             shutil.rmtree(bin_dir)
@@ -104,7 +109,7 @@ def _build(bin_dir: Path, jobs: int | None) -> None:
 
 def main() -> int:
     try:
-        print(ensure())
+        print(ensure(server="--server" in sys.argv[1:]))
     except BuildError as e:
         print(e, file=sys.stderr)
         return 1

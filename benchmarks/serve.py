@@ -1,0 +1,242 @@
+"""Serving throughput like for like: `inferflow serve` and llama.cpp's `llama-server -np N -cb` on
+the same GGUF with the same threads, each driven over HTTP by one load client in its own
+process (streaming, the OpenAI wire format: /v1/completions with token-id prompts, greedy,
+``ignore_eos``), distinct prompts every round, no prompt cache on either side.
+
+    python benchmarks/serve.py [--concurrency 1,8,32,64] [--rounds 3] [--llama-server PATH]
+                               [--prompt-len 64] [--output-len 128] [--threads 2]
+
+Each server starts once (llama-server with as many slots as the largest N); then every round
+runs every N on each server in turn. Reported per N and server: generated tokens/s (all tokens
+over the wall clock from the first request sent to the last token received), mean / p50 / p99
+time to first token and inter-token latency, the median over rounds, and the median of the
+rounds' own ratios. The llama-server binary: ``--llama-server``, else on PATH, else the one
+``python tools/build_llama_cpp.py --server`` built; without one only Inferflow's rows print. benchmarks/throughput.py times the in-process engine (no HTTP).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import random
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from llama_server import find_binary  # noqa: E402
+
+from inferflow.parallel import free_port  # noqa: E402  (no torch: this process stays light)
+
+SPEC = "smollm2-135m-instruct"
+VOCAB_LOW, VOCAB_HIGH = 1000, 40000  # prompt token ids drawn from plain text ids
+
+
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
+
+
+# --- the load client (run in its own process: --client) -------------------------------------
+
+
+async def _one(client: httpx.AsyncClient, url: str, body: dict, t0: float, out: dict) -> None:
+    stamps: list[float] = []
+    async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread())[:200]!r}")
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            choices = chunk.get("choices") or []
+            if choices and choices[0].get("text"):
+                stamps.append(time.perf_counter() - t0)
+    out["stamps"] = stamps
+
+
+async def _load(url: str, n: int, prompt_len: int, out_len: int, seed: int) -> dict:
+    rng = random.Random(seed)
+    bodies = [
+        {
+            "prompt": [rng.randint(VOCAB_LOW, VOCAB_HIGH) for _ in range(prompt_len)],
+            "max_tokens": out_len,
+            "temperature": 0.0,
+            "ignore_eos": True,
+            "stream": True,
+            "cache_prompt": False,  # (llama-server's prompt cache; Inferflow ignores it)
+        }
+        for _ in range(n)
+    ]
+    results: list[dict] = [{} for _ in bodies]
+    limits = httpx.Limits(max_connections=n + 4, max_keepalive_connections=n + 4)
+    async with httpx.AsyncClient(timeout=None, limits=limits) as client:
+        t0 = time.perf_counter()
+        await asyncio.gather(
+            *(_one(client, url, b, t0, r) for b, r in zip(bodies, results, strict=True))
+        )
+        wall = time.perf_counter() - t0
+    stamps = [r["stamps"] for r in results]
+    if any(len(s) == 0 for s in stamps):
+        raise RuntimeError("a request streamed no text")
+    return {
+        "tokens": sum(len(s) for s in stamps),
+        "wall": wall,
+        "ttft": [s[0] for s in stamps],
+        "itl": [b - a for s in stamps for a, b in zip(s, s[1:], strict=False)],
+    }
+
+
+def client_main(args: argparse.Namespace) -> int:
+    res = asyncio.run(_load(args.client, args.n, args.prompt_len, args.output_len, args.seed))
+    print(json.dumps(res))
+    return 0
+
+
+# --- the servers ----------------------------------------------------------------------------
+
+
+def _wait_ready(url: str, proc: subprocess.Popen, what: str, timeout: float = 300.0) -> None:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if proc.poll() is not None:
+            raise SystemExit(f"{what} exited with {proc.returncode} before it was ready")
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        time.sleep(0.3)
+    raise SystemExit(f"{what} was not ready after {timeout:.0f} s")
+
+
+@contextlib.contextmanager
+def _server(cmd: list[str], port: int, what: str) -> Iterator[str]:
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_ready(url, proc, what)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def _run_client(url: str, n: int, args: argparse.Namespace, seed: int) -> dict:
+    cmd = [sys.executable, __file__, "--client", url, "--n", str(n), "--seed", str(seed)]
+    cmd += ["--prompt-len", str(args.prompt_len), "--output-len", str(args.output_len)]
+    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise SystemExit(f"load client failed:\n{done.stderr[-2000:]}")
+    return json.loads(done.stdout)
+
+
+def _cached_server() -> Path | None:
+    """tools/build_llama_cpp.py --server's build, where one was made."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
+    from build_llama_cpp import CACHE
+
+    path = CACHE / "server-bin" / "llama-server"
+    return path if os.access(path, os.X_OK) else None
+
+
+def _gguf_of(spec: str) -> Path:
+    from inferflow.spec import load_spec  # (the parent process only)
+
+    return Path(load_spec(spec).source.files[0])
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--concurrency", default="1,8,32,64")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 2)
+    ap.add_argument("--spec", default=SPEC)
+    ap.add_argument("--llama-server", default=None, metavar="PATH")
+    ap.add_argument("--client", default=None, help=argparse.SUPPRESS)  # internal: load client
+    ap.add_argument("--n", type=int, default=1, help=argparse.SUPPRESS)
+    ap.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.client:
+        return client_main(args)
+    ns = [int(x) for x in args.concurrency.split(",")]
+    gguf = _gguf_of(args.spec)
+    binary = find_binary(args.llama_server) or _cached_server()
+    env_threads = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
+    p1 = free_port()
+    ours = [sys.executable, "-m", "inferflow.cli.main", "serve", args.spec, "--port", str(p1)]
+    servers: list[tuple[str, list[str], int]] = [("inferflow serve", ours, p1)]
+    if binary is not None:
+        p2 = free_port()
+        ctx = max(ns) * (args.prompt_len + args.output_len + 16)  # -c is shared by the slots
+        llama = [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(p2)]
+        llama += ["-np", str(max(ns)), "-cb", "-c", str(ctx), "-t", str(args.threads)]
+        llama += ["-tb", str(args.threads), "-b", "512", "--no-webui"]
+        servers.append(("llama-server -cb", llama, p2))
+    results: dict[tuple[str, int], list[dict]] = {}
+    os.environ.update(env_threads)
+    with contextlib.ExitStack() as stack:
+        urls = {name: stack.enter_context(_server(cmd, port, name)) for name, cmd, port in servers}
+        for url in urls.values():  # warm-up: kernels built, first allocations made
+            _run_client(url, 2, args, seed=10**6)
+        for r in range(args.rounds):
+            for n in ns:
+                for name, url in urls.items():
+                    got = _run_client(url, n, args, seed=1000 * r + n)  # distinct prompts
+                    results.setdefault((name, n), []).append(got)
+    _report(args, ns, [name for name, _, _ in servers], results, gguf)
+    return 0
+
+
+def _report(
+    args: argparse.Namespace,
+    ns: list[int],
+    names: list[str],
+    results: dict[tuple[str, int], list[dict]],
+    gguf: Path,
+) -> None:
+    print("command: python benchmarks/serve.py " + shlex.join(sys.argv[1:]))
+    print(
+        f"{gguf.name}; threads={args.threads}; prompts {args.prompt_len} tokens (distinct each "
+        f"round), {args.output_len} generated each; {args.rounds} round(s): medians over rounds"
+    )
+    head = f"{'N':>3} {'server':18} {'gen tok/s':>9} {'TTFT mean':>9} {'p50':>7} {'p99':>7}"
+    head += f" {'ITL mean':>8} {'p50':>7} {'p99':>7} {'tok/s ratio':>11}"
+    print(head)
+    for n in ns:
+        base = [r["tokens"] / r["wall"] for r in results.get(("llama-server -cb", n), [])]
+        for name in names:
+            rs = results[(name, n)]
+            tps = [r["tokens"] / r["wall"] for r in rs]
+            med = statistics.median
+
+            def m(key: str, q: float | None, rs: list[dict] = rs) -> float:
+                def f(xs: list[float]) -> float:
+                    return statistics.fmean(xs) if q is None else pct(xs, q)
+
+                return statistics.median(f(r[key]) for r in rs)
+
+            ratio = f"{med(a / b for a, b in zip(tps, base, strict=True)):.2f}x" if base else "-"
+            print(
+                f"{n:>3} {name:18} {med(tps):9.1f} {m('ttft', None):8.2f}s "
+                f"{m('ttft', 0.5):6.2f}s {m('ttft', 0.99):6.2f}s {m('itl', None) * 1e3:6.1f}ms "
+                f"{m('itl', 0.5) * 1e3:5.1f}ms {m('itl', 0.99) * 1e3:5.1f}ms {ratio:>11}"
+            )
+            print(f"{'':22}rounds: " + ", ".join(f"{t:.1f}" for t in tps))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -23,6 +23,7 @@ import json
 import os
 import random
 import shlex
+import shutil
 import statistics
 import subprocess
 import sys
@@ -34,7 +35,6 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from llama_server import find_binary  # noqa: E402
 
 from inferflow.parallel import free_port  # noqa: E402  (no torch: this process stays light)
 
@@ -65,7 +65,7 @@ async def _one(client: httpx.AsyncClient, url: str, body: dict, t0: float, out: 
     out["stamps"] = stamps
 
 
-async def _load(url: str, n: int, prompt_len: int, out_len: int, seed: int) -> dict:
+async def _load(url: str, n: int, prompt_len: int, out_len: int, seed: int, llama: bool) -> dict:
     rng = random.Random(seed)
     bodies = [
         {
@@ -74,10 +74,12 @@ async def _load(url: str, n: int, prompt_len: int, out_len: int, seed: int) -> d
             "temperature": 0.0,
             "ignore_eos": True,
             "stream": True,
-            "cache_prompt": False,  # (llama-server's prompt cache; Inferflow ignores it)
         }
         for _ in range(n)
     ]
+    if llama:  # its prompt cache off (Inferflow's prefix cache finds nothing: distinct prompts)
+        for b in bodies:
+            b["cache_prompt"] = False
     results: list[dict] = [{} for _ in bodies]
     limits = httpx.Limits(max_connections=n + 4, max_keepalive_connections=n + 4)
     async with httpx.AsyncClient(timeout=None, limits=limits) as client:
@@ -98,7 +100,9 @@ async def _load(url: str, n: int, prompt_len: int, out_len: int, seed: int) -> d
 
 
 def client_main(args: argparse.Namespace) -> int:
-    res = asyncio.run(_load(args.client, args.n, args.prompt_len, args.output_len, args.seed))
+    res = asyncio.run(
+        _load(args.client, args.n, args.prompt_len, args.output_len, args.seed, args.llama)
+    )
     print(json.dumps(res))
     return 0
 
@@ -133,13 +137,25 @@ def _server(cmd: list[str], port: int, what: str) -> Iterator[str]:
             proc.kill()
 
 
-def _run_client(url: str, n: int, args: argparse.Namespace, seed: int) -> dict:
+def _run_client(url: str, n: int, args: argparse.Namespace, seed: int, llama: bool) -> dict:
     cmd = [sys.executable, __file__, "--client", url, "--n", str(n), "--seed", str(seed)]
+    cmd += ["--llama"] if llama else []
     cmd += ["--prompt-len", str(args.prompt_len), "--output-len", str(args.output_len)]
     done = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if done.returncode != 0:
         raise SystemExit(f"load client failed:\n{done.stderr[-2000:]}")
     return json.loads(done.stdout)
+
+
+def find_binary(given: str | None) -> Path | None:
+    """The llama-server to use: ``given`` (a path), else ``llama-server`` on PATH, else the
+    build of ``tools/build_llama_cpp.py --server``, else None."""
+    if given:
+        if not Path(given).is_file():
+            raise SystemExit(f"--llama-server: {given} is not a file")
+        return Path(given)
+    found = shutil.which("llama-server")
+    return Path(found) if found else _cached_server()
 
 
 def _cached_server() -> Path | None:
@@ -169,12 +185,13 @@ def main() -> int:
     ap.add_argument("--client", default=None, help=argparse.SUPPRESS)  # internal: load client
     ap.add_argument("--n", type=int, default=1, help=argparse.SUPPRESS)
     ap.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--llama", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.client:
         return client_main(args)
     ns = [int(x) for x in args.concurrency.split(",")]
     gguf = _gguf_of(args.spec)
-    binary = find_binary(args.llama_server) or _cached_server()
+    binary = find_binary(args.llama_server)
     env_threads = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
     p1 = free_port()
     ours = [sys.executable, "-m", "inferflow.cli.main", "serve", args.spec, "--port", str(p1)]
@@ -190,12 +207,13 @@ def main() -> int:
     os.environ.update(env_threads)
     with contextlib.ExitStack() as stack:
         urls = {name: stack.enter_context(_server(cmd, port, name)) for name, cmd, port in servers}
-        for url in urls.values():  # warm-up: kernels built, first allocations made
-            _run_client(url, 2, args, seed=10**6)
+        for name, url in urls.items():  # warm-up: kernels built, first allocations made
+            _run_client(url, 2, args, seed=10**6, llama=name.startswith("llama"))
         for r in range(args.rounds):
             for n in ns:
                 for name, url in urls.items():
-                    got = _run_client(url, n, args, seed=1000 * r + n)  # distinct prompts
+                    seed = 1000 * r + n  # distinct prompts every round, the same for both
+                    got = _run_client(url, n, args, seed, llama=name.startswith("llama"))
                     results.setdefault((name, n), []).append(got)
     _report(args, ns, [name for name, _, _ in servers], results, gguf)
     return 0

@@ -1,9 +1,9 @@
-"""Serving throughput on SmolLM2-135M: N concurrent requests (all submitted at t=0) with a fixed
-mix of prompt and output lengths, for Inferflow's continuous-batching engine, transformers'
-static batching (one padded batch) and llama.cpp's server (``-np N -cb`` on the same Q4_1 GGUF,
-when a ``llama-server`` binary is given or on PATH), side by side in one run.
+"""Throughput of the in-process engine on SmolLM2-135M: N concurrent requests (all submitted at
+t=0) with a fixed mix of prompt and output lengths, for Inferflow's continuous-batching engine
+(no HTTP) and transformers' static batching (one padded batch), side by side in one run. The
+comparison with llama.cpp's server, both over HTTP, is benchmarks/serve.py.
 
-    python benchmarks/throughput.py [--concurrency 1,8,32,64] [--prompt-len 32,96] [--output-len 16,128] [--dtype float32] [--quant Q4_B32] [--dense-batch 16] [--llama-server PATH] [--repeats R]
+    python benchmarks/throughput.py [--concurrency 1,8,32,64] [--prompt-len 32,96] [--output-len 16,128] [--dtype float32] [--quant Q4_B32] [--dense-batch 16] [--repeats R]
 
 Prompt and output lengths are drawn uniformly from the given ranges with a fixed seed per N, so
 every engine serves the same requests (``--output-len 64,64`` gives every request the same
@@ -33,7 +33,6 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from llama_server import find_binary, run_llama_server  # noqa: E402
 
 from inferflow.engine.engine import Engine, EngineConfig  # noqa: E402
 from inferflow.engine.sampling import SamplingParams  # noqa: E402
@@ -134,7 +133,7 @@ def summarize(rs: list[dict], runs: dict[str, list[dict]]) -> dict:
         itl_p50=med([pct(r["itl"], 0.5) for r in rs]),
         itl_p99=med([pct(r["itl"], 0.99) for r in rs]),
     )
-    for label, prefix in (("vs transformers", "transformers"), ("vs llama-server", "llama-server")):
+    for label, prefix in (("vs transformers", "transformers"),):
         base = next((b for name, b in runs.items() if name.startswith(prefix)), None)
         out[label] = (
             f"{med([r['tps'] / b['tps'] for r, b in zip(rs, base, strict=True)]):.2f}x"
@@ -165,18 +164,11 @@ def main() -> int:
         help="add a row with quant.dense_batch ROWS (int4pack layers use a dense bf16 copy for "
         "steps of at least ROWS tokens)",
     )
-    ap.add_argument(
-        "--llama-server",
-        default=None,
-        metavar="PATH",
-        help="llama.cpp's llama-server binary (default: llama-server on PATH; skipped when none)",
-    )
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 2)
     ap.add_argument(
         "--repeats", type=int, default=1, help="interleaved rounds per N (medians are reported)"
     )
     args = ap.parse_args()
-    server = find_binary(args.llama_server)
     torch.set_num_threads(args.threads)
     lo, hi = length_range(args.prompt_len)
     out_lo, out_hi = length_range(args.output_len)
@@ -205,10 +197,6 @@ def main() -> int:
         name = f"inferflow {args.dtype}" + (f" {args.quant}" if args.quant else "")
         runs: dict[str, list[dict]] = {}
         for _ in range(args.repeats):  # rounds interleave the engines: noise hits each alike
-            if server is not None:  # first: busy torch threads would slow it
-                gguf = lm.spec.source.files[0]
-                r = run_llama_server(server, gguf, prompts, outs, args.threads)
-                runs.setdefault(f"llama-server -np {n} -cb (Q4_1 GGUF)", []).append(r)
             runs.setdefault(name, []).append(
                 run_inferflow(lm, prompts, outs, args.max_batched_tokens)
             )
@@ -227,15 +215,13 @@ def main() -> int:
         f"model: {SPEC}; prompts {lo}-{hi} tokens, {out_lo}-{out_hi} generated each (uniform, fixed seed), all submitted at t=0; threads={args.threads}; "
         f"{args.repeats} interleaved round(s): medians over rounds; a ratio is the median of the rounds' ratios"
     )
-    if server is None:
-        print("llama-server: none given or on PATH (--llama-server PATH); its rows are skipped")
-    hdr = f"{'N':>3} {'engine':<40} {'gen tok/s':>9} {'TTFT mean':>9} {'TTFT p99':>8} {'ITL mean':>8} {'ITL p50':>8} {'ITL p99':>8} {'vs transformers':>15} {'vs llama-server':>15}"
+    hdr = f"{'N':>3} {'engine':<40} {'gen tok/s':>9} {'TTFT mean':>9} {'TTFT p99':>8} {'ITL mean':>8} {'ITL p50':>8} {'ITL p99':>8} {'vs transformers':>15}"
     print(hdr)
     for n, name, r in rows:
         print(
             f"{n:>3} {name:<40} {r['tps']:>9.1f} {r['ttft_mean']:>8.2f}s {r['ttft_p99']:>7.2f}s "
             f"{1000 * r['itl_mean']:>6.1f}ms {1000 * r['itl_p50']:>6.1f}ms "
-            f"{1000 * r['itl_p99']:>6.1f}ms {r['vs transformers']:>15} {r['vs llama-server']:>15}"
+            f"{1000 * r['itl_p99']:>6.1f}ms {r['vs transformers']:>15}"
         )
         if len(r["all_tps"]) > 1:
             print(f"{'':>4}{'':<40} rounds: {', '.join(f'{t:.1f}' for t in r['all_tps'])}")

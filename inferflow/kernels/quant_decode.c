@@ -328,7 +328,7 @@ static inline __attribute__((always_inline)) void tile_dot_rows16(const QMat *w,
 }
 
 /* 8-bit rows r .. r + rw - 1, groups of a multiple of 32 */
-#define RW16 2
+#define RW16 1
 static inline __attribute__((always_inline)) void row_dot_rows16(const QMat *w, int64_t r0,
                                                                  const int rw, const float *x,
                                                                  const float *xs, float *out,
@@ -393,7 +393,7 @@ static const int64_t BLOCK_ROWS[4] = {16, RW, 16, RW16};
 static const int64_t BLOCK_ROWS[4] = {16, RW, 16, 1};
 #endif
 #if defined(__AVX512F__)
-static const int64_t X_ROWS[4] = {MR, MR, MR16, 2};
+static const int64_t X_ROWS[4] = {MR, MR, MR16, MR16};
 #else
 static const int64_t X_ROWS[4] = {MR, MR, MR, MR};
 #endif

@@ -327,56 +327,45 @@ static inline __attribute__((always_inline)) void tile_dot_rows16(const QMat *w,
     }
 }
 
-/* 8-bit rows r .. r + rw - 1, groups of a multiple of 32 */
-#define RW16 1
-static inline __attribute__((always_inline)) void row_dot_rows16(const QMat *w, int64_t r0,
-                                                                 const int rw, const float *x,
-                                                                 const float *xs, float *out,
-                                                                 int add, const int mr) {
+/* 8-bit row r, groups of a multiple of 32 */
+static inline __attribute__((always_inline)) void row_dot_rows16(const QMat *w, int64_t r,
+                                                                 const float *x, const float *xs,
+                                                                 float *out, int add, const int mr) {
     const int64_t k = w->k, G = k / w->group, chunks = w->group / 32;
-    __m512 acc[RW16][MR16], mins[RW16][MR16];
-    for (int r = 0; r < rw; r++)
-        for (int m = 0; m < mr; m++) acc[r][m] = mins[r][m] = _mm512_setzero_ps();
+    const uint8_t *c = w->codes + r * k;
+    __m512 acc[MR16], mins[MR16];
+    for (int m = 0; m < mr; m++) acc[m] = mins[m] = _mm512_setzero_ps();
     for (int64_t g = 0; g < G; g++) {
-        __m512 a[RW16][MR16];
-        for (int r = 0; r < rw; r++)
-            for (int m = 0; m < mr; m++) a[r][m] = _mm512_setzero_ps();
-        for (int64_t j = 0; j < chunks; j++) {
+        __m512 a[MR16];
+        for (int m = 0; m < mr; m++) a[m] = _mm512_setzero_ps();
+        for (int64_t j = 0; j < chunks; j++, c += 32) {
             const int64_t col = (g * chunks + j) * 32;
-            for (int r = 0; r < rw; r++) {
-                const uint8_t *c = w->codes + (r0 + r) * k + col;
-                const __m512 fa = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)c)));
-                const __m512 fb = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(c + 16))));
-                for (int m = 0; m < mr; m++) {
-                    a[r][m] = _mm512_fmadd_ps(fa, _mm512_loadu_ps(x + m * k + col), a[r][m]);
-                    a[r][m] = _mm512_fmadd_ps(fb, _mm512_loadu_ps(x + m * k + col + 16), a[r][m]);
-                }
+            const __m512 fa = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)c)));
+            const __m512 fb = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(c + 16))));
+            for (int m = 0; m < mr; m++) {
+                a[m] = _mm512_fmadd_ps(fa, _mm512_loadu_ps(x + m * k + col), a[m]);
+                a[m] = _mm512_fmadd_ps(fb, _mm512_loadu_ps(x + m * k + col + 16), a[m]);
             }
         }
-        for (int r = 0; r < rw; r++) {
-            const __m512 sc = _mm512_set1_ps(ld1(w, w->scale, (r0 + r) * G + g));
-            for (int m = 0; m < mr; m++) acc[r][m] = _mm512_fmadd_ps(a[r][m], sc, acc[r][m]);
-        }
+        const __m512 sc = _mm512_set1_ps(ld1(w, w->scale, r * G + g));
+        for (int m = 0; m < mr; m++) acc[m] = _mm512_fmadd_ps(a[m], sc, acc[m]);
     }
     for (int64_t g = 0; g < G; g += 16) { /* the mins' term, 16 groups at a time */
         const __mmask16 keep = G - g >= 16 ? 0xFFFF : (__mmask16)((1u << (G - g)) - 1);
-        for (int r = 0; r < rw; r++) {
-            const __m512 mn = min16_masked(w, (r0 + r) * G + g, keep);
-            for (int m = 0; m < mr; m++)
-                mins[r][m] = _mm512_fmadd_ps(mn, _mm512_maskz_loadu_ps(keep, xs + m * G + g), mins[r][m]);
-        }
+        const __m512 mn = min16_masked(w, r * G + g, keep);
+        for (int m = 0; m < mr; m++)
+            mins[m] = _mm512_fmadd_ps(mn, _mm512_maskz_loadu_ps(keep, xs + m * G + g), mins[m]);
     }
-    for (int r = 0; r < rw; r++)
-        for (int m = 0; m < mr; m++) {
-            const float v = _mm512_reduce_add_ps(acc[r][m]) + _mm512_reduce_add_ps(mins[r][m]);
-            float *y = out + m * w->n + r0 + r;
-            *y = (add ? *y : 0.f) + v;
-        }
+    for (int m = 0; m < mr; m++) {
+        const float v = _mm512_reduce_add_ps(acc[m]) + _mm512_reduce_add_ps(mins[m]);
+        float *y = out + m * w->n + r;
+        *y = (add ? *y : 0.f) + v;
+    }
 }
 #endif
 
 /* How W is walked: 0 = 4/5-bit tiles (vector types), 1 = 8-bit rows RW at a time (vector
-   types), 2 = 4-bit tiles (AVX-512), 3 = 8-bit rows RW16 at a time (AVX-512, groups of 32k). A
+   types), 2 = 4-bit tiles (AVX-512), 3 = 8-bit single rows (AVX-512, groups of 32k). A
    property of W and the build, never of the rows of x. */
 static inline int path_of(const QMat *w) {
 #if defined(__AVX512F__)
@@ -387,11 +376,7 @@ static inline int path_of(const QMat *w) {
 }
 
 /* rows of W per block, rows of x per block */
-#if defined(__AVX512F__)
-static const int64_t BLOCK_ROWS[4] = {16, RW, 16, RW16};
-#else
 static const int64_t BLOCK_ROWS[4] = {16, RW, 16, 1};
-#endif
 #if defined(__AVX512F__)
 static const int64_t X_ROWS[4] = {MR, MR, MR16, MR16};
 #else
@@ -437,17 +422,10 @@ static void block_dot(const QMat *w, int path, int64_t t, const float *x, const 
 #define C4(n) tile_dot_rows16(w, t, x, xs, y, add, n)
         CASES(C4);
         break;
-    case 3: {
-        const int64_t r0 = t * RW16;
-        if (w->n - r0 >= RW16) {
-#define C5(n) row_dot_rows16(w, r0, RW16, x, xs, y, add, n)
-            CASES(C5);
-        } else {
-#define C6(n) row_dot_rows16(w, r0, 1, x, xs, y, add, n)
-            CASES(C6);
-        }
+    case 3:
+#define C5(n) row_dot_rows16(w, t, x, xs, y, add, n)
+        CASES(C5);
         break;
-    }
 #endif
     default: break;
     }

@@ -329,7 +329,8 @@ class Stack(nn.Module):
         out_dec = fused.run(x[rows], sub)
         if out_dec is None:
             return None
-        others = [i for i in range(len(batch.seqs)) if i not in set(dec)]
+        chosen = set(dec)
+        others = [i for i in range(len(batch.seqs)) if i not in chosen]
         rest, rest_rows = batch.subset(others)
         out = torch.empty_like(x)
         out[rows] = out_dec

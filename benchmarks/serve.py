@@ -192,7 +192,6 @@ def main() -> int:
     ns = [int(x) for x in args.concurrency.split(",")]
     gguf = _gguf_of(args.spec)
     binary = find_binary(args.llama_server)
-    env_threads = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
     p1 = free_port()
     ours = [sys.executable, "-m", "inferflow.cli.main", "serve", args.spec, "--port", str(p1)]
     servers: list[tuple[str, list[str], int]] = [("inferflow serve", ours, p1)]
@@ -204,7 +203,7 @@ def main() -> int:
         llama += ["-tb", str(args.threads), "-b", "512", "--no-webui"]
         servers.append(("llama-server -cb", llama, p2))
     results: dict[tuple[str, int], list[dict]] = {}
-    os.environ.update(env_threads)
+    os.environ["OMP_NUM_THREADS"] = str(args.threads)  # inferflow serve's torch threads
     with contextlib.ExitStack() as stack:
         urls = {name: stack.enter_context(_server(cmd, port, name)) for name, cmd, port in servers}
         for name, url in urls.items():  # warm-up: kernels built, first allocations made

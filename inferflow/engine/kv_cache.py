@@ -254,6 +254,16 @@ class PagedKVCache:
         return PagedGroupView(self, write, slots, pos.expand(len(seqs), S), valid)
 
 
+def write_layer(
+    cache: PagedKVCache, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Writes new K/V rows to their slots of ``layer``; returns that layer's K and V."""
+    ck, cv = cache.k[layer], cache.v[layer]
+    ck[slots] = k
+    cv[slots] = v
+    return ck, cv
+
+
 def gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     """``cache[slots]`` for a (slots, KVH, D) layer and any shape of slot ids: index_select on
     the flat ids is 4-5x faster on CPU than advanced indexing (a decode step of 32 sequences
@@ -274,6 +284,7 @@ class PagedGroupView:
     ) -> None:
         self.cache, self.write, self.read, self.pos, self.valid = cache, write, read, pos, valid
         self.kernel = kernels.decode_attention_for(cache.k)
+        self.at = valid.sum(1) - 1  # each sequence's new position (once, not per layer)
 
     def attend(
         self,
@@ -291,13 +302,10 @@ class PagedGroupView:
         kernel cannot run; the caller then uses ``update``."""
         if self.kernel is None:
             return None
-        ck, cv = self.cache.k[layer], self.cache.v[layer]
-        ck[self.write] = k
-        cv[self.write] = v
-        at = self.valid.sum(1) - 1
-        return kernels.causal_rows(self.kernel, q, ck, cv, self.read, at, scale, window)
+        ck, cv = write_layer(self.cache, layer, self.write, k, v)
+        return kernels.causal_rows(self.kernel, q, ck, cv, self.read, self.at, scale, window)
 
-    def decode_slots(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def slot_table(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """For inferflow.model.fused: the whole cache and each sequence's slots (B, S), its
         first positions + 1 being its keys, the last of them where this step writes."""
         return self.cache.k, self.cache.v, self.read
@@ -305,9 +313,7 @@ class PagedGroupView:
     def update(
         self, layer: int, k: torch.Tensor, v: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        ck, cv = self.cache.k[layer], self.cache.v[layer]
-        ck[self.write] = k
-        cv[self.write] = v
+        ck, cv = write_layer(self.cache, layer, self.write, k, v)
         return gather(ck, self.read), gather(cv, self.read), self.pos, self.valid
 
 
@@ -338,15 +344,11 @@ class PagedView:
         kernel = kernels.decode_attention_for(self.cache.k)
         if kernel is None:
             return None
-        ck, cv = self.cache.k[layer], self.cache.v[layer]
-        ck[self.write] = k
-        cv[self.write] = v
+        ck, cv = write_layer(self.cache, layer, self.write, k, v)
         return kernels.causal_rows(kernel, q, ck, cv, self.read, positions, scale, window)
 
     def update(
         self, layer: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        ck, cv = self.cache.k[layer], self.cache.v[layer]
-        ck[self.write] = k
-        cv[self.write] = v
+        ck, cv = write_layer(self.cache, layer, self.write, k, v)
         return gather(ck, self.read), gather(cv, self.read), self.pos

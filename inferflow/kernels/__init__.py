@@ -19,8 +19,8 @@ why once and returns None, and callers keep their torch path (tests cover both).
 - ``rows``: row-wise ops torch runs as several kernels: rotary embedding in place
   (``rope_in_place``, bit for bit the torch path) and RMS norm (``rms_norm``).
 - ``quant_decode`` (``quant_decode.py``): products over affine-quantized weights (QuantLinear's
-  ``plane``: float32, each row the same operations whatever the batch), and one sequence's decode step
-  through every layer of a pre-norm decoder in one call (inferflow.model.fused).
+  ``plane``: float32, each row the same operations whatever the batch), and the decode rows of
+  a step through every layer of a pre-norm decoder in one call (inferflow.model.fused).
 """
 
 from __future__ import annotations
@@ -227,10 +227,10 @@ def causal_rows(
     slots ``slots`` lists by position ((S,): one sequence; (T, S): each row's own), within
     ``window`` positions where one is given: every row by the decode kernel, so a row's result
     does not depend on how its sequence was chunked or batched."""
-    lo = torch.zeros_like(positions) if window is None else (positions - window + 1).clamp(min=0)
-    lens = positions + 1 - lo
     if window is None:
-        return kernel(q, kc, vc, slots, lens, scale)
+        return kernel(q, kc, vc, slots, positions + 1, scale)
+    lo = (positions - window + 1).clamp(min=0)
+    lens = positions + 1 - lo
     idx = lo[:, None] + torch.arange(int(lens.max()))
     idx = idx.clamp(max=slots.shape[-1] - 1)  # (past a row's lens: never read)
     rows = slots.expand(len(positions), -1) if slots.dim() == 1 else slots

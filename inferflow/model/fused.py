@@ -157,25 +157,24 @@ def decode_slots(
     """For a batch of one new token per sequence: every layer's K and V (layers, slots, KV
     heads, D) float32, each row's slots (B, S) int64 (its first lens[b] are positions 0 ..
     its own, the last where its K/V go) and lens (B,); None where a view cannot say
-    (``decode_slots(position)``: ContiguousKVCache, the engine's paged views)."""
+    (a group view's ``slot_table()``; ``decode_slots(position)`` of ContiguousKVCache and the
+    engine's paged views)."""
     if any(s.length != 1 for s in batch.seqs):
         return None
-    positions = [int(p) for p in batch.positions]
+    lens = batch.positions + 1
     if batch.group is not None:
-        read = getattr(batch.group, "decode_slots", None)
-        if read is None:
+        table = getattr(batch.group, "slot_table", None)
+        if table is None:
             return None
-        k, v, slots = read()
-        lens = torch.tensor([p + 1 for p in positions], dtype=torch.long)
+        k, v, slots = table()
     else:
         views = [getattr(view, "decode_slots", None) for view in batch.kv]
         if any(f is None for f in views):
             return None
-        got = [f(p) for f, p in zip(views, positions, strict=True)]  # type: ignore[misc]
+        got = [f(int(p)) for f, p in zip(views, batch.positions, strict=True)]  # type: ignore[misc]
         k, v = got[0][0], got[0][1]
         if any(g[0] is not k or g[1] is not v for g in got):
             return None  # (sequences in different caches)
-        lens = torch.tensor([g[2].numel() for g in got], dtype=torch.long)
         slots = torch.zeros((len(got), int(lens.max())), dtype=torch.long)
         for i, g in enumerate(got):
             slots[i, : g[2].numel()] = g[2]

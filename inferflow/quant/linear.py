@@ -250,7 +250,8 @@ def select_kernel(fmt: QuantFormat) -> str:
 def kernel_bytes(fmt: QuantFormat, rows: int, cols: int) -> int | None:
     """The bytes a (rows, cols) QuantLinear of ``fmt`` holds with the auto kernel, from the shape
     alone, at most: its plane (4- or 5-bit codes in 16-row tiles or one byte per code, a
-    float32 scale and min per group, float16 where exact, no mins for a symmetric format; int4pack, where no plane can be made, holds no more). None where no
+    float32 scale and min per group, float16 where exact, no mins for a symmetric format;
+    int4pack, where no plane can be made, holds no more). None where no
     fast kernel takes the format (such weights are read as float)."""
     if select_kernel(fmt) == "dequant":
         return None
@@ -362,15 +363,13 @@ def rows_switch(small: Kernel, dense: torch.Tensor, rows: int) -> Kernel:
 
 def plane_kernel(plane: QPlane) -> Kernel:
     """Every call on the C kernel's plane, float32 on the codec's exact values; a row's result
-    is the same bit for bit whatever else is in the call (one-row calls take ``matvec``, calls
-    of more rows ``matmul_f32``: the same operations per row)."""
+    is the same bit for bit whatever else is in the call (``matmul_f32``)."""
 
     def run(x: torch.Tensor) -> torch.Tensor:
         if x.device.type != "cpu":
             raise QuantError(f"the plane kernel reads host memory; got x on {x.device}")
         xf = x.float()
-        y = plane.matvec(xf) if x.shape[0] == 1 else plane.matmul_f32(xf)
-        return y.to(x.dtype)
+        return plane.matmul_f32(xf).to(x.dtype)
 
     return run
 

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import TYPE_CHECKING
 
 from inferflow.errors import RequestError
+
+if TYPE_CHECKING:
+    from inferflow.engine.speculative import SpecConfig
 
 DTYPE_CHOICES = ("float32", "bfloat16")
 
@@ -27,3 +31,45 @@ def read_lines(path: str) -> list[str]:
             return [line.rstrip("\r\n") for line in f]
     except (OSError, UnicodeDecodeError) as e:
         raise RequestError(f"--input: cannot read {path}: {e}") from None
+
+
+def add_speculation(p: argparse.ArgumentParser) -> None:
+    from inferflow.engine.speculative import RULES
+
+    g = p.add_argument_group("speculative decoding (inferflow.engine.speculative)")
+    g.add_argument(
+        "--draft",
+        default=None,
+        metavar="SPEC",
+        help="draft model (a decoder_only spec with the model's vocabulary)",
+    )
+    g.add_argument(
+        "--prompt-lookup",
+        action="store_true",
+        help="draft by n-gram prompt lookup: no draft model; helps where the output repeats "
+        "the prompt",
+    )
+    g.add_argument("--lookahead", type=int, default=4, help="drafted tokens per step at most (4)")
+    g.add_argument("--prompt-lookup-max", type=int, default=3, help="longest n-gram looked up (3)")
+    g.add_argument(
+        "--spec-rule",
+        default="exact",
+        choices=RULES,
+        help="exact: the model's own distribution; relaxed: accept drafts in its kept set",
+    )
+
+
+def speculation(args: argparse.Namespace) -> SpecConfig | None:
+    """The speculative decoding the flags of ``add_speculation`` ask for; None: off."""
+    from inferflow.engine.speculative import SpecConfig
+
+    if args.draft and args.prompt_lookup:
+        raise RequestError("--draft and --prompt-lookup: choose one way to draft tokens")
+    if not (args.draft or args.prompt_lookup):
+        return None
+    return SpecConfig(
+        "draft" if args.draft else "ngram",
+        args.lookahead,
+        ngram_max=args.prompt_lookup_max,
+        rule=args.spec_rule,
+    )

@@ -7,10 +7,9 @@ import json
 import sys
 import time
 
-from inferflow.cli.common import add_dtype
-from inferflow.engine.engine import Engine
+from inferflow.cli.common import add_dtype, add_speculation, speculation
+from inferflow.engine.engine import Engine, EngineConfig
 from inferflow.engine.sampling import SamplingParams
-from inferflow.engine.speculative import speculative_generate
 from inferflow.errors import InferflowError
 from inferflow.runtime import encode_prompt, load, quant_for, require_tokenizer, tokenizer_for
 from inferflow.spec import Spec, load_spec
@@ -74,14 +73,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("spec", help="spec file path or built-in spec name")
     p.add_argument("--prompt", required=True, help="prompt text (a raw completion unless --chat)")
     add_sampling(p)
-    p.add_argument("--draft", default=None, help="speculative decoding: the draft model's spec")
-    p.add_argument("--lookahead", type=int, default=4, help="draft tokens per target pass (4)")
-    p.add_argument(
-        "--spec-rule",
-        default="exact",
-        choices=("exact", "relaxed"),
-        help="exact: the target's distribution; relaxed: accept drafts in the target's kept set",
-    )
+    add_speculation(p)
     p.add_argument(
         "--chat", action="store_true", help="wrap the prompt in the model's chat template"
     )
@@ -99,8 +91,7 @@ def _dest(flag: str) -> str:
 def run(args: argparse.Namespace) -> int:
     spec = load_spec(args.spec)
     params = sampling_params(args, spec)
-    if args.draft and args.stop:
-        raise InferflowError("--stop: speculative decoding (--draft) does not take stop texts")
+    spec_cfg = speculation(args)
     # every check that needs no weights first: a bad --quant, a missing chat template, a prompt
     # the tokenizer cannot take fail before anything loads
     quant_for(spec, args.quant)
@@ -113,26 +104,17 @@ def run(args: argparse.Namespace) -> int:
     draft = load(args.draft, args.dtype, args.quant) if args.draft else None
     ids: list[int] = []
     text, reason = "", None
-    report: dict[str, object] = {}
     t0 = time.perf_counter()
-    if draft is not None:
-        res = speculative_generate(
-            lm.model, draft.model, prompt_ids, params, args.lookahead, args.spec_rule, tok.eos_ids
-        )
-        ids, reason = res.token_ids, res.finish_reason
-        text = tok.decode(ids[:-1] if reason == "stop" else ids)
-        report = {
-            "acceptance_rate": round(res.acceptance_rate, 4),
-            "target_passes": res.target_passes,
-        }
-    else:  # the serving engine's token loop (stop texts, end tokens, the context's end)
-        engine = Engine(lm.model, tok)
-        for step in engine.stream(prompt_ids, params):
-            ids += step.token_ids
-            text, reason = text + step.text, step.finish_reason
-            if not args.json:
-                sys.stdout.write(step.text)
-                sys.stdout.flush()
+    # the serving engine's token loop (stop texts, end tokens, the context's end)
+    engine = Engine(
+        lm.model, tok, EngineConfig(speculative=spec_cfg), draft.model if draft else None
+    )
+    for step in engine.stream(prompt_ids, params):
+        ids += step.token_ids
+        text, reason = text + step.text, step.finish_reason
+        if not args.json:
+            sys.stdout.write(step.text)
+            sys.stdout.flush()
     elapsed = time.perf_counter() - t0
     if args.json:
         out = {
@@ -141,12 +123,14 @@ def run(args: argparse.Namespace) -> int:
             "token_ids": ids,
             "finish_reason": reason,
             "seconds": round(elapsed, 3),
-            **report,
         }
+        if spec_cfg is not None:
+            st = engine.spec_stats
+            out |= {"acceptance_rate": round(st.acceptance_rate, 4), "drafted": st.proposed}
         print(json.dumps(out, ensure_ascii=False))
-    elif draft is not None:
-        print(text)
-        print(f"[acceptance rate {res.acceptance_rate:.2%}, {res.target_passes} target passes]")
     else:
         sys.stdout.write("\n")
+        if spec_cfg is not None:
+            st = engine.spec_stats
+            print(f"[{st.accepted} of {st.proposed} drafted tokens accepted]", file=sys.stderr)
     return 0

@@ -9,7 +9,7 @@ import logging
 import os
 import re
 
-from inferflow.cli.common import add_dtype
+from inferflow.cli.common import add_dtype, add_speculation, speculation
 from inferflow.engine.engine import EngineConfig
 from inferflow.engine.scheduler import SchedulerConfig
 from inferflow.errors import InferflowError
@@ -146,6 +146,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         default=[],
         help="allow this browser origin (repeatable; off by default)",
     )
+    add_speculation(p)
     p.set_defaults(run=run)
 
 
@@ -163,6 +164,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         block_size=args.block_size,
         kv_cache_bytes=memory_bytes(args.kv_cache_memory),
         deterministic=args.deterministic,
+        speculative=speculation(args),
     )
 
 
@@ -199,6 +201,7 @@ def run(args: argparse.Namespace) -> int:
                 f"--{flag.replace('_', '-')}: seconds in (0, 86400), got {getattr(args, flag)}"
             )
     engine = engine_config(args)
+    draft = load_spec(args.draft) if args.draft else None
     sock = listen(args.host, args.port)  # (a port in use fails here, before the model loads)
     cfg = ServerConfig(
         spec,
@@ -213,6 +216,7 @@ def run(args: argparse.Namespace) -> int:
         TemplateBudget(seconds=args.template_timeout, max_output_chars=args.template_max_chars),
         f"http://{args.host}:{args.port}",
         StoreLimits(items=args.responses_store, seconds=args.responses_ttl),
+        draft,
     )
     # what loads, how long it took and when requests can be served: said at the default level
     for name in ("inferflow.server", "inferflow.model.materialise"):  # (+ loading progress)

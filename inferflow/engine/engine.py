@@ -19,12 +19,13 @@ import torch
 from inferflow.engine.batch_sampling import take_rows
 from inferflow.engine.beam import BeamState
 from inferflow.engine.constrain import mask_rows
+from inferflow.engine.forward import Rows, forward_rows
 from inferflow.engine.kv_cache import PagedKVCache, plan_cache
 from inferflow.engine.request import FINISHED, Request, RequestOutput, Scheduled, TokenLogprobs
 from inferflow.engine.sampling import SamplingParams, make_sampler, sample_batch
 from inferflow.engine.scheduler import Scheduler, SchedulerConfig
+from inferflow.engine.speculative import SpecConfig, SpecStats, accept, proposer_for, speculable
 from inferflow.errors import RequestError, SpecError
-from inferflow.model.batch import FlatBatch, KVView, SeqSlice
 from inferflow.model.network import Network, PagedDecoder
 
 log = logging.getLogger(__name__)
@@ -38,11 +39,17 @@ class EngineConfig:
     # batch-invariant by construction: every request runs its own forward pass, prompts are
     # prefilled in chunks at fixed positions, later tokens one at a time, no prefix sharing
     deterministic: bool = False
+    # speculative decoding (inferflow.engine.speculative); None: off
+    speculative: SpecConfig | None = None
 
 
 class Engine:
     def __init__(
-        self, model: Network, tokenizer: object | None = None, config: EngineConfig | None = None
+        self,
+        model: Network,
+        tokenizer: object | None = None,
+        config: EngineConfig | None = None,
+        draft: Network | None = None,  # the draft model of speculative method "draft"
     ) -> None:
         kind = model.spec.network.type
         # every decoder_only network, whole or partitioned, is a PagedDecoder
@@ -75,6 +82,13 @@ class Engine:
         self._ids = itertools.count()
         self._aborted: list[Request] = []
         self.beams: dict[str, BeamState] = {}  # request id -> its beam search
+        spec = self.config.speculative
+        self.proposer = None
+        if spec is not None:
+            self.proposer = proposer_for(
+                spec, model, draft, plan.num_blocks, self.config.block_size
+            )
+        self.spec_stats = SpecStats()
 
     # --- API --------------------------------------------------------------------------------
 
@@ -196,6 +210,8 @@ class Engine:
             RequestOutput(r.group, [], "", True, "abort", index=r.index) for r in self._aborted
         ]
         self._aborted.clear()
+        if self.proposer is not None:
+            self._propose()
         batch = self.scheduler.schedule()
         if batch:
             batch, logits, failed = self._execute(batch)
@@ -262,44 +278,41 @@ class Engine:
         return [s for s, _ in ran], logits, failed
 
     def _forward(self, batch: list[Scheduled]) -> torch.Tensor:
-        ids: list[int] = []
-        views: list[KVView] = []
-        pos, seqs, rows = [], [], []
-        # a pure decode step of several sequences (or of one, read by the C kernel) attends
-        # in one grouped call
-        decode = [s.start >= len(s.req.prompt_ids) for s in batch]
-        grouped = all(s.length == 1 for s in batch) and all(decode)
-        grouped = grouped and (len(batch) > 1 or self.cache.kernel_decode())
-        row = 0
+        items = []
         for s in batch:
-            ids.extend(s.req.tokens[s.start : s.start + s.length])
-            pos.append(torch.arange(s.start, s.start + s.length))
-            seqs.append(SeqSlice(row, s.length))
-            if not grouped:
-                views.append(self.cache.view(s.req.kv, s.start, s.start + s.length))
-            row += s.length
-            if s.sample:
-                rows.append(row - 1)
-        flat = FlatBatch(
-            torch.tensor(ids), torch.cat(pos), seqs, views, torch.tensor(rows, dtype=torch.long)
-        )
-        # a generated token fed back is a decode row; a prompt's rows never are, however they
-        # are chunked (inferflow.model.stack: the same path for a token in any batch)
-        flat.decode = decode
-        if grouped:
-            flat.group = self.cache.group_view([s.req.kv for s in batch], [s.start for s in batch])
-        logits = self.model(flat).float()
+            req = s.req
+            toks = req.tokens if req.draft is None else req.tokens + req.draft.tokens
+            # a generated token fed back is a decode row; a prompt's rows never are, however
+            # they are chunked (inferflow.model.stack: the same path for a token in any batch)
+            rows = s.length if req.draft is not None else int(s.sample)
+            items.append(
+                Rows(
+                    req.kv,
+                    s.start,
+                    toks[s.start : s.start + s.length],
+                    s.start >= len(req.prompt_ids),
+                    rows,
+                )
+            )
+        logits = forward_rows(self.model, self.cache, items)
         for s in batch:
             s.req.kv.num_computed = s.start + s.length
-            if self.scheduler.cfg.prefix_caching:
+            if self.scheduler.cfg.prefix_caching and s.req.draft is None:
                 self.cache.register_full_blocks(s.req.kv, s.req.tokens)
         return logits
 
     def _update(self, batch: list[Scheduled], logits: torch.Tensor) -> list[RequestOutput]:
-        sampled = [s.req for s in batch if s.sample]
         draws: list[tuple[Request, int]] = []  # (request, its row of logits)
+        checks: list[tuple[Request, torch.Tensor]] = []  # (request, its rows for its drafts)
         beams: dict[str, None] = {}
-        for i, req in enumerate(sampled):
+        row = 0  # the request's first row of logits
+        for req in [s.req for s in batch if s.sample]:
+            i = row
+            if req.draft is not None:  # its token fed back and its drafts: a row each
+                row += 1 + len(req.draft.tokens)
+                checks.append((req, logits[i:row]))
+                continue
+            row += 1
             if req.group in self.beams:
                 req.pending = logits[i]
                 beams[req.group] = None
@@ -310,6 +323,7 @@ class Engine:
                 self.scheduler.join(f)
             draws += [(r, i) for r in (req, *forks)]
         outputs = self._sample_all(draws, logits)
+        outputs += [self._check(req, rows) for req, rows in checks]
         for gid in beams:
             try:
                 outputs += self._beam_step(gid)
@@ -317,6 +331,63 @@ class Engine:
                 log.exception("beam search %s failed; the others go on", gid)
                 outputs += self.fail_group(gid)
         return outputs
+
+    def _propose(self) -> None:
+        """Drafts for the running requests about to decode (their one new token not yet fed)
+        that can take them (speculative.speculable), as many as their limits leave room for."""
+        assert self.proposer is not None and self.config.speculative is not None
+        lookahead = self.config.speculative.lookahead
+        reqs, ks = [], []
+        for r in self.scheduler.running:
+            r.draft = None
+            if not r.output_ids or r.kv.num_computed != len(r.tokens) - 1 or not speculable(r):
+                continue
+            # (a step with k drafts may give k + 1 tokens)
+            room = min(r.params.max_new_tokens - len(r.output_ids), self.max_len - len(r.tokens))
+            k = min(lookahead, room - 1)
+            if k >= 1:
+                reqs.append(r)
+                ks.append(k)
+        if not reqs:
+            return
+        try:
+            drafts = self.proposer.propose(reqs, ks)
+        except Exception:  # drafts only save time: these requests decode without them
+            log.warning("speculative proposals failed; decoding without them", exc_info=True)
+            return
+        for r, d in zip(reqs, drafts, strict=True):
+            r.draft = d if d.tokens else None
+
+    def _check(self, req: Request, rows: torch.Tensor) -> RequestOutput:
+        """Verify the request's drafts against the target's ``rows`` (after its token fed back
+        and after each draft), append what they give and emit it as one output."""
+        assert self.config.speculative is not None
+        draft, req.draft = req.draft, None
+        try:
+            toks, n = accept(rows, draft, req.params, req.sampler.gen, self.config.speculative.rule)
+        except Exception:
+            log.exception("request %s: checking its drafts failed; the others go on", req.id)
+            return self._fail(req)
+        self.spec_stats.proposed += len(draft.tokens)
+        self.spec_stats.accepted += n
+        self.spec_stats.steps += 1
+        # K/V are right through the accepted drafts; the rest is rewritten by later steps
+        req.kv.num_computed = len(req.tokens) + n
+        if self.scheduler.cfg.prefix_caching:
+            self.cache.register_full_blocks(req.kv, req.tokens + draft.tokens[:n])
+        outs = []
+        for j, tok in enumerate(toks):
+            outs.append(self._sample(req, rows[j], tok))
+            if outs[-1].finished:
+                break
+        out = outs[0]
+        for o in outs[1:]:
+            out.token_ids += o.token_ids
+            out.text += o.text
+            out.finished, out.finish_reason = o.finished, o.finish_reason
+            if out.logprobs is not None and o.logprobs is not None:
+                out.logprobs += o.logprobs
+        return out
 
     def _sample_all(
         self, draws: list[tuple[Request, int]], logits: torch.Tensor
@@ -525,6 +596,8 @@ class Engine:
     def _finish(self, req: Request, reason: str) -> None:
         req.status = FINISHED
         req.finish_reason = reason
+        if self.proposer is not None:
+            self.proposer.forget(req)
 
 
 def _visible_text(req: Request, stops: tuple[str, ...], final: bool) -> tuple[str, bool]:

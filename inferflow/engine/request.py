@@ -33,6 +33,7 @@ class Request:
     beam_logprob: float = 0.0  # beam search: summed logprob of output_ids
     pending: Any = None  # beam search: logits waiting for the rest of the group
     constraint: Any = None  # structured output: the sample's grammar matcher (constrain)
+    draft: Any = None  # speculative decoding: tokens proposed for this step (speculative.Draft)
 
     @property
     def slots(self) -> int:

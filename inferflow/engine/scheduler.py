@@ -89,11 +89,13 @@ class Scheduler:
             if req not in self.running:  # preempted earlier in this loop
                 continue
             take = self._take(req, budget)
+            if take and req.draft is not None:
+                take = self._with_draft(req, take, budget)
             if not take or not self._reserve_running(req, req.kv.num_computed + take, out):
                 continue
             out.append(
                 Scheduled(
-                    req, req.kv.num_computed, take, req.kv.num_computed + take == len(req.tokens)
+                    req, req.kv.num_computed, take, req.kv.num_computed + take >= len(req.tokens)
                 )
             )
             budget -= take
@@ -135,6 +137,20 @@ class Scheduler:
         n_prompt = len(req.prompt_ids)
         want = min(chunk - done % chunk, n_prompt - done) if done < n_prompt else 1
         return want if want <= budget else 0
+
+    def _with_draft(self, req: Request, take: int, budget: int) -> int:
+        """A decode step that also checks the request's drafted tokens where the budget and
+        free blocks allow (no one is preempted for them); otherwise its drafts are dropped."""
+        draft = req.draft
+        draft.truncate(budget - take)
+        if draft.tokens:
+            try:
+                self.cache.reserve(req.kv, req.kv.num_computed + take + len(draft.tokens))
+                return take + len(draft.tokens)
+            except KVCacheFull:
+                pass
+        req.draft = None
+        return take
 
     def _reserve_running(self, req: Request, upto: int, scheduled: list[Scheduled]) -> bool:
         """Blocks for ``req`` up to ``upto``, preempting the newest others; False if ``req`` itself

@@ -1,62 +1,114 @@
-"""Speculative decoding: a small draft model proposes K tokens, the target checks them all in one
-forward pass (Leviathan et al. 2023; Chen et al. 2023).
+"""Speculative decoding inside the engine: a proposer drafts up to ``lookahead`` tokens for a
+decoding request, the target checks them all in the request's next step (its one token fed back
+plus the drafts, each computed as a decode row: inferflow.engine.forward), and the engine keeps
+the accepted prefix and one token of the target's (Leviathan et al. 2023; Chen et al. 2023).
+
+Proposers (``method``):
+
+- ``ngram``: prompt lookup, no draft model: the tokens that followed the latest earlier
+  occurrence of the sequence's last n tokens (n from ``ngram_max`` down to ``ngram_min``).
+  Helps where the output repeats the prompt (code edits, extraction, summaries that quote).
+- ``draft``: a small decoder with the target's vocabulary, with a paged KV cache of its own,
+  run for all proposing requests together, one token per pass.
 
 Acceptance rules (``rule``):
 
 - ``exact``: draft token d with draft probability q(d) and target probability p(d) is accepted
   with probability min(1, p(d) / q(d)); at the first rejection a token is drawn from
-  norm(max(0, p - q)); when all K pass, one more is drawn from the target. The output has the
-  target's distribution exactly. At temperature 0 it reduces to "accept while d == argmax p".
+  norm(max(0, p - q)); when all pass, one more is drawn from the target. The output has the
+  target's distribution exactly; at temperature 0 it is "accept while d is the target's argmax",
+  the tokens plain greedy decoding gives.
 - ``relaxed``: d is accepted when it lies in the target's own kept set (its top-k / top-p /
   min-p filtered distribution); a rejection draws from the target. Faster, not distribution
   preserving.
 
 p and q are the distributions the sampling parameters define (temperature and the truncation
-filters of inferflow.engine.sampling.truncate) over each model's logits; penalties and stateful
-strategies are refused.
+filters of inferflow.engine.sampling.truncate). A request whose next token depends on more than
+that (penalties, logit bias, min_new_tokens, mirostat, FSD, a grammar, beam search) is decoded
+without speculation.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from inferflow.engine.generate import new_cache
+from inferflow.engine.forward import Rows, forward_rows
+from inferflow.engine.kv_cache import KVCacheFull, PagedKVCache, SeqBlocks
+from inferflow.engine.request import Request
 from inferflow.engine.sampling import SamplingParams, scaled, truncate
-from inferflow.errors import RequestError
-from inferflow.model.batch import ContiguousKVCache, FlatBatch
-from inferflow.model.network import Network
+from inferflow.errors import InferflowError
+from inferflow.model.network import Network, PagedDecoder
+
+log = logging.getLogger(__name__)
 
 RULES = ("exact", "relaxed")
-# sampling settings that depend on the sequence or on sampler state: not in the verified p / q
-STATEFUL = (
-    "repetition_penalty",
-    "presence_penalty",
-    "frequency_penalty",
-    "logit_bias",
-    "min_new_tokens",
-    "mirostat",
-    "fsd_alpha",
-    "stop",  # stop strings need the detokenizer: use stop_token_ids
-    "logprobs",
-)
+METHODS = ("ngram", "draft")
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    method: str = "ngram"
+    lookahead: int = 4  # tokens drafted per step at most
+    ngram_max: int = 3
+    ngram_min: int = 1
+    rule: str = "exact"
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise InferflowError(
+                f"speculative method {self.method!r} is unknown; known: {', '.join(METHODS)}"
+            )
+        if self.rule not in RULES:
+            raise InferflowError(
+                f"speculative rule {self.rule!r} is unknown; known: {', '.join(RULES)}"
+            )
+        if self.lookahead < 1:
+            raise InferflowError(f"lookahead: must be >= 1, got {self.lookahead}")
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise InferflowError(
+                f"n-gram lengths: need 1 <= min <= max, got min {self.ngram_min}, "
+                f"max {self.ngram_max}"
+            )
 
 
 @dataclass
-class SpecResult:
-    token_ids: list[int]
-    finish_reason: str
-    proposed: int = 0  # draft tokens offered to the target
+class Draft:
+    tokens: list[int]
+    # (len(tokens), V) distributions the tokens were drawn from; None: chosen deterministically
+    # (prompt lookup, a greedy draft model), q = 1 at the token
+    q: torch.Tensor | None = None
+
+    def truncate(self, n: int) -> None:
+        self.tokens = self.tokens[:n]
+        self.q = None if self.q is None else self.q[:n]
+
+
+@dataclass
+class SpecStats:
+    proposed: int = 0  # draft tokens the target checked
     accepted: int = 0  # of those, accepted
-    target_passes: int = 0
-    accepted_per_pass: list[int] = field(default_factory=list)
+    steps: int = 0  # request steps that checked drafts
 
     @property
     def acceptance_rate(self) -> float:
         return self.accepted / self.proposed if self.proposed else 0.0
+
+
+def speculable(req: Request) -> bool:
+    """Whether the request's next tokens depend on its logits and sampling parameters alone."""
+    s = req.sampler
+    return (
+        not s.processors
+        and s.anti is None
+        and not req.params.mirostat
+        and req.constraint is None
+        and req.params.beam_width == 1
+    )
 
 
 def distribution(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -78,8 +130,8 @@ def verify(
     """Tokens to append (accepted drafts plus one drawn token) and the number accepted."""
     out: list[int] = []
     for i, d in enumerate(drafts):
-        if rule == "exact":
-            ok = float(torch.rand((), generator=gen)) * float(q[i, d]) <= float(p[i, d])
+        if rule == "exact":  # (u < p / q with u uniform on [0, 1): probability min(1, p / q))
+            ok = float(torch.rand((), generator=gen)) * float(q[i, d]) < float(p[i, d])
         else:
             ok = float(p[i, d]) > 0
         if ok:
@@ -94,79 +146,123 @@ def verify(
     return out, len(drafts)
 
 
-class _Runner:
-    """One model over one sequence: feeds the tokens its cache lacks, returns their logits."""
+def accept(
+    logits: torch.Tensor, draft: Draft, params: SamplingParams, gen: torch.Generator, rule: str
+) -> tuple[list[int], int]:
+    """The target's float32 logits (K + 1, V) after the request's last token and after each of
+    the K drafts: the tokens to append and how many drafts they accept."""
+    if params.temperature == 0:  # (the argmax plain greedy decoding takes, row by row)
+        best = logits.argmax(-1).tolist()
+        n = 0
+        while n < len(draft.tokens) and draft.tokens[n] == best[n]:
+            n += 1
+        return [*draft.tokens[:n], best[n]], n
+    p = distribution(logits, params)
+    q = draft.q
+    if q is None:
+        q = nn.functional.one_hot(torch.tensor(draft.tokens), p.shape[-1]).float()
+    return verify(p, q, draft.tokens, gen, rule)
 
-    def __init__(self, model: Network, max_len: int) -> None:
-        self.model = model
-        self.cache: ContiguousKVCache = new_cache(model, max_len)
-        self.valid = 0  # leading tokens whose K/V in the cache are correct
+
+class NgramProposer:
+    """Prompt lookup: no model, no state."""
+
+    def __init__(self, cfg: SpecConfig) -> None:
+        self.cfg = cfg
+
+    def propose(self, reqs: list[Request], ks: list[int]) -> list[Draft]:
+        return [Draft(self.lookup(r.tokens, k)) for r, k in zip(reqs, ks, strict=True)]
+
+    def lookup(self, toks: list[int], k: int) -> list[int]:
+        """The k tokens (or fewer) after the latest earlier occurrence of the longest tail of
+        ``toks`` of ngram_min..ngram_max tokens that occurs earlier; [] if none does."""
+        for n in range(min(self.cfg.ngram_max, len(toks) - 1), self.cfg.ngram_min - 1, -1):
+            tail = toks[-n:]
+            for i in range(len(toks) - n - 1, -1, -1):
+                if toks[i : i + n] == tail:
+                    return toks[i + n : i + n + k]
+        return []
+
+    def forget(self, req: Request) -> None:
+        pass
+
+
+class DraftProposer:
+    """A draft decoder with a paged KV cache of its own (as many blocks as the target's, so a
+    request the target holds fits here too). A request's draft K/V stay valid for its tokens
+    between steps: each step feeds only what the draft model has not seen."""
+
+    def __init__(self, model: Network, num_blocks: int, block_size: int) -> None:
+        if model.spec.network.type != "decoder_only" or not isinstance(model, PagedDecoder):
+            raise InferflowError(
+                f"draft spec {model.spec.name!r}: a draft model must be a decoder_only "
+                f"network, not {model.spec.network.type}"
+            )
+        self.model: PagedDecoder = model
+        dtype = next(model.parameters()).dtype
+        self.cache = PagedKVCache(*model.kv_geometry(), block_size, num_blocks, dtype)
+        self.seqs: dict[Request, SeqBlocks] = {}
 
     @torch.inference_mode()
-    def logits(self, seq: list[int], rows: int) -> torch.Tensor:
-        """Feed seq[valid:], return float32 logits (rows, V) of the last ``rows`` tokens fed."""
-        new = seq[self.valid :]
-        batch = FlatBatch.single(torch.tensor(new), self.valid, self.cache)
-        batch.logits_rows = torch.arange(len(new) - rows, len(new))
-        self.valid = len(seq)
-        return self.model(batch).float()
+    def propose(self, reqs: list[Request], ks: list[int]) -> list[Draft]:
+        drafts = [Draft([]) for _ in reqs]
+        qs: list[list[torch.Tensor]] = [[] for _ in reqs]
+        live = []
+        for i, (r, k) in enumerate(zip(reqs, ks, strict=True)):
+            seq = self.seqs.setdefault(r, SeqBlocks())
+            # K/V of the request's tokens stay; those of drafts it did not keep are rewritten
+            # (and the last token is fed again when its logits are needed)
+            seq.num_computed = min(seq.num_computed, len(r.tokens) - 1)
+            try:
+                self.cache.reserve(seq, len(r.tokens) + k - 1)
+            except KVCacheFull:  # no drafts for it this step
+                self.forget(r)
+                continue
+            live.append(i)
+        for step in range(max(ks)):
+            now = [i for i in live if ks[i] > step]
+            if not now:
+                break
+            items = []
+            for i in now:
+                r, seq = reqs[i], self.seqs[reqs[i]]
+                fed = (r.tokens + drafts[i].tokens)[seq.num_computed :]
+                decode = seq.num_computed >= len(r.prompt_ids)
+                items.append(Rows(seq, seq.num_computed, fed, decode))
+            logits = forward_rows(self.model, self.cache, items)
+            for i, it, row in zip(now, items, logits, strict=True):
+                self.seqs[reqs[i]].num_computed = it.start + len(it.tokens)
+                params, gen = reqs[i].params, reqs[i].sampler.gen
+                if params.temperature == 0:
+                    drafts[i].tokens.append(int(row.argmax()))
+                    continue
+                q = distribution(row, params)
+                qs[i].append(q)
+                drafts[i].tokens.append(int(torch.multinomial(q, 1, generator=gen)))
+        for d, dist in zip(drafts, qs, strict=True):
+            d.q = torch.stack(dist) if dist else None
+        return drafts
+
+    def forget(self, req: Request) -> None:
+        seq = self.seqs.pop(req, None)
+        if seq is not None:
+            self.cache.release(seq)
 
 
-def speculative_generate(
-    target: Network,
-    draft: Network,
-    prompt_ids: list[int],
-    params: SamplingParams,
-    lookahead: int = 4,
-    rule: str = "exact",
-    eos_ids: Sequence[int] = (),
-) -> SpecResult:
-    if rule not in RULES:
-        raise RequestError(f"unknown speculative rule {rule!r}; known: {', '.join(RULES)}")
-    if lookahead < 1:
-        raise RequestError(f"lookahead must be >= 1, got {lookahead}")
-    if not prompt_ids:
-        raise RequestError("the prompt is empty: give at least one token")
+Proposer = NgramProposer | DraftProposer
+
+
+def proposer_for(
+    cfg: SpecConfig, target: Network, draft: Network | None, num_blocks: int, block_size: int
+) -> Proposer:
+    if cfg.method == "ngram":
+        return NgramProposer(cfg)
+    if draft is None:
+        raise InferflowError("speculative method 'draft' needs a draft model (--draft SPEC)")
     tv, dv = target.spec.hparams.vocab_size, draft.spec.hparams.vocab_size
     if tv != dv:
-        raise RequestError(f"draft vocabulary ({dv}) differs from the target's ({tv})")
-    defaults = SamplingParams()
-    unsupported = [k for k in STATEFUL if getattr(params, k) != getattr(defaults, k)]
-    if unsupported:
-        raise RequestError(
-            f"speculative decoding supports temperature and the truncation filters only; "
-            f"unsupported here: {', '.join(unsupported)}"
+        raise InferflowError(
+            f"draft spec {draft.spec.name!r}: its vocabulary ({dv}) differs from the target's "
+            f"({tv}); a draft model must share the target's tokenizer"
         )
-    max_new = min(params.max_new_tokens, target.spec.hparams.max_positions - len(prompt_ids))
-    limit = len(prompt_ids) + max_new + lookahead + 1
-    t, d = _Runner(target, limit), _Runner(draft, limit)
-    gen = torch.Generator().manual_seed(params.seed if params.seed is not None else 0)
-    stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_ids))
-    seq = list(prompt_ids)
-    res = SpecResult([], "length")
-    while len(res.token_ids) < max_new:
-        k = min(lookahead, max_new - len(res.token_ids))
-        drafts: list[int] = []
-        qs = []
-        for _ in range(k):  # the draft proposes k tokens, one forward each
-            q = distribution(d.logits(seq + drafts, 1)[0], params)
-            qs.append(q)
-            drafts.append(int(torch.multinomial(q, 1, generator=gen)))
-        p = distribution(t.logits(seq + drafts, k + 1), params)  # one target pass
-        new, n_ok = verify(p, torch.stack(qs), drafts, gen, rule)
-        res.proposed += k
-        res.accepted += n_ok
-        res.target_passes += 1
-        res.accepted_per_pass.append(n_ok)
-        # caches stay right up to the last accepted draft; later rows are recomputed next time
-        t.valid = len(seq) + n_ok
-        d.valid = min(d.valid, len(seq) + n_ok)
-        for tok in new:
-            res.token_ids.append(tok)
-            seq.append(tok)
-            if tok in stops:
-                res.finish_reason = "stop"
-                return res
-            if len(res.token_ids) >= max_new:
-                return res
-    return res
+    return DraftProposer(draft, num_blocks, block_size)

@@ -52,6 +52,21 @@ class Metrics:
             buckets=LATENCY,
             registry=r,
         )
+        self.drafted = Gauge(
+            "inferflow_spec_decode_draft_tokens",
+            "speculative decoding: drafted tokens the model checked so far",
+            registry=r,
+        )
+        self.accepted = Gauge(
+            "inferflow_spec_decode_accepted_tokens",
+            "speculative decoding: of those, tokens accepted",
+            registry=r,
+        )
+        self.acceptance = Gauge(
+            "inferflow_spec_decode_acceptance_ratio",
+            "speculative decoding: accepted / drafted tokens so far (0 before any)",
+            registry=r,
+        )
         self.e2e = Histogram(
             "inferflow_e2e_request_latency_seconds", "request latency", buckets=LATENCY, registry=r
         )
@@ -63,3 +78,7 @@ class Metrics:
         self.kv_free.set(alloc.num_free)
         self.kv_usage.set(1 - alloc.num_free / alloc.num_blocks)
         self.preemptions.set(s.preemptions)
+        st = engine.spec_stats
+        self.drafted.set(st.proposed)
+        self.accepted.set(st.accepted)
+        self.acceptance.set(st.acceptance_rate)

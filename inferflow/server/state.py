@@ -82,6 +82,7 @@ class ServerConfig:
     template: TemplateBudget = field(default_factory=TemplateBudget)  # chat template limits
     url: str | None = None  # where it listens (said once requests can be served)
     responses: StoreLimits = field(default_factory=StoreLimits)  # kept for previous_response_id
+    draft: Spec | None = None  # speculative method "draft": the draft model
 
 
 class ServerState:
@@ -106,7 +107,11 @@ class ServerState:
             log.info("loading %s: %s (%s, %.0f MiB)", self.name, files, src.format, size / 2**20)
             lm = load(self.cfg.spec, self.cfg.dtype, self.cfg.quant)
             decoder = lm.spec.network.type == "decoder_only"
-            engine = Engine(lm.model, lm.tokenizer, self.cfg.engine) if decoder else None
+            engine = None
+            if decoder:
+                cfg = self.cfg
+                draft = None if cfg.draft is None else load(cfg.draft, cfg.dtype, cfg.quant).model
+                engine = Engine(lm.model, lm.tokenizer, cfg.engine, draft)
             runner = EngineRunner(engine, self.metrics, self.cfg.engine.scheduler.max_waiting)
             runner.start(loop)
             self.lm, self.runner = lm, runner

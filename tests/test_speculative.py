@@ -78,7 +78,7 @@ def test_distribution_applies_filters() -> None:
 
 
 def test_prompt_lookup_takes_the_latest_longest_match() -> None:
-    look = NgramProposer(SpecConfig(ngram_max=3)).lookup
+    look = NgramProposer(SpecConfig(ngram_max=3, ngram_min=1)).lookup
     assert look([1, 2, 3, 9, 1, 2, 3, 7, 5, 2, 3], 2) == [7, 5]  # "2 3": the later one
     assert look([1, 2, 3, 9, 4, 2, 3, 1, 2, 3], 2) == [9, 4]  # "1 2 3" beats "2 3"
     assert look([4, 5, 6], 3) == []
@@ -142,7 +142,7 @@ def test_greedy_speculation_is_plain_greedy(tiny, method: str, lookahead: int) -
     quantized blocks, see the SmolLM2 test)."""
     target, other = tiny
     draft = {"ngram": None, "draft": other, "self": target}[method]
-    spec = SpecConfig("ngram" if draft is None else "draft", lookahead)
+    spec = SpecConfig("ngram" if draft is None else "draft", lookahead, max_rows=None)
 
     def params(i: int) -> SamplingParams:
         return SamplingParams(max_new_tokens=24 + i, ignore_eos=True, logprobs=2)
@@ -168,7 +168,7 @@ def test_a_draft_model_equal_to_the_target_accepts_all_sampled_tokens(tiny) -> N
     def params(i: int) -> SamplingParams:
         return SamplingParams(temperature=1.0, max_new_tokens=20, ignore_eos=True, seed=i)
 
-    _, eng = _run(target, PROMPTS, params, SpecConfig("draft", 4), target)
+    _, eng = _run(target, PROMPTS, params, SpecConfig("draft", 4, max_rows=None), target)
     assert eng.spec_stats.proposed > 40
     assert eng.spec_stats.acceptance_rate == 1.0
 
@@ -181,8 +181,28 @@ def test_requests_that_cannot_speculate_decode_plainly(tiny) -> None:  # noqa: A
         return SamplingParams(max_new_tokens=12, ignore_eos=True, repetition_penalty=1.3)
 
     want, _ = _run(target, PROMPTS, params)
-    got, eng = _run(target, PROMPTS, params, SpecConfig("draft", 3), other)
+    got, eng = _run(target, PROMPTS, params, SpecConfig("draft", 3, max_rows=None), other)
     assert got == want and eng.spec_stats.proposed == 0
+
+
+def test_drafts_fill_a_step_up_to_max_rows(tiny) -> None:  # noqa: ANN001
+    """Two decoding requests and max_rows 4: one draft each per step; four: none until some
+    have finished."""
+    target, _ = tiny
+
+    def params(i: int) -> SamplingParams:
+        return SamplingParams(max_new_tokens=10 + 6 * i, ignore_eos=True)
+
+    spec = SpecConfig("draft", 3, max_rows=4)
+    same = SamplingParams(max_new_tokens=16, ignore_eos=True)
+    _, eng = _run(target, PROMPTS[:2], lambda i: same, spec, target)
+    st = eng.spec_stats
+    assert st.proposed == st.steps > 0  # (one draft a check)
+    want, _ = _run(target, PROMPTS, params)
+    got, eng = _run(target, PROMPTS, params, spec, target)
+    assert got == want
+    # the longest request alone for its last 6 tokens: 3 drafts, all accepted (4 a step)
+    assert eng.spec_stats.proposed > eng.spec_stats.steps
 
 
 def test_a_draft_model_must_share_the_vocabulary(tmp_path: Path, tiny) -> None:  # noqa: ANN001
@@ -233,7 +253,7 @@ def test_speculative_sampling_keeps_the_target_distribution(sharp, method: str) 
     def params(i: int) -> SamplingParams:
         return SamplingParams(temperature=1.0, max_new_tokens=4, ignore_eos=True, seed=i)
 
-    spec = SpecConfig(method, 2)
+    spec = SpecConfig(method, 2, ngram_min=1, max_rows=None)  # (1: lookups hit often on 8 tokens)
     got, eng = _run(target, [prompt] * n, params, spec, draft if method == "draft" else None)
     st = eng.spec_stats
     # a draft model drafts for every request (once, or twice after a rejection); prompt
@@ -276,7 +296,7 @@ def test_smollm2_greedy_speculation_is_plain_greedy_bit_for_bit(smollm2, method:
         return SamplingParams(max_new_tokens=40, ignore_eos=True, logprobs=2)
 
     draft = smollm2.model if method == "self" else None
-    spec = SpecConfig("ngram" if draft is None else "draft", 4)
+    spec = SpecConfig("ngram" if draft is None else "draft", 4, max_rows=None)
     want, _ = _run(smollm2.model, prompts, params)
     got, eng = _run(smollm2.model, prompts, params, spec, draft)
     assert got == want

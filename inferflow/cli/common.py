@@ -49,8 +49,16 @@ def add_speculation(p: argparse.ArgumentParser) -> None:
         help="draft by n-gram prompt lookup: no draft model; helps where the output repeats "
         "the prompt",
     )
-    g.add_argument("--lookahead", type=int, default=4, help="drafted tokens per step at most (4)")
-    g.add_argument("--prompt-lookup-max", type=int, default=3, help="longest n-gram looked up (3)")
+    g.add_argument("--lookahead", type=int, default=3, help="drafted tokens per step at most (3)")
+    g.add_argument("--prompt-lookup-max", type=int, default=4, help="longest n-gram looked up (4)")
+    g.add_argument("--prompt-lookup-min", type=int, default=2, help="shortest n-gram looked up (2)")
+    g.add_argument(
+        "--spec-max-rows",
+        type=int,
+        default=4,
+        help="draft only while a step's decode rows, drafts included, are at most this many "
+        "(4: one request drafts 3, two 1 each, four or more none; 0: no bound)",
+    )
     g.add_argument(
         "--spec-rule",
         default="exact",
@@ -71,5 +79,7 @@ def speculation(args: argparse.Namespace) -> SpecConfig | None:
         "draft" if args.draft else "ngram",
         args.lookahead,
         ngram_max=args.prompt_lookup_max,
+        ngram_min=args.prompt_lookup_min,
         rule=args.spec_rule,
+        max_rows=args.spec_max_rows or None,
     )

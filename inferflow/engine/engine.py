@@ -334,13 +334,21 @@ class Engine:
 
     def _propose(self) -> None:
         """Drafts for the running requests about to decode (their one new token not yet fed)
-        that can take them (speculative.speculable), as many as their limits leave room for."""
-        assert self.proposer is not None and self.config.speculative is not None
-        lookahead = self.config.speculative.lookahead
-        reqs, ks = [], []
+        that can take them (speculative.speculable), as many as their limits and the step's
+        rows (SpecConfig.max_rows) leave room for."""
+        spec = self.config.speculative
+        assert self.proposer is not None and spec is not None
+        decoding = []
         for r in self.scheduler.running:
             r.draft = None
-            if not r.output_ids or r.kv.num_computed != len(r.tokens) - 1 or not speculable(r):
+            if r.output_ids and r.kv.num_computed == len(r.tokens) - 1:
+                decoding.append(r)
+        lookahead = spec.lookahead
+        if spec.max_rows is not None and decoding:
+            lookahead = min(lookahead, (spec.max_rows - len(decoding)) // len(decoding))
+        reqs, ks = [], []
+        for r in decoding if lookahead >= 1 else []:
+            if not speculable(r):
                 continue
             # (a step with k drafts may give k + 1 tokens)
             room = min(r.params.max_new_tokens - len(r.output_ids), self.max_len - len(r.tokens))

@@ -53,10 +53,19 @@ METHODS = ("ngram", "draft")
 @dataclass(frozen=True)
 class SpecConfig:
     method: str = "ngram"
-    lookahead: int = 4  # tokens drafted per step at most
-    ngram_max: int = 3
-    ngram_min: int = 1
+    # tokens drafted per step at most; 3: a step of 4 rows costs about 1.4 times one row on
+    # SmolLM2's quantized blocks (the kernels take x rows four at a time), 6 rows twice
+    lookahead: int = 3
+    ngram_max: int = 4
+    # a 1-token match proposes poorly (benchmarks/speculative.py: acceptance 11% against 41%
+    # on free text at 2, where drafts then cost more than they give)
+    ngram_min: int = 2
     rule: str = "exact"
+    # drafts only while a step's decode rows, drafts included, stay within this many (None: no
+    # bound): a step's cost grows with its rows, and where several requests decode together
+    # drafts cost more than they save (benchmarks/speculative.py: 0.83-0.96x at 4-8 requests
+    # with 3 drafts each)
+    max_rows: int | None = 4
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -69,6 +78,8 @@ class SpecConfig:
             )
         if self.lookahead < 1:
             raise InferflowError(f"lookahead: must be >= 1, got {self.lookahead}")
+        if self.max_rows is not None and self.max_rows < 2:
+            raise InferflowError(f"max_rows: must be >= 2 (or None), got {self.max_rows}")
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise InferflowError(
                 f"n-gram lengths: need 1 <= min <= max, got min {self.ngram_min}, "

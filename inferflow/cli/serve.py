@@ -11,6 +11,7 @@ import re
 
 from inferflow.cli.common import add_dtype, add_speculation, speculation
 from inferflow.engine.engine import EngineConfig
+from inferflow.engine.kv_cache import KV_DTYPES
 from inferflow.engine.scheduler import SchedulerConfig
 from inferflow.errors import InferflowError
 from inferflow.parallel.layout import resolve_layout
@@ -92,6 +93,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block (16)")
     p.add_argument(
+        "--kv-cache-dtype",
+        default=None,
+        choices=KV_DTYPES,
+        help="how K/V are kept: q8 (int8 with a scale per 32 values) holds 3.6x the tokens of "
+        "float32 in the same memory, bfloat16 2x (default: the --dtype)",
+    )
+    p.add_argument(
         "--no-prefix-caching", action="store_true", help="do not share identical prompt prefixes"
     )
     p.add_argument(
@@ -165,6 +173,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         kv_cache_bytes=memory_bytes(args.kv_cache_memory),
         deterministic=args.deterministic,
         speculative=speculation(args),
+        kv_cache_dtype=args.kv_cache_dtype,
     )
 
 

@@ -41,6 +41,8 @@ class EngineConfig:
     deterministic: bool = False
     # speculative decoding (inferflow.engine.speculative); None: off
     speculative: SpecConfig | None = None
+    # how K/V are kept (kv_cache.KVFormat: float32, bfloat16, q8); None: the model's dtype
+    kv_cache_dtype: str | None = None
 
 
 class Engine:
@@ -66,10 +68,13 @@ class Engine:
         dtype = next(model.parameters()).dtype
         # a partitioned model's rank 0 keeps K/V for its own layers and KV heads only
         geometry = model.kv_geometry()
+        cfg = self.config
         plan = plan_cache(
-            geometry, self.config.block_size, self.config.kv_cache_bytes, dtype, h.max_positions
+            geometry, cfg.block_size, cfg.kv_cache_bytes, dtype, h.max_positions, cfg.kv_cache_dtype
         )
-        self.cache = PagedKVCache(*geometry, self.config.block_size, plan.num_blocks, dtype)
+        self.cache = PagedKVCache(
+            *geometry, cfg.block_size, plan.num_blocks, dtype, cfg.kv_cache_dtype
+        )
         sched = self.config.scheduler
         if self.config.deterministic and sched.prefix_caching:
             sched = dataclasses.replace(sched, prefix_caching=False)

@@ -18,8 +18,11 @@ import torch
 from inferflow import kernels
 from inferflow.errors import InferflowError, RequestError
 from inferflow.model.batch import lazy_zeros
+from inferflow.quant.formats import get_format
 
 log = logging.getLogger(__name__)
+
+KV_DTYPES = ("float32", "bfloat16", "q8")
 
 
 class KVCacheFull(InferflowError):
@@ -69,10 +72,12 @@ def plan_cache(
     cache_bytes: int,
     dtype: torch.dtype,
     max_positions: int,
+    kv_dtype: str | None = None,
 ) -> CachePlan:
-    """The paged cache a byte budget buys for (layers, KV heads, head_dim) ``geometry``: the
-    engine allocates it, inferflow.server.memory bounds a server's memory with it."""
-    per_block = PagedKVCache.bytes_per_block(*geometry, block_size, dtype)
+    """The paged cache a byte budget buys for (layers, KV heads, head_dim) ``geometry`` with
+    activations of ``dtype`` (K/V kept as ``kv_dtype``: KVFormat): the engine allocates it,
+    inferflow.server.memory bounds a server's memory with it."""
+    per_block = PagedKVCache.bytes_per_block(*geometry, block_size, dtype, kv_dtype)
     num_blocks = cache_bytes // per_block
     if num_blocks < 1:
         raise RequestError(
@@ -88,6 +93,52 @@ def copy_block(k: torch.Tensor, v: torch.Tensor, block_size: int, src: int, dst:
     a, b = src * block_size, dst * block_size
     k[:, b : b + block_size] = k[:, a : a + block_size]
     v[:, b : b + block_size] = v[:, a : a + block_size]
+
+
+class KVFormat:
+    """How the paged cache keeps K and V: ``float32`` / ``bfloat16`` as such; ``q8`` as GGML
+    Q8_0 blocks (32 values of a head, int8 codes and a float16 scale: 34 bytes), the codec of
+    inferflow.quant.ggml, as llama.cpp keeps a ``--cache-type-k q8_0`` cache. Reads give the
+    activations' dtype."""
+
+    def __init__(self, name: str | None, compute: torch.dtype, head_dim: int) -> None:
+        name = name or str(compute).removeprefix("torch.")
+        if name not in KV_DTYPES:
+            raise InferflowError(
+                f"KV cache dtype {name!r} is unknown; known: {', '.join(KV_DTYPES)}"
+            )
+        self.name, self.compute, self.head_dim = name, compute, head_dim
+        self.codec = None
+        self.width = head_dim  # stored elements per KV head
+        if name == "q8":
+            if head_dim % 32:
+                raise InferflowError(
+                    f"KV cache dtype q8 keeps Q8_0 blocks of 32 values: it needs a head size "
+                    f"that is a multiple of 32, this model's is {head_dim}"
+                )
+            self.codec = get_format("Q8_0")
+            self.width = head_dim // 32 * self.codec.bytes_per_block
+        self.store = {"q8": torch.uint8, "bfloat16": torch.bfloat16}.get(name, torch.float32)
+
+    def bytes_per_value(self) -> float:
+        return torch.empty((), dtype=self.store).element_size() * self.width / self.head_dim
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        """(N, KV heads, head_dim) -> what the cache stores, (N, KV heads, width)."""
+        if self.codec is None:
+            return x.to(self.store)
+        assert self.codec.quantize_blocks is not None
+        blocks = self.codec.quantize_blocks(x.float().reshape(-1, 32))
+        return blocks.reshape(*x.shape[:-1], self.width)
+
+    def decode(self, y: torch.Tensor) -> torch.Tensor:
+        """(..., KV heads, width) as stored -> (..., KV heads, head_dim) in the activations'
+        dtype."""
+        if self.codec is None:
+            return y.to(self.compute)
+        blocks = y.reshape(-1, self.codec.bytes_per_block)
+        x = self.codec.dequantize_blocks(blocks).reshape(*y.shape[:-1], self.head_dim)
+        return x.to(self.compute)
 
 
 @dataclass
@@ -108,13 +159,15 @@ class PagedKVCache:
         block_size: int,
         num_blocks: int,
         dtype: torch.dtype,
+        kv_dtype: str | None = None,  # KVFormat's name; None: ``dtype``, the activations'
     ) -> None:
         if num_blocks < 1 or block_size < 1:
             raise InferflowError(
                 f"KV cache needs at least one block of at least one token, got {num_blocks} x {block_size}"
             )
-        shape = (n_layers, num_blocks * block_size, n_kv_heads, head_dim)
-        self.k, self.v = lazy_zeros(shape, dtype), lazy_zeros(shape, dtype)
+        self.format = fmt = KVFormat(kv_dtype, dtype, head_dim)
+        shape = (n_layers, num_blocks * block_size, n_kv_heads, fmt.width)
+        self.k, self.v = lazy_zeros(shape, fmt.store), lazy_zeros(shape, fmt.store)
         self.block_size = block_size
         self.alloc = BlockAllocator(num_blocks)
         self.prefix: dict[int, int] = {}  # prefix hash -> block
@@ -123,16 +176,25 @@ class PagedKVCache:
 
     @staticmethod
     def bytes_per_block(
-        n_layers: int, n_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype
+        n_layers: int,
+        n_kv_heads: int,
+        head_dim: int,
+        block_size: int,
+        dtype: torch.dtype,
+        kv_dtype: str | None = None,
     ) -> int:
-        return (
-            2
-            * n_layers
-            * block_size
-            * n_kv_heads
-            * head_dim
-            * torch.empty((), dtype=dtype).element_size()
-        )
+        per_value = KVFormat(kv_dtype, dtype, head_dim).bytes_per_value()
+        return int(2 * n_layers * block_size * n_kv_heads * head_dim * per_value)
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """New K/V rows (N, KV heads, head_dim) into their slots of ``layer``."""
+        self.k[layer][slots] = self.format.encode(k)
+        self.v[layer][slots] = self.format.encode(v)
+
+    def read(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of ``layer`` at ``slots`` (any shape), in the activations' dtype."""
+        dec = self.format.decode
+        return dec(gather(self.k[layer], slots)), dec(gather(self.v[layer], slots))
 
     def kernel_decode(self) -> bool:
         """Whether decode steps read the blocks with the C kernel (inferflow.kernels): then a
@@ -254,16 +316,6 @@ class PagedKVCache:
         return PagedGroupView(self, write, slots, pos.expand(len(seqs), S), valid)
 
 
-def write_layer(
-    cache: PagedKVCache, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Writes new K/V rows to their slots of ``layer``; returns that layer's K and V."""
-    ck, cv = cache.k[layer], cache.v[layer]
-    ck[slots] = k
-    cv[slots] = v
-    return ck, cv
-
-
 def gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     """``cache[slots]`` for a (slots, KVH, D) layer and any shape of slot ids: index_select on
     the flat ids is 4-5x faster on CPU than advanced indexing (a decode step of 32 sequences
@@ -302,8 +354,11 @@ class PagedGroupView:
         kernel cannot run; the caller then uses ``update``."""
         if self.kernel is None:
             return None
-        ck, cv = write_layer(self.cache, layer, self.write, k, v)
-        return kernels.causal_rows(self.kernel, q, ck, cv, self.read, self.at, scale, window)
+        c = self.cache
+        c.write(layer, self.write, k, v)
+        return kernels.causal_rows(
+            self.kernel, q, c.k[layer], c.v[layer], self.read, self.at, scale, window
+        )
 
     def slot_table(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """For inferflow.model.fused: the whole cache and each sequence's slots (B, S), its
@@ -313,8 +368,8 @@ class PagedGroupView:
     def update(
         self, layer: int, k: torch.Tensor, v: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        ck, cv = write_layer(self.cache, layer, self.write, k, v)
-        return gather(ck, self.read), gather(cv, self.read), self.pos, self.valid
+        self.cache.write(layer, self.write, k, v)
+        return *self.cache.read(layer, self.read), self.pos, self.valid
 
 
 class PagedView:
@@ -341,14 +396,17 @@ class PagedView:
         """Writes the new K/V and returns causal attention of the new rows' queries (T, H, D)
         by the C decode kernel, each row as in any other batch or chunking
         (inferflow.kernels.causal_rows); None, with nothing written, where it cannot run."""
-        kernel = kernels.decode_attention_for(self.cache.k)
+        c = self.cache
+        kernel = kernels.decode_attention_for(c.k)
         if kernel is None:
             return None
-        ck, cv = write_layer(self.cache, layer, self.write, k, v)
-        return kernels.causal_rows(kernel, q, ck, cv, self.read, positions, scale, window)
+        c.write(layer, self.write, k, v)
+        return kernels.causal_rows(
+            kernel, q, c.k[layer], c.v[layer], self.read, positions, scale, window
+        )
 
     def update(
         self, layer: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        ck, cv = write_layer(self.cache, layer, self.write, k, v)
-        return gather(ck, self.read), gather(cv, self.read), self.pos
+        self.cache.write(layer, self.write, k, v)
+        return *self.cache.read(layer, self.read), self.pos

@@ -172,6 +172,11 @@ class PartitionedModel(nn.Module):
                 "a partitioned model runs under the continuous-batching engine (inferflow "
                 "serve, inferflow.engine.Engine), which gives it paged KV views"
             )
+        if cache.k.dtype != cache.format.compute:
+            raise RequestError(
+                f"a partitioned model keeps K/V in its activations' dtype; KV cache dtype "
+                f"{cache.format.name!r} is not supported with --devices"
+            )
         if cache.copy_log is None:  # first step: no block can be shared (and copied) before it
             cache.copy_log = []
         copies, cache.copy_log = cache.copy_log, []

@@ -53,7 +53,9 @@ def kv_plan(spec: Spec, cfg: EngineConfig, dtype: torch.dtype) -> CachePlan:
     """The KV cache the engine allocates for the spec's model loaded whole."""
     h = spec.hparams
     geometry = (h.n_layers, h.n_kv_heads, h.head_dim)
-    return plan_cache(geometry, cfg.block_size, cfg.kv_cache_bytes, dtype, h.max_positions)
+    return plan_cache(
+        geometry, cfg.block_size, cfg.kv_cache_bytes, dtype, h.max_positions, cfg.kv_cache_dtype
+    )
 
 
 def weight_elements(spec: Spec) -> int:

@@ -10,8 +10,8 @@ cost in quality, and in speed.
   by earlier chunks, as in serving), the logits of every row against the float32 cache's: mean
   and max KL(float32 || dtype) in nats, top-1 agreement, and perplexity.
 - **speed**: ``--speed-requests`` greedy requests of 128 tokens at once through the engine,
-  generated tok/s (median of 3 rounds; float32 K/V are read by the C decode, the others
-  dequantized in torch).
+  generated tok/s (median of 3 rounds;
+  bfloat16 K/V are read in torch, q8 and float32 by the C kernels).
 """
 
 from __future__ import annotations

@@ -5,15 +5,22 @@ to float32 K/V (KL and top-1 over a real text)."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
 
+from inferflow import kernels
 from inferflow.engine.engine import Engine, EngineConfig
 from inferflow.engine.forward import Rows, forward_rows
 from inferflow.engine.kv_cache import KVFormat, PagedKVCache, SeqBlocks, plan_cache
 from inferflow.engine.sampling import SamplingParams
+from inferflow.engine.scheduler import SchedulerConfig
 from inferflow.errors import InferflowError
+from inferflow.kernels import quant_decode
 from tests.conftest import smollm2_path
 
 
@@ -65,6 +72,91 @@ def test_copy_on_write_keeps_q8_blocks() -> None:
     kb, vb = cache.read(1, new)
     assert torch.equal(ka, kb) and torch.equal(va, vb)
     assert (ka - k).abs().max() <= k.abs().max() / 127  # (one code step)
+
+
+@contextlib.contextmanager
+def _built_with(
+    flags: list[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> Iterator[None]:
+    """The kernels built with extra compiler flags, in a cache of their own."""
+    built = (kernels._library, kernels.paged_decode_attention, quant_decode.library)
+    monkeypatch.setenv("INFERFLOW_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.setattr(kernels, "FLAGS", [*kernels.FLAGS, *flags])
+    for fn in built:
+        fn.cache_clear()
+    try:
+        yield
+    finally:
+        monkeypatch.undo()
+        for fn in built:
+            fn.cache_clear()
+
+
+def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """float64 reference: q (H, D) over k, v (n, KVH, D)."""
+    r = q.shape[0] // k.shape[1]
+    k, v = k.double().repeat_interleave(r, 1), v.double().repeat_interleave(r, 1)
+    w = torch.softmax(torch.einsum("hd,nhd->hn", q.double(), k) * scale, -1)
+    return torch.einsum("hn,nhd->hd", w, v)
+
+
+@pytest.mark.parametrize("flags", [[], ["-mno-avx512f"]], ids=["native", "portable"])
+@pytest.mark.parametrize("D", [32, 64, 96, 256])
+def test_q8_attention_kernel_reads_q8_0_blocks(
+    D: int, flags: list[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Scattered slots of a Q8_0 cache: each sequence's rows equal attention over gguf-py's
+    dequantized blocks, and the same bits alone as among the others."""
+    gguf = pytest.importorskip("gguf")
+    with _built_with(flags, monkeypatch, tmp_path):
+        kernel = kernels.paged_decode_attention(q8=True)
+        if kernel is None:
+            pytest.skip("no C compiler here")
+        g = torch.Generator().manual_seed(D)
+        slots, H, KVH, scale = 64, 6, 2, D**-0.5
+        fmt = KVFormat("q8", torch.float32, D)
+        k, v = torch.randn(slots, KVH, D, generator=g) * 3, torch.randn(slots, KVH, D, generator=g)
+        kc, vc = fmt.encode(k), fmt.encode(v)
+        lens = torch.tensor([1, 17, 40, 9])
+        read = torch.stack([torch.randperm(slots, generator=g)[:40] for _ in lens])
+        q = torch.randn(len(lens), H, D, generator=g)
+        out = kernel(q, kc, vc, read, lens, scale)
+        deq = [
+            torch.from_numpy(gguf.quants.dequantize(c.numpy(), gguf.GGMLQuantizationType.Q8_0))
+            for c in (kc, vc)
+        ]
+        for b, n in enumerate(lens.tolist()):
+            rows = read[b, :n]
+            want = _attention(q[b], deq[0][rows], deq[1][rows], scale)
+            assert (out[b].double() - want).abs().max() < 2e-5 * want.abs().max()
+            alone = kernel(q[b : b + 1], kc, vc, read[b : b + 1], lens[b : b + 1], scale)
+            assert torch.equal(alone[0], out[b])
+
+
+@pytest.mark.parametrize("flags", [[], ["-mno-avx512f", "-mno-f16c"]], ids=["native", "portable"])
+def test_decode_stack_writes_gguf_q8_0_blocks(
+    flags: list[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The Q8_0 writer of the C decode (kvq8.h: its own float16 rounding where the CPU has no
+    F16C) against gguf-py, over scales from float16 subnormals to infinity."""
+    gguf = pytest.importorskip("gguf")
+    with _built_with(flags, monkeypatch, tmp_path):
+        if quant_decode.library() is None:
+            pytest.skip("no C compiler here")
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(64, 256, generator=g)
+        x *= 10.0 ** torch.randint(-12, 8, (64, 8, 1), generator=g).float().repeat_interleave(
+            32, 1
+        ).squeeze(-1)
+        x[0, :32] = 0
+        x[1, :32] = 0.5  # ties of round half away from zero
+        # scales halfway between two float16 values, rounded to the even one: up (a normal
+        # 1 + 3 * 2^-11 and a subnormal 3 * 2^-25) and down (1 + 2^-11)
+        for row, d in ((2, 1 + 3 * 2**-11), (3, -3 * 2**-25), (4, 1 + 2**-11)):
+            x[row, :32] = 0
+            x[row, 0] = 127 * d
+        want = gguf.quants.quantize(x.numpy(), gguf.GGMLQuantizationType.Q8_0)
+        assert np.array_equal(quant_decode.q8_0_rows(x).numpy(), want)
 
 
 @pytest.fixture(scope="module")
@@ -121,3 +213,32 @@ def test_engine_samples_share_q8_prompt_blocks(smollm2) -> None:  # noqa: ANN001
     many = eng.generate(["Once upon a time"], SamplingParams(max_new_tokens=12, n=3))
     assert [r.output_ids for r in many] == [alone.output_ids] * 3
     assert eng.cache.k.dtype == torch.uint8
+
+
+def test_q8_serving_is_batch_invariant(smollm2) -> None:  # noqa: ANN001
+    """With a q8 cache, decode rows take the C decode (writing and reading Q8_0 blocks), prompt
+    rows the modules and the C attention: 8 requests together give each one's tokens and
+    logprobs alone, bit for bit."""
+    prompts = [
+        f"Tell me about the number {i} and the color {c}."
+        for i, c in enumerate("red green blue cyan pink gray gold teal".split())
+    ]
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True, logprobs=2)
+
+    assert smollm2.model.dec.fused_decode() is not None
+    together = _stream(smollm2, prompts, params)
+    alone = [_stream(smollm2, [p], params)[0] for p in prompts]
+    assert together == alone
+
+
+def _stream(lm, prompts: list[str], params: SamplingParams) -> list[tuple[list[int], list]]:  # noqa: ANN001
+    # (prompts chunked across steps, decode rows beside prefill chunks)
+    sched = SchedulerConfig(max_batched_tokens=32)
+    eng = Engine(lm.model, lm.tokenizer, EngineConfig(sched, kv_cache_dtype="q8"))
+    ids = [eng.add_request(p, params) for p in prompts]
+    out: dict[str, tuple[list[int], list]] = {r: ([], []) for r in ids}
+    while eng.has_unfinished():
+        for o in eng.step():
+            out[o.request_id][0].extend(o.token_ids)
+            out[o.request_id][1].extend((t.token_id, t.logprob, t.top) for t in o.logprobs or [])
+    return [out[r] for r in ids]

@@ -1,8 +1,10 @@
-/* One query head's attention over keys and values listed by slot, float32, shared by
+/* One query head's attention over keys and values listed by slot (float32, or GGML Q8_0
+   blocks: attend_head_q8), shared by
    paged_attention.c (a decode step of many sequences) and quant_decode.c (one token through a
    whole decoder): scores, softmax (max subtracted) and the weighted sum of the values. */
 #ifndef INFERFLOW_ATTEND_H
 #define INFERFLOW_ATTEND_H
+#include "kvq8.h"
 #include <math.h>
 #include <stdint.h>
 #if defined(__AVX512F__)
@@ -111,6 +113,104 @@ static inline __attribute__((always_inline)) void attend_head(const float *q, co
         const float *v = vc + sl[t] * stride + off, w = p[t] * inv;
         fetch_ahead(vc, sl, t, n, stride, off, D);
         for (int64_t i = 0; i < D; i++) out[i] += w * v[i];
+    }
+}
+
+/* fetch the key (or value) 8 places ahead of t, `bytes` long (a Q8_0 cache) */
+static inline __attribute__((always_inline)) void fetch_ahead_q8(const uint8_t *c, const int64_t *sl,
+                                                                 int64_t t, int64_t n, int64_t stride,
+                                                                 int64_t off, int64_t bytes) {
+    if (t + 8 < n) {
+        const uint8_t *ahead = c + sl[t + 8] * stride + off;
+        for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(ahead + b);
+    }
+}
+
+/* attend_head over a Q8_0 cache (KVFormat "q8"): a key is D / 32 blocks of 34 bytes at
+   kc + sl[t] * stride + off (stride, off in bytes); each block's dot product with the query
+   is scaled once. D a multiple of 32. */
+static inline __attribute__((always_inline)) void attend_head_q8(const float *q, const uint8_t *kc,
+                                                                 const uint8_t *vc, const int64_t *sl,
+                                                                 int64_t n, int64_t stride,
+                                                                 int64_t off, const int64_t D,
+                                                                 float scale, float *p, float *out) {
+    const int64_t nb = D / 32, bytes = nb * 34;
+    float mx = -INFINITY;
+#if defined(__AVX512F__)
+    if (D <= 256) {
+        __m512 qv[16], acc[16];
+        for (int64_t i = 0; i < 2 * nb; i++) qv[i] = _mm512_loadu_ps(q + 16 * i);
+        for (int64_t t = 0; t < n; t++) {
+            const uint8_t *k = kc + sl[t] * stride + off;
+            fetch_ahead_q8(kc, sl, t, n, stride, off, bytes);
+            __m512 s = _mm512_setzero_ps();
+            for (int64_t b = 0; b < nb; b++) {
+                const uint8_t *blk = k + 34 * b;
+                const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 2))));
+                const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 18))));
+                const __m512 a = _mm512_fmadd_ps(qv[2 * b + 1], hi, _mm512_mul_ps(qv[2 * b], lo));
+                s = _mm512_fmadd_ps(a, _mm512_set1_ps(q8_scale(blk)), s);
+            }
+            const float x = _mm512_reduce_add_ps(s) * scale;
+            p[t] = x;
+            if (x > mx) mx = x;
+        }
+        const float inv = 1.f / exp_sum(p, n, mx);
+        for (int64_t i = 0; i < 2 * nb; i++) acc[i] = _mm512_setzero_ps();
+        for (int64_t t = 0; t < n; t++) {
+            const uint8_t *v = vc + sl[t] * stride + off;
+            fetch_ahead_q8(vc, sl, t, n, stride, off, bytes);
+            const float w = p[t] * inv;
+            for (int64_t b = 0; b < nb; b++) {
+                const uint8_t *blk = v + 34 * b;
+                const __m512 wd = _mm512_set1_ps(w * q8_scale(blk));
+                const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 2))));
+                const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 18))));
+                acc[2 * b] = _mm512_fmadd_ps(wd, lo, acc[2 * b]);
+                acc[2 * b + 1] = _mm512_fmadd_ps(wd, hi, acc[2 * b + 1]);
+            }
+        }
+        for (int64_t i = 0; i < 2 * nb; i++) _mm512_storeu_ps(out + 16 * i, acc[i]);
+        return;
+    }
+#endif
+    for (int64_t t = 0; t < n; t++) {
+        const uint8_t *k = kc + sl[t] * stride + off;
+        fetch_ahead_q8(kc, sl, t, n, stride, off, bytes);
+        float s = 0.f;
+        for (int64_t b = 0; b < nb; b++) {
+            const uint8_t *blk = k + 34 * b;
+            const int8_t *c = (const int8_t *)(blk + 2);
+            float a = 0.f;
+            for (int64_t i = 0; i < 32; i++) a += q[32 * b + i] * (float)c[i];
+            s += a * q8_scale(blk);
+        }
+        p[t] = s * scale;
+        if (p[t] > mx) mx = p[t];
+    }
+    const float inv = 1.f / exp_sum(p, n, mx);
+    for (int64_t i = 0; i < D; i++) out[i] = 0.f;
+    for (int64_t t = 0; t < n; t++) {
+        const uint8_t *v = vc + sl[t] * stride + off;
+        fetch_ahead_q8(vc, sl, t, n, stride, off, bytes);
+        const float w = p[t] * inv;
+        for (int64_t b = 0; b < nb; b++) {
+            const uint8_t *blk = v + 34 * b;
+            const int8_t *c = (const int8_t *)(blk + 2);
+            const float wd = w * q8_scale(blk);
+            for (int64_t i = 0; i < 32; i++) out[32 * b + i] += wd * (float)c[i];
+        }
+    }
+}
+
+static inline void attend_head_q8_any(const float *q, const uint8_t *kc, const uint8_t *vc,
+                                      const int64_t *sl, int64_t n, int64_t stride, int64_t off,
+                                      int64_t D, float scale, float *p, float *out) {
+    switch (D) {
+    case 64: attend_head_q8(q, kc, vc, sl, n, stride, off, 64, scale, p, out); break;
+    case 128: attend_head_q8(q, kc, vc, sl, n, stride, off, 128, scale, p, out); break;
+    case 256: attend_head_q8(q, kc, vc, sl, n, stride, off, 256, scale, p, out); break;
+    default: attend_head_q8(q, kc, vc, sl, n, stride, off, D, scale, p, out);
     }
 }
 

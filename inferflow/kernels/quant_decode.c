@@ -62,6 +62,7 @@ typedef struct {
     int64_t hidden, heads, kv_heads, head_dim, inner, rotary_dim;
     int32_t adjacent; /* rotary pairs (2i, 2i + 1); else (i, i + rotary_dim / 2) */
     float eps, norm_offset, scale;
+    int32_t kv_q8; /* the cache holds Q8_0 blocks (kvq8.h), else float32 */
 } Dims;
 
 /* GCC vector types (AVX2 ymm; scalar code where the CPU has no vectors) */
@@ -475,17 +476,18 @@ void qmat_gemm_f32(const QMat *w, const float *x, int64_t M, float *xs, float *y
    hidden, inner, heads * head_dim) (the widest product's input: its group sums). Every row gets
    the same operations whatever B is and whichever rows are beside it. */
 void decode_stack(const Layer *layers, int64_t L, const Dims *d, int64_t B, float *x,
-                  const float *cos, const float *sin, float *kc, float *vc, int64_t layer_stride,
+                  const float *cos, const float *sin, uint8_t *kc, uint8_t *vc, int64_t layer_stride,
                   const int64_t *slots, int64_t S, const int64_t *lens, float *scratch,
                   int nthreads) {
     const int64_t H = d->heads, KVH = d->kv_heads, D = d->head_dim, F = d->inner, E = d->hidden;
     const int64_t QKV = (H + 2 * KVH) * D, R2 = d->rotary_dim / 2;
+    const int64_t W = d->kv_q8 ? D / 32 * 34 : D * 4; /* bytes of a KV head in the cache */
     float *h = scratch, *qkv = h + B * E, *att = qkv + B * QKV;
     float *gu = att + B * H * D, *act = gu + B * 2 * F, *p = act + B * F, *xs = p + B * H * S;
 #pragma omp parallel num_threads(nthreads)
     for (int64_t l = 0; l < L; l++) {
         const Layer *ly = layers + l;
-        float *k = kc + l * layer_stride, *v = vc + l * layer_stride;
+        uint8_t *k = kc + l * layer_stride, *v = vc + l * layer_stride; /* (layer_stride: bytes) */
 #pragma omp for schedule(static)
         for (int64_t b = 0; b < B; b++)
             rms_norm_row(x + b * E, ly->attn_norm, E, d->eps, d->norm_offset, h + b * E);
@@ -496,15 +498,26 @@ void decode_stack(const Layer *layers, int64_t L, const Dims *d, int64_t B, floa
             const int64_t w = slots[b * S + lens[b] - 1];
             for (int64_t j = 0; j < H + KVH; j++)
                 rope_head(row + j * D, cos + b * R2, sin + b * R2, d->rotary_dim, d->adjacent);
-            memcpy(k + w * KVH * D, row + H * D, sizeof(float) * KVH * D);
-            memcpy(v + w * KVH * D, row + (H + KVH) * D, sizeof(float) * KVH * D);
+            if (d->kv_q8) {
+                q8_0_row(row + H * D, KVH * D, k + w * KVH * W);
+                q8_0_row(row + (H + KVH) * D, KVH * D, v + w * KVH * W);
+            } else {
+                memcpy(k + w * KVH * W, row + H * D, sizeof(float) * KVH * D);
+                memcpy(v + w * KVH * W, row + (H + KVH) * D, sizeof(float) * KVH * D);
+            }
         }
 #pragma omp for collapse(2) schedule(static)
         for (int64_t b = 0; b < B; b++)
-            for (int64_t j = 0; j < H; j++) /* (the last slot is this token's) */
-                attend_head_any(qkv + b * QKV + j * D, k, v, slots + b * S, lens[b], KVH * D,
-                                j / (H / KVH) * D, D, d->scale, p + (b * H + j) * S,
-                                att + (b * H + j) * D);
+            for (int64_t j = 0; j < H; j++) { /* (the last slot is this token's) */
+                float *pj = p + (b * H + j) * S, *out = att + (b * H + j) * D;
+                if (d->kv_q8)
+                    attend_head_q8_any(qkv + b * QKV + j * D, k, v, slots + b * S, lens[b],
+                                       KVH * W, j / (H / KVH) * W, D, d->scale, pj, out);
+                else
+                    attend_head_any(qkv + b * QKV + j * D, (const float *)k, (const float *)v,
+                                    slots + b * S, lens[b], KVH * D, j / (H / KVH) * D, D,
+                                    d->scale, pj, out);
+            }
         gemm_in_team(&ly->o, att, B, xs, x, 1);
 #pragma omp for schedule(static)
         for (int64_t b = 0; b < B; b++)
@@ -517,4 +530,9 @@ void decode_stack(const Layer *layers, int64_t L, const Dims *d, int64_t B, floa
         }
         gemm_in_team(&ly->down, act, B, xs, x, 1);
     }
+}
+
+/* rows of n floats -> their Q8_0 blocks, as decode_stack writes them (for tests) */
+void q8_0_rows(const float *x, int64_t rows, int64_t n, uint8_t *out) {
+    for (int64_t r = 0; r < rows; r++) q8_0_row(x + r * n, n, out + r * (n / 32) * 34);
 }

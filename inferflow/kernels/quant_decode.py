@@ -34,7 +34,7 @@ class CLayer(ctypes.Structure):
 class CDims(ctypes.Structure):
     _fields_ = [(name, _I64) for name in ("hidden", "heads", "kv_heads", "head_dim", "inner")]
     _fields_ += [("rotary_dim", _I64), ("adjacent", _I32), ("eps", _F), ("norm_offset", _F)]
-    _fields_ += [("scale", _F)]
+    _fields_ += [("scale", _F), ("kv_q8", _I32)]
 
 
 @cache
@@ -50,6 +50,7 @@ def library() -> ctypes.CDLL | None:
     lib.decode_stack.argtypes = [ctypes.POINTER(CLayer), _I64, ctypes.POINTER(CDims), _I64, _P]
     lib.decode_stack.argtypes += [_P, _P, _P, _P, _I64, _P, _I64, _P, _P, ctypes.c_int]
     lib.decode_stack.restype = None
+    lib.q8_0_rows.argtypes, lib.q8_0_rows.restype = [_P, _I64, _I64, _P], None
     return lib
 
 
@@ -198,3 +199,14 @@ def make_plane(
 
     mins = None if minless else tiled(mn)
     return QPlane(packed, tiled(scale), mins, n, k, group, bits, high, z)
+
+
+def q8_0_rows(x: torch.Tensor) -> torch.Tensor:
+    """(rows, n) float32 -> (rows, n / 32 * 34) uint8: the Q8_0 blocks decode_stack writes to
+    a "q8" KV cache (tests hold them against gguf-py's)."""
+    lib = library()
+    assert lib is not None
+    x = x.float().contiguous()
+    out = torch.empty((x.shape[0], x.shape[1] // 32 * 34), dtype=torch.uint8)
+    lib.q8_0_rows(x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr())
+    return out

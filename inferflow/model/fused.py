@@ -132,6 +132,7 @@ class FusedDecode:
         if kv is None:
             return None
         k, v, slots, lens = kv
+        self.dims.kv_q8 = int(k.dtype == torch.uint8)  # (KVFormat "q8": Q8_0 blocks)
         B, S = slots.shape
         cos, sin = self.rope.cos_sin(batch.positions, torch.float32)
         cos, sin = cos.reshape(B, -1).contiguous(), sin.reshape(B, -1).contiguous()
@@ -145,7 +146,7 @@ class FusedDecode:
         assert lib is not None
         lib.decode_stack(
             self.layers, len(self.layers), ctypes.byref(self.dims), B, out.data_ptr(),
-            cos.data_ptr(), sin.data_ptr(), k.data_ptr(), v.data_ptr(), k[0].numel(),
+            cos.data_ptr(), sin.data_ptr(), k.data_ptr(), v.data_ptr(), k[0].nbytes,
             slots.data_ptr(), S, lens.data_ptr(), scratch.data_ptr(), torch.get_num_threads(),
         )  # fmt: skip
         return out
@@ -155,7 +156,7 @@ def decode_slots(
     batch: FlatBatch,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """For a batch of one new token per sequence: every layer's K and V (layers, slots, KV
-    heads, D) float32, each row's slots (B, S) int64 (its first lens[b] are positions 0 ..
+    heads, D) float32 or Q8_0 blocks, each row's slots (B, S) int64 (its first lens[b] are positions 0 ..
     its own, the last where its K/V go) and lens (B,); None where a view cannot say
     (a group view's ``slot_table()``; ``decode_slots(position)`` of ContiguousKVCache and the
     engine's paged views)."""
@@ -178,6 +179,6 @@ def decode_slots(
         slots = torch.zeros((len(got), int(lens.max())), dtype=torch.long)
         for i, g in enumerate(got):
             slots[i, : g[2].numel()] = g[2]
-    if k.dtype != torch.float32:
+    if k.dtype not in (torch.float32, torch.uint8):  # (uint8: Q8_0 blocks, KVFormat "q8")
         return None
     return k, v, slots.contiguous(), lens

@@ -9,6 +9,7 @@ cost in quality, and in speed.
   the engine's paged cache in chunks of ``--chunk`` (so that most keys a row reads were written
   by earlier chunks, as in serving), the logits of every row against the float32 cache's: mean
   and max KL(float32 || dtype) in nats, top-1 agreement, and perplexity.
+- **keys**: the float32 cache's key magnitudes (what q8 blocks have to span).
 - **speed**: ``--speed-requests`` greedy requests of 128 tokens at once through the engine,
   generated tok/s (median of 3 rounds;
   bfloat16 K/V are read in torch, q8 and float32 by the C kernels).
@@ -37,8 +38,11 @@ from inferflow.runtime import LanguageModel, load  # noqa: E402
 TEXT = Path.home() / ".cache" / "inferflow" / "texts" / "hamlet.txt"
 
 
-def logits_through(lm: LanguageModel, ids: list[int], chunk: int, kv_dtype: str) -> torch.Tensor:
-    """(len(ids), V) logits, the text fed in chunks through a paged cache of ``kv_dtype``."""
+def logits_through(
+    lm: LanguageModel, ids: list[int], chunk: int, kv_dtype: str
+) -> tuple[torch.Tensor, PagedKVCache]:
+    """(len(ids), V) logits, the text fed in chunks through a paged cache of ``kv_dtype``, and
+    the cache."""
     model = lm.model
     geometry = model.kv_geometry()
     blocks = -(-len(ids) // 16)
@@ -51,7 +55,16 @@ def logits_through(lm: LanguageModel, ids: list[int], chunk: int, kv_dtype: str)
             part = ids[start : start + chunk]
             out.append(forward_rows(model, cache, [Rows(seq, start, part, False, len(part))]))
             seq.num_computed = start + len(part)
-    return torch.cat(out)
+    return torch.cat(out), cache
+
+
+def key_spread(cache: PagedKVCache, n: int) -> tuple[float, float, float]:
+    """Of a float32 cache's first n keys: the largest |k|, the median |k|, and the 99th
+    percentile over 32-value blocks of (largest / median |k| of the block)."""
+    k = cache.k[:, :n].abs()
+    blocks = k.unflatten(-1, (-1, 32))
+    ratio = (blocks.amax(-1) / blocks.median(-1).values.clamp_min(1e-12)).flatten()
+    return float(k.max()), float(k.median()), float(ratio.kthvalue(int(0.99 * len(ratio))).values)
 
 
 def quality(
@@ -90,16 +103,17 @@ def main() -> None:
     if not TEXT.exists():
         sys.exit(f"{TEXT} is missing: run `make models` (tools/fetch_models.py hamlet)")
     budget = memory_bytes(args.budget)
-    rows = []
+    rows, spreads = [], []
     for name in args.models.split(","):
         lm = load(name)
         ids = lm.tokenizer.encode(TEXT.read_text(encoding="utf-8"))[: args.tokens]
-        ref = logits_through(lm, ids, args.chunk, "float32")
+        ref, cache = logits_through(lm, ids, args.chunk, "float32")
+        spreads.append((name, *key_spread(cache, len(ids))))
         h = lm.spec.hparams
         for kd in KV_DTYPES:
             plan = plan_cache(lm.model.kv_geometry(), 16, budget, torch.float32, 1 << 30, kd)
             tokens = plan.num_blocks * 16
-            got = ref if kd == "float32" else logits_through(lm, ids, args.chunk, kd)
+            got = ref if kd == "float32" else logits_through(lm, ids, args.chunk, kd)[0]
             q = quality(ref, got, ids)
             rows.append(
                 (
@@ -124,6 +138,10 @@ def main() -> None:
         print(
             f"| {name} | {kd} | {bpt:.0f} | {tokens} | {seqs} | {kl:.2e} | {klmax:.2e} | {top1:.2%} | {ppl:.3f} | {tps:.1f} |"
         )
+    print("\n| model | max abs key | median abs key | p99 of a 32-value block's max / median |")
+    print("|---|---|---|---|")
+    for name, mx, med, p99 in spreads:
+        print(f"| {name} | {mx:.1f} | {med:.2f} | {p99:.1f} |")
     print(f"\ncommand: python benchmarks/kv_cache.py {shlex.join(sys.argv[1:])}")
 
 

@@ -182,6 +182,22 @@ def test_q4_k_quantize_decodes_through_gguf_py() -> None:
     assert rms < 0.09, rms  # measured 0.072 on normal data; min-max Q4_1 gives 0.10
 
 
+def test_q5_k_quantize_decodes_through_gguf_py() -> None:
+    """Q5_K's quantizer (llama.cpp's quantize_row_q5_K_ref, compared byte for byte with
+    llama-quantize in test_llama_cpp_interchange) checked by what gguf-py decodes from it, as
+    Q4_K's: each weight within 0.75 of a code step (its group's range over 31 levels, plus the
+    6-bit scales' 1/63 of the super-block's largest), a zero block zero, and 5-bit accuracy on
+    normal data."""
+    x, blocks, back = _k_quant_round_trip("Q5_K", 176)
+    groups, out = x.reshape(-1, 32), back.reshape(-1, 32)
+    step = (np.maximum(groups.max(1), 0) - np.minimum(groups.min(1), 0)) / 31
+    slack = np.repeat(np.abs(x).max(1) / 63, 8)
+    assert (np.abs(out - groups).max(1) <= 0.75 * (step + slack) + 1e-5).all()
+    assert np.array_equal(back[0], np.zeros(256))  # a zero block stays zero
+    rms = np.sqrt(((back[9:] - x[9:]) ** 2).mean() / (x[9:] ** 2).mean())
+    assert rms < 0.045, rms
+
+
 def test_q6_k_quantize_decodes_through_gguf_py() -> None:
     """Q6_K's quantizer (llama.cpp's quantize_row_q6_K_ref, compared byte for byte with
     llama-quantize in test_llama_cpp_interchange) checked by what gguf-py decodes from it: the

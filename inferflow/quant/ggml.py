@@ -348,15 +348,19 @@ def _make_qkx2(
     return torch.where(flat, 0.0, best_scale).t(), -torch.where(flat, mn, best_min).t(), codes
 
 
-def _q_q4_k(x: torch.Tensor) -> torch.Tensor:
-    """ggml-quants.c ``quantize_row_q4_K_ref``: 8 sub-blocks of 32, each fitted by
-    make_qkx2_quants (weights: rms + |x|), their scales and minimums stored in 6 bits against
-    the super-block's fp16 d and dmin, then the codes re-chosen on the stored grid."""
-    x = _floats(x, QK_K, "Q4_K")
+def _k_affine(
+    x: torch.Tensor, name: str, nmax: int, rmin: float, nstep: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What ggml-quants.c ``quantize_row_q4_K_ref`` and ``quantize_row_q5_K_ref`` share: 8
+    sub-blocks of 32, each fitted by make_qkx2_quants (weights: rms + |x|; ``nmax`` levels,
+    widened grids from ``rmin``), their scales and minimums stored in 6 bits against the
+    super-block's fp16 d and dmin, then the codes re-chosen on the stored grid. Returns the
+    head (d, dmin: 4 bytes), the 12 bytes of scales and minimums, and the codes (n, 8, 32)."""
+    x = _floats(x, QK_K, name)
     n = x.shape[0]
     sub = x.reshape(n * 8, 32)
     av = (_seq_sum(sub.t().square()).t() / 32).sqrt()
-    scales, mins, first = _make_qkx2(sub, av + sub.abs(), 15)
+    scales, mins, first = _make_qkx2(sub, av + sub.abs(), nmax, rmin, 0.1, nstep)
     scales, mins = scales.reshape(n, 8), mins.reshape(n, 8)
     max_scale = scales.amax(1, keepdim=True)
     max_min = mins.amax(1, keepdim=True)
@@ -377,12 +381,31 @@ def _q_q4_k(x: torch.Tensor) -> torch.Tensor:
     d = d16.to(torch.float32) * sc.to(torch.float32)  # (n, 8)
     dm = dmin16.to(torch.float32) * m.to(torch.float32)
     safe = torch.where(d != 0, d, 1.0)[..., None]
-    q = _nearest((x.reshape(n, 8, 32) + dm[..., None]) / safe).clamp(0, 15)
+    q = _nearest((x.reshape(n, 8, 32) + dm[..., None]) / safe).clamp(0, nmax)
     q = torch.where(d[..., None] != 0, q, first.reshape(n, 8, 32))  # (scale 0: the fit's codes)
-    q = q.to(torch.uint8).reshape(n, 4, 2, 32)
-    qs = (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(n, 128)
     head = torch.cat([d16, dmin16], dim=-1).contiguous().view(torch.uint8)
-    return torch.cat([head, packed, qs], dim=-1)
+    return head, packed, q.to(torch.uint8)
+
+
+def _low_nibbles(q: torch.Tensor) -> torch.Tensor:
+    """Codes (n, 8, 32) of sub-blocks 2c and 2c + 1 as one byte each (low, high nibble)."""
+    q = (q & 0x0F).reshape(q.shape[0], 4, 2, 32)
+    return (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(q.shape[0], 128)
+
+
+def _q_q4_k(x: torch.Tensor) -> torch.Tensor:
+    """ggml-quants.c ``quantize_row_q4_K_ref`` (``_k_affine`` with 15 levels)."""
+    head, packed, q = _k_affine(x, "Q4_K", 15, -1.0, 20)
+    return torch.cat([head, packed, _low_nibbles(q)], dim=-1)
+
+
+def _q_q5_k(x: torch.Tensor) -> torch.Tensor:
+    """ggml-quants.c ``quantize_row_q5_K_ref``: ``_k_affine`` with 31 levels (grids widened
+    from -0.5, 15 steps); the fifth bits in qh (bit s of byte j: sub-block s's code j)."""
+    head, packed, q = _k_affine(x, "Q5_K", 31, -0.5, 15)
+    bits = (q >> 4).to(torch.int32) << torch.arange(8, dtype=torch.int32)[None, :, None]
+    qh = bits.sum(1).to(torch.uint8)  # (n, 32)
+    return torch.cat([head, packed, qh, _low_nibbles(q)], dim=-1)
 
 
 def _deq_q5_k(blocks: torch.Tensor) -> torch.Tensor:
@@ -601,7 +624,7 @@ _add("Q8_0", 8, 32, 34, _deq_q8_0, _q_q8_0)
 _add("Q2_K", 10, QK_K, 84, _deq_q2_k)
 _add("Q3_K", 11, QK_K, 110, _deq_q3_k)
 _add("Q4_K", 12, QK_K, 144, _deq_q4_k, _q_q4_k)
-_add("Q5_K", 13, QK_K, 176, _deq_q5_k)
+_add("Q5_K", 13, QK_K, 176, _deq_q5_k, _q_q5_k)
 _add("Q6_K", 14, QK_K, 210, _deq_q6_k, _q_q6_k)
 _add("Q8_K", 15, QK_K, 292, _deq_q8_k)
 _add("IQ4_NL", 20, 32, 18, _deq_iq4_nl)

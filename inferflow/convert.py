@@ -40,8 +40,8 @@ from inferflow.quant.tensor import QuantTensor
 logger = logging.getLogger(__name__)
 
 OUTPUT_FORMATS = ("gguf", "safetensors", "pickle")
-GGUF_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q6_K", "Q5_K", "Q5_0", "Q5_1", "Q4_0", "Q4_1")
-GGUF_TYPES += ("Q4_K",)
+GGUF_TYPES: tuple[str, ...] = ("F32", "F16", "BF16", "Q8_0", "Q6_K", "Q5_K", "Q5_0", "Q5_1")
+GGUF_TYPES += ("Q4_0", "Q4_1", "Q4_K")
 FLOAT_TYPES: dict[str, torch.dtype] = {
     "F32": torch.float32,
     "F16": torch.float16,

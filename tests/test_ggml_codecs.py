@@ -182,6 +182,22 @@ def test_q4_k_quantize_decodes_through_gguf_py() -> None:
     assert rms < 0.09, rms  # measured 0.072 on normal data; min-max Q4_1 gives 0.10
 
 
+def test_q2_k_quantize_decodes_through_gguf_py() -> None:
+    """Q2_K's quantizer (llama.cpp's quantize_row_q2_K_ref, compared byte for byte with
+    llama-quantize in test_llama_cpp_interchange) checked by what gguf-py decodes from it: each
+    weight within 0.75 of a code step (its 16-value group's range over 3 steps, plus the 4-bit
+    scales' 1/15 of the super-block's largest; the fit minimizes absolute error, so not the
+    nearest code everywhere), a zero block zero, and 2-bit accuracy on normal data."""
+    x, blocks, back = _k_quant_round_trip("Q2_K", 84)
+    groups, out = x.reshape(-1, 16), back.reshape(-1, 16)
+    step = (np.maximum(groups.max(1), 0) - np.minimum(groups.min(1), 0)) / 3
+    slack = np.repeat(np.abs(x).max(1) / 15, 16)
+    assert (np.abs(out - groups).max(1) <= 0.75 * (step + slack) + 1e-5).all()  # measured 0.61
+    assert np.array_equal(back[0], np.zeros(256))  # a zero block stays zero
+    rms = np.sqrt(((back[9:] - x[9:]) ** 2).mean() / (x[9:] ** 2).mean())
+    assert rms < 0.33, rms  # measured 0.30
+
+
 def test_q5_k_quantize_decodes_through_gguf_py() -> None:
     """Q5_K's quantizer (llama.cpp's quantize_row_q5_K_ref, compared byte for byte with
     llama-quantize in test_llama_cpp_interchange) checked by what gguf-py decodes from it, as

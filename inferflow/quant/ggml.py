@@ -248,6 +248,36 @@ def _deq_q2_k(blocks: torch.Tensor) -> torch.Tensor:
     return (dl * q - ml).reshape(n, QK_K)
 
 
+def _q_q2_k(x: torch.Tensor) -> torch.Tensor:
+    """ggml-quants.c ``quantize_row_q2_K_ref``: 16 sub-blocks of 16, each fitted by
+    make_qkx2_quants over 4 levels (weights |x|, absolute error, grids widened from -0.5 in 15
+    steps); scales and minimums in 4 bits against the super-block's fp16 d and dmin (the
+    largest / 15), then the codes re-chosen on the stored grid."""
+    x = _floats(x, QK_K, "Q2_K")
+    n = x.shape[0]
+    sub = x.reshape(n * 16, 16)
+    scales, mins, first = _make_qkx2(sub, sub.abs(), 3, -0.5, 0.1, 15, mad=True)
+    scales, mins = scales.reshape(n, 16), mins.reshape(n, 16)
+    head, nibbles = [], []
+    for v in (scales, mins):
+        top = v.amax(1, keepdim=True).clamp(min=0)
+        inv = 15 / torch.where(top > 0, top, 1.0)
+        nibbles.append(torch.where(top > 0, _nearest(inv * v), 0.0).to(torch.uint8))
+        head.append((top / 15).to(torch.float16))
+    packed = nibbles[0] | (nibbles[1] << 4)  # (n, 16)
+    d = head[0].to(torch.float32) * nibbles[0].to(torch.float32)
+    dm = head[1].to(torch.float32) * nibbles[1].to(torch.float32)
+    safe = torch.where(d != 0, d, 1.0)[..., None]
+    q = _nearest((x.reshape(n, 16, 16) + dm[..., None]) / safe).clamp(0, 3)
+    q = torch.where(d[..., None] != 0, q, first.reshape(n, 16, 16)).to(torch.uint8)
+    # byte l of 32 in half h: codes l (sub-blocks 8h, 8h + 1 as 32 values) at bits 0-1, l + 32 at
+    # 2-3, l + 64 at 4-5, l + 96 at 6-7
+    q = q.reshape(n, 2, 4, 32)
+    qs = (q[:, :, 0] | (q[:, :, 1] << 2) | (q[:, :, 2] << 4) | (q[:, :, 3] << 6)).reshape(n, 64)
+    d16 = torch.cat(head, dim=-1).contiguous().view(torch.uint8)
+    return torch.cat([packed, qs, d16], dim=-1)
+
+
 def _deq_q3_k(blocks: torch.Tensor) -> torch.Tensor:
     # gguf-py Q3_K.dequantize_blocks: 6-bit signed scales, q = low2 - 4 * (not hmask bit)
     n = _check(blocks, 110, "Q3_K")
@@ -306,10 +336,12 @@ def _make_qkx2(
     rmin: float = -1.0,
     rdelta: float = 0.1,
     nstep: int = 20,
+    mad: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """ggml-quants.c ``make_qkx2_quants`` over rows of ``x`` (m, n) with weights ``w``: the
     (scale, -min) of least weighted squared error among min-max and ``nstep`` + 1 widened
-    grids, each refitted by least squares with the minimum held <= 0. Returns (m, 1) each and
+    grids, each refitted by least squares with the minimum held <= 0 (``mad``: the grids
+    compared by weighted absolute instead of squared error). Returns (m, 1) each and
     the best grid's codes (m, n). Float32 throughout, sums one term at a time as ggml's loops
     (test_llama_cpp_interchange measures how often the bytes match llama-quantize's)."""
     x, w = x.t().contiguous(), w.t().contiguous()  # (n, m): groups as columns
@@ -321,7 +353,11 @@ def _make_qkx2(
     iscale = nmax / rng
     scale = 1 / iscale
     lq = _nearest(iscale * (x - mn)).clamp(0, nmax)
-    best = _seq_sum(w * (scale * lq + mn - x).square())
+
+    def loss(d: torch.Tensor) -> torch.Tensor:
+        return d.abs() if mad else d.square()
+
+    best = _seq_sum(w * loss(scale * lq + mn - x))
     best_scale, best_min, best_l = scale, mn, lq
     for step in range(nstep + 1):
         # (as in ggml: each grid starts from the best minimum so far, not the block's own)
@@ -338,7 +374,7 @@ def _make_qkx2(
         pos = this_min > 0
         this_scale = torch.where(pos, sum_xl / torch.where(sum_l2 > 0, sum_l2, 1.0), this_scale)
         this_min = torch.where(pos, 0.0, this_min)
-        err = _seq_sum(w * (this_scale * lq + this_min - x).square())
+        err = _seq_sum(w * loss(this_scale * lq + this_min - x))
         better = ok & (err < best)
         best = torch.where(better, err, best)
         best_scale = torch.where(better, this_scale, best_scale)
@@ -621,7 +657,7 @@ _add("Q4_1", 3, 32, 20, _deq_q4_1, _q_q4_1)
 _add("Q5_0", 6, 32, 22, _deq_q5_0, _q_q5_0)
 _add("Q5_1", 7, 32, 24, _deq_q5_1, _q_q5_1)
 _add("Q8_0", 8, 32, 34, _deq_q8_0, _q_q8_0)
-_add("Q2_K", 10, QK_K, 84, _deq_q2_k)
+_add("Q2_K", 10, QK_K, 84, _deq_q2_k, _q_q2_k)
 _add("Q3_K", 11, QK_K, 110, _deq_q3_k)
 _add("Q4_K", 12, QK_K, 144, _deq_q4_k, _q_q4_k)
 _add("Q5_K", 13, QK_K, 176, _deq_q5_k, _q_q5_k)

@@ -165,53 +165,32 @@ def _k_quant_round_trip(name: str, nbytes: int) -> tuple[np.ndarray, np.ndarray,
     return x, blocks, back
 
 
-def test_q4_k_quantize_decodes_through_gguf_py() -> None:
-    """gguf-py has no k-quant quantizer, so Q4_K's (llama.cpp's quantize_row_q4_K_ref, compared
-    byte for byte with llama-quantize in test_llama_cpp_interchange) is checked here by what
-    gguf-py decodes from it: the same floats as our decoder, each weight within 0.75 of a code
-    step (its group's range over 15 levels, plus the 6-bit scales' 1/63 of the super-block's
-    largest) on every row shape (flat, one-signed, constant, huge, zero; 1e-5 absolute for the
-    row whose fp16 scale underflows), and a mean error below min-max's."""
-    x, blocks, back = _k_quant_round_trip("Q4_K", 144)
-    groups, out = x.reshape(-1, 32), back.reshape(-1, 32)
-    step = (np.maximum(groups.max(1), 0) - np.minimum(groups.min(1), 0)) / 15
-    slack = np.repeat(np.abs(x).max(1) / 63, 8)
-    assert (np.abs(out - groups).max(1) <= 0.75 * (step + slack) + 1e-5).all()  # measured 0.59
-    assert np.array_equal(back[0], np.zeros(256))  # a zero block stays zero
-    rms = np.sqrt(((back[9:] - x[9:]) ** 2).mean() / (x[9:] ** 2).mean())
-    assert rms < 0.09, rms  # measured 0.072 on normal data; min-max Q4_1 gives 0.10
-
-
-def test_q2_k_quantize_decodes_through_gguf_py() -> None:
-    """Q2_K's quantizer (llama.cpp's quantize_row_q2_K_ref, compared byte for byte with
-    llama-quantize in test_llama_cpp_interchange) checked by what gguf-py decodes from it: each
-    weight within 0.75 of a code step (its 16-value group's range over 3 steps, plus the 4-bit
-    scales' 1/15 of the super-block's largest; the fit minimizes absolute error, so not the
-    nearest code everywhere), a zero block zero, and 2-bit accuracy on normal data."""
-    x, blocks, back = _k_quant_round_trip("Q2_K", 84)
-    groups, out = x.reshape(-1, 16), back.reshape(-1, 16)
-    step = (np.maximum(groups.max(1), 0) - np.minimum(groups.min(1), 0)) / 3
-    slack = np.repeat(np.abs(x).max(1) / 15, 16)
-    assert (np.abs(out - groups).max(1) <= 0.75 * (step + slack) + 1e-5).all()  # measured 0.61
-    assert np.array_equal(back[0], np.zeros(256))  # a zero block stays zero
-    rms = np.sqrt(((back[9:] - x[9:]) ** 2).mean() / (x[9:] ** 2).mean())
-    assert rms < 0.33, rms  # measured 0.30
-
-
-def test_q5_k_quantize_decodes_through_gguf_py() -> None:
-    """Q5_K's quantizer (llama.cpp's quantize_row_q5_K_ref, compared byte for byte with
-    llama-quantize in test_llama_cpp_interchange) checked by what gguf-py decodes from it, as
-    Q4_K's: each weight within 0.75 of a code step (its group's range over 31 levels, plus the
-    6-bit scales' 1/63 of the super-block's largest), a zero block zero, and 5-bit accuracy on
-    normal data."""
-    x, blocks, back = _k_quant_round_trip("Q5_K", 176)
-    groups, out = x.reshape(-1, 32), back.reshape(-1, 32)
-    step = (np.maximum(groups.max(1), 0) - np.minimum(groups.min(1), 0)) / 31
-    slack = np.repeat(np.abs(x).max(1) / 63, 8)
+@pytest.mark.parametrize(
+    ("name", "nbytes", "group", "levels", "rms_bound"),
+    [
+        ("Q2_K", 84, 16, 3, 0.33),  # measured 0.30 (absolute-error fit: not always nearest)
+        ("Q4_K", 144, 32, 15, 0.09),  # measured 0.072; min-max Q4_1 gives 0.10
+        ("Q5_K", 176, 32, 31, 0.045),
+    ],
+)
+def test_affine_k_quantize_decodes_through_gguf_py(
+    name: str, nbytes: int, group: int, levels: int, rms_bound: float
+) -> None:
+    """gguf-py has no k-quant quantizer, so ours (llama.cpp's quantize_row_q{2,4,5}_K_ref,
+    compared byte for byte with llama-quantize in test_llama_cpp_interchange) are checked here
+    by what gguf-py decodes from them: the same floats as our decoder, each weight within 0.75
+    of a code step (its group's range over ``levels`` steps, plus the scales' rounding: 1/63 of
+    the super-block's largest for the 6-bit ones, 1/15 for Q2_K's 4-bit; measured up to 0.61)
+    on every row shape (flat, one-signed, constant, huge, zero; 1e-5 absolute for the row whose
+    fp16 scale underflows), a zero block zero, and the format's accuracy on normal data."""
+    x, blocks, back = _k_quant_round_trip(name, nbytes)
+    groups, out = x.reshape(-1, group), back.reshape(-1, group)
+    step = (np.maximum(groups.max(1), 0) - np.minimum(groups.min(1), 0)) / levels
+    slack = np.repeat(np.abs(x).max(1) / (15 if name == "Q2_K" else 63), 256 // group)
     assert (np.abs(out - groups).max(1) <= 0.75 * (step + slack) + 1e-5).all()
     assert np.array_equal(back[0], np.zeros(256))  # a zero block stays zero
     rms = np.sqrt(((back[9:] - x[9:]) ** 2).mean() / (x[9:] ** 2).mean())
-    assert rms < 0.045, rms
+    assert rms < rms_bound, rms
 
 
 def test_q6_k_quantize_decodes_through_gguf_py() -> None:

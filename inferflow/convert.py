@@ -41,7 +41,7 @@ logger = logging.getLogger(__name__)
 
 OUTPUT_FORMATS = ("gguf", "safetensors", "pickle")
 GGUF_TYPES: tuple[str, ...] = ("F32", "F16", "BF16", "Q8_0", "Q6_K", "Q5_K", "Q5_0", "Q5_1")
-GGUF_TYPES += ("Q4_0", "Q4_1", "Q4_K", "Q2_K")
+GGUF_TYPES += ("Q4_0", "Q4_1", "Q4_K", "Q3_K", "Q2_K")
 FLOAT_TYPES: dict[str, torch.dtype] = {
     "F32": torch.float32,
     "F16": torch.float16,
@@ -58,6 +58,7 @@ LLAMA_FTYPE = {
     "Q5_0": 8,
     "Q5_1": 9,
     "Q2_K": 10,
+    "Q3_K": 11,  # MOSTLY_Q3_K_S
     "Q4_K": 14,  # MOSTLY_Q4_K_S: what a file of Q4_K matrices is to llama.cpp
     "Q5_K": 16,  # MOSTLY_Q5_K_S
     "Q6_K": 18,

@@ -472,8 +472,9 @@ def test_failure_leaves_no_partial_file(
     ("call", "match"),
     [
         (
-            lambda s, o: convert_checkpoint(s, o / "x.gguf", type_name="Q3_K"),
-            "'Q3_K'.*allowed: F32, F16, BF16, Q8_0, Q6_K, Q5_K, Q5_0, Q5_1, Q4_0, Q4_1, Q4_K, Q2_K",
+            lambda s, o: convert_checkpoint(s, o / "x.gguf", type_name="Q7_0"),
+            "'Q7_0'.*allowed: F32, F16, BF16, Q8_0, Q6_K, Q5_K, Q5_0, Q5_1, Q4_0, Q4_1, Q4_K, "
+            "Q3_K, Q2_K",
         ),
         (
             lambda s, o: convert_checkpoint(s, o / "x.safetensors", type_name="Q8_0"),

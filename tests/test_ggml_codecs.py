@@ -166,28 +166,33 @@ def _k_quant_round_trip(name: str, nbytes: int) -> tuple[np.ndarray, np.ndarray,
 
 
 @pytest.mark.parametrize(
-    ("name", "nbytes", "group", "levels", "rms_bound"),
+    ("name", "nbytes", "group", "steps", "scale_levels", "rms_bound"),
     [
-        ("Q2_K", 84, 16, 3, 0.33),  # measured 0.30 (absolute-error fit: not always nearest)
-        ("Q4_K", 144, 32, 15, 0.09),  # measured 0.072; min-max Q4_1 gives 0.10
-        ("Q5_K", 176, 32, 31, 0.045),
+        ("Q2_K", 84, 16, 3, 15, 0.33),  # measured 0.30 (absolute-error fit: not always nearest)
+        ("Q3_K", 110, 16, -4, 32, 0.17),  # measured 0.15
+        ("Q4_K", 144, 32, 15, 63, 0.09),  # measured 0.072; min-max Q4_1 gives 0.10
+        ("Q5_K", 176, 32, 31, 63, 0.045),
     ],
 )
-def test_affine_k_quantize_decodes_through_gguf_py(
-    name: str, nbytes: int, group: int, levels: int, rms_bound: float
+def test_k_quantize_decodes_through_gguf_py(
+    name: str, nbytes: int, group: int, steps: int, scale_levels: int, rms_bound: float
 ) -> None:
-    """gguf-py has no k-quant quantizer, so ours (llama.cpp's quantize_row_q{2,4,5}_K_ref,
+    """gguf-py has no k-quant quantizer, so ours (llama.cpp's quantize_row_q{2,3,4,5}_K_ref,
     compared byte for byte with llama-quantize in test_llama_cpp_interchange) are checked here
-    by what gguf-py decodes from them: the same floats as our decoder, each weight within 0.75
-    of a code step (its group's range over ``levels`` steps, plus the scales' rounding: 1/63 of
-    the super-block's largest for the 6-bit ones, 1/15 for Q2_K's 4-bit; measured up to 0.61)
-    on every row shape (flat, one-signed, constant, huge, zero; 1e-5 absolute for the row whose
-    fp16 scale underflows), a zero block zero, and the format's accuracy on normal data."""
+    by what gguf-py decodes from them: the same floats as our decoder, each weight within 0.8
+    of a code step (its group's range over ``steps``, or for the signed Q3_K its largest |x| over
+    4, plus the rounding of the scales: the super-block's largest over ``scale_levels``;
+    measured up to 0.74) on every row shape (flat, one-signed, constant, huge, zero; 1e-5
+    absolute for the row whose fp16 scale underflows), a zero block zero, and the format's
+    accuracy on normal data."""
     x, blocks, back = _k_quant_round_trip(name, nbytes)
     groups, out = x.reshape(-1, group), back.reshape(-1, group)
-    step = (np.maximum(groups.max(1), 0) - np.minimum(groups.min(1), 0)) / levels
-    slack = np.repeat(np.abs(x).max(1) / (15 if name == "Q2_K" else 63), 256 // group)
-    assert (np.abs(out - groups).max(1) <= 0.75 * (step + slack) + 1e-5).all()
+    if steps < 0:
+        step = np.abs(groups).max(1) / -steps
+    else:
+        step = (np.maximum(groups.max(1), 0) - np.minimum(groups.min(1), 0)) / steps
+    slack = np.repeat(np.abs(x).max(1) / scale_levels, 256 // group)
+    assert (np.abs(out - groups).max(1) <= 0.8 * (step + slack) + 1e-5).all()
     assert np.array_equal(back[0], np.zeros(256))  # a zero block stays zero
     rms = np.sqrt(((back[9:] - x[9:]) ** 2).mean() / (x[9:] ** 2).mean())
     assert rms < rms_bound, rms

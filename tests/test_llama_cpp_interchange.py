@@ -145,6 +145,7 @@ def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
         ("Q8_0", 0.95),
         ("Q4_0", 0.95),
         ("Q2_K", 0.88),
+        ("Q3_K", 0.88),
         ("Q4_K", 0.88),
         ("Q5_K", 0.88),
         ("Q6_K", 0.88),
@@ -157,8 +158,8 @@ def test_llama_cpp_runs_a_converted_hf_llama(
     hyperparameters, tokenizer) or by `quantize`: llama.cpp's greedy tokens are Inferflow's
     teacher-forced top-1 at >= 95% of positions; the k-quants at >= 88%: llama.cpp rounds
     activations to 8 bits per block of 256 for them, and on this random model's near ties that
-    moves more tokens (measured 186 of 200 for Q2_K, 182-184 for Q4_K, 189 for Q5_K, 182 for
-    Q6_K, while our logits on the same
+    moves more tokens (measured 186 of 200 for Q2_K and Q3_K, 182-184 for Q4_K, 189 for Q5_K,
+    182 for Q6_K, while our logits on the same
     files equal the dequantized float32 model's to 4e-6, every top-1 the same; Q4_K's count
     was 189 before its bytes matched llama-quantize's more closely: which ties fall which way
     depends on the exact weights)."""
@@ -172,14 +173,14 @@ def test_llama_cpp_runs_a_converted_hf_llama(
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("fmt", "nbytes"), [("Q2_K", 84), ("Q4_K", 144), ("Q5_K", 176), ("Q6_K", 210)]
+    ("fmt", "nbytes"), [("Q2_K", 84), ("Q3_K", 110), ("Q4_K", 144), ("Q5_K", 176), ("Q6_K", 210)]
 )
 def test_k_quant_bytes_as_llama_quantize_writes_them(
     llama_bin: Path, tiny_llama: Path, tmp_path: Path, fmt: str, nbytes: int
 ) -> None:
-    """Our Q2_K, Q4_K, Q5_K and Q6_K follow llama.cpp's quantize_row_q{2,4,5,6}_K_ref:
-    `llama-quantize --pure` of the same F32 weights writes the same bytes for nearly every
-    block (measured: Q2_K 99.996% of blocks identical, Q4_K 99.7%, Q5_K 99.95%, Q6_K 100%;
+    """Our k-quants follow llama.cpp's quantize_row_q{2,3,4,5,6}_K_ref: `llama-quantize
+    --pure` of the same F32 weights writes the same bytes for nearly every block (measured:
+    Q2_K 99.996% of blocks identical, Q3_K 100%, Q4_K 99.7%, Q5_K 99.95%, Q6_K 100%;
     the sums run one term at a
     time in float32 as ggml's loops, no fused multiply-adds; a near tie between two grids can
     still fall the other way)."""

@@ -270,12 +270,80 @@ def _q_q2_k(x: torch.Tensor) -> torch.Tensor:
     safe = torch.where(d != 0, d, 1.0)[..., None]
     q = _nearest((x.reshape(n, 16, 16) + dm[..., None]) / safe).clamp(0, 3)
     q = torch.where(d[..., None] != 0, q, first.reshape(n, 16, 16)).to(torch.uint8)
-    # byte l of 32 in half h: codes l (sub-blocks 8h, 8h + 1 as 32 values) at bits 0-1, l + 32 at
-    # 2-3, l + 64 at 4-5, l + 96 at 6-7
-    q = q.reshape(n, 2, 4, 32)
-    qs = (q[:, :, 0] | (q[:, :, 1] << 2) | (q[:, :, 2] << 4) | (q[:, :, 3] << 6)).reshape(n, 64)
     d16 = torch.cat(head, dim=-1).contiguous().view(torch.uint8)
-    return torch.cat([packed, qs, d16], dim=-1)
+    return torch.cat([packed, _crumbs(q), d16], dim=-1)
+
+
+def _crumbs(q: torch.Tensor) -> torch.Tensor:
+    """2-bit codes (n, 256) -> 64 bytes: byte l of 32 in half h holds codes 128h + l at bits
+    0-1, + 32 at 2-3, + 64 at 4-5, + 96 at 6-7 (Q2_K's and Q3_K's qs)."""
+    q = q.reshape(q.shape[0], 2, 4, 32)
+    return (q[:, :, 0] | (q[:, :, 1] << 2) | (q[:, :, 2] << 4) | (q[:, :, 3] << 6)).reshape(-1, 64)
+
+
+def _make_q3(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """ggml-quants.c ``make_q3_quants`` (nmax 4, do_rmse) over rows of ``x`` (m, n): codes in
+    [-4, 4) on the grid -4 / max (max: the first value of largest magnitude), then up to 5
+    passes moving one code at a time where that raises the x^2-weighted fit (sum l x w)^2 /
+    sum l^2 w, in ggml's order. Returns (the least-squares scale (m,), codes + 4 (m, n)); an
+    all-zero row gives scale 0 and codes 0."""
+    ax = x.abs()
+    top = x.gather(1, ax.argmax(1, keepdim=True))  # (first of the largest |x|)
+    zero = ax.amax(1, keepdim=True) < _GROUP_MAX_EPS
+    iscale = -4 / torch.where(zero, 1.0, top)
+    L = _nearest(iscale * x).clamp(-4, 3)
+    w = x * x
+    sumlx = _seq_sum((w * x * L).t())[0]
+    suml2 = _seq_sum((w * L * L).t())[0]
+    live = torch.ones(x.shape[0], dtype=torch.bool)
+    for _ in range(5):
+        changed = torch.zeros_like(live)
+        for i in range(x.shape[1]):
+            wi, xi, li = w[:, i], x[:, i], L[:, i]
+            slx = sumlx - wi * xi * li
+            sl2 = suml2 - wi * li * li
+            new = _nearest(xi * sl2 / torch.where(slx > 0, slx, 1.0)).clamp(-4, 3)
+            slx2, sl22 = slx + wi * xi * new, sl2 + wi * new * new
+            take = live & (slx > 0) & (new != li) & (sl22 > 0)
+            take &= slx2 * slx2 * suml2 > sumlx * sumlx * sl22
+            L[:, i] = torch.where(take, new, li)
+            sumlx, suml2 = torch.where(take, slx2, sumlx), torch.where(take, sl22, suml2)
+            changed |= take
+        live &= changed
+    scale = torch.where(suml2 > 0, sumlx / torch.where(suml2 > 0, suml2, 1.0), 0.0)
+    zero = zero[:, 0]
+    return torch.where(zero, 0.0, scale), torch.where(zero[:, None], 0.0, L + 4)
+
+
+def _q_q3_k(x: torch.Tensor) -> torch.Tensor:
+    """ggml-quants.c ``quantize_row_q3_K_ref``: 16 sub-blocks of 16 fitted by make_q3_quants;
+    their scales as 6-bit signed multiples of the super-block's fp16 d (-max / 32, max the
+    scale of largest magnitude), then the codes re-chosen on the stored grid: low 2 bits in qs,
+    the third in hmask (bit k of byte m: code 32k + m)."""
+    x = _floats(x, QK_K, "Q3_K")
+    n = x.shape[0]
+    scales, first = _make_q3(x.reshape(n * 16, 16))
+    scales = scales.reshape(n, 16)
+    top = scales.gather(1, scales.abs().argmax(1, keepdim=True))  # (n, 1)
+    nz = top != 0
+    iscale = -32 / torch.where(nz, top, 1.0)
+    ls = torch.where(nz, _nearest(iscale * scales).clamp(-32, 31) + 32, 0.0).to(torch.uint8)
+    low = (ls[:, :8] & 0x0F) | ((ls[:, 8:] & 0x0F) << 4)
+    hi = (ls >> 4).reshape(n, 4, 4) << torch.tensor([0, 2, 4, 6], dtype=torch.uint8)[None, :, None]
+    packed = torch.cat([low, hi[:, 0] | hi[:, 1] | hi[:, 2] | hi[:, 3]], dim=-1)  # (n, 12)
+    d16 = torch.where(nz, 1 / iscale, 0.0).to(torch.float16)
+    d = d16.to(torch.float32) * (ls.to(torch.float32) - 32)  # (n, 16)
+    safe = torch.where(d != 0, d, 1.0)[..., None]
+    q = _nearest(x.reshape(n, 16, 16) / safe).clamp(-4, 3) + 4
+    q = torch.where(d[..., None] != 0, q, first.reshape(n, 16, 16)).to(torch.uint8).reshape(n, 256)
+    high = q > 3
+    hmask = (
+        high.reshape(n, 8, 32).to(torch.uint8) << torch.arange(8, dtype=torch.uint8)[None, :, None]
+    ).sum(1)
+    q = torch.where(high, q - 4, q)
+    return torch.cat(
+        [hmask.to(torch.uint8), _crumbs(q), packed, d16.contiguous().view(torch.uint8)], dim=-1
+    )
 
 
 def _deq_q3_k(blocks: torch.Tensor) -> torch.Tensor:
@@ -658,7 +726,7 @@ _add("Q5_0", 6, 32, 22, _deq_q5_0, _q_q5_0)
 _add("Q5_1", 7, 32, 24, _deq_q5_1, _q_q5_1)
 _add("Q8_0", 8, 32, 34, _deq_q8_0, _q_q8_0)
 _add("Q2_K", 10, QK_K, 84, _deq_q2_k, _q_q2_k)
-_add("Q3_K", 11, QK_K, 110, _deq_q3_k)
+_add("Q3_K", 11, QK_K, 110, _deq_q3_k, _q_q3_k)
 _add("Q4_K", 12, QK_K, 144, _deq_q4_k, _q_q4_k)
 _add("Q5_K", 13, QK_K, 176, _deq_q5_k, _q_q5_k)
 _add("Q6_K", 14, QK_K, 210, _deq_q6_k, _q_q6_k)

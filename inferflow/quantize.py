@@ -11,8 +11,11 @@ safetensors container (``loaders/quantized.py``), tensors only.
 
 Which tensors are packed: every float tensor of two or more dimensions gets the format of the
 first ``--per-tensor PATTERN=FMT`` rule matching its name, else ``--format``; 1-D tensors,
-norms and integer tensors stay as they are (float32 in a GGUF, as llama.cpp keeps them); a
-tensor whose rows are not a multiple of the block size stays float, with a warning.
+norms and integer tensors stay as they are (float32 in a GGUF, as llama.cpp keeps them). A
+tensor whose rows are not a multiple of a k-quant's 256 gets that format's ``FALLBACK`` (blocks
+of 32, about the same bits, as llama.cpp's "fallback quantization": Qwen2.5's and Gemma-3's
+widths of 896 and 640 would leave nearly every matrix float); with no fallback, or rows no
+fallback takes either, it stays float; both with a warning.
 
 Default mix: the output head (``output.weight`` / ``lm_head.weight``, or the token embeddings
 when the head is tied to them) costs the most quality per bit, so below 6 bits per weight it
@@ -111,6 +114,9 @@ DOWN_NAMES = ("*ffn_down.weight", "*mlp.down_proj.weight")
 # Q4_B64 1.068x at 4.50 bits per weight -> 1.052x with V at Q6 (4.56) -> 1.040x with the down
 # projection at Q5 too (4.79); Q4_B32 1.040x at 5.00 -> 1.024x (5.16)
 _FOUR_BIT_MIX = ((V_NAMES, "Q6"), (DOWN_NAMES, "Q5"))
+# k-quant -> the 32-block GGML format a tensor gets when its rows are no multiple of 256 (as
+# llama.cpp does, which gives Q2_K / Q3_K rows IQ4_NL, a type we do not write: Q4_0 here)
+FALLBACK = {"Q2_K": "Q4_0", "Q3_K": "Q4_0", "Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}
 MIXES: dict[str, tuple[tuple[tuple[str, ...], str], ...]] = {
     "Q4_B32": _FOUR_BIT_MIX,
     "Q4_B64": _FOUR_BIT_MIX,
@@ -179,11 +185,19 @@ def _targets(
                 f"weights, not a multiple of {target.name}'s block size {target.block_size}"
             )
         elif target is not None and shape[-1] % target.block_size:
-            logger.warning(
-                "%s: last dimension %d is not a multiple of the %s block size %d; kept float",
-                name, shape[-1], target.name, target.block_size,
-            )  # fmt: skip
-            target = None
+            fallback = FALLBACK.get(target.name)
+            if fallback is not None and shape[-1] % get_format(fallback).block_size == 0:
+                logger.warning(
+                    "%s: last dimension %d is not a multiple of the %s block size %d; %s "
+                    "instead", name, shape[-1], target.name, target.block_size, fallback,
+                )  # fmt: skip
+                target = get_format(fallback)
+            else:
+                logger.warning(
+                    "%s: last dimension %d is not a multiple of the %s block size %d; kept "
+                    "float", name, shape[-1], target.name, target.block_size,
+                )  # fmt: skip
+                target = None
         out[name] = target
     return out
 

@@ -277,6 +277,30 @@ def st_src(tmp_path: Path) -> tuple[Path, dict[str, torch.Tensor]]:
     return path, t
 
 
+@pytest.mark.parametrize(
+    ("fmt", "fallback"),
+    [("Q2_K", "Q4_0"), ("Q3_K", "Q4_0"), ("Q4_K", "Q5_0"), ("Q5_K", "Q5_1"), ("Q6_K", "Q8_0")],
+)
+def test_k_quant_rows_off_256_get_a_32_block_fallback(
+    tmp_path: Path, fmt: str, fallback: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """As llama.cpp's fallback quantization: rows of 96 (a multiple of 32, not of 256) get the
+    fallback format, gguf-py's blocks of it; rows of 40 stay float; both said."""
+    t = {
+        "a.weight": torch.randn(4, 256),
+        "b.weight": torch.randn(4, 96),
+        "c.weight": torch.randn(4, 40),
+    }
+    save_file(t, str(tmp_path / "m.safetensors"), metadata={"format": "pt"})
+    with caplog.at_level(logging.WARNING):
+        res = quantize_checkpoint(tmp_path / "m.safetensors", tmp_path / "q.gguf", fmt)
+    assert res.formats == {"a.weight": fmt, "b.weight": fallback, "c.weight": "F32"}
+    assert f"{fallback} instead" in caplog.text and "kept float" in caplog.text
+    got = {x.name: x for x in gguf.GGUFReader(tmp_path / "q.gguf").tensors}
+    raw = gguf.quants.quantize(t["b.weight"].numpy(), GT[fallback])
+    assert np.array_equal(np.asarray(got["b.weight"].data).reshape(raw.shape), raw)
+
+
 def _reference_quant(x: torch.Tensor, fmt: str, method: str = "minmax") -> torch.Tensor:
     """Independent reference: gguf-py for GGML types (whatever the method: GGML formats keep
     the reference quantizers), inferflow.quant.quantize for our own."""

@@ -314,16 +314,21 @@ def test_cli_generate_with_prompt_lookup() -> None:
     assert out["drafted"] > 0 and 0 < out["acceptance_rate"] <= 1
     bad = subprocess.run([*cmd, "--prompt-lookup", "--draft", "x"], capture_output=True)
     assert bad.returncode != 0 and b"choose one" in bad.stderr
+    # a draft model (here the model itself: every drafted token accepted)
+    drafted = subprocess.run([*cmd, "--draft", "smollm2-135m-instruct"], capture_output=True)
+    out = json.loads(drafted.stdout)
+    assert out["token_ids"] == plain["token_ids"]
+    assert out["drafted"] > 0 and out["acceptance_rate"] == 1.0
 
 
-def test_server_with_prompt_lookup_reports_acceptance(tmp_path: Path) -> None:
+def test_server_speculates_and_reports_acceptance(tmp_path: Path) -> None:
     httpx = pytest.importorskip("httpx")
     from tests.serving import NAME, metric, run_server
 
     smollm2_path()
     body = {"model": NAME, "prompt": REPEAT[1], "max_tokens": 32, "temperature": 0}
-    texts = []
-    for args in ((), ("--prompt-lookup", "--lookahead", "5")):
+    texts, ratios = [], []
+    for args in ((), ("--prompt-lookup", "--lookahead", "5"), ("--draft", "smollm2-135m-instruct")):
         with run_server(tmp_path, *args) as (url, _):
             r = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
             r.raise_for_status()
@@ -331,6 +336,9 @@ def test_server_with_prompt_lookup_reports_acceptance(tmp_path: Path) -> None:
             drafted = metric(url, "inferflow_spec_decode_draft_tokens")
             accepted = metric(url, "inferflow_spec_decode_accepted_tokens")
             ratio = metric(url, "inferflow_spec_decode_acceptance_ratio")
-    assert texts[0] == texts[1]
-    assert drafted > 0 and 0 < accepted <= drafted
-    assert ratio == pytest.approx(accepted / drafted)
+            if args:
+                assert drafted > 0 and 0 < accepted <= drafted
+                assert ratio == pytest.approx(accepted / drafted)
+                ratios.append(ratio)
+    assert texts[0] == texts[1] == texts[2]
+    assert ratios[1] == 1.0  # (the draft model is the model itself)

@@ -24,7 +24,7 @@ from inferflow.engine.kv_cache import PagedKVCache, plan_cache
 from inferflow.engine.request import FINISHED, Request, RequestOutput, Scheduled, TokenLogprobs
 from inferflow.engine.sampling import SamplingParams, make_sampler, sample_batch
 from inferflow.engine.scheduler import Scheduler, SchedulerConfig
-from inferflow.engine.speculative import SpecConfig, SpecStats, accept, proposer_for, speculable
+from inferflow.engine.speculative import SpecConfig, SpecStats, Speculator
 from inferflow.errors import RequestError, SpecError
 from inferflow.model.network import Network, PagedDecoder
 
@@ -88,12 +88,14 @@ class Engine:
         self._aborted: list[Request] = []
         self.beams: dict[str, BeamState] = {}  # request id -> its beam search
         spec = self.config.speculative
-        self.proposer = None
+        self.spec = None
         if spec is not None:
-            self.proposer = proposer_for(
-                spec, model, draft, plan.num_blocks, self.config.block_size
-            )
-        self.spec_stats = SpecStats()
+            self.spec = Speculator(spec, model, draft, plan.num_blocks, self.config.block_size)
+
+    @property
+    def spec_stats(self) -> SpecStats:
+        """Speculative decoding's counts so far (zeros without it)."""
+        return self.spec.stats if self.spec is not None else SpecStats()
 
     # --- API --------------------------------------------------------------------------------
 
@@ -215,8 +217,8 @@ class Engine:
             RequestOutput(r.group, [], "", True, "abort", index=r.index) for r in self._aborted
         ]
         self._aborted.clear()
-        if self.proposer is not None:
-            self._propose()
+        if self.spec is not None:
+            self.spec.propose(self.scheduler.running, self.max_len)
         batch = self.scheduler.schedule()
         if batch:
             batch, logits, failed = self._execute(batch)
@@ -337,53 +339,16 @@ class Engine:
                 outputs += self.fail_group(gid)
         return outputs
 
-    def _propose(self) -> None:
-        """Drafts for the running requests about to decode (their one new token not yet fed)
-        that can take them (speculative.speculable), as many as their limits and the step's
-        rows (SpecConfig.max_rows) leave room for."""
-        spec = self.config.speculative
-        assert self.proposer is not None and spec is not None
-        decoding = []
-        for r in self.scheduler.running:
-            r.draft = None
-            if r.output_ids and r.kv.num_computed == len(r.tokens) - 1:
-                decoding.append(r)
-        lookahead = spec.lookahead
-        if spec.max_rows is not None and decoding:
-            lookahead = min(lookahead, (spec.max_rows - len(decoding)) // len(decoding))
-        reqs, ks = [], []
-        for r in decoding if lookahead >= 1 else []:
-            if not speculable(r):
-                continue
-            # (a step with k drafts may give k + 1 tokens)
-            room = min(r.params.max_new_tokens - len(r.output_ids), self.max_len - len(r.tokens))
-            k = min(lookahead, room - 1)
-            if k >= 1:
-                reqs.append(r)
-                ks.append(k)
-        if not reqs:
-            return
-        try:
-            drafts = self.proposer.propose(reqs, ks)
-        except Exception:  # drafts only save time: these requests decode without them
-            log.warning("speculative proposals failed; decoding without them", exc_info=True)
-            return
-        for r, d in zip(reqs, drafts, strict=True):
-            r.draft = d if d.tokens else None
-
     def _check(self, req: Request, rows: torch.Tensor) -> RequestOutput:
         """Verify the request's drafts against the target's ``rows`` (after its token fed back
         and after each draft), append what they give and emit it as one output."""
-        assert self.config.speculative is not None
-        draft, req.draft = req.draft, None
+        assert self.spec is not None
+        draft = req.draft
         try:
-            toks, n = accept(rows, draft, req.params, req.sampler.gen, self.config.speculative.rule)
+            toks, n = self.spec.check(req, rows)
         except Exception:
             log.exception("request %s: checking its drafts failed; the others go on", req.id)
             return self._fail(req)
-        self.spec_stats.proposed += len(draft.tokens)
-        self.spec_stats.accepted += n
-        self.spec_stats.steps += 1
         # K/V are right through the accepted drafts; the rest is rewritten by later steps
         req.kv.num_computed = len(req.tokens) + n
         if self.scheduler.cfg.prefix_caching:
@@ -609,8 +574,8 @@ class Engine:
     def _finish(self, req: Request, reason: str) -> None:
         req.status = FINISHED
         req.finish_reason = reason
-        if self.proposer is not None:
-            self.proposer.forget(req)
+        if self.spec is not None:
+            self.spec.proposer.forget(req)
 
 
 def _visible_text(req: Request, stops: tuple[str, ...], final: bool) -> tuple[str, bool]:

@@ -277,3 +277,61 @@ def proposer_for(
             f"({tv}); a draft model must share the target's tokenizer"
         )
     return DraftProposer(draft, num_blocks, block_size)
+
+
+class Speculator:
+    """The engine's side of speculative decoding: drafts for the requests about to decode
+    before a step's schedule, the check of each one's drafts after its forward pass."""
+
+    def __init__(
+        self,
+        cfg: SpecConfig,
+        target: Network,
+        draft: Network | None,
+        num_blocks: int,
+        block_size: int,
+    ) -> None:
+        self.cfg = cfg
+        self.proposer = proposer_for(cfg, target, draft, num_blocks, block_size)
+        self.stats = SpecStats()
+
+    def propose(self, running: list[Request], max_len: int) -> None:
+        """Set ``draft`` of the running requests about to decode (their one new token not yet
+        fed) that can take drafts (``speculable``), as many as their limits and the step's rows
+        (SpecConfig.max_rows) leave room for; None for the others."""
+        decoding = []
+        for r in running:
+            r.draft = None
+            if r.output_ids and r.kv.num_computed == len(r.tokens) - 1:
+                decoding.append(r)
+        lookahead = self.cfg.lookahead
+        if self.cfg.max_rows is not None and decoding:
+            lookahead = min(lookahead, (self.cfg.max_rows - len(decoding)) // len(decoding))
+        reqs, ks = [], []
+        for r in decoding if lookahead >= 1 else []:
+            # (a step with k drafts may give k + 1 tokens)
+            room = min(r.params.max_new_tokens - len(r.output_ids), max_len - len(r.tokens))
+            k = min(lookahead, room - 1)
+            if k >= 1 and speculable(r):
+                reqs.append(r)
+                ks.append(k)
+        if not reqs:
+            return
+        try:
+            drafts = self.proposer.propose(reqs, ks)
+        except Exception:  # drafts only save time: these requests decode without them
+            log.warning("speculative proposals failed; decoding without them", exc_info=True)
+            return
+        for r, d in zip(reqs, drafts, strict=True):
+            r.draft = d if d.tokens else None
+
+    def check(self, req: Request, rows: torch.Tensor) -> tuple[list[int], int]:
+        """The tokens ``req``'s drafts give against the target's float32 ``rows`` (after its
+        token fed back and after each draft), and how many drafts they accept; the request's
+        draft is cleared."""
+        draft, req.draft = req.draft, None
+        toks, n = accept(rows, draft, req.params, req.sampler.gen, self.cfg.rule)
+        self.stats.proposed += len(draft.tokens)
+        self.stats.accepted += n
+        self.stats.steps += 1
+        return toks, n

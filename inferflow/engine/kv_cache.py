@@ -102,12 +102,12 @@ class KVFormat:
     activations' dtype."""
 
     def __init__(self, name: str | None, compute: torch.dtype, head_dim: int) -> None:
-        name = name or str(compute).removeprefix("torch.")
-        if name not in KV_DTYPES:
+        if name is not None and name not in KV_DTYPES:
             raise InferflowError(
                 f"KV cache dtype {name!r} is unknown; known: {', '.join(KV_DTYPES)}"
             )
-        self.name, self.compute, self.head_dim = name, compute, head_dim
+        self.compute, self.head_dim = compute, head_dim
+        self.name = name or str(compute).removeprefix("torch.")  # None: as the activations
         self.codec = None
         self.width = head_dim  # stored elements per KV head
         if name == "q8":
@@ -118,7 +118,8 @@ class KVFormat:
                 )
             self.codec = get_format("Q8_0")
             self.width = head_dim // 32 * self.codec.bytes_per_block
-        self.store = {"q8": torch.uint8, "bfloat16": torch.bfloat16}.get(name, torch.float32)
+        stores = {"q8": torch.uint8, "bfloat16": torch.bfloat16, "float32": torch.float32}
+        self.store = stores[name] if name is not None else compute
 
     def bytes_per_value(self) -> float:
         return torch.empty((), dtype=self.store).element_size() * self.width / self.head_dim

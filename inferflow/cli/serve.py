@@ -96,7 +96,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--kv-cache-dtype",
         default=None,
         choices=KV_DTYPES,
-        help="how K/V are kept: q8 (int8 with a scale per 32 values) holds 3.6x the tokens of "
+        help="how K/V are kept: q8 (GGML Q8_0 blocks) holds 3.76x the tokens of "
         "float32 in the same memory, bfloat16 2x (default: the --dtype)",
     )
     p.add_argument(

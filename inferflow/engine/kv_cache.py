@@ -151,7 +151,26 @@ class SeqBlocks:
     hashes: list[int] = field(default_factory=list)  # prefix hash of each full block
 
 
-class PagedKVCache:
+class KVPool:
+    """K and V of every layer by slot, (layers, slots, KV heads, ...), kept in a ``format``:
+    what the views write and read (the engine's PagedKVCache, a partitioned rank's pool)."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    format: KVFormat
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """New K/V rows (N, KV heads, head_dim) into their slots of ``layer``."""
+        self.k[layer][slots] = self.format.encode(k)
+        self.v[layer][slots] = self.format.encode(v)
+
+    def read(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of ``layer`` at ``slots`` (any shape), in the activations' dtype."""
+        dec = self.format.decode
+        return dec(gather(self.k[layer], slots)), dec(gather(self.v[layer], slots))
+
+
+class PagedKVCache(KVPool):
     def __init__(
         self,
         n_layers: int,
@@ -186,16 +205,6 @@ class PagedKVCache:
     ) -> int:
         per_value = KVFormat(kv_dtype, dtype, head_dim).bytes_per_value()
         return int(2 * n_layers * block_size * n_kv_heads * head_dim * per_value)
-
-    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """New K/V rows (N, KV heads, head_dim) into their slots of ``layer``."""
-        self.k[layer][slots] = self.format.encode(k)
-        self.v[layer][slots] = self.format.encode(v)
-
-    def read(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of ``layer`` at ``slots`` (any shape), in the activations' dtype."""
-        dec = self.format.decode
-        return dec(gather(self.k[layer], slots)), dec(gather(self.v[layer], slots))
 
     def kernel_decode(self) -> bool:
         """Whether decode steps read the blocks with the C kernel (inferflow.kernels): then a
@@ -329,7 +338,7 @@ class PagedGroupView:
 
     def __init__(
         self,
-        cache: PagedKVCache,
+        cache: KVPool,
         write: torch.Tensor,
         read: torch.Tensor,
         pos: torch.Tensor,
@@ -375,7 +384,7 @@ class PagedGroupView:
 
 class PagedView:
     def __init__(
-        self, cache: PagedKVCache, write: torch.Tensor, read: torch.Tensor, pos: torch.Tensor
+        self, cache: KVPool, write: torch.Tensor, read: torch.Tensor, pos: torch.Tensor
     ) -> None:
         self.cache, self.write, self.read, self.pos = cache, write, read, pos
 

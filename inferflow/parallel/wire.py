@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from inferflow.engine.kv_cache import PagedGroupView, PagedView, copy_block
+from inferflow.engine.kv_cache import KVFormat, KVPool, PagedGroupView, PagedView, copy_block
 from inferflow.model.batch import FlatBatch, SeqSlice
 
 HEADER = 6  # ints: kind, payload length, micro-batches, copies, blocks, block size
@@ -21,11 +21,13 @@ STOP, STEP = 0, 1
 _MB = 5  # ints per micro-batch header: tokens, sequences, logits rows, grouped, group width
 
 
-class KVStore:
-    """One rank's K/V pool: (layers, blocks * block_size, KV heads, head dim) for K and V."""
+class KVStore(KVPool):
+    """One rank's K/V pool: (layers, blocks * block_size, KV heads, head dim) for K and V, in
+    the activations' dtype."""
 
     def __init__(self, k: torch.Tensor, v: torch.Tensor, block_size: int) -> None:
         self.k, self.v, self.block_size = k, v, block_size
+        self.format = KVFormat(None, k.dtype, k.shape[-1])
 
     @classmethod
     def allocate(

@@ -162,6 +162,27 @@ def test_greedy_speculation_is_plain_greedy(tiny, method: str, lookahead: int) -
         assert 0 < st.accepted < st.proposed
 
 
+def test_speculation_through_preemption_is_plain_greedy(tiny) -> None:  # noqa: ANN001
+    """A KV cache of 8 blocks for 4 requests: requests holding drafts are preempted and
+    recomputed; the tokens stay plain greedy's."""
+    target, other = tiny
+
+    def params(i: int) -> SamplingParams:
+        return SamplingParams(max_new_tokens=40, ignore_eos=True)
+
+    def run(spec: SpecConfig | None) -> tuple[list[list[int]], Engine]:
+        cfg = EngineConfig(kv_cache_bytes=8 * 8192, speculative=spec)
+        eng = Engine(target, None, cfg, other if spec else None)
+        done = eng.generate(PROMPTS, params(0))
+        return [r.output_ids for r in done], eng
+
+    want, plain = run(None)
+    got, eng = run(SpecConfig("draft", 3, max_rows=None))
+    assert plain.scheduler.preemptions > 0 and eng.scheduler.preemptions > 0
+    assert eng.spec_stats.proposed > 0
+    assert got == want
+
+
 def test_a_draft_model_equal_to_the_target_accepts_all_sampled_tokens(tiny) -> None:  # noqa: ANN001
     target, _ = tiny
 

@@ -75,6 +75,7 @@ class Scheduler:
     def _preempt(self, victim: Request) -> None:
         self.running.remove(victim)
         self.cache.release(victim.kv)
+        victim.draft = None  # (recomputed from its tokens: its drafts' rows are gone)
         victim.status = WAITING
         self.waiting.appendleft(victim)
         self.preemptions += 1

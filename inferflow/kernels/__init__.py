@@ -21,6 +21,8 @@ why once and returns None, and callers keep their torch path (tests cover both).
 - ``quant_decode`` (``quant_decode.py``): products over affine-quantized weights (QuantLinear's
   ``plane``: float32, each row the same operations whatever the batch), and the decode rows of
   a step through every layer of a pre-norm decoder in one call (inferflow.model.fused).
+- ``quant_search``: the searching quantizer of Inferflow's min-max formats
+  (inferflow.quant.minmax), one block at a time instead of torch passes over the whole tensor.
 """
 
 from __future__ import annotations
@@ -209,6 +211,39 @@ def rms_norm() -> RmsNorm | None:
         out = torch.empty_like(x)
         fn(x.data_ptr(), N, D, weight.data_ptr(), eps, out.data_ptr(), torch.get_num_threads())
         return out
+
+    return run
+
+
+SearchBlocks = Callable[[torch.Tensor, torch.Tensor | None, int], tuple[torch.Tensor, torch.Tensor]]
+
+
+@cache
+def search_blocks() -> SearchBlocks | None:
+    """``f(x (n, B), importance (n, B) or None, top) -> (head (n, 2) float16: min, scale; codes
+    (n, B) uint8 in [0, top])``: minmax.py's search of each block's grid (float32, contiguous,
+    finite and within float16's range; B <= 256). None where the kernel cannot be built."""
+    lib = _library("quant_search")
+    if lib is None:
+        return None
+    fn = lib.search_blocks_f32
+    ptr, i64 = ctypes.c_void_p, ctypes.c_int64
+    fn.argtypes = [ptr, ptr, i64, i64, ctypes.c_int, ptr, ptr, ctypes.c_int]
+    fn.restype = ctypes.c_int
+
+    def run(
+        x: torch.Tensor, importance: torch.Tensor | None, top: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        n, B = x.shape
+        x = x.to(torch.float32).contiguous()
+        imp = None if importance is None else importance.to(torch.float32).contiguous()
+        head = torch.empty(n, 2, dtype=torch.float16)
+        codes = torch.empty(n, B, dtype=torch.uint8)
+        imp_ptr = None if imp is None else imp.data_ptr()
+        if fn(x.data_ptr(), imp_ptr, n, B, top, head.data_ptr(), codes.data_ptr(),
+              torch.get_num_threads()):  # fmt: skip
+            raise ValueError(f"search_blocks: blocks of {B} values (at most 256)")
+        return head, codes
 
     return run
 

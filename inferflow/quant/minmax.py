@@ -58,7 +58,9 @@ search is never worse than min-max in the weighted error, but extreme weights ma
 (the bound above no longer holds). Weights ``v``: ``importance * sqrt(2 * mean(w**2) + w**2)``
 with an importance per input column (an importance matrix: the mean squared activation each
 weight multiplies, ``inferflow imatrix``), else ``sqrt(mean(w**2)) + |w|`` (llama.cpp's
-choices for its k-quants with and without an imatrix).
+choices for its k-quants with and without an imatrix). The search runs one block at a time in C
+(inferflow/kernels/quant_search.c) where a compiler works, else as torch passes over the tensor;
+the two differ only where float32 sums in another order tip a near tie between candidates.
 
 Special cases. A block whose values all equal one fp16-representable value (0, negatives and
 subnormals included) gets ``min16 = max``, scale 0 and codes 0, so ``w' = min`` exactly; other
@@ -69,10 +71,12 @@ magnitudes saturate (their error is not bounded). NaN or infinite inputs raise Q
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
 import torch
 
+from inferflow import kernels
 from inferflow.errors import QuantError
 from inferflow.quant.formats import QuantFormat, register_format
 
@@ -145,23 +149,33 @@ def _f16_round(x: torch.Tensor, up: bool) -> torch.Tensor:
 
 
 def _pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """(n, m) codes < 2**bits -> (n, m * bits / 8) uint8: LSB-first stream, code 0 lowest."""
+    """(n, m) codes < 2**bits -> (n, m * bits / 8) uint8: LSB-first stream, code 0 lowest (m a
+    multiple of 8: every 8 codes fill ``bits`` bytes, one little-endian int64 word)."""
     n, m = codes.shape
-    shifts = torch.arange(bits, dtype=torch.int32, device=codes.device)
-    stream = (codes.to(torch.int32).unsqueeze(-1) >> shifts) & 1  # (n, m, bits)
-    stream = stream.reshape(n, m * bits // 8, 8)
-    weights = torch.arange(8, dtype=torch.int32, device=codes.device)
-    return (stream << weights).sum(dim=-1).to(torch.uint8)
+    if bits == 8:
+        return codes.to(torch.uint8)
+    shifts = torch.arange(8, dtype=torch.int64, device=codes.device) * bits
+    words = (codes.to(torch.int64).reshape(n, m // 8, 8) << shifts).sum(dim=-1)
+    return _le_bytes(words)[..., :bits].reshape(n, m * bits // 8)
 
 
 def _unpack_bits(packed: torch.Tensor, bits: int, m: int) -> torch.Tensor:
     """Inverse of _pack_bits: (n, m * bits / 8) uint8 -> (n, m) int32 codes."""
     n = packed.shape[0]
-    shifts = torch.arange(8, dtype=torch.int32, device=packed.device)
-    stream = (packed.to(torch.int32).unsqueeze(-1) >> shifts) & 1  # (n, bytes, 8)
-    stream = stream.reshape(n, m, bits)
-    weights = torch.arange(bits, dtype=torch.int32, device=packed.device)
-    return (stream << weights).sum(dim=-1)
+    if bits == 8:
+        return packed.to(torch.int32)
+    groups = packed.reshape(n, m // 8, bits).to(torch.int64)
+    words = (groups << torch.arange(bits, dtype=torch.int64, device=packed.device) * 8).sum(-1)
+    shifts = torch.arange(8, dtype=torch.int64, device=packed.device) * bits
+    return ((words.unsqueeze(-1) >> shifts) & (2**bits - 1)).reshape(n, m).to(torch.int32)
+
+
+def _le_bytes(words: torch.Tensor) -> torch.Tensor:
+    """int64 (...) -> uint8 (..., 8), least significant byte first."""
+    if sys.byteorder == "little":
+        return words.contiguous().view(torch.uint8).reshape(*words.shape, 8)
+    shifts = torch.arange(0, 64, 8, dtype=torch.int64, device=words.device)
+    return ((words.unsqueeze(-1) >> shifts) & 0xFF).to(torch.uint8)
 
 
 # --- codecs ------------------------------------------------------------------------------------
@@ -290,6 +304,10 @@ def _quantize_search(
             f"{lay.name}: importance of shape {list(importance.shape)} for blocks of shape "
             f"{list(x.shape)}"
         )
+    kernel = kernels.search_blocks()
+    if kernel is not None and lay.block_size <= 256:
+        head, codes = kernel(x, importance, lay.levels - 1)
+        return _pack(codes.to(torch.int32), head[:, :1], head[:, 1:], lay)
     min16, scale16 = _search_grid(x, lay, importance)
     q = _codes(x, min16.to(torch.float32), scale16.to(torch.float32), lay.levels - 1)
     return _pack(q.to(torch.int32), min16, scale16, lay)

@@ -32,7 +32,15 @@ PROMPTS = (
     "def fibonacci(n):",
     "The history of the Roman Empire",
     "In mathematics, a prime number",
-)
+    "The best way to learn a new language is",
+    "Water boils at a temperature of",
+    "import numpy as np\n\ndef",
+    "The quick brown fox",
+    "Photosynthesis is the process by which",
+    "My favourite recipe for bread starts with",
+    "In 1969, the first humans",
+)  # 12 prompts of 64 tokens: ~770 positions, so a rate near 95% is told apart from one above
+TOKENS = 64
 END = b" [end of text]"  # what llama-completion prints for the end-of-generation token
 
 
@@ -50,7 +58,7 @@ def llama_bin() -> Path:
         pytest.skip(f"llama.cpp could not be built here: {e}")
 
 
-def _llama_greedy(bin_dir: Path, model: Path, prompt: str, n: int = 40) -> bytes:
+def _llama_greedy(bin_dir: Path, model: Path, prompt: str, n: int = TOKENS) -> bytes:
     """llama-completion's greedy continuation as the bytes it prints (a byte-level token may
     end inside a UTF-8 character), without what it prints after the tokens."""
     run = subprocess.run(
@@ -117,17 +125,20 @@ def _check_agreement(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("fmt", ["Q4_0", "Q8_0"])
+@pytest.mark.parametrize("fmt", ["Q4_0", "Q8_0", "Q4_K"])
 def test_llama_cpp_runs_our_ggml_quantized_smollm2(
     llama_bin: Path, tmp_path: Path, fmt: str
 ) -> None:
+    """SmolLM2 requantized from its GGUF: llama.cpp's greedy tokens are Inferflow's
+    teacher-forced top-1 at >= 95% of positions. llama.cpp multiplies the weights by
+    activations rounded to 8 bits (per 32, per 256 for k-quants), Inferflow in float32, so
+    near-ties go either way: measured 740/769 (Q4_0), 714/734 (Q8_0), 695/719 (Q4_K), 96-97%;
+    with the first 5 prompts of 40 tokens alone Q4_0 was 187/200, too few positions to tell
+    96% from 94%. A file llama.cpp misreads agrees on next to nothing."""
     smollm2_path()
     out = tmp_path / f"smollm2-{fmt}.gguf"
     quantize_checkpoint("smollm2-135m-instruct", out, fmt)
-    # llama.cpp multiplies 4-bit weights by activations rounded to 8 bits, Inferflow in float32:
-    # near-ties go either way (Q4_0: 188/200 with llama.cpp's AVX-512 build, >= 190 with its AVX2
-    # one); a file llama.cpp misreads agrees on next to nothing
-    _check_agreement(llama_bin, out, 0.95 if fmt == "Q8_0" else 0.9, 150)
+    _check_agreement(llama_bin, out, 0.95, 600)
 
 
 @pytest.fixture(scope="module")
@@ -144,11 +155,11 @@ def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
         ("F32", 0.95),
         ("Q8_0", 0.95),
         ("Q4_0", 0.95),
-        ("Q2_K", 0.88),
-        ("Q3_K", 0.88),
-        ("Q4_K", 0.88),
-        ("Q5_K", 0.88),
-        ("Q6_K", 0.88),
+        ("Q2_K", 0.9),
+        ("Q3_K", 0.9),
+        ("Q4_K", 0.9),
+        ("Q5_K", 0.9),
+        ("Q6_K", 0.9),
     ],
 )
 def test_llama_cpp_runs_a_converted_hf_llama(
@@ -156,19 +167,18 @@ def test_llama_cpp_runs_a_converted_hf_llama(
 ) -> None:
     """The HF llama made a GGUF by `convert` (q/k rows permuted for llama.cpp's rope,
     hyperparameters, tokenizer) or by `quantize`: llama.cpp's greedy tokens are Inferflow's
-    teacher-forced top-1 at >= 95% of positions; the k-quants at >= 88%: llama.cpp rounds
-    activations to 8 bits per block of 256 for them, and on this random model's near ties that
-    moves more tokens (measured 186 of 200 for Q2_K and Q3_K, 182-184 for Q4_K, 189 for Q5_K,
-    182 for Q6_K, while our logits on the same
-    files equal the dequantized float32 model's to 4e-6, every top-1 the same; Q4_K's count
-    was 189 before its bytes matched llama-quantize's more closely: which ties fall which way
-    depends on the exact weights)."""
+    teacher-forced top-1 at >= 95% of positions (Q4_0 740/768, Q8_0 741/768 measured); the
+    k-quants at >= 90% only: llama.cpp rounds activations to 8 bits per block of 256 for them,
+    and this random model's logits are nearly flat, its top two often within 0.01 (Q2_K-Q6_K:
+    93.0-94.6% over 1216 positions of 19 prompts, every disagreement within 0.1 of our top-1),
+    while our logits on the same files equal the dequantized float32 model's to 4e-6, every
+    top-1 the same."""
     out = tmp_path / f"tiny-{fmt}.gguf"
     if fmt == "F32":
         convert_checkpoint(tiny_llama, out, type_name="F32")
     else:
         quantize_checkpoint(tiny_llama, out, fmt)
-    _check_agreement(llama_bin, out, bound, 100)
+    _check_agreement(llama_bin, out, bound, 600)
 
 
 @pytest.mark.slow

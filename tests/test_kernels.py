@@ -322,3 +322,44 @@ def test_kv_cache_costs_no_memory_until_written(dtype: torch.dtype) -> None:
     assert cache.k.dtype == dtype and not cache.k[:, :1000].any() and not cache.v[-1].any()
     cache.k[0, :16] = 1.0
     assert cache.k[0, :16].eq(1).all() and rss() - before < (64 << 20)
+
+
+def test_prebuild_compiles_in_the_background_and_build_takes_its_library(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """`kernel_build.prebuild` compiles on its own threads (what the CLI starts before `import
+    torch`); a later `build` returns that library without compiling again."""
+    if kernels.rms_norm() is None:
+        pytest.skip("no C compiler here: the kernel cannot be built (the torch path runs)")
+    import subprocess
+    import threading
+
+    from inferflow import kernel_build
+
+    monkeypatch.setenv("INFERFLOW_KERNEL_CACHE", str(tmp_path))
+    compiled_on: list[str] = []
+    real_run = subprocess.run
+
+    def run(cmd, **kw):  # noqa: ANN001, ANN003, ANN202
+        compiled_on.append(threading.current_thread().name)
+        return real_run(cmd, **kw)
+
+    monkeypatch.setattr(kernel_build.subprocess, "run", run)
+    kernel_build.prebuild(["rows"])
+    for t in threading.enumerate():
+        if t.name.startswith("build-"):
+            t.join()
+    assert compiled_on == ["build-rows"]
+    assert kernels.build("rows").parent == tmp_path and compiled_on == ["build-rows"]
+
+
+def test_model_commands_start_the_kernel_builds_first(monkeypatch: pytest.MonkeyPatch) -> None:
+    from inferflow import kernel_build
+    from inferflow.cli.main import main
+
+    started: list[bool] = []
+    monkeypatch.setattr(kernel_build, "prebuild", lambda: started.append(True))
+    for command, expected in (("validate", []), ("generate", [True]), ("serve", [True, True])):
+        with pytest.raises(SystemExit):
+            main(["-v", command, "--help"])
+        assert started == expected, command

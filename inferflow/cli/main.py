@@ -24,6 +24,11 @@ SUBCOMMANDS = (
     "imatrix",
     "plan",
 )
+# commands that run a model: their C kernels are compiled (where not yet cached) while torch
+# and the model load, not one after the other
+MODEL_COMMANDS = frozenset(
+    {"serve", "generate", "chat", "embed", "classify", "translate", "ppl", "imatrix"}
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -40,6 +45,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if next((a for a in argv if not a.startswith("-")), None) in MODEL_COMMANDS:
+        from inferflow.kernel_build import prebuild  # no torch: before the parser imports it
+
+        prebuild()
     args = build_parser().parse_args(argv)
     level = logging.WARNING - 10 * min(args.verbose, 2)
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")

@@ -4,6 +4,8 @@ Each kernel is one C file in this folder, built with the machine's C compiler (`
 ``cc``) into ``$INFERFLOW_KERNEL_CACHE`` (default ``~/.cache/inferflow/kernels``), keyed by the
 source, the flags and the CPU, and called through ctypes (which releases the GIL). A build
 writes a temporary file and renames it, so processes building at once never load half a file.
+The building itself is ``inferflow.kernel_build`` (no torch), which the CLI calls before it
+imports torch: a command that runs a model compiles the kernels it lacks meanwhile.
 
 Every kernel is optional: where no compiler works, or ``INFERFLOW_KERNELS=0``, the loader logs
 why once and returns None, and callers keep their torch path (tests cover both).
@@ -28,77 +30,24 @@ why once and returns None, and callers keep their torch path (tests cover both).
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
 import os
-import platform
-import shlex
 import subprocess
-import tempfile
-import threading
 from collections.abc import Callable
 from functools import cache
 from pathlib import Path
 
 import torch
 
+from inferflow.kernel_build import FLAGS, HERE, compile_kernel, enabled
+
 log = logging.getLogger(__name__)
-
-HERE = Path(__file__).resolve().parent
-# Vectorized sums need reassociation; not -ffast-math, whose shared libraries switch the whole
-# process to flush-to-zero on load (5e-324 would become 0 in every later Python computation)
-FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fno-signed-zeros"]
-FLAGS += ["-fassociative-math", "-fopenmp", "-shared", "-fPIC"]
-_build_lock = threading.Lock()
-
-
-def enabled() -> bool:
-    return os.environ.get("INFERFLOW_KERNELS", "1").strip().lower() not in ("0", "off", "no")
-
-
-def cache_dir() -> Path:
-    env = os.environ.get("INFERFLOW_KERNEL_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "inferflow" / "kernels"
-
-
-def _cpu_key() -> str:
-    """What -march=native depends on: the CPU's feature flags."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return line
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def build(name: str) -> Path:
     """Compile ``name``.c (once per source, the folder's headers, flags and CPU) and return the
-    shared library."""
-    src = HERE / f"{name}.c"
-    cc = shlex.split(os.environ.get("CC", "cc"))
-    headers = [h.read_bytes() for h in sorted(HERE.glob("*.h"))]  # what a source may include
-    key = hashlib.sha256(
-        b"\0".join([src.read_bytes(), *headers, " ".join(cc + FLAGS).encode(), _cpu_key().encode()])
-    ).hexdigest()[:16]
-    out = cache_dir() / f"{name}-{key}.so"
-    with _build_lock:
-        if out.exists():
-            return out
-        out.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{name}-", suffix=".so", dir=out.parent)
-        os.close(fd)
-        try:
-            cmd = [*cc, *FLAGS, str(src), "-o", tmp]
-            done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-            if done.returncode != 0:
-                raise OSError(f"{shlex.join(cmd)} failed: {done.stderr.strip()[-2000:]}")
-            os.replace(tmp, out)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-    log.info("built kernel %s: %s", name, out)
-    return out
+    shared library (waiting for a build ``kernel_build.prebuild`` started)."""
+    return compile_kernel(HERE, name, FLAGS)
 
 
 @cache

@@ -4,8 +4,10 @@ write when asked for a ``.gguf`` from ``config.json`` + weights + ``tokenizer.js
 Everything here is derived from data the project already has, so there is no table per model:
 
 - the architecture: config.json's ``model_type`` names the HF template ``specs/arch/<type>.yaml``
-  and the GGUF template ``specs/gguf/<type>.yaml``; the two networks must agree in everything but
-  tensor names and rope pairing (a difference is refused, naming the settings that differ);
+  and the GGUF template ``specs/gguf/<type>.yaml`` (or the one ``GGUF_ARCHITECTURES`` names:
+  mistral is a llama GGUF); the two networks must agree in everything but tensor names, rope
+  pairing and an attention window llama.cpp has no place for (logged as dropped where it
+  binds); another difference is refused, naming the settings that differ;
 - tensor names: the HF template's preset maps each checkpoint name to a canonical one, the
   ``gguf`` preset maps canonical names back to llama.cpp's;
 - rope pairing: where the HF template rotates halves and the GGUF template adjacent pairs
@@ -66,24 +68,33 @@ class _Rename:
     permute_heads: int = 0  # > 0: reorder rows from half to adjacent rope pairs, per head
 
 
-def gguf_architecture(config: dict[str, Any], where: str) -> str:
-    """The GGUF architecture of a config.json: its ``model_type``, where both templates exist
-    and their networks agree apart from tensor names and rope pairing."""
+# Hugging Face model types llama.cpp runs as another architecture (its convert_hf_to_gguf.py
+# writes them so): model_type -> the GGUF's general.architecture, whose template and keys apply
+GGUF_ARCHITECTURES: dict[str, str] = {"mistral": "llama"}
+
+
+def gguf_architecture(config: dict[str, Any], where: str) -> tuple[str, str]:
+    """(HF template, GGUF architecture) of a config.json: its ``model_type`` (under
+    ``GGUF_ARCHITECTURES``' name where llama.cpp has another), where both templates exist."""
     kind = config.get("model_type")
-    known = sorted(
-        p.stem for p in GGUF_TEMPLATES.glob("*.yaml") if (BUILTIN_DIR / "arch" / p.name).is_file()
-    )
+    arch_dir = BUILTIN_DIR / "arch"
+    targets = {p.stem: p.stem for p in GGUF_TEMPLATES.glob("*.yaml")} | GGUF_ARCHITECTURES
+    known = {
+        hf: gguf
+        for hf, gguf in targets.items()
+        if (arch_dir / f"{hf}.yaml").is_file() and (GGUF_TEMPLATES / f"{gguf}.yaml").is_file()
+    }
     if not isinstance(kind, str) or kind not in known:
         raise CheckpointError(
             f"{where}: config.json model_type {str(kind)[:64]!r} has no llama.cpp GGUF template; "
-            f"convertible to a llama.cpp GGUF: {', '.join(known)}"
+            f"convertible to a llama.cpp GGUF: {', '.join(sorted(known))}"
         )
-    return kind
+    return kind, known[kind]
 
 
-def _networks(arch: str) -> tuple[Any, Any]:
-    """The networks of the HF and the GGUF template of ``arch``."""
-    hf_doc = read_doc(BUILTIN_DIR / "arch" / f"{arch}.yaml")["network"]
+def _networks(hf: str, arch: str) -> tuple[Any, Any]:
+    """The networks of the HF template ``hf`` and the GGUF template of ``arch``."""
+    hf_doc = read_doc(BUILTIN_DIR / "arch" / f"{hf}.yaml")["network"]
     gguf_doc = read_doc(GGUF_TEMPLATES / f"{arch}.yaml")["network"]
     return _network(hf_doc), _network(gguf_doc)
 
@@ -92,25 +103,34 @@ def _pairings(net: Any) -> tuple[str, ...]:
     return tuple(getattr(o, "pairing", "") for _, o in net.positions)
 
 
-def _comparable(net: Any) -> Any:
+def _comparable(net: Any, window: Any) -> Any:
+    """``net`` without what a conversion may change: tensor names, rope pairing, the head's
+    tying, and the attention window (set to ``window``: the one llama.cpp's architecture has;
+    a window the GGUF cannot keep is reported as dropped, ``_hparam_metadata``)."""
     positions = tuple((n, o) for n, o in net.positions if not hasattr(o, "pairing"))
-    return dataclasses.replace(net, positions=positions, tensors=None, output=None)
+    attention = dataclasses.replace(net.attention, sliding_window=window)
+    return dataclasses.replace(
+        net, positions=positions, tensors=None, output=None, attention=attention
+    )
 
 
-def _renames(arch: str, names: list[str], hp: dict[str, Any], tied: bool) -> dict[str, _Rename]:
-    hf_net, gguf_net = _networks(arch)
-    a, b = _comparable(hf_net), _comparable(gguf_net)
+def _renames(
+    hf: str, arch: str, names: list[str], hp: dict[str, Any], tied: bool
+) -> dict[str, _Rename]:
+    hf_net, gguf_net = _networks(hf, arch)
+    window = gguf_net.attention.sliding_window
+    a, b = _comparable(hf_net, window), _comparable(gguf_net, window)
     if a != b:
         diff = [f.name for f in dataclasses.fields(a) if getattr(a, f.name) != getattr(b, f.name)]
         raise CheckpointError(
-            f"{arch}: the Hugging Face network (specs/arch/{arch}.yaml) differs from llama.cpp's "
+            f"{hf}: the Hugging Face network (specs/arch/{hf}.yaml) differs from llama.cpp's "
             f"(specs/gguf/{arch}.yaml) in: {', '.join(diff)}; a GGUF of it would not run the same"
         )
     if hf_net.tensors.map or gguf_net.tensors.map:
-        raise CheckpointError(f"{arch}: templates with tensors.map rules are not convertible yet")
+        raise CheckpointError(f"{hf}: templates with tensors.map rules are not convertible yet")
     permute = _pairings(hf_net) != _pairings(gguf_net)
     if permute and hp.get("rope_partial", 1.0) != 1.0:
-        raise CheckpointError(f"{arch}: partial rotary with a rope pairing change is unsupported")
+        raise CheckpointError(f"{hf}: partial rotary with a rope pairing change is unsupported")
     to_gguf = {v: k for k, v in PRESETS.get(str(gguf_net.tensors.preset)).items()}
     heads = {"wq": int(hp["n_heads"]), "wk": int(hp.get("n_kv_heads") or hp["n_heads"])}
     rules = [
@@ -151,8 +171,12 @@ def _hparam_metadata(
             f"config.json rope scaling {hp['rope_scaling'].get('type')!r}: writing rope scaling "
             "to a GGUF is not supported yet"
         )
-    if config.get("sliding_window") and config.get("use_sliding_window", True):
-        dropped.append(f"sliding_window={config['sliding_window']} (llama.cpp's {arch} has none)")
+    window, positions = config.get("sliding_window"), config.get("max_position_embeddings")
+    if window and config.get("use_sliding_window", True) and not window >= (positions or 0):
+        dropped.append(
+            f"sliding_window={window} (llama.cpp's {arch} has none: past {window} tokens it "
+            "attends to more than the model did)"
+        )
     return meta, types, dropped
 
 
@@ -263,14 +287,14 @@ class HFAsGGUF:
         config = source.metadata.get("config")
         if not isinstance(config, dict):
             raise CheckpointError(f"{directory}: no config.json, so no architecture for the GGUF")
-        arch = gguf_architecture(config, str(directory))
+        hf, arch = gguf_architecture(config, str(directory))
         hp = from_hf_config(config)
         for need in ("vocab_size", "hidden", "n_layers", "n_heads"):
             if need not in hp:
                 raise CheckpointError(f"{directory}/config.json: no {need} value")
         names = source.names()
         tied = bool(config.get("tie_word_embeddings", False))
-        self._renames = _renames(arch, names, hp, tied)
+        self._renames = _renames(hf, arch, names, hp, tied)
         self.metadata, self.metadata_types, dropped = _hparam_metadata(arch, hp, config)
         meta, vt, lost = tokenizer_metadata(directory, int(hp["vocab_size"]), hp)
         self.metadata |= meta | {"general.name": directory.name}

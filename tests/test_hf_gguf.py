@@ -8,6 +8,7 @@ test_llama_cpp_interchange.py."""
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -70,20 +71,24 @@ def _same_logits(gguf_path: Path, hf_dir: Path, bound: float) -> None:
 
 
 @pytest.mark.parametrize(
-    ("model_type", "tied"), [("llama", False), ("llama", True), ("qwen2", False)]
+    ("model_type", "tied"),
+    [("llama", False), ("llama", True), ("qwen2", False), ("mistral", False)],
 )
 def test_hf_directory_to_gguf_runs_as_transformers(
     tmp_path: Path, model_type: str, tied: bool
 ) -> None:
     """llama: q/k rows permuted to adjacent pairs (the GGUF template's rope); qwen2: kept, with
-    q/k/v biases; tied: no output.weight. The GGUF needs no spec: its architecture names the
-    template."""
+    q/k/v biases; mistral: a llama GGUF, as llama.cpp's converter writes it (its window of
+    4096 is wider than the 256 positions: nothing dropped); tied: no output.weight. The GGUF
+    needs no spec: its architecture names the template."""
     hf_dir = tiny_hf(tmp_path / "hf", model_type, tied)
     out = convert_checkpoint(hf_dir, tmp_path / "m.gguf", type_name="F32")
     _same_logits(out, hf_dir, 1e-4)
     r = gguf.GGUFReader(out)
     names = {t.name for t in r.tensors}
     assert ("output.weight" in names) is not tied
+    arch = r.fields["general.architecture"].contents()
+    assert arch == ("llama" if model_type == "mistral" else model_type)
     if model_type == "qwen2":
         assert {"blk.0.attn_q.bias", "blk.1.attn_v.bias"} <= names
 
@@ -156,13 +161,30 @@ def test_quantize_hf_directory_to_gguf(llama_dir: Path, tmp_path: Path) -> None:
     _same_logits(out, llama_dir, 0.05)
 
 
-def test_refuses_what_llama_cpp_would_run_differently(tmp_path: Path) -> None:
-    """Mistral's sliding window has no place in llama.cpp's llama architecture; a model type
-    with no GGUF template is named with the ones there are."""
-    mistral = tiny_hf(tmp_path / "mistral", "mistral")
-    with pytest.raises(CheckpointError, match=r"mistral.*no llama.cpp GGUF template.*llama, qwen2"):
-        convert_checkpoint(mistral, tmp_path / "m.gguf")
+def test_refuses_a_model_type_with_no_gguf_template(tmp_path: Path) -> None:
+    """A model type with no llama.cpp template is named with the ones there are; nothing is
+    written."""
+    hf_dir = tiny_hf(tmp_path / "hf")
+    config = json.loads((hf_dir / "config.json").read_text())
+    (hf_dir / "config.json").write_text(json.dumps(config | {"model_type": "falcon"}))
+    with pytest.raises(
+        CheckpointError, match=r"'falcon' has no llama.cpp GGUF template.*llama, mistral, qwen2"
+    ):
+        convert_checkpoint(hf_dir, tmp_path / "m.gguf")
     assert not (tmp_path / "m.gguf").exists()
+
+
+def test_a_window_llama_cpp_cannot_keep_is_printed_as_dropped(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Mistral with a window narrower than its context: llama.cpp's llama has no window, so the
+    GGUF attends past it; convert says so (as llama.cpp's converter, it writes the file).
+    Within the window the logits are transformers' still."""
+    hf_dir = tiny_hf(tmp_path / "hf", "mistral", sliding_window=64)
+    with caplog.at_level(logging.WARNING):
+        out = convert_checkpoint(hf_dir, tmp_path / "m.gguf", type_name="F32")
+    assert "dropped: sliding_window=64 (llama.cpp's llama has none" in caplog.text
+    _same_logits(out, hf_dir, 1e-4)  # (the prompts are shorter than 64 tokens)
 
 
 def test_prints_what_it_drops(

@@ -227,3 +227,12 @@ def test_llama_cpp_refuses_inferflow_only_types(llama_bin: Path, tmp_path: Path)
     )  # fmt: skip
     assert run.returncode != 0
     assert "type" in (run.stdout + run.stderr).lower()
+
+
+@pytest.mark.slow
+def test_llama_cpp_runs_a_converted_hf_mistral(llama_bin: Path, tmp_path: Path) -> None:
+    """A Mistral directory made a llama GGUF by `convert` (llama.cpp's own converter writes it
+    as llama too): llama.cpp's greedy tokens are Inferflow's top-1 (measured 766/768)."""
+    hf_dir = tiny_hf(tmp_path / "hf", "mistral", hidden_size=256, intermediate_size=512)
+    out = convert_checkpoint(hf_dir, tmp_path / "mistral.gguf", type_name="F32")
+    _check_agreement(llama_bin, out, 0.95, 600)

@@ -269,7 +269,9 @@ def bound_for(spec: str | None, server_args: list[str]):  # noqa: ANN201
     cfg = serve.engine_config(a)
     dtype = parse_dtype(a.dtype)
     s = load_spec(a.spec)
-    return memory_bound(s, cfg, runtime_rss(a.spec), dtype), kv_plan(s, cfg, dtype).num_blocks
+    draft = load_spec(a.draft) if a.draft else None
+    bound = memory_bound(s, cfg, runtime_rss(a.spec), dtype, draft)
+    return bound, kv_plan(s, cfg, dtype).num_blocks
 
 
 def main() -> int:

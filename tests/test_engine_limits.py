@@ -130,3 +130,21 @@ def test_memory_bound_terms_match_the_engine(model) -> None:  # noqa: ANN001
     assert (plan.num_blocks, plan.max_len) == (7, eng.max_len)
     held = sum(p.numel() * p.element_size() for p in model.parameters())
     assert held <= bound.weights
+
+
+def test_memory_bound_counts_a_draft_model(model) -> None:  # noqa: ANN001
+    """With ``--draft`` the bound adds the draft's weights, files and the KV cache its
+    proposer allocates (the model as its own draft here)."""
+    from inferflow.engine.speculative import SpecConfig
+    from inferflow.server.memory import memory_bound
+
+    h = model.spec.hparams
+    per_block = 2 * h.n_layers * 16 * h.n_kv_heads * h.head_dim * 4
+    cfg = EngineConfig(kv_cache_bytes=7 * per_block, speculative=SpecConfig("draft"))
+    eng = Engine(model, None, cfg, model)
+    alone = memory_bound(model.spec, cfg, runtime=0)
+    both = memory_bound(model.spec, cfg, runtime=0, draft=model.spec)
+    drafted = eng.spec.proposer.cache
+    assert both.kv_cache - alone.kv_cache == drafted.k.nbytes + drafted.v.nbytes
+    assert both.weights == 2 * alone.weights
+    assert both.checkpoint_files == 2 * alone.checkpoint_files > 0

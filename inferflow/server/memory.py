@@ -6,6 +6,7 @@ Each term is computed, none observed from the server:
 - weights: every checkpoint tensor once in float32 (4 bytes a weight: no kept format is larger),
 - checkpoint files: their full size (memory-mapped; every page may be resident),
 - KV cache: the blocks the engine allocates from its byte budget,
+- a speculative draft model (``--draft``): its weights, files and KV cache as the target's,
 - activations: the largest transient buffers of one step (one layer at a time): a decode step
   gathers every running sequence's keys and values padded to the longest, expanded to all query
   heads; a prefill chunk's attention scores against the longest context; the hidden and FFN
@@ -26,7 +27,7 @@ from pathlib import Path
 import torch
 
 from inferflow.engine.engine import EngineConfig
-from inferflow.engine.kv_cache import CachePlan, plan_cache
+from inferflow.engine.kv_cache import CachePlan, PagedKVCache, plan_cache
 from inferflow.spec import Spec
 
 F32 = 4
@@ -68,9 +69,23 @@ def weight_elements(spec: Spec) -> int:
         src.close()
 
 
+def draft_kv_bytes(draft: Spec, cfg: EngineConfig, blocks: int, dtype: torch.dtype) -> int:
+    """A draft model's KV cache (speculative.DraftProposer): as many blocks as the target's,
+    of the draft's geometry, in the activations' dtype."""
+    h = draft.hparams
+    geometry = (h.n_layers, h.n_kv_heads, h.head_dim)
+    return blocks * PagedKVCache.bytes_per_block(*geometry, cfg.block_size, dtype)
+
+
 def memory_bound(
-    spec: Spec, cfg: EngineConfig, runtime: int, dtype: torch.dtype = torch.float32
+    spec: Spec,
+    cfg: EngineConfig,
+    runtime: int,
+    dtype: torch.dtype = torch.float32,
+    draft: Spec | None = None,
 ) -> MemoryBound:
+    """``draft``: the speculative draft model (``serve --draft``), whose weights, files and KV
+    cache add to the target's (its activations are the target's or less)."""
     h = spec.hparams
     per_block, blocks, longest = kv_plan(spec, cfg, dtype)
     running, chunk = cfg.scheduler.max_running, cfg.scheduler.max_batched_tokens
@@ -82,10 +97,12 @@ def memory_bound(
     prefill += 2 * longest * (h.n_kv_heads + h.n_heads) * h.head_dim * F32
     states = chunk * (6 * h.hidden + 3 * h.ffn_hidden) * F32
     logits = 3 * running * h.vocab_size * F32  # logits, their float copy, log-softmax
+    models = [spec] if draft is None else [spec, draft]
     before = {
-        "weights": weight_elements(spec) * F32,
-        "checkpoint_files": sum(_size(p) for p in spec.source.files),
-        "kv_cache": blocks * per_block,
+        "weights": sum(weight_elements(s) for s in models) * F32,
+        "checkpoint_files": sum(_size(p) for s in models for p in s.source.files),
+        "kv_cache": blocks * per_block
+        + (0 if draft is None else draft_kv_bytes(draft, cfg, blocks, dtype)),
         "activations": max(decode, prefill) + states + logits,
         "runtime": runtime,
     }

@@ -18,9 +18,14 @@ the end — beam outputs are not streamed, since a prefix can still lose to anot
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
+
+from inferflow.engine.kv_cache import PagedKVCache
+from inferflow.engine.request import FINISHED, Request, RequestOutput
+from inferflow.engine.scheduler import Scheduler
 
 
 @dataclass(frozen=True)
@@ -98,3 +103,105 @@ class BeamState:
         if self.early_stopping:
             return True
         return self.best_live <= self.finished[-1].score(self.length_penalty)
+
+
+class BeamSteps:
+    """The engine's beam-search steps (``Engine`` mixes them in and holds what they use)."""
+
+    requests: dict[str, list[Request]]
+    beams: dict[str, BeamState]
+    scheduler: Scheduler
+    cache: PagedKVCache
+    tokenizer: object | None
+    eos_ids: set[int]
+    max_len: int
+    _ids: Iterator[int]
+
+    def _finish(self, req: Request, reason: str) -> None:
+        raise NotImplementedError
+
+    def _beam_step(self, gid: str) -> list[RequestOutput]:
+        """Once every live beam of the group has logits: choose the next beams (reusing or
+        forking their parents' blocks), or end the search with its n best hypotheses."""
+        group, state = self.requests[gid], self.beams[gid]
+        live = [r for r in group if r.status != FINISHED]
+        if any(r.pending is None for r in live):
+            return []  # siblings still computing (chunked prefill, preemption)
+        p, head = live[0].params, live[0]  # all live beams have the same length
+        last = len(head.output_ids) + 1 >= p.max_new_tokens or len(head.tokens) + 1 >= self.max_len
+        picks = state.select(
+            [r.output_ids for r in live],
+            [r.beam_logprob for r in live],
+            [
+                r.sampler.process(torch.log_softmax(r.pending, -1), r.prompt_ids, r.output_ids)
+                for r in live
+            ],
+            set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_ids),
+            last,
+        )
+        if last or state.done:
+            for r in live:
+                self._prune(r)
+            return self._end_beams(gid)
+        children, used = [], set()
+        for parent, tok, score in picks:  # fork before any parent takes its own token
+            child = live[parent] if parent not in used else self._fork_beam(live[parent])
+            used.add(parent)
+            children.append((child, tok, score))
+        for i, r in enumerate(live):
+            r.pending = None
+            if i not in used:  # no child: its blocks go back
+                self._prune(r)
+        for child, tok, score in children:
+            child.output_ids.append(tok)
+            child.beam_logprob = score
+            if child not in group:
+                group.append(child)
+                self.scheduler.join(child)
+        return []
+
+    def _prune(self, beam: Request) -> None:
+        self.scheduler.remove(beam)
+        self._finish(beam, "pruned")
+
+    def _fork_beam(self, parent: Request) -> Request:
+        return Request(
+            f"{parent.group}/b{next(self._ids)}",
+            parent.prompt_ids,
+            parent.params,
+            parent.arrival,
+            parent.sampler,
+            list(parent.output_ids),
+            self.cache.fork(parent.kv),
+            group=parent.group,
+            beam_logprob=parent.beam_logprob,
+        )
+
+    def _end_beams(self, gid: str) -> list[RequestOutput]:
+        """The n best finished hypotheses, as the group's final outputs (and requests)."""
+        state, group = self.beams.pop(gid), self.requests[gid]
+        first = group[0]
+        results, outs = [], []
+        for i, h in enumerate(state.finished[: first.params.n]):  # best first
+            reason = "stop" if h.ended else "length"
+            shown = h.tokens[:-1] if h.ended else h.tokens
+            text = self.tokenizer.decode(shown) if self.tokenizer is not None else ""  # type: ignore[attr-defined]
+            results.append(
+                Request(
+                    gid,
+                    first.prompt_ids,
+                    first.params,
+                    first.arrival,
+                    first.sampler,
+                    list(h.tokens),
+                    status=FINISHED,
+                    finish_reason=reason,
+                    text=text,
+                    group=gid,
+                    index=i,
+                    beam_logprob=h.logprob,
+                )
+            )
+            outs.append(RequestOutput(gid, list(h.tokens), text, True, reason, index=i))
+        group[:] = results  # what generate() returns for this prompt
+        return outs

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from inferflow.engine.batch_sampling import take_rows
-from inferflow.engine.beam import BeamState
+from inferflow.engine.beam import BeamState, BeamSteps
 from inferflow.engine.constrain import mask_rows
 from inferflow.engine.forward import Rows, forward_rows
 from inferflow.engine.kv_cache import PagedKVCache, plan_cache
@@ -45,7 +45,7 @@ class EngineConfig:
     kv_cache_dtype: str | None = None
 
 
-class Engine:
+class Engine(BeamSteps):
     def __init__(
         self,
         model: Network,
@@ -417,92 +417,6 @@ class Engine:
                 log.exception("request %s: its grammar mask failed", reqs[j].id)
                 broken.add(j)
         return broken
-
-    def _beam_step(self, gid: str) -> list[RequestOutput]:
-        """Once every live beam of the group has logits: choose the next beams (reusing or
-        forking their parents' blocks), or end the search with its n best hypotheses."""
-        group, state = self.requests[gid], self.beams[gid]
-        live = [r for r in group if r.status != FINISHED]
-        if any(r.pending is None for r in live):
-            return []  # siblings still computing (chunked prefill, preemption)
-        p, head = live[0].params, live[0]  # all live beams have the same length
-        last = len(head.output_ids) + 1 >= p.max_new_tokens or len(head.tokens) + 1 >= self.max_len
-        picks = state.select(
-            [r.output_ids for r in live],
-            [r.beam_logprob for r in live],
-            [
-                r.sampler.process(torch.log_softmax(r.pending, -1), r.prompt_ids, r.output_ids)
-                for r in live
-            ],
-            set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_ids),
-            last,
-        )
-        if last or state.done:
-            for r in live:
-                self._prune(r)
-            return self._end_beams(gid)
-        children, used = [], set()
-        for parent, tok, score in picks:  # fork before any parent takes its own token
-            child = live[parent] if parent not in used else self._fork_beam(live[parent])
-            used.add(parent)
-            children.append((child, tok, score))
-        for i, r in enumerate(live):
-            r.pending = None
-            if i not in used:  # no child: its blocks go back
-                self._prune(r)
-        for child, tok, score in children:
-            child.output_ids.append(tok)
-            child.beam_logprob = score
-            if child not in group:
-                group.append(child)
-                self.scheduler.join(child)
-        return []
-
-    def _prune(self, beam: Request) -> None:
-        self.scheduler.remove(beam)
-        self._finish(beam, "pruned")
-
-    def _fork_beam(self, parent: Request) -> Request:
-        return Request(
-            f"{parent.group}/b{next(self._ids)}",
-            parent.prompt_ids,
-            parent.params,
-            parent.arrival,
-            parent.sampler,
-            list(parent.output_ids),
-            self.cache.fork(parent.kv),
-            group=parent.group,
-            beam_logprob=parent.beam_logprob,
-        )
-
-    def _end_beams(self, gid: str) -> list[RequestOutput]:
-        """The n best finished hypotheses, as the group's final outputs (and requests)."""
-        state, group = self.beams.pop(gid), self.requests[gid]
-        first = group[0]
-        results, outs = [], []
-        for i, h in enumerate(state.finished[: first.params.n]):  # best first
-            reason = "stop" if h.ended else "length"
-            shown = h.tokens[:-1] if h.ended else h.tokens
-            text = self.tokenizer.decode(shown) if self.tokenizer is not None else ""  # type: ignore[attr-defined]
-            results.append(
-                Request(
-                    gid,
-                    first.prompt_ids,
-                    first.params,
-                    first.arrival,
-                    first.sampler,
-                    list(h.tokens),
-                    status=FINISHED,
-                    finish_reason=reason,
-                    text=text,
-                    group=gid,
-                    index=i,
-                    beam_logprob=h.logprob,
-                )
-            )
-            outs.append(RequestOutput(gid, list(h.tokens), text, True, reason, index=i))
-        group[:] = results  # what generate() returns for this prompt
-        return outs
 
     def _sample(self, req: Request, row: torch.Tensor, tok: int | None = None) -> RequestOutput:
         """Append ``tok`` (drawn now by the request's sampler when None) and emit it."""

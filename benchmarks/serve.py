@@ -5,8 +5,10 @@ process (streaming, the OpenAI wire format: /v1/completions with token-id prompt
 
     python benchmarks/serve.py [--concurrency 1,8,32,64] [--rounds 3] [--llama-server PATH]
                                [--prompt-len 64] [--output-len 128] [--threads 2]
+                               [--dtypes float32,act8]
 
-Each server starts once (llama-server with as many slots as the largest N); then every round
+Each server starts once (llama-server with as many slots as the largest N; one Inferflow server
+per ``--dtypes`` value); then every round
 runs every N on each server in turn. Reported per N and server: generated tokens/s (all tokens
 over the wall clock from the first request sent to the last token received), mean / p50 / p99
 time to first token and inter-token latency, the median over rounds, and the median of the
@@ -182,6 +184,9 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 2)
     ap.add_argument("--spec", default=SPEC)
     ap.add_argument("--llama-server", default=None, metavar="PATH")
+    ap.add_argument(
+        "--dtypes", default="float32", help="inferflow serve --dtype values: one server each"
+    )
     ap.add_argument("--client", default=None, help=argparse.SUPPRESS)  # internal: load client
     ap.add_argument("--n", type=int, default=1, help=argparse.SUPPRESS)
     ap.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
@@ -192,9 +197,12 @@ def main() -> int:
     ns = [int(x) for x in args.concurrency.split(",")]
     gguf = _gguf_of(args.spec)
     binary = find_binary(args.llama_server)
-    p1 = free_port()
-    ours = [sys.executable, "-m", "inferflow.cli.main", "serve", args.spec, "--port", str(p1)]
-    servers: list[tuple[str, list[str], int]] = [("inferflow serve", ours, p1)]
+    servers: list[tuple[str, list[str], int]] = []
+    for dtype in args.dtypes.split(","):
+        p1 = free_port()
+        ours = [sys.executable, "-m", "inferflow.cli.main", "serve", args.spec, "--port", str(p1)]
+        name = "inferflow serve" if dtype == "float32" else f"inferflow {dtype}"
+        servers.append((name, [*ours, "--dtype", dtype], p1))
     if binary is not None:
         p2 = free_port()
         ctx = max(ns) * (args.prompt_len + args.output_len + 16)  # -c is shared by the slots

@@ -56,8 +56,9 @@ def main() -> int:
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--spec", default="smollm2-135m-instruct")
+    ap.add_argument("--dtype", default="float32", help="float32, or act8 (8-bit product inputs)")
     args = ap.parse_args()
-    lm = load(args.spec)
+    lm = load(args.spec, args.dtype)
     spent: collections.Counter = collections.Counter()
     for cls, name, key in STAGES:
         timed(cls, name, key, spent)

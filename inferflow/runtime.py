@@ -7,6 +7,7 @@ print(lm.complete("The capital of France is", SamplingParams(max_new_tokens=8)).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -21,14 +22,17 @@ from inferflow.engine.generate import StepOutput, generate_tokens
 from inferflow.engine.sampling import SamplingParams
 from inferflow.engine.search import SearchParams, StopCheck, beam_search
 from inferflow.engine.var_stream import stream_search
-from inferflow.errors import RequestError
+from inferflow.errors import RequestError, SpecError
 from inferflow.model.batch import check_input
 from inferflow.model.build import load_model, parse_dtype
 from inferflow.model.network import Network
 from inferflow.quant import get_format
+from inferflow.quant.linear import ACT8, set_activations
 from inferflow.spec import Spec, load_spec
 from inferflow.spec.types import QuantSpec
 from inferflow.tokenizer import Tokenizer, load_tokenizer
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -266,9 +270,12 @@ def load(
     re-quantizes every linear layer, "none" runs everything in float. ``tokenizer``: one
     already made by ``tokenizer_for(spec)`` (checks that need no weights ran on it)."""
     spec = ref if isinstance(ref, Spec) else load_spec(ref)
-    dt = parse_dtype(dtype) if isinstance(dtype, str) else dtype
+    act8 = dtype == ACT8  # float32, with 8-bit inputs into 4-bit products (quant.linear)
+    dt = torch.float32 if act8 else parse_dtype(dtype) if isinstance(dtype, str) else dtype
     q = quant_for(spec, quant)
     if spec.partition is not None:  # every rank loads its own share (inferflow.parallel)
+        if act8:
+            raise SpecError(f"dtype {ACT8!r}: not for partitioned models yet; use float32")
         from inferflow.parallel.layout import resolve_layout
         from inferflow.parallel.runtime import launch
 
@@ -281,6 +288,9 @@ def load(
         tokenizer if tokenizer is not None else tokenizer_for(spec)
     )  # (a bad one fails before weights load)
     model = load_model(spec, dt, q)
+    if act8:
+        n = set_activations(model, True)
+        log.info("dtype %s: %d layers take 8-bit inputs into integer dot products", ACT8, n)
     if spec.source.format == "gguf":  # (the tokenizer and the weights hold what they need)
         from inferflow.loaders.gguf import forget_metadata
 

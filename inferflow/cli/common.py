@@ -11,12 +11,17 @@ from inferflow.errors import RequestError
 if TYPE_CHECKING:
     from inferflow.engine.speculative import SpecConfig
 
-DTYPE_CHOICES = ("float32", "bfloat16")
+DTYPE_CHOICES = ("float32", "bfloat16", "act8")
 
 
 def add_dtype(p: argparse.ArgumentParser) -> None:
     p.add_argument(
-        "--dtype", default="float32", choices=DTYPE_CHOICES, help="activation and weight dtype"
+        "--dtype",
+        default="float32",
+        choices=DTYPE_CHOICES,
+        help="activation and weight dtype; act8: float32, with the inputs of 4-bit quantized "
+        "products rounded to 8 bits per 32 values for integer dot products (faster; not exact, "
+        "as llama.cpp's CPU kernels)",
     )
 
 

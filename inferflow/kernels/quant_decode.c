@@ -21,7 +21,8 @@
    unpacked tile of codes, which is where many rows gain.
 
    qmat_gemv: y = W x for M rows of x, one at a time, rows (or tiles) of W split over the threads.
-   qmat_gemm_f32: Y = X W^T for all rows of X at once, the same arithmetic per row.
+   qmat_gemm_f32: Y = X W^T for all rows of X at once, the same arithmetic per row; with 8-bit
+   rows of X (--dtype act8: quantize_row_q8) where W has 4-bit tiles, integer dot products.
    decode_stack: every layer of a pre-norm decoder (RMS norm, fused q/k/v, rotary embedding,
    GQA attention over cache slots, SiLU-gated FFN) for one new token of each of B sequences, in
    one OpenMP region; the caller embeds the tokens and runs the final norm and the head. A
@@ -62,7 +63,8 @@ typedef struct {
     int64_t hidden, heads, kv_heads, head_dim, inner, rotary_dim;
     int32_t adjacent; /* rotary pairs (2i, 2i + 1); else (i, i + rotary_dim / 2) */
     float eps, norm_offset, scale;
-    int32_t kv_q8; /* the cache holds Q8_0 blocks (kvq8.h), else float32 */
+    int32_t kv_q8;  /* the cache holds Q8_0 blocks (kvq8.h), else float32 */
+    int32_t act_q8; /* 8-bit rows of x into the products that have a q8 path (gemm_in_team) */
 } Dims;
 
 /* GCC vector types (AVX2 ymm; scalar code where the CPU has no vectors) */
@@ -163,6 +165,20 @@ static void group_sums(const QMat *w, const float *x, float *xs) {
     }
 }
 
+/* tile t's 16 outputs of rows m < mr (lanes of acc[m][0], acc[m][1]) into out (added to it
+   where add) */
+static inline __attribute__((always_inline)) void store_tile(const QMat *w, int64_t t,
+                                                             v8f (*acc)[2], float *out, int add,
+                                                             const int mr) {
+    const int64_t rows = w->n - 16 * t < 16 ? w->n - 16 * t : 16;
+    for (int m = 0; m < mr; m++) {
+        float o[16];
+        memcpy(o, acc[m], sizeof o);
+        float *y = out + m * w->n + 16 * t;
+        for (int64_t i = 0; i < rows; i++) y[i] = (add ? y[i] : 0.f) + o[i];
+    }
+}
+
 /* The one arithmetic of 4- and 5-bit tiles: rows x_m = x + m k (m < mr) times tile t (16 rows
    of W, row 8h + i in lane i of vector h): per group, a = codes . x in two vectors per h, then
    acc += (a0 + a1) * scale + min * sum(x_g). out + m n receives row m's 16 (or fewer) outputs,
@@ -205,13 +221,7 @@ static inline __attribute__((always_inline)) void tile_dot_rows(const QMat *w, i
             }
         }
     }
-    const int64_t rows = w->n - 16 * t < 16 ? w->n - 16 * t : 16;
-    for (int m = 0; m < mr; m++) {
-        float o[16];
-        memcpy(o, acc[m], sizeof o);
-        float *y = out + m * w->n + 16 * t;
-        for (int64_t i = 0; i < rows; i++) y[i] = (add ? y[i] : 0.f) + o[i];
-    }
+    store_tile(w, t, acc, out, add, mr);
 }
 
 /* The one arithmetic of 8-bit rows: rows r0 .. r0 + RW - 1 of W (rw of them) times rows x_m
@@ -254,6 +264,72 @@ static inline __attribute__((always_inline)) void row_dot_rows(const QMat *w, in
         }
 }
 
+/* 8-bit activations (the "q8" products): each row of x as int8 codes per 32 columns, x ~= dx *
+   xq with dx = max |x| / 127 and xq = rint(x * 127 / max |x|) (nearest even), the 32 codes of
+   chunk j stored in the tiles' order: byte 4s + e is column (2s, 2s + 1, 16 + 2s, 17 + 2s)[e].
+   A 4-bit tile's chunk is then one integer dot product per row (exact), times scale * dx in
+   float32; the mins' term keeps x's float group sums. Integer sums are exact in any order; the
+   float32 operations after them are fixed per build, as for float32 x, so a row's result
+   never depends on the other rows. */
+static void quantize_row_q8(const float *x, int64_t k, int8_t *xq, float *dx) {
+    for (int64_t j = 0; j < k / 32; j++) {
+        const float *c = x + 32 * j;
+        float amax = 0.f;
+        for (int i = 0; i < 32; i++) amax = fmaxf(amax, fabsf(c[i]));
+        const float id = amax > 0.f ? 127.f / amax : 0.f;
+        dx[j] = amax / 127.f;
+        int8_t *o = xq + 32 * j;
+        for (int s = 0; s < 8; s++) {
+            const float v[4] = {c[2 * s], c[2 * s + 1], c[16 + 2 * s], c[17 + 2 * s]};
+            for (int e = 0; e < 4; e++) {
+                const float r = rintf(v[e] * id);
+                o[4 * s + e] = (int8_t)(r > 127.f ? 127.f : (r < -127.f ? -127.f : r));
+            }
+        }
+    }
+}
+
+/* tile_dot_rows with 8-bit rows of x (xq, dx: their codes and scales, k / 32 per row) */
+static inline __attribute__((always_inline)) void tile_dot_rows_q8(const QMat *w, int64_t t,
+                                                                   const int8_t *xq, const float *dx,
+                                                                   const float *xs, float *out,
+                                                                   int add, const int mr) {
+    const int64_t k = w->k, G = k / w->group, chunks = w->group / 32, J = k / 32;
+    const uint8_t *c = w->codes + t * J * 256;
+    v8f acc[MR][2];
+    for (int m = 0; m < mr; m++) acc[m][0] = acc[m][1] = (v8f){0};
+    for (int64_t g = 0; g < G; g++) {
+        v8f sc[2], mn[2];
+        for (int h = 0; h < 2; h++) {
+            sc[h] = ld8(w, w->scale, (t * G + g) * 16 + 8 * h);
+            mn[h] = min8(w, (t * G + g) * 16 + 8 * h);
+        }
+        for (int64_t j = 0; j < chunks; j++) {
+            const int64_t jj = g * chunks + j;
+            v8i a[MR][2];
+            for (int m = 0; m < mr; m++) a[m][0] = a[m][1] = (v8i){0};
+            for (int s = 0; s < 8; s++, c += 32)
+                for (int h = 0; h < 2; h++) {
+                    v8u16 u;
+                    memcpy(&u, c + 16 * h, sizeof u);
+                    const v8i d = __builtin_convertvector(u, v8i);
+                    const v8i q0 = d & 15, q1 = (d >> 8) & 15, q2 = (d >> 4) & 15, q3 = d >> 12;
+                    for (int m = 0; m < mr; m++) {
+                        const int8_t *xc = xq + m * k + jj * 32 + 4 * s;
+                        a[m][h] += q0 * xc[0] + q1 * xc[1] + q2 * xc[2] + q3 * xc[3];
+                    }
+                }
+            for (int h = 0; h < 2; h++)
+                for (int m = 0; m < mr; m++)
+                    acc[m][h] = fma8(__builtin_convertvector(a[m][h], v8f),
+                                     sc[h] * ((v8f){0} + dx[m * J + jj]), acc[m][h]);
+        }
+        for (int h = 0; h < 2; h++)
+            for (int m = 0; m < mr; m++) acc[m][h] = fma8(mn[h], (v8f){0} + xs[m * G + g], acc[m][h]);
+    }
+    store_tile(w, t, acc, out, add, mr);
+}
+
 #if defined(__AVX512F__)
 /* AVX-512 builds: 4-bit tiles with all 16 rows of a tile in one vector, 8-bit rows in groups
    of a multiple of 32 sixteen columns at a time; the same rule (a row's operations do not
@@ -282,6 +358,20 @@ static inline __m512 min16_masked(const QMat *w, int64_t i, __mmask16 keep) {
 #endif
         v = _mm512_maskz_loadu_ps(keep, a + i);
     return w->min ? v : _mm512_mul_ps(_mm512_set1_ps(-w->zero), v);
+}
+
+/* tile t's 16 outputs of rows m < mr: acc + mins, into out (added to it where add) */
+static inline __attribute__((always_inline)) void store_tile16(const QMat *w, int64_t t,
+                                                               const __m512 *acc,
+                                                               const __m512 *mins, float *out,
+                                                               int add, const int mr) {
+    const int64_t rows = w->n - 16 * t < 16 ? w->n - 16 * t : 16;
+    const __mmask16 keep = (__mmask16)((1u << rows) - 1);
+    for (int m = 0; m < mr; m++) {
+        float *y = out + m * w->n + 16 * t;
+        const __m512 o = _mm512_add_ps(acc[m], mins[m]);
+        _mm512_mask_storeu_ps(y, keep, add ? _mm512_add_ps(_mm512_maskz_loadu_ps(keep, y), o) : o);
+    }
 }
 
 /* 4-bit tile t (vpermps reads the low 4 bits of each index: one nibble per lookup) */
@@ -319,13 +409,7 @@ static inline __attribute__((always_inline)) void tile_dot_rows16(const QMat *w,
             mins[m] = _mm512_fmadd_ps(mn, _mm512_set1_ps(xs[m * G + g]), mins[m]);
         }
     }
-    const int64_t rows = w->n - 16 * t < 16 ? w->n - 16 * t : 16;
-    const __mmask16 keep = (__mmask16)((1u << rows) - 1);
-    for (int m = 0; m < mr; m++) {
-        float *y = out + m * w->n + 16 * t;
-        const __m512 o = _mm512_add_ps(acc[m], mins[m]);
-        _mm512_mask_storeu_ps(y, keep, add ? _mm512_add_ps(_mm512_maskz_loadu_ps(keep, y), o) : o);
-    }
+    store_tile16(w, t, acc, mins, out, add, mr);
 }
 
 /* 8-bit row r, groups of a multiple of 32 */
@@ -363,6 +447,48 @@ static inline __attribute__((always_inline)) void row_dot_rows16(const QMat *w, 
         *y = (add ? *y : 0.f) + v;
     }
 }
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) /* (inside __AVX512F__) */
+#define Q8_TILES16 1
+/* tile_dot_rows16 with 8-bit rows of x: per sub-block, the 16 rows' four codes as the bytes of
+   one dword each, times the chunk's four x codes (one broadcast dword), by VNNI */
+static inline __attribute__((always_inline)) void tile_dot_rows16_q8(const QMat *w, int64_t t,
+                                                                     const int8_t *xq,
+                                                                     const float *dx,
+                                                                     const float *xs, float *out,
+                                                                     int add, const int mr) {
+    const int64_t k = w->k, G = k / w->group, chunks = w->group / 32, J = k / 32;
+    const uint8_t *c = w->codes + t * J * 256;
+    const __m512i low = _mm512_set1_epi32(0x0F0F);
+    __m512 acc[MR16], mins[MR16];
+    for (int m = 0; m < mr; m++) acc[m] = mins[m] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < G; g++) {
+        const __m512 sc = ld16(w, w->scale, (t * G + g) * 16), mn = min16(w, (t * G + g) * 16);
+        for (int64_t j = 0; j < chunks; j++) {
+            const int64_t jj = g * chunks + j;
+            __m512i a[MR16];
+            for (int m = 0; m < mr; m++) a[m] = _mm512_setzero_si512();
+            for (int s = 0; s < 8; s++, c += 32) { /* dword i: row i's bytes 2i, 2i + 1 */
+                const __m512i d = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)c));
+                const __m512i lo = _mm512_and_si512(d, low);
+                const __m512i hi = _mm512_and_si512(_mm512_srli_epi32(d, 4), low);
+                const __m512i q = _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16));
+                for (int m = 0; m < mr; m++) {
+                    int32_t xv;
+                    memcpy(&xv, xq + m * k + jj * 32 + 4 * s, sizeof xv);
+                    a[m] = _mm512_dpbusd_epi32(a[m], q, _mm512_set1_epi32(xv));
+                }
+            }
+            for (int m = 0; m < mr; m++)
+                acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[m]),
+                                         _mm512_mul_ps(sc, _mm512_set1_ps(dx[m * J + jj])), acc[m]);
+        }
+        for (int m = 0; m < mr; m++)
+            mins[m] = _mm512_fmadd_ps(mn, _mm512_set1_ps(xs[m * G + g]), mins[m]);
+    }
+    store_tile16(w, t, acc, mins, out, add, mr);
+}
+#endif
 #endif
 
 /* How W is walked: 0 = 4/5-bit tiles (vector types), 1 = 8-bit rows RW at a time (vector
@@ -432,25 +558,58 @@ static void block_dot(const QMat *w, int path, int64_t t, const float *x, const 
     }
 }
 
+/* Whether block_dot_q8 takes W: 4-bit tiles (the AVX-512 ones where the build has VNNI); other
+   codes keep float32 x */
+static inline int q8_path(const QMat *w, int path) {
+#if defined(Q8_TILES16)
+    if (path == 2) return 1;
+#endif
+    return path == 0 && !w->high;
+}
+
+/* block_dot for 8-bit rows of x (q8_path) */
+static void block_dot_q8(const QMat *w, int path, int64_t t, const int8_t *xq, const float *dx,
+                         const float *xs, float *y, int add, int64_t mr) {
+#if defined(Q8_TILES16)
+    if (path == 2) {
+#define C6(n) tile_dot_rows16_q8(w, t, xq, dx, xs, y, add, n)
+        CASES(C6);
+        return;
+    }
+#endif
+    (void)path;
+#define C7(n) tile_dot_rows_q8(w, t, xq, dx, xs, y, add, (n) < MR ? (n) : MR)
+    CASES(C7);
+}
+
 /* blocks of W (tiles or rows) */
 static inline int64_t blocks_of(const QMat *w, int path) {
     return (w->n + BLOCK_ROWS[path] - 1) / BLOCK_ROWS[path];
 }
 
 /* inside a parallel region: Y = (add ? Y : 0) + X W^T for M rows of X, X_ROWS rows per unpacked
-   block of W; xs: scratch of M k / group floats. A row's outputs are the same bits whatever M
-   is and whichever rows share its blocks. */
-static void gemm_in_team(const QMat *w, const float *x, int64_t M, float *xs, float *y, int add) {
-    const int path = path_of(w);
+   block of W; xs: scratch of M k / group floats; xq, dx: NULL, or scratch of M k bytes and
+   M k / 32 floats for 8-bit rows of X where W has a q8 path. A row's outputs are the same bits
+   whatever M is and whichever rows share its blocks. */
+static void gemm_in_team(const QMat *w, const float *x, int64_t M, float *xs, float *y, int add,
+                         int8_t *xq, float *dx) {
+    const int path = path_of(w), q8 = xq != NULL && q8_path(w, path);
     const int64_t k = w->k, G = k / w->group, T = blocks_of(w, path), R = X_ROWS[path];
-    const int64_t B = (M + R - 1) / R;
+    const int64_t B = (M + R - 1) / R, J = k / 32;
 #pragma omp for schedule(static)
-    for (int64_t m = 0; m < M; m++) group_sums(w, x + m * k, xs + m * G);
+    for (int64_t m = 0; m < M; m++) {
+        group_sums(w, x + m * k, xs + m * G);
+        if (q8) quantize_row_q8(x + m * k, k, xq + m * k, dx + m * J);
+    }
 #pragma omp for collapse(2) schedule(static)
     for (int64_t t = 0; t < T; t++)
         for (int64_t b = 0; b < B; b++) {
             const int64_t m0 = b * R, mr = M - m0 < R ? M - m0 : R;
-            block_dot(w, path, t, x + m0 * k, xs + m0 * G, y + m0 * w->n, add, mr);
+            if (q8)
+                block_dot_q8(w, path, t, xq + m0 * k, dx + m0 * J, xs + m0 * G, y + m0 * w->n,
+                             add, mr);
+            else
+                block_dot(w, path, t, x + m0 * k, xs + m0 * G, y + m0 * w->n, add, mr);
         }
 }
 
@@ -458,14 +617,26 @@ static void gemm_in_team(const QMat *w, const float *x, int64_t M, float *xs, fl
 void qmat_gemv(const QMat *w, const float *x, int64_t M, float *xs, float *y, int nthreads) {
     for (int64_t m = 0; m < M; m++) {
 #pragma omp parallel num_threads(nthreads)
-        gemm_in_team(w, x + m * w->k, 1, xs, y + m * w->n, 0);
+        gemm_in_team(w, x + m * w->k, 1, xs, y + m * w->n, 0, NULL, NULL);
     }
 }
 
-/* Y (M, n) = X (M, k) W^T, all rows in one call (xs: M k / group floats) */
-void qmat_gemm_f32(const QMat *w, const float *x, int64_t M, float *xs, float *y, int nthreads) {
+/* Y (M, n) = X (M, k) W^T, all rows in one call (xs: M k / group floats; xq, dx: NULL for
+   float32 X, else scratch of M k bytes and M k / 32 floats: 8-bit rows of X where W's codes
+   have a q8 path) */
+void qmat_gemm_f32(const QMat *w, const float *x, int64_t M, float *xs, float *y, int nthreads,
+                   int8_t *xq, float *dx) {
 #pragma omp parallel num_threads(nthreads)
-    gemm_in_team(w, x, M, xs, y, 0);
+    gemm_in_team(w, x, M, xs, y, 0, xq, dx);
+}
+
+/* whether this build has a q8 path for 4-bit tiles on AVX-512 (else the vector-type one) */
+int qmat_q8_tiles16(void) {
+#if defined(Q8_TILES16)
+    return 1;
+#else
+    return 0;
+#endif
 }
 
 /* B new tokens, one per sequence, through every layer: x (B, hidden) in place. cos / sin: (B,
@@ -473,8 +644,9 @@ void qmat_gemm_f32(const QMat *w, const float *x, int64_t M, float *xs, float *y
    floats, slot s of KV head g at (s * KV heads + g) * head_dim. slots (B, S): row b's keys are
    in its first lens[b] slots, the last one where its own K / V go. scratch: at least B (hidden +
    (heads + 2 kv_heads) head_dim + heads head_dim + 3 inner + heads S + K / 16) floats, K = max(
-   hidden, inner, heads * head_dim) (the widest product's input: its group sums). Every row gets
-   the same operations whatever B is and whichever rows are beside it. */
+   hidden, inner, heads * head_dim) (the widest product's input: its group sums), and with
+   act_q8 B (K / 32 + K / 4) more (its 8-bit rows). Every row gets the same operations whatever
+   B is and whichever rows are beside it. */
 void decode_stack(const Layer *layers, int64_t L, const Dims *d, int64_t B, float *x,
                   const float *cos, const float *sin, uint8_t *kc, uint8_t *vc, int64_t layer_stride,
                   const int64_t *slots, int64_t S, const int64_t *lens, float *scratch,
@@ -484,6 +656,9 @@ void decode_stack(const Layer *layers, int64_t L, const Dims *d, int64_t B, floa
     const int64_t W = d->kv_q8 ? D / 32 * 34 : D * 4; /* bytes of a KV head in the cache */
     float *h = scratch, *qkv = h + B * E, *att = qkv + B * QKV;
     float *gu = att + B * H * D, *act = gu + B * 2 * F, *p = act + B * F, *xs = p + B * H * S;
+    const int64_t K = E > F ? (E > H * D ? E : H * D) : (F > H * D ? F : H * D);
+    float *dx = d->act_q8 ? xs + B * K / 16 : NULL;
+    int8_t *xq = d->act_q8 ? (int8_t *)(dx + B * K / 32) : NULL;
 #pragma omp parallel num_threads(nthreads)
     for (int64_t l = 0; l < L; l++) {
         const Layer *ly = layers + l;
@@ -491,7 +666,7 @@ void decode_stack(const Layer *layers, int64_t L, const Dims *d, int64_t B, floa
 #pragma omp for schedule(static)
         for (int64_t b = 0; b < B; b++)
             rms_norm_row(x + b * E, ly->attn_norm, E, d->eps, d->norm_offset, h + b * E);
-        gemm_in_team(&ly->qkv, h, B, xs, qkv, 0);
+        gemm_in_team(&ly->qkv, h, B, xs, qkv, 0, xq, dx);
 #pragma omp for schedule(static)
         for (int64_t b = 0; b < B; b++) {
             float *row = qkv + b * QKV;
@@ -518,17 +693,17 @@ void decode_stack(const Layer *layers, int64_t L, const Dims *d, int64_t B, floa
                                     slots + b * S, lens[b], KVH * D, j / (H / KVH) * D, D,
                                     d->scale, pj, out);
             }
-        gemm_in_team(&ly->o, att, B, xs, x, 1);
+        gemm_in_team(&ly->o, att, B, xs, x, 1, xq, dx);
 #pragma omp for schedule(static)
         for (int64_t b = 0; b < B; b++)
             rms_norm_row(x + b * E, ly->ffn_norm, E, d->eps, d->norm_offset, h + b * E);
-        gemm_in_team(&ly->gate_up, h, B, xs, gu, 0);
+        gemm_in_team(&ly->gate_up, h, B, xs, gu, 0, xq, dx);
 #pragma omp for schedule(static)
         for (int64_t i = 0; i < B * F; i++) {
             const float *g = gu + (i / F) * 2 * F + i % F;
             act[i] = g[0] / (1.f + expf(-g[0])) * g[F];
         }
-        gemm_in_team(&ly->down, act, B, xs, x, 1);
+        gemm_in_team(&ly->down, act, B, xs, x, 1, xq, dx);
     }
 }
 

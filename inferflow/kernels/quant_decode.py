@@ -34,7 +34,7 @@ class CLayer(ctypes.Structure):
 class CDims(ctypes.Structure):
     _fields_ = [(name, _I64) for name in ("hidden", "heads", "kv_heads", "head_dim", "inner")]
     _fields_ += [("rotary_dim", _I64), ("adjacent", _I32), ("eps", _F), ("norm_offset", _F)]
-    _fields_ += [("scale", _F), ("kv_q8", _I32)]
+    _fields_ += [("scale", _F), ("kv_q8", _I32), ("act_q8", _I32)]
 
 
 @cache
@@ -44,7 +44,7 @@ def library() -> ctypes.CDLL | None:
         return None
     lib.qmat_gemv.argtypes = [ctypes.POINTER(CQMat), _P, _I64, _P, _P, ctypes.c_int]
     lib.qmat_gemv.restype = None
-    lib.qmat_gemm_f32.argtypes = [ctypes.POINTER(CQMat), _P, _I64, _P, _P, ctypes.c_int]
+    lib.qmat_gemm_f32.argtypes = [ctypes.POINTER(CQMat), _P, _I64, _P, _P, ctypes.c_int, _P, _P]
     lib.qmat_gemm_f32.restype = None
     lib.qmat_half_built.argtypes, lib.qmat_half_built.restype = [], ctypes.c_int
     lib.decode_stack.argtypes = [ctypes.POINTER(CLayer), _I64, ctypes.POINTER(CDims), _I64, _P]
@@ -129,17 +129,23 @@ class QPlane:
         w = codes.to(torch.float32).reshape(len(ids), -1, g) * scale[..., None] + mn[..., None]
         return w.reshape(len(ids), self.k)
 
-    def matmul_f32(self, x: torch.Tensor) -> torch.Tensor:
+    def matmul_f32(self, x: torch.Tensor, q8: bool = False) -> torch.Tensor:
         """``x (M, k) float32 @ W.T`` -> (M, n) float32, all rows at once (each unpacked tile of
-        codes meets several rows); every row equals ``matvec``'s bit for bit."""
+        codes meets several rows); every row equals ``matvec``'s bit for bit. ``q8``: each row
+        of x rounded to 8 bits per 32 values first (``quantize_row_q8``) where the codes have
+        an integer path (4-bit tiles), the same for every row whatever else is in the call."""
         lib = library()
         if lib is None:
             raise RuntimeError("the quant_decode kernel is not available")
         x = x.contiguous()
-        y = torch.empty((x.shape[0], self.n), dtype=torch.float32)
-        xs = torch.empty((x.shape[0], self.k // self.group), dtype=torch.float32)  # group sums
-        lib.qmat_gemm_f32(ctypes.byref(self.struct), x.data_ptr(), x.shape[0], xs.data_ptr(),
-                          y.data_ptr(), torch.get_num_threads())  # fmt: skip
+        M = x.shape[0]
+        y = torch.empty((M, self.n), dtype=torch.float32)
+        xs = torch.empty((M, self.k // self.group), dtype=torch.float32)  # group sums
+        xq = torch.empty(M * self.k, dtype=torch.int8) if q8 else None
+        dx = torch.empty(M * self.k // 32, dtype=torch.float32) if q8 else None
+        lib.qmat_gemm_f32(ctypes.byref(self.struct), x.data_ptr(), M, xs.data_ptr(), y.data_ptr(),
+                          torch.get_num_threads(), None if xq is None else xq.data_ptr(),
+                          None if dx is None else dx.data_ptr())  # fmt: skip
         return y
 
 

@@ -101,6 +101,7 @@ class FusedDecode:
         )
         assert isinstance(rope, Rotary) and isinstance(ffn, GatedFFN)
         self.rope = rope
+        self.qkv = a.wqkv  # (its act8 says whether the products take 8-bit inputs)
         self.dims = CDims(
             a.a.hidden, a.n_heads, a.n_kv_heads, a.a.head_dim, ffn.inner, rope.rotary_dim,
             int(rope.pairing == "adjacent"), norm.eps, norm.offset, a.scale,
@@ -133,6 +134,7 @@ class FusedDecode:
             return None
         k, v, slots, lens = kv
         self.dims.kv_q8 = int(k.dtype == torch.uint8)  # (KVFormat "q8": Q8_0 blocks)
+        self.dims.act_q8 = int(getattr(self.qkv, "act8", False))
         B, S = slots.shape
         cos, sin = self.rope.cos_sin(batch.positions, torch.float32)
         cos, sin = cos.reshape(B, -1).contiguous(), sin.reshape(B, -1).contiguous()
@@ -141,6 +143,8 @@ class FusedDecode:
         size = d.hidden + 2 * (d.heads + d.kv_heads) * d.head_dim + 3 * d.inner + d.heads * S
         widest = max(d.hidden, d.inner, d.heads * d.head_dim)
         size += widest // 16  # a product input's group sums
+        if self.dims.act_q8:
+            size += widest // 32 + widest // 4  # and its 8-bit rows: scales, int8 codes
         scratch = torch.empty(B * size, dtype=torch.float32)
         lib = library()
         assert lib is not None

@@ -361,17 +361,36 @@ def rows_switch(small: Kernel, dense: torch.Tensor, rows: int) -> Kernel:
     return run
 
 
-def plane_kernel(plane: QPlane) -> Kernel:
-    """Every call on the C kernel's plane, float32 on the codec's exact values; a row's result
-    is the same bit for bit whatever else is in the call (``matmul_f32``)."""
+def plane_kernel(plane: QPlane, q8: bool = False) -> Kernel:
+    """Every call on the C kernel's plane, float32 on the codec's exact values (``q8``: x
+    rounded to 8 bits per 32 values where the codes have an integer path); a row's result is
+    the same bit for bit whatever else is in the call (``matmul_f32``)."""
 
     def run(x: torch.Tensor) -> torch.Tensor:
         if x.device.type != "cpu":
             raise QuantError(f"the plane kernel reads host memory; got x on {x.device}")
         xf = x.float()
-        return plane.matmul_f32(xf).to(x.dtype)
+        return plane.matmul_f32(xf, q8).to(x.dtype)
 
     return run
+
+
+# What ``--dtype`` may name besides torch dtypes: float32 weights and activations, with the
+# inputs of quantized products rounded to 8 bits per 32 values where the codes have an integer
+# path (4-bit tiles: Q4_0, Q4_1, Q4_K, Q4_B32, Q4_B64, ...), as llama.cpp's CPU kernels do
+ACT8 = "act8"
+
+
+def set_activations(model: nn.Module, act8: bool) -> int:
+    """Round the inputs of every plane layer's products to 8 bits (``act8``) or not; returns
+    how many layers have 4-bit tiles (whose products then take integer dot products)."""
+    n = 0
+    for mod in model.modules():
+        if isinstance(mod, QuantLinear) and mod.plane is not None:
+            mod.act8 = act8
+            mod.kernel = plane_kernel(mod.plane, act8)
+            n += mod.plane.bits == 4 and mod.plane.high is None
+    return n
 
 
 def dequant_kernel(w: QuantTensor, tile_bytes: int = TILE_BYTES) -> Kernel:
@@ -427,6 +446,7 @@ class QuantLinear(nn.Module):
         self.kernel: Kernel
         self.dense_rows: int | None = None
         self.plane: QPlane | None = None
+        self.act8 = False  # set_activations: 8-bit inputs into the plane's products
         if name in ("plane", "int4pack"):
             parts = affine_parts(weight)
             if name == "plane":  # every call on the plane: one copy of the weights

@@ -290,7 +290,15 @@ def load(
     model = load_model(spec, dt, q)
     if act8:
         n = set_activations(model, True)
-        log.info("dtype %s: %d layers take 8-bit inputs into integer dot products", ACT8, n)
+        if n:
+            log.info("dtype %s: %d layers take 8-bit inputs into integer dot products", ACT8, n)
+        else:
+            log.warning(
+                "dtype %s: no layer of %s has an integer path here (4-bit codes on their C "
+                "plane; AVX-512 builds need VNNI): it runs as float32",
+                ACT8,
+                spec.name,
+            )
     if spec.source.format == "gguf":  # (the tokenizer and the weights hold what they need)
         from inferflow.loaders.gguf import forget_metadata
 

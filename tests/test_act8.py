@@ -73,6 +73,8 @@ def test_general_inputs_within_the_rounding_of_x(fmt: str, build) -> None:  # no
     """Any x: the product moves from W x by at most what rounding x to 8 bits per 32 values
     can move it (half a step per value, times |w|), and rows alone equal rows together."""
     layer, w = _layer(fmt, 64, 512, 2)
+    if not layer.plane.has_q8():  # type: ignore[union-attr]
+        pytest.skip("this build has no integer path for 4-bit tiles (AVX-512 without VNNI)")
     x = torch.randn(5, 512, generator=torch.Generator().manual_seed(3))
     x[1] *= 1e-4
     x[2, :64] = 0.0
@@ -90,6 +92,8 @@ def test_general_inputs_within_the_rounding_of_x(fmt: str, build) -> None:  # no
 def smollm2_act8():  # noqa: ANN201
     smollm2_path()  # skips when the model package is missing
     lm = load("smollm2-135m-instruct", "act8")
+    if not lm.model.dec.layers()[0].self_attn.wqkv.plane.has_q8():
+        pytest.skip("this build has no integer path for 4-bit tiles (AVX-512 without VNNI)")
     assert lm.model.dec.fused_decode() is not None  # decode rows through the C decode's q8 path
     return lm
 
@@ -119,3 +123,40 @@ def test_act8_costs_little_against_float32(smollm2_act8) -> None:  # noqa: ANN00
         kl = float((want.exp() * (want - b)).sum(-1).mean())
         assert 1e-5 < kl < 0.05, kl
         assert float((want.argmax(-1) == b.argmax(-1)).double().mean()) > 0.8
+
+
+@pytest.mark.parametrize("flags", [[], ["-mno-avx512f"], ["-mno-avx512vnni"]])
+def test_which_planes_take_8_bit_inputs(
+    flags: list[str],
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path,  # noqa: ANN001
+) -> None:
+    """4-bit tiles do (AVX-512 builds only with VNNI; portable builds always); 5- and 8-bit
+    codes keep float32 inputs, bit for bit the float32 product."""
+    from inferflow import kernels
+    from tests.test_fused import _reset
+
+    if quant_decode.library() is None:
+        pytest.skip("no C compiler here")
+    from inferflow.kernel_build import _cpu_key
+
+    cpu = _cpu_key().split()
+    avx512 = "avx512f" in cpu and "-mno-avx512f" not in flags
+    vnni = "avx512_vnni" in cpu and "-mno-avx512vnni" not in flags
+    tiles = not avx512 or vnni  # (the vector-type tiles always have the integer path)
+    monkeypatch.setenv("INFERFLOW_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.setattr(kernels, "FLAGS", [*kernels.FLAGS, *flags])
+    _reset()
+    try:
+        x = torch.randn(3, 256, generator=torch.Generator().manual_seed(4))
+        for fmt in ("Q4_0", "Q4_1", "Q4_B64", "Q5_0", "Q8_0"):
+            w = torch.randn(32, 256, generator=torch.Generator().manual_seed(5))
+            plane = QuantLinear(quantize(w, fmt), None).plane
+            assert plane is not None
+            four = fmt.startswith("Q4")
+            assert plane.has_q8() is (four and tiles), fmt
+            same = torch.equal(plane.matmul_f32(x, q8=True), plane.matmul_f32(x))
+            assert same is not plane.has_q8(), fmt
+    finally:
+        monkeypatch.undo()
+        _reset()

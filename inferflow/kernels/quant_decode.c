@@ -630,14 +630,8 @@ void qmat_gemm_f32(const QMat *w, const float *x, int64_t M, float *xs, float *y
     gemm_in_team(w, x, M, xs, y, 0, xq, dx);
 }
 
-/* whether this build has a q8 path for 4-bit tiles on AVX-512 (else the vector-type one) */
-int qmat_q8_tiles16(void) {
-#if defined(Q8_TILES16)
-    return 1;
-#else
-    return 0;
-#endif
-}
+/* whether products over W take 8-bit rows of X where asked (this build's path for W has one) */
+int qmat_has_q8(const QMat *w) { return q8_path(w, path_of(w)); }
 
 /* B new tokens, one per sequence, through every layer: x (B, hidden) in place. cos / sin: (B,
    rotary_dim / 2), row b's angles. kc / vc: layer 0 of the cache, layer l at l * layer_stride

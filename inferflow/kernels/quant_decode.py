@@ -47,6 +47,7 @@ def library() -> ctypes.CDLL | None:
     lib.qmat_gemm_f32.argtypes = [ctypes.POINTER(CQMat), _P, _I64, _P, _P, ctypes.c_int, _P, _P]
     lib.qmat_gemm_f32.restype = None
     lib.qmat_half_built.argtypes, lib.qmat_half_built.restype = [], ctypes.c_int
+    lib.qmat_has_q8.argtypes, lib.qmat_has_q8.restype = [ctypes.POINTER(CQMat)], ctypes.c_int
     lib.decode_stack.argtypes = [ctypes.POINTER(CLayer), _I64, ctypes.POINTER(CDims), _I64, _P]
     lib.decode_stack.argtypes += [_P, _P, _P, _P, _I64, _P, _I64, _P, _P, ctypes.c_int]
     lib.decode_stack.restype = None
@@ -128,6 +129,12 @@ class QPlane:
         g, scale, mn = self.group, scale.float(), mn.float()
         w = codes.to(torch.float32).reshape(len(ids), -1, g) * scale[..., None] + mn[..., None]
         return w.reshape(len(ids), self.k)
+
+    def has_q8(self) -> bool:
+        """Whether ``matmul_f32(x, q8=True)`` takes 8-bit rows of x here (4-bit tiles, and on
+        AVX-512 builds only with VNNI); else it computes as float32."""
+        lib = library()
+        return lib is not None and bool(lib.qmat_has_q8(ctypes.byref(self.struct)))
 
     def matmul_f32(self, x: torch.Tensor, q8: bool = False) -> torch.Tensor:
         """``x (M, k) float32 @ W.T`` -> (M, n) float32, all rows at once (each unpacked tile of

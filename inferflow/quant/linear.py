@@ -383,13 +383,14 @@ ACT8 = "act8"
 
 def set_activations(model: nn.Module, act8: bool) -> int:
     """Round the inputs of every plane layer's products to 8 bits (``act8``) or not; returns
-    how many layers have 4-bit tiles (whose products then take integer dot products)."""
+    how many layers then take integer dot products (``QPlane.has_q8``; the others stay
+    float32)."""
     n = 0
     for mod in model.modules():
         if isinstance(mod, QuantLinear) and mod.plane is not None:
             mod.act8 = act8
             mod.kernel = plane_kernel(mod.plane, act8)
-            n += mod.plane.bits == 4 and mod.plane.high is None
+            n += mod.plane.has_q8()
     return n
 
 

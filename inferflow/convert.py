@@ -48,6 +48,7 @@ FLOAT_TYPES: dict[str, torch.dtype] = {
     "BF16": torch.bfloat16,
 }
 KEEP_FLOAT = ("none", "float")  # quantize FMT values that leave a tensor unquantized
+QUANTIZE_ROW_BYTES = 64 << 20  # float32 rows of a quantized source requantized at a time
 # llama.cpp ``enum llama_ftype`` (llama.h) for the types we write
 LLAMA_FTYPE = {
     "F32": 0,
@@ -163,7 +164,16 @@ def quantize_rows(
         return w.data.reshape(rows, per_row)  # lossless: no dequantize/requantize round
     if fmt.quantize_blocks is None:
         raise QuantError(f"{fmt.name} has no quantizer (Inferflow can read it, not write it)")
-    return quantize(as_float(w), fmt, method, importance).data.reshape(rows, per_row)
+    if not (isinstance(w, QuantTensor) and len(shape) == 2):
+        return quantize(as_float(w), fmt, method, importance).data.reshape(rows, per_row)
+    # a quantized matrix is dequantized a chunk of rows at a time (blocks are independent, so
+    # the bytes are the same): a 151,936-row table never exists whole in float32
+    out = torch.empty(rows, per_row, dtype=torch.uint8)
+    step = max(1, QUANTIZE_ROW_BYTES // (4 * shape[1]))
+    for r in range(0, rows, step):
+        part = w.rows(r, min(rows, r + step))
+        out[r : r + part.shape[0]] = quantize(as_float(part), fmt, method, importance).data
+    return out
 
 
 def _writable_quant_formats() -> list[str]:
@@ -365,7 +375,7 @@ def gguf_data(
         return as_float(w).to(_TORCH_INT[type_name])
     if type_name == "F64":
         return as_float(w).to(torch.float64)
-    return quantize_rows(as_float(w), FORMATS.get(type_name), method, importance)
+    return quantize_rows(w, FORMATS.get(type_name), method, importance)
 
 
 def _file_type(plans: Sequence[GGUFTensorPlan]) -> int:

@@ -600,3 +600,30 @@ def test_smollm2_q8_0_against_gguf_py_and_llama_cpp(tmp_path: Path) -> None:
     ]
     print(f"llama.cpp on our Q8_0 conversion: {text!r}")
     assert "Paris" in text
+
+
+def test_quantized_sources_are_requantized_a_chunk_of_rows_at_a_time(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A quantized matrix converted to another format is never dequantized whole (Qwen2.5's
+    151,936-row tables took `quantize` from 0.96 to 1.86 GB): float32 rows are made a chunk at
+    a time, and the bytes equal the whole tensor's."""
+    from inferflow.quant import quantize
+
+    src = quantize(torch.randn(300, 256, generator=torch.Generator().manual_seed(0)), "Q8_0")
+    biggest: list[int] = []
+    real = conv.as_float
+
+    def recording(w):  # noqa: ANN001, ANN202
+        out = real(w)
+        biggest.append(out.shape[0])
+        return out
+
+    monkeypatch.setattr(conv, "as_float", recording)
+    monkeypatch.setattr(conv, "QUANTIZE_ROW_BYTES", 64 * 4 * 256)  # 64 rows at a time
+    for fmt, method in (("Q4_B32", "search"), ("Q4_K", "minmax"), ("Q3H", "minmax")):
+        biggest.clear()
+        got = conv.gguf_data(src, fmt, method)
+        assert max(biggest) == 64, fmt
+        whole = quantize(src.dequantize(), fmt, method).data.reshape(300, -1)
+        assert torch.equal(got, whole), fmt

@@ -172,7 +172,8 @@ def _hparam_metadata(
             "to a GGUF is not supported yet"
         )
     window, positions = config.get("sliding_window"), config.get("max_position_embeddings")
-    if window and config.get("use_sliding_window", True) and not window >= (positions or 0):
+    binds = positions is None or window is not None and window < positions
+    if window and config.get("use_sliding_window", True) and binds:
         dropped.append(
             f"sliding_window={window} (llama.cpp's {arch} has none: past {window} tokens it "
             "attends to more than the model did)"

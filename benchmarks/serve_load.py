@@ -267,7 +267,7 @@ def bound_for(spec: str | None, server_args: list[str]):  # noqa: ANN201
     serve.add_parser(ap.add_subparsers())
     a = ap.parse_args(["serve", *([spec] if spec else []), *server_args])
     cfg = serve.engine_config(a)
-    dtype = parse_dtype("float32" if a.dtype == "act8" else a.dtype)  # (act8: float32 K/V)
+    dtype = parse_dtype(a.dtype)
     s = load_spec(a.spec)
     draft = load_spec(a.draft) if a.draft else None
     bound = memory_bound(s, cfg, runtime_rss(a.spec), dtype, draft)

@@ -271,7 +271,7 @@ def load(
     already made by ``tokenizer_for(spec)`` (checks that need no weights ran on it)."""
     spec = ref if isinstance(ref, Spec) else load_spec(ref)
     act8 = dtype == ACT8  # float32, with 8-bit inputs into 4-bit products (quant.linear)
-    dt = torch.float32 if act8 else parse_dtype(dtype) if isinstance(dtype, str) else dtype
+    dt = parse_dtype(dtype) if isinstance(dtype, str) else dtype
     q = quant_for(spec, quant)
     if spec.partition is not None:  # every rank loads its own share (inferflow.parallel)
         if act8:

@@ -287,6 +287,10 @@ def load(
     tokenizer = (
         tokenizer if tokenizer is not None else tokenizer_for(spec)
     )  # (a bad one fails before weights load)
+    if spec.source.format == "gguf":  # the tokenizer holds what it needs of the vocabulary
+        from inferflow.loaders.gguf import forget_metadata
+
+        forget_metadata()
     model = load_model(spec, dt, q)
     if act8:
         n = set_activations(model, True)
@@ -299,8 +303,4 @@ def load(
                 ACT8,
                 spec.name,
             )
-    if spec.source.format == "gguf":  # (the tokenizer and the weights hold what they need)
-        from inferflow.loaders.gguf import forget_metadata
-
-        forget_metadata()
     return LanguageModel(spec, model, tokenizer)

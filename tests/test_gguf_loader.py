@@ -420,6 +420,39 @@ def test_repacking_lets_a_tensors_file_pages_go(tmp_path: Path) -> None:
     assert np.array_equal(got.reshape(rows, cols).numpy(), ref)
 
 
+def test_an_open_source_holds_no_long_array(tmp_path: Path) -> None:
+    """A GGUFSource open while a model loads keeps the short key/values but not a vocabulary:
+    once forget_metadata has run (load does, after the tokenizer), the 5000-string array lives
+    nowhere in the process, the short values and the key list answer without a parse, and the
+    long array is parsed again only when asked for."""
+    import gc
+
+    from inferflow.loaders import gguf as loader
+
+    long = [f"tok{i}" for i in range(5000)]
+
+    def build(w: Any) -> None:
+        w.add_array("tokenizer.ggml.tokens", long)
+        w.add_uint32("llama.block_count", 2)
+        _add_tensors(w)
+
+    path = _write(tmp_path / "vocab.gguf", build)
+    loader.forget_metadata()
+    assert read_gguf_metadata(path)["tokenizer.ggml.tokens"] == long  # spec and tokenizer
+    src = GGUFSource(path)
+    loader.forget_metadata()
+    gc.collect()
+    held = [o for o in gc.get_objects() if isinstance(o, list) and o == long and o is not long]
+    assert not held
+    assert src.metadata["llama.block_count"] == 2 and "tokenizer.ggml.tokens" in src.metadata
+    assert list(src.metadata) == ["general.architecture", "tokenizer.ggml.tokens",
+                                  "llama.block_count"]  # fmt: skip
+    assert src.get("f32").shape == F32_2D.shape
+    assert loader._parsed_key_values.cache_info().currsize == 0  # nothing above parsed again
+    assert src.metadata["tokenizer.ggml.tokens"] == long
+    assert loader._parsed_key_values.cache_info().currsize == 1
+
+
 def test_metadata_is_parsed_once_and_forgotten_after_loading(full_gguf: Path) -> None:
     """Hyperparameters, the tokenizer and the weight source read one parse of a file's
     key/values (a large vocabulary is parsed and held once); forget_metadata drops it (a model's
@@ -434,3 +467,27 @@ def test_metadata_is_parsed_once_and_forgotten_after_loading(full_gguf: Path) ->
     forget_metadata()
     again = read_gguf_metadata(full_gguf)
     assert again == first and again["a.str"] is not first["a.str"]
+
+
+def test_load_forgets_the_vocabulary_before_the_weights(monkeypatch: pytest.MonkeyPatch) -> None:
+    """runtime.load builds the tokenizer, then drops the parsed key/values before the weights
+    load: SmolLM2's 49k-token vocabulary is not held beside the weights being bound, and the
+    load parses it no second time."""
+    from inferflow import runtime
+    from inferflow.loaders import gguf as loader
+    from tests.conftest import smollm2_path
+
+    smollm2_path()
+    cached: list[int] = []
+    real = runtime.load_model
+
+    def load_model(*args: Any, **kw: Any) -> Any:
+        cached.append(loader._parsed_key_values.cache_info().currsize)
+        model = real(*args, **kw)
+        cached.append(loader._parsed_key_values.cache_info().currsize)
+        return model
+
+    monkeypatch.setattr(runtime, "load_model", load_model)
+    lm = runtime.load("smollm2-135m-instruct")
+    assert cached == [0, 0]
+    assert lm._tok().encode("Hello world") == [19556, 905]

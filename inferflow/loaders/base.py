@@ -9,7 +9,7 @@ it once a tensor is in its final form, so the file's pages need not stay residen
 from __future__ import annotations
 
 import mmap
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol, Union
 
@@ -23,7 +23,9 @@ Weight = Union[torch.Tensor, QuantTensor]
 
 
 class WeightSource(Protocol):
-    metadata: dict[str, Any]  # format metadata (GGUF key/values, safetensors __metadata__, ...)
+    @property
+    def metadata(self) -> Mapping[str, Any]:
+        """Format metadata (GGUF key/values, safetensors __metadata__, ...)."""
 
     def names(self) -> list[str]: ...
 

@@ -17,7 +17,7 @@ import logging
 import math
 import struct
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from enum import IntEnum
 from pathlib import Path
@@ -43,6 +43,9 @@ SUPPORTED_VERSIONS = (2, 3)  # v1 used 32-bit counts and is long gone
 DEFAULT_ALIGNMENT = 32
 MAX_DIMS = 4  # GGML_MAX_DIMS
 MAX_ARRAY_NESTING = 8  # arrays of arrays: cap the recursion a hostile file could ask for
+# A metadata array longer than this (a vocabulary, its scores, its merges) is not held by an open
+# GGUFSource: it is read through the parse cache when asked for (GgufMetadata)
+LONG_ARRAY = 1024
 
 
 class GGUFValueType(IntEnum):
@@ -316,8 +319,8 @@ def _map(path: Path) -> np.memmap[Any, np.dtype[np.uint8]]:
 def _parse(
     mm: np.ndarray, path: Path, with_tensors: bool = True, known: _Header | None = None
 ) -> _Header:
-    """The header; with ``known`` (this file's key/values, parsed before), its key/values are
-    taken from there (the same objects: a 262k-token vocabulary is parsed and held once)."""
+    """The header; with ``known`` (this file's key/values as ``_layout`` keeps them), the
+    key/values are not parsed again: the tensor infos are read from where they end."""
     cur = _Cursor(mm.data, path)  # a memoryview of the mapping: no copy
     cur.pos = 4
     version = cur.u32("version")
@@ -445,12 +448,29 @@ def read_gguf_metadata(path: str | Path) -> dict[str, Any]:
     return dict(_key_values(Path(path)).metadata)
 
 
-def _key_values(path: Path) -> _Header:
+def _file_key(path: Path) -> tuple[Path, int, int]:
     try:
         st = path.stat()
     except OSError as e:
         raise CheckpointError(f"cannot read GGUF file {path}: {e}") from e
-    return _parsed_key_values(path.resolve(), st.st_mtime_ns, st.st_size)
+    return path.resolve(), st.st_mtime_ns, st.st_size
+
+
+def _key_values(path: Path) -> _Header:
+    key = _file_key(path)
+    header = _parsed_key_values(*key)
+    if key not in _layouts:  # what a GGUFSource of this file needs, kept past forget_metadata
+        if len(_layouts) >= 16:
+            _layouts.pop(next(iter(_layouts)))
+        short = {
+            k: v
+            for k, v in header.metadata.items()
+            if not (isinstance(v, list) and len(v) > LONG_ARRAY)
+        }
+        _layouts[key] = _Header(
+            header.version, short, header.metadata_types, {}, header.alignment, 0, header.kv_end
+        )
+    return header
 
 
 @functools.lru_cache(maxsize=4)
@@ -458,10 +478,47 @@ def _parsed_key_values(path: Path, mtime_ns: int, size: int) -> _Header:
     return _parse(_map(path), path, with_tensors=False)
 
 
+# file key -> its key/values without the long arrays, and where they end (a few KiB each)
+_layouts: dict[tuple[Path, int, int], _Header] = {}
+
+
+def _layout(path: Path) -> _Header:
+    key = _file_key(path)
+    if key not in _layouts:
+        _key_values(path)
+    return _layouts[key]
+
+
 def forget_metadata() -> None:
     """Drop the parsed key/values kept for the next reader of each file (a loaded model's
-    tokenizer and weights hold what they need: a 262k-token vocabulary's strings are ~35 MB)."""
+    tokenizer holds what it needs: a 262k-token vocabulary's strings are ~35 MB). An open
+    GGUFSource keeps every value but the long arrays, which it parses again if asked for."""
     _parsed_key_values.cache_clear()
+
+
+class GgufMetadata(Mapping[str, Any]):
+    """A GGUFSource's key/values: the short ones held, each array longer than ``LONG_ARRAY``
+    (a vocabulary, its scores or merges) taken from ``read_gguf_metadata``'s parse when asked
+    for, so a source open while a model loads does not hold a vocabulary beside the tokenizer."""
+
+    def __init__(self, path: Path, short: dict[str, Any], keys: Sequence[str]) -> None:
+        self._path, self._short, self._keys = path, short, dict.fromkeys(keys)
+
+    def __getitem__(self, key: str) -> Any:
+        if key in self._short:
+            return self._short[key]
+        if key in self._keys:
+            return _key_values(self._path).metadata[key]
+        raise KeyError(key)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._keys
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._keys)
+
+    def __len__(self) -> int:
+        return len(self._keys)
 
 
 class GGUFSource:
@@ -475,9 +532,9 @@ class GGUFSource:
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         self._mm: np.ndarray | None = _map(self.path)
-        header = _parse(self._mm, self.path, known=_key_values(self.path))
+        header = _parse(self._mm, self.path, known=_layout(self.path))
         self.version = header.version
-        self.metadata: dict[str, Any] = header.metadata
+        self.metadata = GgufMetadata(self.path, header.metadata, list(header.metadata_types))
         # key -> GGUF type path, e.g. (UINT32,) or (ARRAY, STRING): what a writer needs
         self.metadata_types: dict[str, tuple[int, ...]] = header.metadata_types
         self.tensor_infos: dict[str, GGUFTensorInfo] = header.tensors

@@ -102,7 +102,7 @@ class QuantizedSource:
 
     def __init__(self, inner: WeightSource, where: str = "checkpoint") -> None:
         self._inner = inner
-        self.metadata: dict[str, Any] = inner.metadata
+        self.metadata: Mapping[str, Any] = inner.metadata
         raw = inner.metadata.get(QUANT_KEY)
         if not isinstance(raw, str):
             raise CheckpointError(

@@ -88,6 +88,31 @@ def test_general_inputs_within_the_rounding_of_x(fmt: str, build) -> None:  # no
     assert torch.equal(alone.double(), got)
 
 
+def _rounded(x: torch.Tensor) -> torch.Tensor:
+    """x as the q8 path rounds it: per 32 values, dx = max|x| / 127 and x ~= dx * rint(x / dx)
+    (nearest even), computed here in float32 as quant_decode.c's quantize_row_q8 does."""
+    c = x.reshape(x.shape[0], -1, 32)
+    amax = c.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
+    q = torch.round(c * inv).clamp(-127, 127)
+    return (q.double() * (amax / 127).double()).reshape(x.shape)
+
+
+@pytest.mark.parametrize("fmt", list(GGML))
+def test_the_product_is_that_of_the_rounded_row(fmt: str, build) -> None:  # noqa: ANN001
+    """Any x: the q8 product is W times x rounded to 8 bits (to float32 accuracy), the mins'
+    term included: it takes the rounded row's group sums, as llama.cpp's Q8_1 sums do. With
+    x's own float sums there, the error would be the codes' offset (8 for Q4_0) times x's
+    rounding instead of the weights' size times it."""
+    layer, w = _layer(fmt, 64, 512, 4)
+    if not layer.plane.has_q8():  # type: ignore[union-attr]
+        pytest.skip("this build has no integer path for 4-bit tiles (AVX-512 without VNNI)")
+    x = torch.randn(5, 512, generator=torch.Generator().manual_seed(5)) + 0.5
+    got = layer.plane.matmul_f32(x, q8=True).double()  # type: ignore[union-attr]
+    want = _rounded(x) @ w.T
+    assert float((got - want).abs().max() / want.abs().max()) < 2e-6
+
+
 @pytest.fixture(scope="module")
 def smollm2_act8():  # noqa: ANN201
     smollm2_path()  # skips when the model package is missing

@@ -289,6 +289,22 @@ static void quantize_row_q8(const float *x, int64_t k, int8_t *xq, float *dx) {
     }
 }
 
+/* The mins' term of 8-bit rows takes the group sums of the rounded row (dx * xq), as the codes'
+   term does: the product is then sum((scale * code + min) * dx * xq), whose error is the
+   weights' own size times x's rounding, not the codes' offset's (128 for Q8_0) times it. */
+static void q8_group_sums(const QMat *w, const int8_t *xq, const float *dx, float *xs) {
+    const int64_t chunks = w->group / 32;
+    for (int64_t g = 0; g < w->k / w->group; g++) {
+        float s = 0.f;
+        for (int64_t j = g * chunks; j < (g + 1) * chunks; j++) {
+            int32_t q = 0;
+            for (int i = 0; i < 32; i++) q += xq[32 * j + i];
+            s += dx[j] * (float)q;
+        }
+        xs[g] = s;
+    }
+}
+
 /* tile_dot_rows with 8-bit rows of x (xq, dx: their codes and scales, k / 32 per row) */
 static inline __attribute__((always_inline)) void tile_dot_rows_q8(const QMat *w, int64_t t,
                                                                    const int8_t *xq, const float *dx,
@@ -598,8 +614,11 @@ static void gemm_in_team(const QMat *w, const float *x, int64_t M, float *xs, fl
     const int64_t B = (M + R - 1) / R, J = k / 32;
 #pragma omp for schedule(static)
     for (int64_t m = 0; m < M; m++) {
-        group_sums(w, x + m * k, xs + m * G);
-        if (q8) quantize_row_q8(x + m * k, k, xq + m * k, dx + m * J);
+        if (q8) {
+            quantize_row_q8(x + m * k, k, xq + m * k, dx + m * J);
+            q8_group_sums(w, xq + m * k, dx + m * J, xs + m * G);
+        } else
+            group_sums(w, x + m * k, xs + m * G);
     }
 #pragma omp for collapse(2) schedule(static)
     for (int64_t t = 0; t < T; t++)

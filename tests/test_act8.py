@@ -1,6 +1,6 @@
-"""``--dtype act8``: float32, with the inputs of 4-bit quantized products rounded to 8 bits per 32
-values and multiplied by integer dot products (quant_decode.c's q8 path), as llama.cpp's CPU
-kernels do. Checked against gguf-py's decoding of the weights, for batch invariance, and for
+"""``--dtype act8``: float32, with the inputs of 4-bit quantized products (and 8-bit ones on
+AVX-512 VNNI builds) rounded to 8 bits per 32 values and multiplied by integer dot products
+(quant_decode.c's q8 path), as llama.cpp's CPU kernels do. Checked against gguf-py's decoding of the weights, for batch invariance, and for
 its quality cost on a real model against the float32 run."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from tests.test_batch_invariance import PROMPTS, _check
 gguf = pytest.importorskip("gguf")
 
 GGML = {"Q4_0": gguf.GGMLQuantizationType.Q4_0, "Q4_1": gguf.GGMLQuantizationType.Q4_1,
-        "Q4_K": gguf.GGMLQuantizationType.Q4_K}  # fmt: skip
+        "Q4_K": gguf.GGMLQuantizationType.Q4_K, "Q8_0": gguf.GGMLQuantizationType.Q8_0}  # fmt: skip
 
 
 @pytest.fixture(params=[[], ["-mno-avx512f"]], ids=["native", "portable"])
@@ -56,7 +56,7 @@ def test_inputs_on_the_8_bit_grid_give_the_exact_product(fmt: str, build) -> Non
     """x whose every 32 values are integers times a power of two, one of them +-127: the
     rounding keeps x exactly, so the integer dot products must give W x as gguf-py's weights
     say (a code paired with the wrong column, or a wrong scale, would not)."""
-    layer, w = _layer(fmt, 80, 512, 0)
+    layer, w = _layer(fmt, 72, 512, 0)  # (4 full tiles of 16 rows and a half one)
     g = torch.Generator().manual_seed(1)
     xi = torch.randint(-127, 128, (6, 512 // 32, 32), generator=g)
     xi[:, :, 5] = 127 * (1 - 2 * (torch.arange(512 // 32) % 2))  # amax 127 in every chunk
@@ -74,7 +74,7 @@ def test_general_inputs_within_the_rounding_of_x(fmt: str, build) -> None:  # no
     can move it (half a step per value, times |w|), and rows alone equal rows together."""
     layer, w = _layer(fmt, 64, 512, 2)
     if not layer.plane.has_q8():  # type: ignore[union-attr]
-        pytest.skip("this build has no integer path for 4-bit tiles (AVX-512 without VNNI)")
+        pytest.skip(f"this build has no integer path for {fmt} (no VNNI, or portable 8-bit rows)")
     x = torch.randn(5, 512, generator=torch.Generator().manual_seed(3))
     x[1] *= 1e-4
     x[2, :64] = 0.0
@@ -106,7 +106,7 @@ def test_the_product_is_that_of_the_rounded_row(fmt: str, build) -> None:  # noq
     rounding instead of the weights' size times it."""
     layer, w = _layer(fmt, 64, 512, 4)
     if not layer.plane.has_q8():  # type: ignore[union-attr]
-        pytest.skip("this build has no integer path for 4-bit tiles (AVX-512 without VNNI)")
+        pytest.skip(f"this build has no integer path for {fmt} (no VNNI, or portable 8-bit rows)")
     x = torch.randn(5, 512, generator=torch.Generator().manual_seed(5)) + 0.5
     got = layer.plane.matmul_f32(x, q8=True).double()  # type: ignore[union-attr]
     want = _rounded(x) @ w.T
@@ -156,8 +156,9 @@ def test_which_planes_take_8_bit_inputs(
     monkeypatch: pytest.MonkeyPatch,
     tmp_path,  # noqa: ANN001
 ) -> None:
-    """4-bit tiles do (AVX-512 builds only with VNNI; portable builds always); 5- and 8-bit
-    codes keep float32 inputs, bit for bit the float32 product."""
+    """4-bit tiles do (AVX-512 builds only with VNNI; portable builds always), and 8-bit codes
+    where they are tiles too (AVX-512 VNNI builds); 5-bit codes and portable builds' 8-bit rows
+    keep float32 inputs, bit for bit the float32 product."""
     from inferflow import kernels
     from tests.test_fused import _reset
 
@@ -178,8 +179,8 @@ def test_which_planes_take_8_bit_inputs(
             w = torch.randn(32, 256, generator=torch.Generator().manual_seed(5))
             plane = QuantLinear(quantize(w, fmt), None).plane
             assert plane is not None
-            four = fmt.startswith("Q4")
-            assert plane.has_q8() is (four and tiles), fmt
+            four, eight = fmt.startswith("Q4"), fmt == "Q8_0"
+            assert plane.has_q8() is ((four and tiles) or (eight and avx512 and vnni)), fmt
             same = torch.equal(plane.matmul_f32(x, q8=True), plane.matmul_f32(x))
             assert same is not plane.has_q8(), fmt
     finally:

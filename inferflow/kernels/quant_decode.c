@@ -428,40 +428,44 @@ static inline __attribute__((always_inline)) void tile_dot_rows16(const QMat *w,
     store_tile16(w, t, acc, mins, out, add, mr);
 }
 
-/* 8-bit row r, groups of a multiple of 32 */
-static inline __attribute__((always_inline)) void row_dot_rows16(const QMat *w, int64_t r,
-                                                                 const float *x, const float *xs,
-                                                                 float *out, int add, const int mr) {
+/* 8-bit tile t: byte (j, s, i, e) of the tile is row i's code of column 32 j + (2s, 2s + 1,
+   16 + 2s, 17 + 2s)[e], the order of the 4-bit tiles' columns and of the q8 rows of x; groups of
+   a multiple of 32. The same arithmetic as tile_dot_rows16, each code one byte of a dword. */
+static inline __attribute__((always_inline)) void tile8_dot_rows16(const QMat *w, int64_t t,
+                                                                   const float *x, const float *xs,
+                                                                   float *out, int add, const int mr) {
     const int64_t k = w->k, G = k / w->group, chunks = w->group / 32;
-    const uint8_t *c = w->codes + r * k;
+    const uint8_t *c = w->codes + t * (k / 32) * 512;
+    const __m512i byte = _mm512_set1_epi32(0xFF);
     __m512 acc[MR16], mins[MR16];
     for (int m = 0; m < mr; m++) acc[m] = mins[m] = _mm512_setzero_ps();
     for (int64_t g = 0; g < G; g++) {
-        __m512 a[MR16];
-        for (int m = 0; m < mr; m++) a[m] = _mm512_setzero_ps();
-        for (int64_t j = 0; j < chunks; j++, c += 32) {
+        __m512 a0[MR16], a1[MR16];
+        for (int m = 0; m < mr; m++) a0[m] = a1[m] = _mm512_setzero_ps();
+        for (int64_t j = 0; j < chunks; j++) {
             const int64_t col = (g * chunks + j) * 32;
-            const __m512 fa = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)c)));
-            const __m512 fb = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(c + 16))));
-            for (int m = 0; m < mr; m++) {
-                a[m] = _mm512_fmadd_ps(fa, _mm512_loadu_ps(x + m * k + col), a[m]);
-                a[m] = _mm512_fmadd_ps(fb, _mm512_loadu_ps(x + m * k + col + 16), a[m]);
+            for (int s = 0; s < 8; s++, c += 64) { /* dword i: row i's four codes */
+                const __m512i d = _mm512_loadu_si512((const void *)c);
+                const __m512 q0 = _mm512_cvtepi32_ps(_mm512_and_si512(d, byte));
+                const __m512 q1 = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(d, 8), byte));
+                const __m512 q2 = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(d, 16), byte));
+                const __m512 q3 = _mm512_cvtepi32_ps(_mm512_srli_epi32(d, 24));
+                for (int m = 0; m < mr; m++) {
+                    const float *xc = x + m * k + col;
+                    a0[m] = _mm512_fmadd_ps(q0, _mm512_set1_ps(xc[2 * s]), a0[m]);
+                    a1[m] = _mm512_fmadd_ps(q2, _mm512_set1_ps(xc[16 + 2 * s]), a1[m]);
+                    a0[m] = _mm512_fmadd_ps(q1, _mm512_set1_ps(xc[2 * s + 1]), a0[m]);
+                    a1[m] = _mm512_fmadd_ps(q3, _mm512_set1_ps(xc[17 + 2 * s]), a1[m]);
+                }
             }
         }
-        const __m512 sc = _mm512_set1_ps(ld1(w, w->scale, r * G + g));
-        for (int m = 0; m < mr; m++) acc[m] = _mm512_fmadd_ps(a[m], sc, acc[m]);
+        const __m512 sc = ld16(w, w->scale, (t * G + g) * 16), mn = min16(w, (t * G + g) * 16);
+        for (int m = 0; m < mr; m++) {
+            acc[m] = _mm512_fmadd_ps(_mm512_add_ps(a0[m], a1[m]), sc, acc[m]);
+            mins[m] = _mm512_fmadd_ps(mn, _mm512_set1_ps(xs[m * G + g]), mins[m]);
+        }
     }
-    for (int64_t g = 0; g < G; g += 16) { /* the mins' term, 16 groups at a time */
-        const __mmask16 keep = G - g >= 16 ? 0xFFFF : (__mmask16)((1u << (G - g)) - 1);
-        const __m512 mn = min16_masked(w, r * G + g, keep);
-        for (int m = 0; m < mr; m++)
-            mins[m] = _mm512_fmadd_ps(mn, _mm512_maskz_loadu_ps(keep, xs + m * G + g), mins[m]);
-    }
-    for (int m = 0; m < mr; m++) {
-        const float v = _mm512_reduce_add_ps(acc[m]) + _mm512_reduce_add_ps(mins[m]);
-        float *y = out + m * w->n + r;
-        *y = (add ? *y : 0.f) + v;
-    }
+    store_tile16(w, t, acc, mins, out, add, mr);
 }
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) /* (inside __AVX512F__) */
@@ -504,12 +508,47 @@ static inline __attribute__((always_inline)) void tile_dot_rows16_q8(const QMat 
     }
     store_tile16(w, t, acc, mins, out, add, mr);
 }
+
+/* tile8_dot_rows16 with 8-bit rows of x: a dword of the tile is four codes of one row, times
+   the chunk's four x codes in the same order (one broadcast dword), by VNNI */
+static inline __attribute__((always_inline)) void tile8_dot_rows16_q8(const QMat *w, int64_t t,
+                                                                      const int8_t *xq,
+                                                                      const float *dx,
+                                                                      const float *xs, float *out,
+                                                                      int add, const int mr) {
+    const int64_t k = w->k, G = k / w->group, chunks = w->group / 32, J = k / 32;
+    const uint8_t *c = w->codes + t * J * 512;
+    __m512 acc[MR16], mins[MR16];
+    for (int m = 0; m < mr; m++) acc[m] = mins[m] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < G; g++) {
+        const __m512 sc = ld16(w, w->scale, (t * G + g) * 16), mn = min16(w, (t * G + g) * 16);
+        for (int64_t j = 0; j < chunks; j++) {
+            const int64_t jj = g * chunks + j;
+            __m512i a[MR16];
+            for (int m = 0; m < mr; m++) a[m] = _mm512_setzero_si512();
+            for (int s = 0; s < 8; s++, c += 64) {
+                const __m512i q = _mm512_loadu_si512((const void *)c);
+                for (int m = 0; m < mr; m++) {
+                    int32_t xv;
+                    memcpy(&xv, xq + m * k + jj * 32 + 4 * s, sizeof xv);
+                    a[m] = _mm512_dpbusd_epi32(a[m], q, _mm512_set1_epi32(xv));
+                }
+            }
+            for (int m = 0; m < mr; m++)
+                acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[m]),
+                                         _mm512_mul_ps(sc, _mm512_set1_ps(dx[m * J + jj])), acc[m]);
+        }
+        for (int m = 0; m < mr; m++)
+            mins[m] = _mm512_fmadd_ps(mn, _mm512_set1_ps(xs[m * G + g]), mins[m]);
+    }
+    store_tile16(w, t, acc, mins, out, add, mr);
+}
 #endif
 #endif
 
 /* How W is walked: 0 = 4/5-bit tiles (vector types), 1 = 8-bit rows RW at a time (vector
-   types), 2 = 4-bit tiles (AVX-512), 3 = 8-bit single rows (AVX-512, groups of 32k). A
-   property of W and the build, never of the rows of x. */
+   types), 2 = 4-bit tiles (AVX-512), 3 = 8-bit tiles (AVX-512, groups of 32k). A property of W
+   and the build (qmat_tiles8_built), never of the rows of x. */
 static inline int path_of(const QMat *w) {
 #if defined(__AVX512F__)
     if (w->bits == 4 && !w->high) return 2;
@@ -519,7 +558,7 @@ static inline int path_of(const QMat *w) {
 }
 
 /* rows of W per block, rows of x per block */
-static const int64_t BLOCK_ROWS[4] = {16, RW, 16, 1};
+static const int64_t BLOCK_ROWS[4] = {16, RW, 16, 16};
 #if defined(__AVX512F__)
 static const int64_t X_ROWS[4] = {MR, MR, MR16, MR16};
 #else
@@ -566,7 +605,7 @@ static void block_dot(const QMat *w, int path, int64_t t, const float *x, const 
         CASES(C4);
         break;
     case 3:
-#define C5(n) row_dot_rows16(w, t, x, xs, y, add, n)
+#define C5(n) tile8_dot_rows16(w, t, x, xs, y, add, n)
         CASES(C5);
         break;
 #endif
@@ -574,11 +613,11 @@ static void block_dot(const QMat *w, int path, int64_t t, const float *x, const 
     }
 }
 
-/* Whether block_dot_q8 takes W: 4-bit tiles (the AVX-512 ones where the build has VNNI); other
-   codes keep float32 x */
+/* Whether block_dot_q8 takes W: 4-bit tiles, and 8-bit tiles where the build has AVX-512 VNNI;
+   other codes keep float32 x */
 static inline int q8_path(const QMat *w, int path) {
 #if defined(Q8_TILES16)
-    if (path == 2) return 1;
+    if (path == 2 || path == 3) return 1;
 #endif
     return path == 0 && !w->high;
 }
@@ -590,6 +629,11 @@ static void block_dot_q8(const QMat *w, int path, int64_t t, const int8_t *xq, c
     if (path == 2) {
 #define C6(n) tile_dot_rows16_q8(w, t, xq, dx, xs, y, add, n)
         CASES(C6);
+        return;
+    }
+    if (path == 3) {
+#define C8(n) tile8_dot_rows16_q8(w, t, xq, dx, xs, y, add, n)
+        CASES(C8);
         return;
     }
 #endif
@@ -651,6 +695,16 @@ void qmat_gemm_f32(const QMat *w, const float *x, int64_t M, float *xs, float *y
 
 /* whether products over W take 8-bit rows of X where asked (this build's path for W has one) */
 int qmat_has_q8(const QMat *w) { return q8_path(w, path_of(w)); }
+
+/* whether this build walks 8-bit codes in groups of a multiple of 32 as 16-row tiles (path 3:
+   the plane's codes (tiles, k / 32, 8, 16, 4), scale and min (tiles, k / group, 16)) */
+int qmat_tiles8_built(void) {
+#if defined(__AVX512F__)
+    return 1;
+#else
+    return 0;
+#endif
+}
 
 /* B new tokens, one per sequence, through every layer: x (B, hidden) in place. cos / sin: (B,
    rotary_dim / 2), row b's angles. kc / vc: layer 0 of the cache, layer l at l * layer_stride

@@ -363,19 +363,6 @@ static inline __m512 min16(const QMat *w, int64_t i) {
     return w->min ? ld16(w, w->min, i) : _mm512_mul_ps(_mm512_set1_ps(-w->zero), ld16(w, w->scale, i));
 }
 
-/* elements i .. i + 15 of the mins, those past keep zero */
-static inline __m512 min16_masked(const QMat *w, int64_t i, __mmask16 keep) {
-    const float *a = w->min ? w->min : w->scale;
-    __m512 v;
-#if HALF_BUILT
-    if (w->half)
-        v = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(keep, (const uint16_t *)a + i));
-    else
-#endif
-        v = _mm512_maskz_loadu_ps(keep, a + i);
-    return w->min ? v : _mm512_mul_ps(_mm512_set1_ps(-w->zero), v);
-}
-
 /* tile t's 16 outputs of rows m < mr: acc + mins, into out (added to it where add) */
 static inline __attribute__((always_inline)) void store_tile16(const QMat *w, int64_t t,
                                                                const __m512 *acc,
@@ -390,53 +377,38 @@ static inline __attribute__((always_inline)) void store_tile16(const QMat *w, in
     }
 }
 
-/* 4-bit tile t (vpermps reads the low 4 bits of each index: one nibble per lookup) */
-static inline __attribute__((always_inline)) void tile_dot_rows16(const QMat *w, int64_t t,
-                                                                  const float *x, const float *xs,
-                                                                  float *out, int add, const int mr) {
-    const int64_t k = w->k, G = k / w->group, chunks = w->group / 32;
-    const uint8_t *c = w->codes + t * (k / 32) * 256;
-    const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    __m512 acc[MR16], mins[MR16];
-    for (int m = 0; m < mr; m++) acc[m] = mins[m] = _mm512_setzero_ps();
-    for (int64_t g = 0; g < G; g++) {
-        __m512 a0[MR16], a1[MR16];
-        for (int m = 0; m < mr; m++) a0[m] = a1[m] = _mm512_setzero_ps();
-        for (int64_t j = 0; j < chunks; j++) {
-            const int64_t col = (g * chunks + j) * 32;
-            for (int s = 0; s < 8; s++, c += 32) { /* dword i: bytes 2i, 2i + 1 of row i */
-                const __m512i d = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)c));
-                const __m512 q0 = _mm512_permutexvar_ps(d, iota);
-                const __m512 q1 = _mm512_permutexvar_ps(_mm512_srli_epi32(d, 4), iota);
-                const __m512 q2 = _mm512_permutexvar_ps(_mm512_srli_epi32(d, 8), iota);
-                const __m512 q3 = _mm512_permutexvar_ps(_mm512_srli_epi32(d, 12), iota);
-                for (int m = 0; m < mr; m++) {
-                    const float *xc = x + m * k + col;
-                    a0[m] = _mm512_fmadd_ps(q0, _mm512_set1_ps(xc[2 * s]), a0[m]);
-                    a1[m] = _mm512_fmadd_ps(q1, _mm512_set1_ps(xc[16 + 2 * s]), a1[m]);
-                    a0[m] = _mm512_fmadd_ps(q2, _mm512_set1_ps(xc[2 * s + 1]), a0[m]);
-                    a1[m] = _mm512_fmadd_ps(q3, _mm512_set1_ps(xc[17 + 2 * s]), a1[m]);
-                }
-            }
-        }
-        const __m512 sc = ld16(w, w->scale, (t * G + g) * 16), mn = min16(w, (t * G + g) * 16);
-        for (int m = 0; m < mr; m++) {
-            acc[m] = _mm512_fmadd_ps(_mm512_add_ps(a0[m], a1[m]), sc, acc[m]);
-            mins[m] = _mm512_fmadd_ps(mn, _mm512_set1_ps(xs[m * G + g]), mins[m]);
-        }
+/* Tile t of 16 rows, 4-bit (eight = 0) or 8-bit codes: per sub-block s of a 32-column chunk,
+   dword i of a vector holds row i's codes of columns (2s, 2s + 1, 16 + 2s, 17 + 2s): 4-bit
+   tiles as two bytes of nibbles (byte (j, s, i, e): columns 2s + e low, 16 + 2s + e high),
+   8-bit tiles as four bytes (byte (j, s, i, e): column (2s, 2s + 1, 16 + 2s, 17 + 2s)[e]).
+   Bytes of a tile per chunk: */
+#define TILE_CHUNK(eight) ((eight) ? 512 : 256)
+
+/* sub-block s's codes (c: its bytes) as floats, q[e]: column (2s, 2s + 1, 16 + 2s, 17 + 2s)[e]
+   of the 16 rows (vpermps reads the low 4 bits of each index: one nibble per lookup) */
+static inline __attribute__((always_inline)) void tile16_codes(const uint8_t *c, const int eight,
+                                                               __m512 q[4]) {
+    if (eight) {
+        const __m512i d = _mm512_loadu_si512((const void *)c), byte = _mm512_set1_epi32(0xFF);
+        for (int e = 0; e < 3; e++)
+            q[e] = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(d, 8 * e), byte));
+        q[3] = _mm512_cvtepi32_ps(_mm512_srli_epi32(d, 24));
+    } else {
+        const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+        const __m512i d = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)c));
+        q[0] = _mm512_permutexvar_ps(d, iota);
+        q[2] = _mm512_permutexvar_ps(_mm512_srli_epi32(d, 4), iota);
+        q[1] = _mm512_permutexvar_ps(_mm512_srli_epi32(d, 8), iota);
+        q[3] = _mm512_permutexvar_ps(_mm512_srli_epi32(d, 12), iota);
     }
-    store_tile16(w, t, acc, mins, out, add, mr);
 }
 
-/* 8-bit tile t: byte (j, s, i, e) of the tile is row i's code of column 32 j + (2s, 2s + 1,
-   16 + 2s, 17 + 2s)[e], the order of the 4-bit tiles' columns and of the q8 rows of x; groups of
-   a multiple of 32. The same arithmetic as tile_dot_rows16, each code one byte of a dword. */
-static inline __attribute__((always_inline)) void tile8_dot_rows16(const QMat *w, int64_t t,
-                                                                   const float *x, const float *xs,
-                                                                   float *out, int add, const int mr) {
+static inline __attribute__((always_inline)) void tile_dot_rows16(const QMat *w, int64_t t,
+                                                                  const float *x, const float *xs,
+                                                                  float *out, int add, const int mr,
+                                                                  const int eight) {
     const int64_t k = w->k, G = k / w->group, chunks = w->group / 32;
-    const uint8_t *c = w->codes + t * (k / 32) * 512;
-    const __m512i byte = _mm512_set1_epi32(0xFF);
+    const uint8_t *c = w->codes + t * (k / 32) * TILE_CHUNK(eight);
     __m512 acc[MR16], mins[MR16];
     for (int m = 0; m < mr; m++) acc[m] = mins[m] = _mm512_setzero_ps();
     for (int64_t g = 0; g < G; g++) {
@@ -444,18 +416,15 @@ static inline __attribute__((always_inline)) void tile8_dot_rows16(const QMat *w
         for (int m = 0; m < mr; m++) a0[m] = a1[m] = _mm512_setzero_ps();
         for (int64_t j = 0; j < chunks; j++) {
             const int64_t col = (g * chunks + j) * 32;
-            for (int s = 0; s < 8; s++, c += 64) { /* dword i: row i's four codes */
-                const __m512i d = _mm512_loadu_si512((const void *)c);
-                const __m512 q0 = _mm512_cvtepi32_ps(_mm512_and_si512(d, byte));
-                const __m512 q1 = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(d, 8), byte));
-                const __m512 q2 = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(d, 16), byte));
-                const __m512 q3 = _mm512_cvtepi32_ps(_mm512_srli_epi32(d, 24));
+            for (int s = 0; s < 8; s++, c += TILE_CHUNK(eight) / 8) {
+                __m512 q[4];
+                tile16_codes(c, eight, q);
                 for (int m = 0; m < mr; m++) {
                     const float *xc = x + m * k + col;
-                    a0[m] = _mm512_fmadd_ps(q0, _mm512_set1_ps(xc[2 * s]), a0[m]);
-                    a1[m] = _mm512_fmadd_ps(q2, _mm512_set1_ps(xc[16 + 2 * s]), a1[m]);
-                    a0[m] = _mm512_fmadd_ps(q1, _mm512_set1_ps(xc[2 * s + 1]), a0[m]);
-                    a1[m] = _mm512_fmadd_ps(q3, _mm512_set1_ps(xc[17 + 2 * s]), a1[m]);
+                    a0[m] = _mm512_fmadd_ps(q[0], _mm512_set1_ps(xc[2 * s]), a0[m]);
+                    a1[m] = _mm512_fmadd_ps(q[2], _mm512_set1_ps(xc[16 + 2 * s]), a1[m]);
+                    a0[m] = _mm512_fmadd_ps(q[1], _mm512_set1_ps(xc[2 * s + 1]), a0[m]);
+                    a1[m] = _mm512_fmadd_ps(q[3], _mm512_set1_ps(xc[17 + 2 * s]), a1[m]);
                 }
             }
         }
@@ -470,15 +439,16 @@ static inline __attribute__((always_inline)) void tile8_dot_rows16(const QMat *w
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) /* (inside __AVX512F__) */
 #define Q8_TILES16 1
-/* tile_dot_rows16 with 8-bit rows of x: per sub-block, the 16 rows' four codes as the bytes of
-   one dword each, times the chunk's four x codes (one broadcast dword), by VNNI */
+/* tile_dot_rows16 with 8-bit rows of x: sub-block s's 16 dwords of codes (as bytes, in the x
+   codes' column order) times the chunk's four x codes (one broadcast dword), by VNNI */
 static inline __attribute__((always_inline)) void tile_dot_rows16_q8(const QMat *w, int64_t t,
                                                                      const int8_t *xq,
                                                                      const float *dx,
                                                                      const float *xs, float *out,
-                                                                     int add, const int mr) {
+                                                                     int add, const int mr,
+                                                                     const int eight) {
     const int64_t k = w->k, G = k / w->group, chunks = w->group / 32, J = k / 32;
-    const uint8_t *c = w->codes + t * J * 256;
+    const uint8_t *c = w->codes + t * J * TILE_CHUNK(eight);
     const __m512i low = _mm512_set1_epi32(0x0F0F);
     __m512 acc[MR16], mins[MR16];
     for (int m = 0; m < mr; m++) acc[m] = mins[m] = _mm512_setzero_ps();
@@ -488,46 +458,16 @@ static inline __attribute__((always_inline)) void tile_dot_rows16_q8(const QMat 
             const int64_t jj = g * chunks + j;
             __m512i a[MR16];
             for (int m = 0; m < mr; m++) a[m] = _mm512_setzero_si512();
-            for (int s = 0; s < 8; s++, c += 32) { /* dword i: row i's bytes 2i, 2i + 1 */
-                const __m512i d = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)c));
-                const __m512i lo = _mm512_and_si512(d, low);
-                const __m512i hi = _mm512_and_si512(_mm512_srli_epi32(d, 4), low);
-                const __m512i q = _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16));
-                for (int m = 0; m < mr; m++) {
-                    int32_t xv;
-                    memcpy(&xv, xq + m * k + jj * 32 + 4 * s, sizeof xv);
-                    a[m] = _mm512_dpbusd_epi32(a[m], q, _mm512_set1_epi32(xv));
+            for (int s = 0; s < 8; s++, c += TILE_CHUNK(eight) / 8) {
+                __m512i q;
+                if (eight)
+                    q = _mm512_loadu_si512((const void *)c);
+                else { /* dword i: row i's bytes 2i, 2i + 1 -> low nibbles, then high ones */
+                    const __m512i d = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)c));
+                    const __m512i lo = _mm512_and_si512(d, low);
+                    const __m512i hi = _mm512_and_si512(_mm512_srli_epi32(d, 4), low);
+                    q = _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16));
                 }
-            }
-            for (int m = 0; m < mr; m++)
-                acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[m]),
-                                         _mm512_mul_ps(sc, _mm512_set1_ps(dx[m * J + jj])), acc[m]);
-        }
-        for (int m = 0; m < mr; m++)
-            mins[m] = _mm512_fmadd_ps(mn, _mm512_set1_ps(xs[m * G + g]), mins[m]);
-    }
-    store_tile16(w, t, acc, mins, out, add, mr);
-}
-
-/* tile8_dot_rows16 with 8-bit rows of x: a dword of the tile is four codes of one row, times
-   the chunk's four x codes in the same order (one broadcast dword), by VNNI */
-static inline __attribute__((always_inline)) void tile8_dot_rows16_q8(const QMat *w, int64_t t,
-                                                                      const int8_t *xq,
-                                                                      const float *dx,
-                                                                      const float *xs, float *out,
-                                                                      int add, const int mr) {
-    const int64_t k = w->k, G = k / w->group, chunks = w->group / 32, J = k / 32;
-    const uint8_t *c = w->codes + t * J * 512;
-    __m512 acc[MR16], mins[MR16];
-    for (int m = 0; m < mr; m++) acc[m] = mins[m] = _mm512_setzero_ps();
-    for (int64_t g = 0; g < G; g++) {
-        const __m512 sc = ld16(w, w->scale, (t * G + g) * 16), mn = min16(w, (t * G + g) * 16);
-        for (int64_t j = 0; j < chunks; j++) {
-            const int64_t jj = g * chunks + j;
-            __m512i a[MR16];
-            for (int m = 0; m < mr; m++) a[m] = _mm512_setzero_si512();
-            for (int s = 0; s < 8; s++, c += 64) {
-                const __m512i q = _mm512_loadu_si512((const void *)c);
                 for (int m = 0; m < mr; m++) {
                     int32_t xv;
                     memcpy(&xv, xq + m * k + jj * 32 + 4 * s, sizeof xv);
@@ -601,11 +541,11 @@ static void block_dot(const QMat *w, int path, int64_t t, const float *x, const 
     }
 #if defined(__AVX512F__)
     case 2:
-#define C4(n) tile_dot_rows16(w, t, x, xs, y, add, n)
+#define C4(n) tile_dot_rows16(w, t, x, xs, y, add, n, 0)
         CASES(C4);
         break;
     case 3:
-#define C5(n) tile8_dot_rows16(w, t, x, xs, y, add, n)
+#define C5(n) tile_dot_rows16(w, t, x, xs, y, add, n, 1)
         CASES(C5);
         break;
 #endif
@@ -627,12 +567,12 @@ static void block_dot_q8(const QMat *w, int path, int64_t t, const int8_t *xq, c
                          const float *xs, float *y, int add, int64_t mr) {
 #if defined(Q8_TILES16)
     if (path == 2) {
-#define C6(n) tile_dot_rows16_q8(w, t, xq, dx, xs, y, add, n)
+#define C6(n) tile_dot_rows16_q8(w, t, xq, dx, xs, y, add, n, 0)
         CASES(C6);
         return;
     }
     if (path == 3) {
-#define C8(n) tile8_dot_rows16_q8(w, t, xq, dx, xs, y, add, n)
+#define C8(n) tile_dot_rows16_q8(w, t, xq, dx, xs, y, add, n, 1)
         CASES(C8);
         return;
     }

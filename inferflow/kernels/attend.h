@@ -27,6 +27,28 @@ static inline __m512 exp16(__m512 x) {
     p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
     return _mm512_scalef_ps(p, n);
 }
+
+/* lane t = the sum of v[t]'s 16 lanes, for 16 vectors at once: the tree of
+   _mm512_reduce_add_ps (lanes i + i + 8, then i + i + 4, i + i + 2, i + i + 1), so each sum
+   has the same bits as that reduction gives, in ~3 operations a vector instead of ~8 */
+static inline __m512 sum16x16(const __m512 v[16]) {
+    __m512 t[8], u[4], w[2];
+    for (int i = 0; i < 8; i++) /* 128-bit lanes: v[2i]'s (i, i + 8) sums, then v[2i + 1]'s */
+        t[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
+                             _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
+    for (int i = 0; i < 4; i++) /* lane j: v[4i + j]'s 4 sums (+ i + 4) */
+        u[i] = _mm512_add_ps(_mm512_shuffle_f32x4(t[2 * i], t[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(t[2 * i], t[2 * i + 1], 0xDD));
+    for (int i = 0; i < 2; i++) { /* lane j: v[8i + j]'s 2 sums (+ i + 2), then v[8i + 4 + j]'s */
+        const __m512d a = _mm512_castps_pd(u[2 * i]), b = _mm512_castps_pd(u[2 * i + 1]);
+        w[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
+                             _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+    }
+    /* (+ i + 1): element 4j + m is v[4m + j]'s sum */
+    const __m512 z = _mm512_add_ps(_mm512_shuffle_ps(w[0], w[1], 0x88), _mm512_shuffle_ps(w[0], w[1], 0xDD));
+    const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    return _mm512_permutexvar_ps(order, z);
+}
 #endif
 
 /* p[0..n) = exp(p - mx), returns their sum */
@@ -77,7 +99,25 @@ static inline __attribute__((always_inline)) void attend_head(const float *q, co
         const int64_t nv = D / 16;
         __m512 qv[16], acc[16];
         for (int64_t i = 0; i < nv; i++) qv[i] = _mm512_loadu_ps(q + 16 * i);
-        for (int64_t t = 0; t < n; t++) {
+        int64_t t = 0;
+        if (nv <= 8) { /* 16 keys' dot products, then their 16 sums at once */
+            __m512 top = _mm512_set1_ps(-INFINITY);
+            for (; t + 16 <= n; t += 16) {
+                __m512 s[16];
+                for (int u = 0; u < 16; u++) {
+                    const float *k = kc + sl[t + u] * stride + off;
+                    fetch_ahead(kc, sl, t + u, n, stride, off, D);
+                    s[u] = _mm512_mul_ps(qv[0], _mm512_loadu_ps(k));
+                    for (int64_t i = 1; i < nv; i++)
+                        s[u] = _mm512_fmadd_ps(qv[i], _mm512_loadu_ps(k + 16 * i), s[u]);
+                }
+                const __m512 x = _mm512_mul_ps(sum16x16(s), _mm512_set1_ps(scale));
+                _mm512_storeu_ps(p + t, x);
+                top = _mm512_max_ps(top, x);
+            }
+            mx = _mm512_reduce_max_ps(top);
+        }
+        for (; t < n; t++) {
             const float *k = kc + sl[t] * stride + off;
             fetch_ahead(kc, sl, t, n, stride, off, D);
             __m512 s = _mm512_mul_ps(qv[0], _mm512_loadu_ps(k));

@@ -57,6 +57,7 @@ def main() -> int:
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--spec", default="smollm2-135m-instruct")
     ap.add_argument("--dtype", default="float32", help="float32, or act8 (8-bit product inputs)")
+    ap.add_argument("--kv-cache-dtype", default=None, help="float32 (default), bfloat16 or q8")
     args = ap.parse_args()
     lm = load(args.spec, args.dtype)
     spent: collections.Counter = collections.Counter()
@@ -66,7 +67,7 @@ def main() -> int:
     sched = SchedulerConfig(max_batched_tokens=512)
     for warm in (True, False):
         spent.clear()
-        eng = Engine(lm.model, lm.tokenizer, EngineConfig(scheduler=sched))
+        eng = Engine(lm.model, lm.tokenizer, EngineConfig(scheduler=sched, kv_cache_dtype=args.kv_cache_dtype))
         n = 2 if warm else args.n
         for _ in range(n):
             prompt = [rng.randint(1000, 40000) for _ in range(args.prompt_len)]

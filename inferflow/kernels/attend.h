@@ -166,6 +166,22 @@ static inline __attribute__((always_inline)) void fetch_ahead_q8(const uint8_t *
     }
 }
 
+#if defined(__AVX512F__)
+/* a Q8_0 key's products with the query (qv: its 2 nb vectors), summed per lane */
+static inline __attribute__((always_inline)) __m512 key_dot_q8(const __m512 *qv, const uint8_t *k,
+                                                               int64_t nb) {
+    __m512 s = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = k + 34 * b;
+        const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 2))));
+        const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 18))));
+        const __m512 a = _mm512_fmadd_ps(qv[2 * b + 1], hi, _mm512_mul_ps(qv[2 * b], lo));
+        s = _mm512_fmadd_ps(a, _mm512_set1_ps(q8_scale(blk)), s);
+    }
+    return s;
+}
+#endif
+
 /* attend_head over a Q8_0 cache (KVFormat "q8"): a key is D / 32 blocks of 34 bytes at
    kc + sl[t] * stride + off (stride, off in bytes); each block's dot product with the query
    is scaled once. D a multiple of 32. */
@@ -180,17 +196,24 @@ static inline __attribute__((always_inline)) void attend_head_q8(const float *q,
     if (D <= 256) {
         __m512 qv[16], acc[16];
         for (int64_t i = 0; i < 2 * nb; i++) qv[i] = _mm512_loadu_ps(q + 16 * i);
-        for (int64_t t = 0; t < n; t++) {
-            const uint8_t *k = kc + sl[t] * stride + off;
-            fetch_ahead_q8(kc, sl, t, n, stride, off, bytes);
-            __m512 s = _mm512_setzero_ps();
-            for (int64_t b = 0; b < nb; b++) {
-                const uint8_t *blk = k + 34 * b;
-                const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 2))));
-                const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 18))));
-                const __m512 a = _mm512_fmadd_ps(qv[2 * b + 1], hi, _mm512_mul_ps(qv[2 * b], lo));
-                s = _mm512_fmadd_ps(a, _mm512_set1_ps(q8_scale(blk)), s);
+        int64_t t = 0;
+        if (nb <= 4) { /* 16 keys' dot products, then their 16 sums at once (attend_head) */
+            __m512 top = _mm512_set1_ps(-INFINITY);
+            for (; t + 16 <= n; t += 16) {
+                __m512 s[16];
+                for (int u = 0; u < 16; u++) {
+                    fetch_ahead_q8(kc, sl, t + u, n, stride, off, bytes);
+                    s[u] = key_dot_q8(qv, kc + sl[t + u] * stride + off, nb);
+                }
+                const __m512 x = _mm512_mul_ps(sum16x16(s), _mm512_set1_ps(scale));
+                _mm512_storeu_ps(p + t, x);
+                top = _mm512_max_ps(top, x);
             }
+            mx = _mm512_reduce_max_ps(top);
+        }
+        for (; t < n; t++) {
+            fetch_ahead_q8(kc, sl, t, n, stride, off, bytes);
+            const __m512 s = key_dot_q8(qv, kc + sl[t] * stride + off, nb);
             const float x = _mm512_reduce_add_ps(s) * scale;
             p[t] = x;
             if (x > mx) mx = x;

@@ -395,29 +395,35 @@ static inline __attribute__((always_inline)) void store_tile16(const QMat *w, in
     }
 }
 
-/* Tile t of 16 rows, 4-bit (eight = 0) or 8-bit codes: per sub-block s of a 32-column chunk,
-   dword i of a vector holds row i's codes of columns (2s, 2s + 1, 16 + 2s, 17 + 2s): 4-bit
-   tiles as two bytes of nibbles (byte (j, s, i, e): columns 2s + e low, 16 + 2s + e high),
-   8-bit tiles as four bytes (byte (j, s, i, e): column (2s, 2s + 1, 16 + 2s, 17 + 2s)[e]).
-   Bytes of a tile per chunk: */
+/* Tile t of 16 rows, 4-bit (eight = 0) or 8-bit codes, a 32-column chunk at a time: per
+   sub-block s, dword i of a vector holds row i's codes of columns (2s, 2s + 1, 16 + 2s, 17 + 2s)
+   [e] as byte e (8-bit: the chunk's 512 bytes (s, i, e)), or 4-bit ones as byte e's low nibble
+   for an even s and high nibble for the odd s after it (the chunk's 256 bytes (s / 2, i, e)):
+   one mask, or a shift and a mask, gives the VNNI operand of a sub-block. */
 #define TILE_CHUNK(eight) ((eight) ? 512 : 256)
 
-/* sub-block s's codes (c: its bytes) as floats, q[e]: column (2s, 2s + 1, 16 + 2s, 17 + 2s)[e]
-   of the 16 rows (vpermps reads the low 4 bits of each index: one nibble per lookup) */
-static inline __attribute__((always_inline)) void tile16_codes(const uint8_t *c, const int eight,
-                                                               __m512 q[4]) {
+/* sub-block s's 16 dwords of codes as bytes (c: the chunk) */
+static inline __attribute__((always_inline)) __m512i tile16_dwords(const uint8_t *c, int s,
+                                                                   const int eight) {
+    if (eight) return _mm512_loadu_si512((const void *)(c + 64 * s));
+    const __m512i d = _mm512_loadu_si512((const void *)(c + 64 * (s >> 1)));
+    return _mm512_and_si512(s & 1 ? _mm512_srli_epi32(d, 4) : d, _mm512_set1_epi8(0x0F));
+}
+
+/* sub-block s's codes as floats, q[e]: column (2s, 2s + 1, 16 + 2s, 17 + 2s)[e] of the 16 rows
+   (4-bit: vpermps reads the low 4 bits of each index, one nibble per lookup) */
+static inline __attribute__((always_inline)) void tile16_codes(const uint8_t *c, int s,
+                                                               const int eight, __m512 q[4]) {
     if (eight) {
-        const __m512i d = _mm512_loadu_si512((const void *)c), byte = _mm512_set1_epi32(0xFF);
+        const __m512i d = tile16_dwords(c, s, 1), byte = _mm512_set1_epi32(0xFF);
         for (int e = 0; e < 3; e++)
             q[e] = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(d, 8 * e), byte));
         q[3] = _mm512_cvtepi32_ps(_mm512_srli_epi32(d, 24));
     } else {
         const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-        const __m512i d = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)c));
-        q[0] = _mm512_permutexvar_ps(d, iota);
-        q[2] = _mm512_permutexvar_ps(_mm512_srli_epi32(d, 4), iota);
-        q[1] = _mm512_permutexvar_ps(_mm512_srli_epi32(d, 8), iota);
-        q[3] = _mm512_permutexvar_ps(_mm512_srli_epi32(d, 12), iota);
+        const __m512i d = _mm512_loadu_si512((const void *)(c + 64 * (s >> 1)));
+        for (int e = 0; e < 4; e++)
+            q[e] = _mm512_permutexvar_ps(_mm512_srli_epi32(d, 8 * e + 4 * (s & 1)), iota);
     }
 }
 
@@ -434,9 +440,10 @@ static inline __attribute__((always_inline)) void tile_dot_rows16(const QMat *w,
         for (int m = 0; m < mr; m++) a0[m] = a1[m] = _mm512_setzero_ps();
         for (int64_t j = 0; j < chunks; j++) {
             const int64_t col = (g * chunks + j) * 32;
-            for (int s = 0; s < 8; s++, c += TILE_CHUNK(eight) / 8) {
+#pragma GCC unroll 8
+            for (int s = 0; s < 8; s++) {
                 __m512 q[4];
-                tile16_codes(c, eight, q);
+                tile16_codes(c, s, eight, q);
                 for (int m = 0; m < mr; m++) {
                     const float *xc = x + m * k + col;
                     a0[m] = _mm512_fmadd_ps(q[0], _mm512_set1_ps(xc[2 * s]), a0[m]);
@@ -445,6 +452,7 @@ static inline __attribute__((always_inline)) void tile_dot_rows16(const QMat *w,
                     a1[m] = _mm512_fmadd_ps(q[3], _mm512_set1_ps(xc[17 + 2 * s]), a1[m]);
                 }
             }
+            c += TILE_CHUNK(eight);
         }
         const __m512 sc = ld16(w, w->scale, (t * G + g) * 16), mn = min16(w, (t * G + g) * 16);
         for (int m = 0; m < mr; m++) {
@@ -467,7 +475,6 @@ static inline __attribute__((always_inline)) void tile_dot_rows16_q8(const QMat 
                                                                      const int eight) {
     const int64_t k = w->k, G = k / w->group, chunks = w->group / 32, J = k / 32;
     const uint8_t *c = w->codes + t * J * TILE_CHUNK(eight);
-    const __m512i low = _mm512_set1_epi32(0x0F0F);
     __m512 acc[MR16], mins[MR16];
     for (int m = 0; m < mr; m++) acc[m] = mins[m] = _mm512_setzero_ps();
     for (int64_t g = 0; g < G; g++) {
@@ -476,22 +483,15 @@ static inline __attribute__((always_inline)) void tile_dot_rows16_q8(const QMat 
             const int64_t jj = g * chunks + j;
             __m512i a[MR16];
             for (int m = 0; m < mr; m++) a[m] = _mm512_setzero_si512();
-            for (int s = 0; s < 8; s++, c += TILE_CHUNK(eight) / 8) {
-                __m512i q;
-                if (eight)
-                    q = _mm512_loadu_si512((const void *)c);
-                else { /* dword i: row i's bytes 2i, 2i + 1 -> low nibbles, then high ones */
-                    const __m512i d = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)c));
-                    const __m512i lo = _mm512_and_si512(d, low);
-                    const __m512i hi = _mm512_and_si512(_mm512_srli_epi32(d, 4), low);
-                    q = _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16));
-                }
+            for (int s = 0; s < 8; s++) {
+                const __m512i q = tile16_dwords(c, s, eight);
                 for (int m = 0; m < mr; m++) {
                     int32_t xv;
                     memcpy(&xv, xq + m * k + jj * 32 + 4 * s, sizeof xv);
                     a[m] = _mm512_dpbusd_epi32(a[m], q, _mm512_set1_epi32(xv));
                 }
             }
+            c += TILE_CHUNK(eight);
             for (int m = 0; m < mr; m++)
                 acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[m]),
                                          _mm512_mul_ps(sc, _mm512_set1_ps(dx[m * J + jj])), acc[m]);
@@ -506,7 +506,7 @@ static inline __attribute__((always_inline)) void tile_dot_rows16_q8(const QMat 
 
 /* How W is walked: 0 = 4/5-bit tiles (vector types), 1 = 8-bit rows RW at a time (vector
    types), 2 = 4-bit tiles (AVX-512), 3 = 8-bit tiles (AVX-512, groups of 32k). A property of W
-   and the build (qmat_tiles8_built), never of the rows of x. */
+   and the build (qmat_tiles16_built), never of the rows of x. */
 static inline int path_of(const QMat *w) {
 #if defined(__AVX512F__)
     if (w->bits == 4 && !w->high) return 2;
@@ -654,9 +654,11 @@ void qmat_gemm_f32(const QMat *w, const float *x, int64_t M, float *xs, float *y
 /* whether products over W take 8-bit rows of X where asked (this build's path for W has one) */
 int qmat_has_q8(const QMat *w) { return q8_path(w, path_of(w)); }
 
-/* whether this build walks 8-bit codes in groups of a multiple of 32 as 16-row tiles (path 3:
-   the plane's codes (tiles, k / 32, 8, 16, 4), scale and min (tiles, k / group, 16)) */
-int qmat_tiles8_built(void) {
+/* whether this build walks tiles with AVX-512 (paths 2 and 3): 8-bit codes in groups of a
+   multiple of 32 as 16-row tiles (codes (tiles, k / 32, 8, 16, 4), scale and min (tiles, k /
+   group, 16)), and 4-bit tiles with two sub-blocks' nibbles in a byte ((tiles, k / 32, 4, 16,
+   4)); else 8-bit rows and 4-bit tiles of one sub-block's nibbles per two bytes */
+int qmat_tiles16_built(void) {
 #if defined(__AVX512F__)
     return 1;
 #else

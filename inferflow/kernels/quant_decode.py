@@ -48,7 +48,7 @@ def library() -> ctypes.CDLL | None:
     lib.qmat_gemm_f32.restype = None
     lib.qmat_half_built.argtypes, lib.qmat_half_built.restype = [], ctypes.c_int
     lib.qmat_has_q8.argtypes, lib.qmat_has_q8.restype = [ctypes.POINTER(CQMat)], ctypes.c_int
-    lib.qmat_tiles8_built.argtypes, lib.qmat_tiles8_built.restype = [], ctypes.c_int
+    lib.qmat_tiles16_built.argtypes, lib.qmat_tiles16_built.restype = [], ctypes.c_int
     lib.decode_stack.argtypes = [ctypes.POINTER(CLayer), _I64, ctypes.POINTER(CDims), _I64, _P]
     lib.decode_stack.argtypes += [_P, _P, _P, _P, _I64, _P, _I64, _P, _P, ctypes.c_int]
     lib.decode_stack.restype = None
@@ -62,21 +62,23 @@ def half_built() -> bool:
     return lib is not None and bool(lib.qmat_half_built())
 
 
-def tiles8_built() -> bool:
-    """Whether this build's kernels walk 8-bit codes in groups of a multiple of 32 as tiles of
-    16 rows (AVX-512), rather than row by row."""
+def tiles16_built() -> bool:
+    """Whether this build's kernels walk tiles with AVX-512: 8-bit codes in groups of a multiple
+    of 32 as tiles of 16 rows (rather than row by row), and 4-bit tiles with the nibbles of two
+    sub-blocks in one byte (rather than one sub-block's in two bytes)."""
     lib = library()
-    return lib is not None and bool(lib.qmat_tiles8_built())
+    return lib is not None and bool(lib.qmat_tiles16_built())
 
 
 @dataclass
 class QPlane:
     """A weight (n, k) in the layout of ``quant_decode.c``: for <= 16 levels, 4-bit codes in
-    tiles of 16 rows (tiles, k / 32, 8, 16, 2) with scale and min (tiles, k / group, 16); for
-    <= 32 levels in groups of a multiple of 32, the same tiles of the low four bits and
-    ``high``, the fifth bits (tiles, k / 32, 8, 2, 4); else 8-bit codes, in tiles of 16 rows
-    (tiles, k / 32, 8, 16, 4) with tiled scales and mins where the groups are multiples of 32
-    and the build walks them so (``tiles8_built``), or else (n, k) uint8 with scale and min
+    tiles of 16 rows (tiles, k / 32, 8, 16, 2), or (tiles, k / 32, 4, 16, 4) where the build
+    walks tiles with AVX-512 (``tiles16_built``: two sub-blocks' nibbles in a byte), with scale
+    and min (tiles, k / group, 16); for <= 32 levels in groups of a multiple of 32, the first
+    tiles of the low four bits and ``high``, the fifth bits (tiles, k / 32, 8, 2, 4); else 8-bit
+    codes, in tiles of 16 rows (tiles, k / 32, 8, 16, 4) with tiled scales and mins where the
+    groups are multiples of 32 and ``tiles16_built``, or else (n, k) uint8 with scale and min
     (n, k / group). Scales and mins are float32, or float16 where every one is exact in it
     and the build reads them (``half_built``: the file's own float16 fields, 2 bytes less per
     group and per weight array); no mins for a symmetric format (derived as -zero * scale)."""
@@ -131,6 +133,12 @@ class QPlane:
         elif self.bits == 8:  # byte (t, j, s, i, 2h + e): column 32j + 16h + 2s + e
             b = self.codes[t, :, :, i, :].reshape(len(ids), -1, 8, 2, 2).permute(0, 1, 3, 2, 4)
             codes, scale, mn = b.reshape(len(ids), self.k), self.scale[t, :, i], mins[t, :, i]
+        elif self.codes.shape[2] == 4:  # nibble p of byte (t, j, s2, i, 2h + e): column
+            # 32j + 16h + 4 s2 + 2p + e
+            b = self.codes[t, :, :, i, :]  # (N, k / 32, s2, (h, e))
+            b = torch.stack([b & 15, b >> 4], dim=-1).reshape(len(ids), -1, 4, 2, 2, 2)
+            codes = b.permute(0, 1, 3, 2, 5, 4).reshape(len(ids), self.k)
+            scale, mn = self.scale[t, :, i], mins[t, :, i]
         else:  # tile t = id // 16, row i = id % 16; byte (t, j, s, i, e): columns 2s + e, +16
             b = self.codes[t, :, :, i, :].reshape(len(ids), -1, 16)  # (N, k / 32, (s, e))
             codes = torch.cat([b & 15, b >> 4], dim=-1).reshape(len(ids), self.k)
@@ -200,8 +208,8 @@ def make_plane(
     if half_built() and all(torch.equal(t.half().float(), t) for t in kept):
         scale, mn = scale.half(), mn.half()  # (exact: no value changes)
     z = zero if minless and zero is not None else 0  # (minless implies a zero)
-    bits = plane_bits(levels, group)
-    if bits == 8 and (group % 32 or not tiles8_built()):
+    bits, wide = plane_bits(levels, group), tiles16_built()
+    if bits == 8 and (group % 32 or not wide):
         mins = None if minless else mn.contiguous()
         return QPlane(codes.contiguous(), scale.contiguous(), mins, n, k, group, 8, None, z)
     tiles = -(-n // 16)
@@ -218,6 +226,11 @@ def make_plane(
         c = codes.reshape(tiles, 16, k // 32, 2, 8, 2).permute(0, 2, 4, 1, 3, 5)
         packed = c.reshape(tiles, k // 32, 8, 16, 4).contiguous()
         return QPlane(packed, tiled(scale), mins, n, k, group, 8, None, z)
+    if bits == 4 and wide:  # column 32j + 16h + 4 s2 + 2p + e of row 16t + i -> nibble p of
+        # byte (t, j, s2, i, 2h + e)
+        c = codes.reshape(tiles, 16, k // 32, 2, 4, 2, 2).permute(0, 2, 4, 1, 3, 6, 5)
+        packed = (c[..., 0] | (c[..., 1] << 4)).reshape(tiles, k // 32, 4, 16, 4).contiguous()
+        return QPlane(packed, tiled(scale), mins, n, k, group, 4, None, z)
     # column 32j + 16h + 2s + e of row 16t + i -> nibble h of byte (t, j, s, i, e)
     c = (codes & 15 if bits == 5 else codes).reshape(tiles, 16, k // 32, 2, 8, 2)
     packed = (c[:, :, :, 0] | (c[:, :, :, 1] << 4)).permute(0, 2, 3, 1, 4).contiguous()

@@ -299,7 +299,8 @@ def load(
         else:
             log.warning(
                 "dtype %s: no layer of %s has an integer path here (4-bit codes on their C "
-                "plane; AVX-512 builds need VNNI): it runs as float32",
+                "plane, or 8-bit ones with AVX-512 VNNI; AVX-512 builds need VNNI): it runs as "
+                "float32",
                 ACT8,
                 spec.name,
             )

@@ -20,8 +20,8 @@ def add_dtype(p: argparse.ArgumentParser) -> None:
         default="float32",
         choices=DTYPE_CHOICES,
         help="activation and weight dtype; act8: float32, with the inputs of 4-bit quantized "
-        "products rounded to 8 bits per 32 values for integer dot products (faster; not exact, "
-        "as llama.cpp's CPU kernels)",
+        "products (and 8-bit ones on AVX-512 VNNI) rounded to 8 bits per 32 values for integer "
+        "dot products (faster; not exact, as llama.cpp's CPU kernels)",
     )
 
 

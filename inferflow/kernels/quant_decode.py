@@ -152,8 +152,9 @@ class QPlane:
         return w.reshape(len(ids), self.k)
 
     def has_q8(self) -> bool:
-        """Whether ``matmul_f32(x, q8=True)`` takes 8-bit rows of x here (4-bit tiles, and on
-        AVX-512 builds only with VNNI); else it computes as float32."""
+        """Whether ``matmul_f32(x, q8=True)`` takes 8-bit rows of x here (4-bit tiles, on
+        AVX-512 builds only with VNNI; 8-bit tiles, with AVX-512 VNNI); else it computes as
+        float32."""
         lib = library()
         return lib is not None and bool(lib.qmat_has_q8(ctypes.byref(self.struct)))
 
@@ -161,7 +162,7 @@ class QPlane:
         """``x (M, k) float32 @ W.T`` -> (M, n) float32, all rows at once (each unpacked tile of
         codes meets several rows); every row equals ``matvec``'s bit for bit. ``q8``: each row
         of x rounded to 8 bits per 32 values first (``quantize_row_q8``) where the codes have
-        an integer path (4-bit tiles), the same for every row whatever else is in the call."""
+        an integer path (``has_q8``), the same for every row whatever else is in the call."""
         lib = library()
         if lib is None:
             raise RuntimeError("the quant_decode kernel is not available")

@@ -35,7 +35,7 @@ DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
-    # float32 activations, rounded to 8 bits at the inputs of 4-bit products (runtime.load
+    # float32 activations, rounded to 8 bits at the inputs of integer products (runtime.load
     # sets that on the loaded model: quant.linear.set_activations)
     "act8": torch.float32,
 }

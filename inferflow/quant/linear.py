@@ -377,7 +377,8 @@ def plane_kernel(plane: QPlane, q8: bool = False) -> Kernel:
 
 # What ``--dtype`` may name besides torch dtypes: float32 weights and activations, with the
 # inputs of quantized products rounded to 8 bits per 32 values where the codes have an integer
-# path (4-bit tiles: Q4_0, Q4_1, Q4_K, Q4_B32, Q4_B64, ...), as llama.cpp's CPU kernels do
+# path (4-bit tiles: Q4_0, Q4_1, Q4_K, Q4_B32, Q4_B64, ...; with AVX-512 VNNI also 8-bit codes in
+# groups of 32k: Q8_0, Q8), as llama.cpp's CPU kernels do
 ACT8 = "act8"
 
 

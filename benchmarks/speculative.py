@@ -6,21 +6,28 @@ for two kinds of request:
   repeats most of the prompt (where prompt lookup helps);
 - ``free``: "write a short story": little to look up.
 
-    python benchmarks/speculative.py [--concurrency 1,2,4,8] [--lookahead 3] [--max-tokens 128] [--rounds 3] [--draft SPEC]
+    python benchmarks/speculative.py [--concurrency 1,2,4,8] [--lookahead 3] [--max-tokens 128] [--rounds 3] [--draft SPEC | --draft-layers N]
 
 Each round serves N distinct greedy chat requests (all added at t=0) with the plain engine and
 with prompt lookup (and with ``--draft SPEC``'s model when given) back to back, on the same
 engine settings and threads; greedy speculation gives the same tokens, so both generate the
 same count. Reports the median tokens/s over the rounds, the median of the rounds' own ratios
 against the plain engine, and the acceptance rate (accepted / drafted tokens).
+
+No shipped model shares SmolLM2's vocabulary; ``--draft-layers N`` drafts with SmolLM2's own
+first N layers (a copy of its GGUF cut to N blocks, written to a temp dir): a cheap draft that
+rarely agrees, where a request's drafting pauses (SpecConfig.min_acceptance) — measured both
+with the pause and without it ("never paused").
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 import shlex
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -31,6 +38,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from inferflow.engine.engine import Engine, EngineConfig  # noqa: E402
 from inferflow.engine.sampling import SamplingParams  # noqa: E402
 from inferflow.engine.speculative import SpecConfig  # noqa: E402
+from inferflow.loaders.gguf import GGUFSource  # noqa: E402
+from inferflow.loaders.gguf_writer import GGUFTensorPlan, write_gguf  # noqa: E402
 from inferflow.runtime import (  # noqa: E402
     LanguageModel,  # noqa: E402
     encode_prompt,
@@ -84,6 +93,26 @@ def run(
     return n / dt, n, st.acceptance_rate if st.proposed else None
 
 
+def cut_gguf(src_path: str, layers: int, out: Path) -> Path:
+    """A copy of a GGUF with only its first ``layers`` blocks (the same tensors' bytes)."""
+    src = GGUFSource(src_path)
+    arch = src.metadata["general.architecture"]
+    meta = dict(src.metadata) | {f"{arch}.block_count": layers}
+    keep = [
+        n for n in src.names()
+        if not (m := re.match(r"blk\.(\d+)\.", n)) or int(m.group(1)) < layers
+    ]  # fmt: skip
+    plans = [GGUFTensorPlan(n, src.shape(n), src.dtype_name(n)) for n in keep]
+
+    def produce(plan: GGUFTensorPlan) -> object:
+        w = src.get(plan.name)
+        return getattr(w, "data", w)  # a QuantTensor's raw blocks, or the plain tensor
+
+    with out.open("wb") as f:
+        write_gguf(f, meta, plans, produce, dict(src.metadata_types))
+    return out
+
+
 def acceptance(rates: list[float | None]) -> float | None:
     got = [r for r in rates if r is not None]
     return statistics.median(got) if got else None
@@ -96,15 +125,23 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--draft", default=None, help="also a draft model (a spec)")
+    ap.add_argument("--draft-layers", type=int, default=0, help="draft: SmolLM2's first N layers")
     args = ap.parse_args()
     lm = load(SPEC)
-    draft = load(args.draft) if args.draft else None
+    name = args.draft
+    if args.draft_layers:
+        tmp = Path(tempfile.mkdtemp(prefix="inferflow-draft-"))
+        name = str(cut_gguf(lm.spec.source.files[0], args.draft_layers, tmp / "draft.gguf"))
+    draft = load(name) if name else None
     modes: list[tuple[str, SpecConfig | None]] = [
         ("plain", None),
         ("prompt lookup", SpecConfig("ngram", args.lookahead)),
     ]
     if draft is not None:
-        modes.append((f"draft {args.draft}", SpecConfig("draft", args.lookahead)))
+        label = f"{args.draft_layers} layers" if args.draft_layers else args.draft
+        modes.append((f"draft {label}", SpecConfig("draft", args.lookahead)))
+        never = SpecConfig("draft", args.lookahead, min_acceptance=0)
+        modes.append((f"draft {label}, never paused", never))
     rows = []
     for task in ("edit", "free"):
         for n in (int(x) for x in args.concurrency.split(",")):

@@ -142,7 +142,11 @@ def test_greedy_speculation_is_plain_greedy(tiny, method: str, lookahead: int) -
     quantized blocks, see the SmolLM2 test)."""
     target, other = tiny
     draft = {"ngram": None, "draft": other, "self": target}[method]
-    spec = SpecConfig("ngram" if draft is None else "draft", lookahead, max_rows=None)
+    # (drafting never paused: the other model's drafts are rarely accepted, and both outcomes
+    # of the check are wanted here)
+    spec = SpecConfig(
+        "ngram" if draft is None else "draft", lookahead, max_rows=None, min_acceptance=0
+    )
 
     def params(i: int) -> SamplingParams:
         return SamplingParams(max_new_tokens=24 + i, ignore_eos=True, logprobs=2)
@@ -224,6 +228,30 @@ def test_drafts_fill_a_step_up_to_max_rows(tiny) -> None:  # noqa: ANN001
     assert got == want
     # the longest request alone for its last 6 tokens: 3 drafts, all accepted (4 a step)
     assert eng.spec_stats.proposed > eng.spec_stats.steps
+
+
+def test_a_request_pauses_drafting_while_its_drafts_fail(tiny) -> None:  # noqa: ANN001
+    """A draft model that rarely agrees with the target: with min_acceptance, each request
+    stops drafting after a trial of 16 drafts with too few accepted (16 tokens, then 32, ...),
+    so it drafts far fewer tokens, and its tokens stay plain greedy's; with a draft model
+    equal to the target no request ever pauses."""
+    target, other = tiny
+
+    def params(i: int) -> SamplingParams:
+        return SamplingParams(max_new_tokens=120, ignore_eos=True)
+
+    want, _ = _run(target, PROMPTS, params)
+    runs = {}
+    for least in (0.0, 0.2):
+        spec = SpecConfig("draft", 3, max_rows=None, min_acceptance=least)
+        got, eng = _run(target, PROMPTS, params, spec, other)
+        assert got == want
+        runs[least] = eng.spec_stats
+    always, paused = runs[0.0], runs[0.2]  # (measured: 1401 drafts, 1 accepted; 216, 12 pauses)
+    assert always.pauses == 0 and always.acceptance_rate < 0.2
+    assert paused.pauses > 0 and paused.proposed < always.proposed / 2
+    _, same = _run(target, PROMPTS, params, SpecConfig("draft", 3, max_rows=None), target)
+    assert same.spec_stats.pauses == 0 and same.spec_stats.acceptance_rate == 1.0
 
 
 def test_a_draft_model_must_share_the_vocabulary(tmp_path: Path, tiny) -> None:  # noqa: ANN001

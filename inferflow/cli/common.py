@@ -65,6 +65,13 @@ def add_speculation(p: argparse.ArgumentParser) -> None:
         "(4: one request drafts 3, two 1 each, four or more none; 0: no bound)",
     )
     g.add_argument(
+        "--spec-min-acceptance",
+        type=float,
+        default=0.2,
+        help="a request whose drafts are accepted less often than this (over its last 16) "
+        "drafts nothing for 16 tokens, then 32, ... up to 512 (0.2; 0: never pause)",
+    )
+    g.add_argument(
         "--spec-rule",
         default="exact",
         choices=RULES,
@@ -87,4 +94,5 @@ def speculation(args: argparse.Namespace) -> SpecConfig | None:
         ngram_min=args.prompt_lookup_min,
         rule=args.spec_rule,
         max_rows=args.spec_max_rows or None,
+        min_acceptance=args.spec_min_acceptance,
     )

@@ -489,7 +489,7 @@ class Engine(BeamSteps):
         req.status = FINISHED
         req.finish_reason = reason
         if self.spec is not None:
-            self.spec.proposer.forget(req)
+            self.spec.forget(req)
 
 
 def _visible_text(req: Request, stops: tuple[str, ...], final: bool) -> tuple[str, bool]:

@@ -67,6 +67,11 @@ class Metrics:
             "speculative decoding: accepted / drafted tokens so far (0 before any)",
             registry=r,
         )
+        self.pauses = Gauge(
+            "inferflow_spec_decode_pauses",
+            "speculative decoding: times a request stopped drafting for its low acceptance",
+            registry=r,
+        )
         self.e2e = Histogram(
             "inferflow_e2e_request_latency_seconds", "request latency", buckets=LATENCY, registry=r
         )
@@ -82,3 +87,4 @@ class Metrics:
         self.drafted.set(st.proposed)
         self.accepted.set(st.accepted)
         self.acceptance.set(st.acceptance_rate)
+        self.pauses.set(st.pauses)

@@ -540,10 +540,13 @@ static void block_dot(const QMat *w, int path, int64_t t, const float *x, const 
         if (w->high) {
 #define C0(n) tile_dot_rows(w, t, x, xs, y, add, (n) < MR ? (n) : MR, 1)
             CASES(C0);
-        } else {
+        }
+#if !defined(__AVX512F__) /* (AVX-512 builds walk 4-bit tiles by path 2: less to compile) */
+        else {
 #define C1(n) tile_dot_rows(w, t, x, xs, y, add, (n) < MR ? (n) : MR, 0)
             CASES(C1);
         }
+#endif
         break;
     case 1: {
         const int64_t r0 = t * RW, rw = w->n - r0 < RW ? w->n - r0 : RW;
@@ -575,9 +578,14 @@ static void block_dot(const QMat *w, int path, int64_t t, const float *x, const 
    other codes keep float32 x */
 static inline int q8_path(const QMat *w, int path) {
 #if defined(Q8_TILES16)
-    if (path == 2 || path == 3) return 1;
-#endif
+    (void)w;
+    return path == 2 || path == 3;
+#elif defined(__AVX512F__)
+    (void)w, (void)path;
+    return 0;
+#else
     return path == 0 && !w->high;
+#endif
 }
 
 /* block_dot for 8-bit rows of x (q8_path) */
@@ -596,8 +604,12 @@ static void block_dot_q8(const QMat *w, int path, int64_t t, const int8_t *xq, c
     }
 #endif
     (void)path;
+#if !defined(__AVX512F__) /* (q8_path: on AVX-512 builds only paths 2 and 3 take 8-bit x) */
 #define C7(n) tile_dot_rows_q8(w, t, xq, dx, xs, y, add, (n) < MR ? (n) : MR)
     CASES(C7);
+#else
+    (void)w, (void)t, (void)xq, (void)dx, (void)xs, (void)y, (void)add, (void)mr;
+#endif
 }
 
 /* blocks of W (tiles or rows) */

@@ -223,15 +223,20 @@ def make_plane(
 
     codes = pad(codes)
     mins = None if minless else tiled(mn)
+    # (the moves below take the byte pairs (e = 0, 1) of adjacent columns as one int16: half
+    # the elements for torch's strided copy)
     if bits == 8:  # column 32j + 16h + 2s + e of row 16t + i -> byte (t, j, s, i, 2h + e)
-        c = codes.reshape(tiles, 16, k // 32, 2, 8, 2).permute(0, 2, 4, 1, 3, 5)
-        packed = c.reshape(tiles, k // 32, 8, 16, 4).contiguous()
-        return QPlane(packed, tiled(scale), mins, n, k, group, 8, None, z)
+        pairs = codes.contiguous().view(torch.int16).reshape(tiles, 16, k // 32, 2, 8)
+        packed = pairs.permute(0, 2, 4, 1, 3).contiguous().view(torch.uint8)
+        return QPlane(packed.reshape(tiles, k // 32, 8, 16, 4), tiled(scale), mins, n, k, group,
+                      8, None, z)  # fmt: skip
     if bits == 4 and wide:  # column 32j + 16h + 4 s2 + 2p + e of row 16t + i -> nibble p of
         # byte (t, j, s2, i, 2h + e)
-        c = codes.reshape(tiles, 16, k // 32, 2, 4, 2, 2).permute(0, 2, 4, 1, 3, 6, 5)
-        packed = (c[..., 0] | (c[..., 1] << 4)).reshape(tiles, k // 32, 4, 16, 4).contiguous()
-        return QPlane(packed, tiled(scale), mins, n, k, group, 4, None, z)
+        c = codes.reshape(tiles, 16, k // 32, 2, 4, 2, 2)
+        b = (c[..., 0, :] | (c[..., 1, :] << 4)).view(torch.int16).squeeze(-1)
+        packed = b.permute(0, 2, 4, 1, 3).contiguous().view(torch.uint8)
+        return QPlane(packed.reshape(tiles, k // 32, 4, 16, 4), tiled(scale), mins, n, k, group,
+                      4, None, z)  # fmt: skip
     # column 32j + 16h + 2s + e of row 16t + i -> nibble h of byte (t, j, s, i, e)
     c = (codes & 15 if bits == 5 else codes).reshape(tiles, 16, k // 32, 2, 8, 2)
     packed = (c[:, :, :, 0] | (c[:, :, :, 1] << 4)).permute(0, 2, 3, 1, 4).contiguous()

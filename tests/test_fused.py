@@ -34,6 +34,25 @@ def lib():  # noqa: ANN201
     return quant_decode.library()
 
 
+def test_8_bit_tiles_reuse_the_codes_storage(lib) -> None:  # noqa: ANN001
+    """An 8-bit plane in tiles (AVX-512 builds) is laid out in the decoded codes' own storage,
+    a few tiles at a time (1,100 tiles here: two steps), so a large table (Gemma-3's Q8_0
+    embedding, 168 MB) is never held twice; its rows and products stay the codec's."""
+    if not quant_decode.tiles16_built():
+        pytest.skip("this build keeps 8-bit codes as rows (no AVX-512)")
+    g = torch.Generator().manual_seed(0)
+    qt = quantize(torch.randn(16 * 1100, 256, generator=g) * 0.05, "Q8_0")
+    codes, scale, mn = affine_parts(qt)
+    plane = quant_decode.make_plane(codes, scale, mn, 256, 128)
+    assert plane is not None and plane.codes.dim() == 5
+    assert plane.codes.untyped_storage().data_ptr() == codes.untyped_storage().data_ptr()
+    ids = torch.tensor([0, 17, 16 * 1024 + 3, 16 * 1100 - 1])
+    assert torch.equal(plane.rows(ids), qt.dequantize()[ids])
+    x = torch.randn(3, 256, generator=g)
+    ref = x.double() @ qt.dequantize().double().t()
+    assert float((plane.matmul_f32(x) - ref).abs().max()) < 1e-5
+
+
 @pytest.mark.parametrize("name", [*AFFINE_WRITABLE, "Q4_K", "Q5_K", "Q6_K"])
 def test_plane_matvec_matches_dequantize(name: str, lib) -> None:  # noqa: ANN001
     g = torch.Generator().manual_seed(0)

@@ -197,6 +197,7 @@ def make_plane(
 ) -> QPlane | None:
     """The plane of an affine weight (codes (n, k) uint8 < levels; scale, min (n, k / group)
     float32), or None where the kernel cannot take it (no compiler, or not ``plane_takes``).
+    ``codes`` is consumed: 8-bit tiles are laid out in its own storage.
     ``zero``: a symmetric format's code offset (min == -zero * scale): no mins are held where
     the build derives them."""
     n, k = codes.shape
@@ -225,11 +226,17 @@ def make_plane(
     mins = None if minless else tiled(mn)
     # (the moves below take the byte pairs (e = 0, 1) of adjacent columns as one int16: half
     # the elements for torch's strided copy)
-    if bits == 8:  # column 32j + 16h + 2s + e of row 16t + i -> byte (t, j, s, i, 2h + e)
-        pairs = codes.contiguous().view(torch.int16).reshape(tiles, 16, k // 32, 2, 8)
-        packed = pairs.permute(0, 2, 4, 1, 3).contiguous().view(torch.uint8)
-        return QPlane(packed.reshape(tiles, k // 32, 8, 16, 4), tiled(scale), mins, n, k, group,
-                      8, None, z)  # fmt: skip
+    if bits == 8:  # column 32j + 16h + 2s + e of row 16t + i -> byte (t, j, s, i, 2h + e),
+        # in the codes' own storage a few tiles at a time (a tile's bytes stay where its rows
+        # were): no second copy of a large table (Gemma-3's embedding: 168 MB)
+        flat = codes.contiguous().view(tiles, 16 * k)
+        step = max(1, (4 << 20) // (16 * k))
+        for t0 in range(0, tiles, step):
+            chunk = flat[t0 : t0 + step]
+            pairs = chunk.clone().view(torch.int16).reshape(-1, 16, k // 32, 2, 8)
+            chunk.copy_(pairs.permute(0, 2, 4, 1, 3).reshape(len(chunk), -1).view(torch.uint8))
+        return QPlane(flat.view(tiles, k // 32, 8, 16, 4), tiled(scale), mins, n, k, group, 8,
+                      None, z)  # fmt: skip
     if bits == 4 and wide:  # column 32j + 16h + 4 s2 + 2p + e of row 16t + i -> nibble p of
         # byte (t, j, s2, i, 2h + e)
         c = codes.reshape(tiles, 16, k // 32, 2, 4, 2, 2)

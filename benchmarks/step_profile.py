@@ -67,7 +67,11 @@ def main() -> int:
     sched = SchedulerConfig(max_batched_tokens=512)
     for warm in (True, False):
         spent.clear()
-        eng = Engine(lm.model, lm.tokenizer, EngineConfig(scheduler=sched, kv_cache_dtype=args.kv_cache_dtype))
+        eng = Engine(
+            lm.model,
+            lm.tokenizer,
+            EngineConfig(scheduler=sched, kv_cache_dtype=args.kv_cache_dtype),
+        )
         n = 2 if warm else args.n
         for _ in range(n):
             prompt = [rng.randint(1000, 40000) for _ in range(args.prompt_len)]

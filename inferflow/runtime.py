@@ -270,7 +270,7 @@ def load(
     re-quantizes every linear layer, "none" runs everything in float. ``tokenizer``: one
     already made by ``tokenizer_for(spec)`` (checks that need no weights ran on it)."""
     spec = ref if isinstance(ref, Spec) else load_spec(ref)
-    act8 = dtype == ACT8  # float32, with 8-bit inputs into 4-bit products (quant.linear)
+    act8 = dtype == ACT8  # float32, with 8-bit inputs into integer products (quant.linear)
     dt = parse_dtype(dtype) if isinstance(dtype, str) else dtype
     q = quant_for(spec, quant)
     if spec.partition is not None:  # every rank loads its own share (inferflow.parallel)
@@ -299,8 +299,8 @@ def load(
         else:
             log.warning(
                 "dtype %s: no layer of %s has an integer path here (4-bit codes on their C "
-                "plane, or 8-bit ones with AVX-512 VNNI; AVX-512 builds need VNNI): it runs as "
-                "float32",
+                "plane; on AVX-512 builds only with VNNI, which also takes 8-bit codes): it runs "
+                "as float32",
                 ACT8,
                 spec.name,
             )

@@ -319,7 +319,7 @@ def _map(path: Path) -> np.memmap[Any, np.dtype[np.uint8]]:
 def _parse(
     mm: np.ndarray, path: Path, with_tensors: bool = True, known: _Header | None = None
 ) -> _Header:
-    """The header; with ``known`` (this file's key/values as ``_layout`` keeps them), the
+    """The header; with ``known`` (this file's key/values as ``_file_layout`` keeps them), the
     key/values are not parsed again: the tensor infos are read from where they end."""
     cur = _Cursor(mm.data, path)  # a memoryview of the mapping: no copy
     cur.pos = 4
@@ -459,17 +459,7 @@ def _file_key(path: Path) -> tuple[Path, int, int]:
 def _key_values(path: Path) -> _Header:
     key = _file_key(path)
     header = _parsed_key_values(*key)
-    if key not in _layouts:  # what a GGUFSource of this file needs, kept past forget_metadata
-        if len(_layouts) >= 16:
-            _layouts.pop(next(iter(_layouts)))
-        short = {
-            k: v
-            for k, v in header.metadata.items()
-            if not (isinstance(v, list) and len(v) > LONG_ARRAY)
-        }
-        _layouts[key] = _Header(
-            header.version, short, header.metadata_types, {}, header.alignment, 0, header.kv_end
-        )
+    _file_layout(*key)  # (made now, from this parse, for a GGUFSource opened after forgetting)
     return header
 
 
@@ -478,15 +468,15 @@ def _parsed_key_values(path: Path, mtime_ns: int, size: int) -> _Header:
     return _parse(_map(path), path, with_tensors=False)
 
 
-# file key -> its key/values without the long arrays, and where they end (a few KiB each)
-_layouts: dict[tuple[Path, int, int], _Header] = {}
-
-
-def _layout(path: Path) -> _Header:
-    key = _file_key(path)
-    if key not in _layouts:
-        _key_values(path)
-    return _layouts[key]
+@functools.lru_cache(maxsize=16)
+def _file_layout(path: Path, mtime_ns: int, size: int) -> _Header:
+    """The key/values without the long arrays, and where they end (a few KiB; kept past
+    forget_metadata): what a GGUFSource needs to read its tensor infos."""
+    h = _parsed_key_values(path, mtime_ns, size)
+    short = {
+        k: v for k, v in h.metadata.items() if not (isinstance(v, list) and len(v) > LONG_ARRAY)
+    }
+    return _Header(h.version, short, h.metadata_types, {}, h.alignment, 0, h.kv_end)
 
 
 def forget_metadata() -> None:
@@ -532,7 +522,7 @@ class GGUFSource:
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         self._mm: np.ndarray | None = _map(self.path)
-        header = _parse(self._mm, self.path, known=_layout(self.path))
+        header = _parse(self._mm, self.path, known=_file_layout(*_file_key(self.path)))
         self.version = header.version
         self.metadata = GgufMetadata(self.path, header.metadata, list(header.metadata_types))
         # key -> GGUF type path, e.g. (UINT32,) or (ARRAY, STRING): what a writer needs

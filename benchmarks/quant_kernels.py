@@ -8,6 +8,8 @@ Per format, (in -> out) shape and batch N, the median time of one call of each p
     bf16       F.linear on a kept bf16 copy, bf16 activations (the "cache a dense copy" option)
     plane      QuantLinear's C planes (its path for every call), float32 in and out, the same
                operations per row whatever the batch
+    plane/act8 the same under ``--dtype act8``: x rounded to 8 bits per 32 values, integer
+               dot products where the plane has them (QPlane.has_q8)
     int4pack   QuantLinear's int4pack kernel, bf16 activations (the chosen path for other affine
                formats)
     int4p/f32  the same with float32 activations: includes the casts in and out
@@ -36,13 +38,29 @@ import torch
 from torch.nn import functional as F
 
 from inferflow.quant import quantize
-from inferflow.quant.linear import Int4Pack, QuantLinear, int4pack_kernel, pack_int4
+from inferflow.quant.linear import (
+    Int4Pack,
+    QuantLinear,
+    int4pack_kernel,
+    pack_int4,
+    plane_kernel,
+)
 from inferflow.quant.tensor import QuantTensor
 
 # SmolLM2-135M (in, out): wo/wq, wk and wv, ffn up/gate, ffn down, output head
 SHAPES = [(576, 576), (576, 192), (576, 1536), (1536, 576), (576, 49152)]
 DEFAULT_FORMATS = "Q4_0,Q4_1,Q8_0,Q4_B32,Q4_B64,Q8,Q6,Q5,Q3_B32,Q3H,Q2"
-PATHS = ["fp32", "bf16", "plane", "int4pack", "int4p/f32", "tiled", "full", "int8pack"]
+PATHS = [
+    "fp32",
+    "bf16",
+    "plane",
+    "plane/act8",
+    "int4pack",
+    "int4p/f32",
+    "tiled",
+    "full",
+    "int8pack",
+]
 MAX_COPIES = 4096
 
 Call = Callable[[], object]
@@ -90,9 +108,11 @@ def _int4(ql: QuantLinear, p: Int4Pack, x: torch.Tensor) -> Callable[[], Call]:
     return make
 
 
-def _plane(qt: QuantTensor, x: torch.Tensor) -> Callable[[], Call]:
+def _plane(qt: QuantTensor, x: torch.Tensor, act8: bool = False) -> Callable[[], Call]:
     def make() -> Call:
         c = QuantLinear(QuantTensor(qt.data.clone(), qt.format, qt.shape))  # its own planes
+        if act8:
+            c.kernel = plane_kernel(c.plane, True)  # type: ignore[arg-type]
         return lambda: c(x)
 
     return make
@@ -138,6 +158,7 @@ def run_shape(fmt: str, inp: int, out: int, batches: list[int], ws: float, budge
         us["fp32"], us["bf16"] = _DENSE_CACHE[inp, out, n]
         if fast.kernel_name == "plane":
             us["plane"] = bench(_plane(qt, x), fast.nbytes, ws, budget)
+            us["plane/act8"] = bench(_plane(qt, x, act8=True), fast.nbytes, ws, budget)
         if pack is not None:
             us["int4pack"] = bench(_int4(fast, pack, xb), pack.nbytes, ws, budget)
             us["int4p/f32"] = bench(_int4(fast, pack, x), pack.nbytes, ws, budget)

@@ -8,8 +8,10 @@ Everything here is derived from data the project already has, so there is no tab
   mistral is a llama GGUF); the two networks must agree in everything but tensor names, rope
   pairing and an attention window llama.cpp has no place for (logged as dropped where it
   binds); another difference is refused, naming the settings that differ;
-- tensor names: the HF template's preset maps each checkpoint name to a canonical one, the
-  ``gguf`` preset maps canonical names back to llama.cpp's;
+- tensor names: the HF template's preset and plain ``map`` rules take each checkpoint name to a
+  canonical one, the ``gguf`` preset takes canonical names back to llama.cpp's;
+- norm weights: where the two templates' norms are RMS norms scaling by different offsets + w
+  (Gemma's HF ``rms_offset`` stores w - 1, llama.cpp's ``rms`` w), the difference is added;
 - rope pairing: where the HF template rotates halves and the GGUF template adjacent pairs
   (llama), the q/k rows of every head are reordered as llama.cpp's converter does;
 - hyperparameters: config.json read through ``HF_CONFIG_KEYS`` and written under ``GGUF_KEYS``;
@@ -31,14 +33,16 @@ from typing import Any
 
 import torch
 
+from inferflow.blocks.norm import NORMS, RMSNorm
 from inferflow.errors import CheckpointError
 from inferflow.loaders.base import Weight, WeightSource
 from inferflow.loaders.gguf import GGUFValueType as V
 from inferflow.model.binding import rope_rows
-from inferflow.model.names import PRESETS
+from inferflow.model.names import PRESETS, NameMap
 from inferflow.paths import read_json
 from inferflow.spec import BUILTIN_DIR, GGUF_TEMPLATES, _network, read_doc
 from inferflow.spec.hparams import GGUF_KEYS, from_hf_config
+from inferflow.spec.types import MapEntry
 from inferflow.tokenizer.gguf_vocab import BPE_PRE_TOKENIZER_SPLITS
 
 logger = logging.getLogger(__name__)
@@ -60,12 +64,14 @@ HPARAM_TYPES: dict[str, int] = {
 NORMAL, CONTROL, USER_DEFINED, UNUSED = 1, 3, 4, 5
 _GPT2_BYTE_LEVEL = BPE_PRE_TOKENIZER_SPLITS["gpt-2"]  # ByteLevel(use_regex=True)'s own split
 _DIGITS = r"\p{N}"  # Digits(individual_digits=True)
+_LAYER = re.compile(r"\w+\.(\d+)\.")  # a canonical name's layer index
 
 
 @dataclasses.dataclass(frozen=True)
 class _Rename:
     gguf: str
     permute_heads: int = 0  # > 0: reorder rows from half to adjacent rope pairs, per head
+    offset: float = 0.0  # added to a norm's weights (another norm kind's layout)
 
 
 # Hugging Face model types llama.cpp runs as another architecture (its convert_hf_to_gguf.py
@@ -114,10 +120,30 @@ def _comparable(net: Any, window: Any) -> Any:
     )
 
 
+def _norm_offset(hf: str | None, gguf: str | None) -> float | None:
+    """What a norm weight of kind ``hf`` needs added to be one of kind ``gguf``: nothing for the
+    same kind, the offsets' difference for two RMS norms (scale by offset + w); None: no way."""
+    if hf == gguf:
+        return 0.0
+    a, b = NORMS.get(hf) if hf else None, NORMS.get(gguf) if gguf else None
+    rms = [isinstance(c, type) and issubclass(c, RMSNorm) for c in (a, b)]
+    return float(a.offset - b.offset) if all(rms) else None  # type: ignore[union-attr]
+
+
 def _renames(
     hf: str, arch: str, names: list[str], hp: dict[str, Any], tied: bool
 ) -> dict[str, _Rename]:
     hf_net, gguf_net = _networks(hf, arch)
+    qk_gguf = gguf_net.attention.qk_norm
+    offsets = {
+        "norm": _norm_offset(hf_net.norm, gguf_net.norm),
+        "qk": _norm_offset(hf_net.attention.qk_norm, qk_gguf),
+    }  # a norm convertible by an offset compares as llama.cpp's; another stays a difference
+    if offsets["norm"] is not None:
+        hf_net = dataclasses.replace(hf_net, norm=gguf_net.norm)
+    if offsets["qk"] is not None:
+        attention = dataclasses.replace(hf_net.attention, qk_norm=qk_gguf)
+        hf_net = dataclasses.replace(hf_net, attention=attention)
     window = gguf_net.attention.sliding_window
     a, b = _comparable(hf_net, window), _comparable(gguf_net, window)
     if a != b:
@@ -126,28 +152,36 @@ def _renames(
             f"{hf}: the Hugging Face network (specs/arch/{hf}.yaml) differs from llama.cpp's "
             f"(specs/gguf/{arch}.yaml) in: {', '.join(diff)}; a GGUF of it would not run the same"
         )
-    if hf_net.tensors.map or gguf_net.tensors.map:
-        raise CheckpointError(f"{hf}: templates with tensors.map rules are not convertible yet")
+    if gguf_net.tensors.map:
+        raise CheckpointError(f"{arch}: GGUF templates with tensors.map rules are not supported")
     permute = _pairings(hf_net) != _pairings(gguf_net)
     if permute and hp.get("rope_partial", 1.0) != 1.0:
         raise CheckpointError(f"{hf}: partial rotary with a rope pairing change is unsupported")
     to_gguf = {v: k for k, v in PRESETS.get(str(gguf_net.tensors.preset)).items()}
     heads = {"wq": int(hp["n_heads"]), "wk": int(hp.get("n_kv_heads") or hp["n_heads"])}
-    rules = [
-        (re.compile(re.escape(pattern).replace(r"\{i\}", r"(\d+)") + r"\Z"), canon)
-        for pattern, canon in PRESETS.get(str(hf_net.tensors.preset)).items()
-    ]
+    name_map = NameMap(hf_net.tensors)
     out: dict[str, _Rename] = {}
     for name in names:  # the checkpoint's order
-        for rx, canon in rules:
-            m = rx.match(name)
-            target = to_gguf.get(canon) if m else None
-            if m is None or target is None or (tied and canon == "dec.output.weight"):
-                continue
-            layer = m.group(1) if m.groups() else None
-            n = heads.get(canon.split(".")[-2], 0) if permute else 0
-            out[name] = _Rename(target.replace("{i}", layer) if layer else target, n)
-            break
+        uses = name_map(name)
+        if not uses:
+            continue
+        e = uses[0].entry
+        if len(uses) > 1 or e != MapEntry(e.source, e.target):
+            raise CheckpointError(
+                f"{name}: mapped by {uses[0].origin} with steps or to several tensors; only "
+                "one-to-one renames convert to a GGUF yet"
+            )
+        canon = uses[0].target
+        m = _LAYER.match(canon)
+        layer = m.group(1) if m else None
+        target = to_gguf.get(canon.replace(f".{layer}.", ".{i}.", 1) if layer else canon)
+        if target is None or (tied and canon == "dec.output.weight"):
+            continue
+        module = canon.split(".")[-2]
+        n = heads.get(module, 0) if permute else 0
+        is_norm = module.endswith("norm") and canon.endswith(".weight")
+        offset = offsets["qk" if module in ("q_norm", "k_norm") else "norm"] if is_norm else 0.0
+        out[name] = _Rename(target.replace("{i}", layer) if layer else target, n, offset or 0.0)
     return out
 
 
@@ -332,6 +366,11 @@ class HFAsGGUF:
                     "an even size"
                 )
             w = rope_rows(w, heads, "adjacent").contiguous()
+        offset = self._renames[src].offset
+        if offset:
+            if not isinstance(w, torch.Tensor):
+                raise CheckpointError(f"{src}: a quantized norm weight cannot take its offset")
+            w = w.float() + offset
         return w
 
     def __iter__(self) -> Iterator[tuple[str, Weight]]:

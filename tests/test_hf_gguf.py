@@ -34,14 +34,19 @@ def tiny_hf(out: Path, model_type: str = "llama", tied: bool = False, **cfg: Any
     g = smollm2_path()
     tok = tf.AutoTokenizer.from_pretrained(str(g.parent), gguf_file=g.name)
     tok.save_pretrained(out)
-    config_class = {"llama": tf.LlamaConfig, "qwen2": tf.Qwen2Config, "mistral": tf.MistralConfig}
+    config_class = {
+        "llama": tf.LlamaConfig, "qwen2": tf.Qwen2Config, "mistral": tf.MistralConfig,
+        "gemma": tf.GemmaConfig,
+    }  # fmt: skip
     shape = dict(
         hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=256,
-    )  # fmt: skip
+    ) | cfg  # fmt: skip
+    if model_type == "gemma":  # its head_dim defaults to 256, not hidden / heads
+        shape.setdefault("head_dim", shape["hidden_size"] // shape["num_attention_heads"])
     config = config_class[model_type](
         vocab_size=len(tok), tie_word_embeddings=tied, bos_token_id=tok.bos_token_id,
-        eos_token_id=tok.eos_token_id, **(shape | cfg),
+        eos_token_id=tok.eos_token_id, **shape,
     )  # fmt: skip
     torch.manual_seed(0)
     model = tf.AutoModelForCausalLM.from_config(config).eval()
@@ -72,15 +77,16 @@ def _same_logits(gguf_path: Path, hf_dir: Path, bound: float) -> None:
 
 @pytest.mark.parametrize(
     ("model_type", "tied"),
-    [("llama", False), ("llama", True), ("qwen2", False), ("mistral", False)],
+    [("llama", False), ("llama", True), ("qwen2", False), ("mistral", False), ("gemma", True)],
 )
 def test_hf_directory_to_gguf_runs_as_transformers(
     tmp_path: Path, model_type: str, tied: bool
 ) -> None:
     """llama: q/k rows permuted to adjacent pairs (the GGUF template's rope); qwen2: kept, with
     q/k/v biases; mistral: a llama GGUF, as llama.cpp's converter writes it (its window of
-    4096 is wider than the 256 positions: nothing dropped); tied: no output.weight. The GGUF
-    needs no spec: its architecture names the template."""
+    4096 is wider than the 256 positions: nothing dropped); gemma: its norms' weights stored as
+    1 + w (HF's w with rms_offset; randomize moved them off 0, so a missing 1 shows); tied: no
+    output.weight. The GGUF needs no spec: its architecture names the template."""
     hf_dir = tiny_hf(tmp_path / "hf", model_type, tied)
     out = convert_checkpoint(hf_dir, tmp_path / "m.gguf", type_name="F32")
     _same_logits(out, hf_dir, 1e-4)
@@ -101,8 +107,8 @@ def test_llama_permutation_matters(llama_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "unpermuted.gguf"
     original = _Rename.__init__
 
-    def no_permute(self: _Rename, gguf: str, permute_heads: int = 0) -> None:
-        original(self, gguf, 0)
+    def no_permute(self: _Rename, gguf: str, permute_heads: int = 0, offset: float = 0) -> None:
+        original(self, gguf, 0, offset)
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(_Rename, "__init__", no_permute)

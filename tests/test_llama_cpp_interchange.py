@@ -271,3 +271,13 @@ def test_llama_cpp_runs_a_converted_hf_mistral(llama_bin: Path, tmp_path: Path) 
     hf_dir = tiny_hf(tmp_path / "hf", "mistral", hidden_size=256, intermediate_size=512)
     out = convert_checkpoint(hf_dir, tmp_path / "mistral.gguf", type_name="F32")
     _check_agreement(llama_bin, out, 0.95, 600)
+
+
+@pytest.mark.slow
+def test_llama_cpp_runs_a_converted_hf_gemma(llama_bin: Path, tmp_path: Path) -> None:
+    """A Gemma directory made a gemma GGUF by `convert` (its norms' weights as 1 + w, the head
+    tied): llama.cpp's greedy tokens are Inferflow's top-1 (measured 768/768; with our side
+    reading the norms as 1 + w again, 10/2214)."""
+    hf_dir = tiny_hf(tmp_path / "hf", "gemma", True, hidden_size=256, intermediate_size=512)
+    out = convert_checkpoint(hf_dir, tmp_path / "gemma.gguf", type_name="F32")
+    _check_agreement(llama_bin, out, 0.95, 600)

@@ -8,13 +8,15 @@ Everything here is derived from data the project already has, so there is no tab
   mistral is a llama GGUF); the two networks must agree in everything but tensor names, rope
   pairing and an attention window llama.cpp has no place for (logged as dropped where it
   binds); another difference is refused, naming the settings that differ;
-- tensor names: the HF template's preset and plain ``map`` rules take each checkpoint name to a
-  canonical one, the ``gguf`` preset takes canonical names back to llama.cpp's;
+- tensor names: the HF template's preset and ``map`` rules (renames, transposed or not: GPT-2's
+  Conv1D) take each checkpoint name to a canonical one, the GGUF template's preset and renames
+  take canonical names back to llama.cpp's;
 - norm weights: where the two templates' norms are RMS norms scaling by different offsets + w
   (Gemma's HF ``rms_offset`` stores w - 1, llama.cpp's ``rms`` w), the difference is added;
 - rope pairing: where the HF template rotates halves and the GGUF template adjacent pairs
   (llama), the q/k rows of every head are reordered as llama.cpp's converter does;
-- hyperparameters: config.json read through ``HF_CONFIG_KEYS`` and written under ``GGUF_KEYS``;
+- hyperparameters: config.json read through ``HF_CONFIG_KEYS`` and written under ``GGUF_KEYS``
+  (a norm's epsilon under the RMS or the LayerNorm key, as the GGUF template's norm is);
 - tokenizer: byte-level BPE ``tokenizer.json`` (tokens, types, merges, the pre-tokenizer's
   llama.cpp name), special ids and the chat template from ``tokenizer_config.json``.
 
@@ -72,6 +74,7 @@ class _Rename:
     gguf: str
     permute_heads: int = 0  # > 0: reorder rows from half to adjacent rope pairs, per head
     offset: float = 0.0  # added to a norm's weights (another norm kind's layout)
+    transpose: bool = False  # stored (in, out), as GPT-2's Conv1D
 
 
 # Hugging Face model types llama.cpp runs as another architecture (its convert_hf_to_gguf.py
@@ -98,11 +101,14 @@ def gguf_architecture(config: dict[str, Any], where: str) -> tuple[str, str]:
     return kind, known[kind]
 
 
+def _gguf_network(arch: str) -> Any:
+    """The network of the GGUF template of ``arch``."""
+    return _network(read_doc(GGUF_TEMPLATES / f"{arch}.yaml")["network"])
+
+
 def _networks(hf: str, arch: str) -> tuple[Any, Any]:
     """The networks of the HF template ``hf`` and the GGUF template of ``arch``."""
-    hf_doc = read_doc(BUILTIN_DIR / "arch" / f"{hf}.yaml")["network"]
-    gguf_doc = read_doc(GGUF_TEMPLATES / f"{arch}.yaml")["network"]
-    return _network(hf_doc), _network(gguf_doc)
+    return _network(read_doc(BUILTIN_DIR / "arch" / f"{hf}.yaml")["network"]), _gguf_network(arch)
 
 
 def _pairings(net: Any) -> tuple[str, ...]:
@@ -130,6 +136,17 @@ def _norm_offset(hf: str | None, gguf: str | None) -> float | None:
     return float(a.offset - b.offset) if all(rms) else None  # type: ignore[union-attr]
 
 
+def _plain_names(tensors: Any, arch: str) -> dict[str, str]:
+    """A GGUF template's names -> canonical ones: its preset, with its map's renames replacing
+    the preset's rule for the same name (GPT-2's ffn_up is a plain FFN's w1, not a gate's w3)."""
+    table = dict(PRESETS.get(str(tensors.preset))) if tensors.preset else {}
+    for e in tensors.map:
+        if e != MapEntry(e.source, e.target):
+            raise CheckpointError(f"specs/gguf/{arch}.yaml: {e.source!r} is not a plain rename")
+        table[e.source] = e.target
+    return table
+
+
 def _renames(
     hf: str, arch: str, names: list[str], hp: dict[str, Any], tied: bool
 ) -> dict[str, _Rename]:
@@ -152,12 +169,10 @@ def _renames(
             f"{hf}: the Hugging Face network (specs/arch/{hf}.yaml) differs from llama.cpp's "
             f"(specs/gguf/{arch}.yaml) in: {', '.join(diff)}; a GGUF of it would not run the same"
         )
-    if gguf_net.tensors.map:
-        raise CheckpointError(f"{arch}: GGUF templates with tensors.map rules are not supported")
     permute = _pairings(hf_net) != _pairings(gguf_net)
     if permute and hp.get("rope_partial", 1.0) != 1.0:
         raise CheckpointError(f"{hf}: partial rotary with a rope pairing change is unsupported")
-    to_gguf = {v: k for k, v in PRESETS.get(str(gguf_net.tensors.preset)).items()}
+    to_gguf = {v: k for k, v in _plain_names(gguf_net.tensors, arch).items()}
     heads = {"wq": int(hp["n_heads"]), "wk": int(hp.get("n_kv_heads") or hp["n_heads"])}
     name_map = NameMap(hf_net.tensors)
     out: dict[str, _Rename] = {}
@@ -166,10 +181,10 @@ def _renames(
         if not uses:
             continue
         e = uses[0].entry
-        if len(uses) > 1 or e != MapEntry(e.source, e.target):
+        if len(uses) > 1 or e != MapEntry(e.source, e.target, transpose=e.transpose):
             raise CheckpointError(
                 f"{name}: mapped by {uses[0].origin} with steps or to several tensors; only "
-                "one-to-one renames convert to a GGUF yet"
+                "one-to-one renames (transposed or not) convert to a GGUF yet"
             )
         canon = uses[0].target
         m = _LAYER.match(canon)
@@ -181,7 +196,8 @@ def _renames(
         n = heads.get(module, 0) if permute else 0
         is_norm = module.endswith("norm") and canon.endswith(".weight")
         offset = offsets["qk" if module in ("q_norm", "k_norm") else "norm"] if is_norm else 0.0
-        out[name] = _Rename(target.replace("{i}", layer) if layer else target, n, offset or 0.0)
+        gguf = target.replace("{i}", layer) if layer else target
+        out[name] = _Rename(gguf, n, offset or 0.0, e.transpose)
     return out
 
 
@@ -191,9 +207,12 @@ def _hparam_metadata(
     meta: dict[str, Any] = {"general.architecture": arch}
     types: dict[str, tuple[int, ...]] = {"general.architecture": (V.STRING,)}
     dropped: list[str] = []
+    norm = NORMS.get(_gguf_network(arch).norm)
+    rms = isinstance(norm, type) and issubclass(norm, RMSNorm)
     for ours, keys in GGUF_KEYS.items():
         if ours in hp and ours in HPARAM_TYPES and not isinstance(hp[ours], (list, dict)):
-            key = keys[0].format(arch=arch)
+            # the norm's epsilon under the key llama.cpp reads for the GGUF's kind of norm
+            key = keys[0 if rms or len(keys) == 1 else 1].format(arch=arch)
             vtype = HPARAM_TYPES[ours]
             meta[key] = float(hp[ours]) if vtype == V.FLOAT32 else int(hp[ours])
             types[key] = (vtype,)
@@ -348,7 +367,8 @@ class HFAsGGUF:
         return self._names[name]
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return self._inner.shape(self._names[name])
+        shape = self._inner.shape(self._names[name])
+        return shape[::-1] if self._renames[self._names[name]].transpose else shape
 
     def dtype_name(self, name: str) -> str:
         return self._inner.dtype_name(self._names[name])
@@ -366,6 +386,10 @@ class HFAsGGUF:
                     "an even size"
                 )
             w = rope_rows(w, heads, "adjacent").contiguous()
+        if self._renames[src].transpose:
+            if not isinstance(w, torch.Tensor):
+                raise CheckpointError(f"{src}: a quantized (in, out) tensor cannot be transposed")
+            w = w.t().contiguous()
         offset = self._renames[src].offset
         if offset:
             if not isinstance(w, torch.Tensor):

@@ -36,7 +36,7 @@ def tiny_hf(out: Path, model_type: str = "llama", tied: bool = False, **cfg: Any
     tok.save_pretrained(out)
     config_class = {
         "llama": tf.LlamaConfig, "qwen2": tf.Qwen2Config, "mistral": tf.MistralConfig,
-        "gemma": tf.GemmaConfig,
+        "gemma": tf.GemmaConfig, "gpt2": tf.GPT2Config,
     }  # fmt: skip
     shape = dict(
         hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -44,6 +44,9 @@ def tiny_hf(out: Path, model_type: str = "llama", tied: bool = False, **cfg: Any
     ) | cfg  # fmt: skip
     if model_type == "gemma":  # its head_dim defaults to 256, not hidden / heads
         shape.setdefault("head_dim", shape["hidden_size"] // shape["num_attention_heads"])
+    if model_type == "gpt2":  # no GQA; its FFN width is n_inner
+        del shape["num_key_value_heads"]
+        shape["n_inner"] = shape.pop("intermediate_size")
     config = config_class[model_type](
         vocab_size=len(tok), tie_word_embeddings=tied, bos_token_id=tok.bos_token_id,
         eos_token_id=tok.eos_token_id, **shape,
@@ -77,8 +80,11 @@ def _same_logits(gguf_path: Path, hf_dir: Path, bound: float) -> None:
 
 @pytest.mark.parametrize(
     ("model_type", "tied"),
-    [("llama", False), ("llama", True), ("qwen2", False), ("mistral", False), ("gemma", True)],
-)
+    [
+        ("llama", False), ("llama", True), ("qwen2", False), ("mistral", False),
+        ("gemma", True), ("gpt2", True),
+    ],
+)  # fmt: skip
 def test_hf_directory_to_gguf_runs_as_transformers(
     tmp_path: Path, model_type: str, tied: bool
 ) -> None:
@@ -107,8 +113,8 @@ def test_llama_permutation_matters(llama_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "unpermuted.gguf"
     original = _Rename.__init__
 
-    def no_permute(self: _Rename, gguf: str, permute_heads: int = 0, offset: float = 0) -> None:
-        original(self, gguf, 0, offset)
+    def no_permute(self: _Rename, gguf: str, permute_heads: int = 0, *rest: Any) -> None:
+        original(self, gguf, 0, *rest)
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(_Rename, "__init__", no_permute)

@@ -274,10 +274,15 @@ def test_llama_cpp_runs_a_converted_hf_mistral(llama_bin: Path, tmp_path: Path) 
 
 
 @pytest.mark.slow
-def test_llama_cpp_runs_a_converted_hf_gemma(llama_bin: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize(("model_type", "measured"), [("gemma", "768/768"), ("gpt2", "768/768")])
+def test_llama_cpp_runs_converted_hf_gemma_and_gpt2(
+    llama_bin: Path, tmp_path: Path, model_type: str, measured: str
+) -> None:
     """A Gemma directory made a gemma GGUF by `convert` (its norms' weights as 1 + w, the head
-    tied): llama.cpp's greedy tokens are Inferflow's top-1 (measured 768/768; with our side
-    reading the norms as 1 + w again, 10/2214)."""
-    hf_dir = tiny_hf(tmp_path / "hf", "gemma", True, hidden_size=256, intermediate_size=512)
-    out = convert_checkpoint(hf_dir, tmp_path / "gemma.gguf", type_name="F32")
+    tied), a GPT-2 one a gpt2 GGUF (Conv1D weights transposed, LayerNorm's epsilon under
+    llama.cpp's key for it): llama.cpp's greedy tokens are Inferflow's top-1 (measured:
+    ``measured`` of the positions; Gemma with our side adding the 1 twice 10/2214, GPT-2 with
+    the epsilon under the RMS key: llama.cpp refuses the file)."""
+    hf_dir = tiny_hf(tmp_path / "hf", model_type, True, hidden_size=256, intermediate_size=512)
+    out = convert_checkpoint(hf_dir, tmp_path / f"{model_type}.gguf", type_name="F32")
     _check_agreement(llama_bin, out, 0.95, 600)

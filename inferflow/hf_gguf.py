@@ -17,8 +17,10 @@ Everything here is derived from data the project already has, so there is no tab
   (llama), the q/k rows of every head are reordered as llama.cpp's converter does;
 - hyperparameters: config.json read through ``HF_CONFIG_KEYS`` and written under ``GGUF_KEYS``
   (a norm's epsilon under the RMS or the LayerNorm key, as the GGUF template's norm is);
-- tokenizer: byte-level BPE ``tokenizer.json`` (tokens, types, merges, the pre-tokenizer's
-  llama.cpp name), special ids and the chat template from ``tokenizer_config.json``.
+- tokenizer: a BPE ``tokenizer.json``, byte-level (tokens, types, merges, the pre-tokenizer's
+  llama.cpp name) or sentencepiece's (byte fallback, '▁' for spaces: llama.cpp's 'llama' model,
+  scores in the merges' order, whether a '▁' goes first), special ids and the chat template
+  from ``tokenizer_config.json``.
 
 What has no place in the GGUF is logged as dropped (unmapped tensors, rope scaling, a tokenizer
 of another kind).
@@ -63,7 +65,10 @@ HPARAM_TYPES: dict[str, int] = {
     "max_positions": V.UINT32,
 }  # (bos / eos ids are the tokenizer's keys: tokenizer_metadata writes them)
 # GGUF token types (gguf-py TokenType)
-NORMAL, CONTROL, USER_DEFINED, UNUSED = 1, 3, 4, 5
+NORMAL, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 3, 4, 5, 6
+MAX_TOKENIZER_JSON_BYTES = 1 << 28  # Gemma-3's tokenizer.json is 33 MB
+_BYTE_TOKEN = re.compile(r"<0x[0-9A-F]{2}>")  # a byte-fallback token
+_UNMERGED = -1e9  # the score of a sentencepiece token no merge makes (a single character)
 _GPT2_BYTE_LEVEL = BPE_PRE_TOKENIZER_SPLITS["gpt-2"]  # ByteLevel(use_regex=True)'s own split
 _DIGITS = r"\p{N}"  # Digits(individual_digits=True)
 _LAYER = re.compile(r"\w+\.(\d+)\.")  # a canonical name's layer index
@@ -259,43 +264,91 @@ def _read_optional_json(path: Path) -> dict[str, Any]:
     return data if isinstance(data, dict) else {}
 
 
-def tokenizer_metadata(
-    directory: Path, vocab_size: int, hp: dict[str, Any]
-) -> tuple[dict[str, Any], dict[str, tuple[int, ...]], list[str]]:
-    """llama.cpp's tokenizer.* keys from a byte-level BPE tokenizer.json (+ its config)."""
-    path = directory / "tokenizer.json"
-    if not path.is_file():
-        return {}, {}, [f"the tokenizer ({path.name} not found; llama.cpp needs one to run)"]
-    tj = read_json(path)
-    model = tj.get("model", {}) if isinstance(tj, dict) else {}
-    if model.get("type") != "BPE" or not isinstance(model.get("vocab"), dict):
-        return (
-            {},
-            {},
-            [f"the tokenizer (a {model.get('type')!r} tokenizer.json; only byte-level BPE)"],
-        )
+def _byte_level_keys(tj: dict[str, Any]) -> dict[str, Any]:
+    """llama.cpp's model and pre-tokenizer keys of a byte-level BPE tokenizer.json."""
     try:
         splits = _pre_tokenizer(tj.get("pre_tokenizer") or {})
     except CheckpointError as e:
-        return {}, {}, [f"the tokenizer (its {e}, which llama.cpp has no name for)"]
+        raise CheckpointError(f"its {e}, which llama.cpp has no name for") from None
     pre = next((k for k, v in BPE_PRE_TOKENIZER_SPLITS.items() if v == splits), None)
     if pre is None or pre == "default":
-        return {}, {}, ["the tokenizer (a pre-tokenizer llama.cpp has no name for)"]
+        raise CheckpointError("a pre-tokenizer llama.cpp has no name for")
+    return {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": pre}
+
+
+def _steps(part: Any, key: str) -> list[dict[str, Any]]:
+    if not isinstance(part, dict):
+        return []
+    return list(part.get(key, [])) if part.get("type") == "Sequence" else [part]
+
+
+def _sentencepiece_keys(tj: dict[str, Any], tokens: list[str], merges: list[str]) -> dict[str, Any]:
+    """llama.cpp's keys of a sentencepiece BPE tokenizer.json (byte fallback, '▁' for spaces):
+    model 'llama', whether a '▁' goes first, and scores ranking each token by the first merge
+    that makes it (llama.cpp merges by score, sentencepiece by the same order the merges keep)."""
+    space = prefix = False
+    for step in _steps(tj.get("normalizer"), "normalizers"):
+        pattern = step.get("pattern", {}).get("String")
+        if step.get("type") == "Replace" and pattern == " " and step.get("content") == "▁":
+            space = True
+        elif step.get("type") == "Prepend" and step.get("prepend") == "▁":
+            prefix = True
+        else:
+            raise CheckpointError(f"a normalizer step {step.get('type')!r}")
+    for step in _steps(tj.get("pre_tokenizer"), "pretokenizers"):
+        kind = step.get("type")
+        if kind == "Metaspace" and step.get("replacement") == "▁" and not step.get("split"):
+            space, prefix = True, prefix or step.get("prepend_scheme", "always") != "never"
+        # a Split on " " after the normalizer spelled spaces '▁' splits nothing
+        elif not (kind == "Split" and space and step.get("pattern") == {"String": " "}):
+            raise CheckpointError(f"a pre-tokenizer step {kind!r}")
+    if not space:
+        raise CheckpointError("spaces not spelled '▁'")
+    ids = {t: i for i, t in enumerate(tokens)}
+    scores = [_UNMERGED] * len(tokens)
+    for rank, merge in enumerate(merges):
+        i = ids.get(merge.replace(" ", "", 1))
+        if i is not None and scores[i] == _UNMERGED:
+            scores[i] = -float(rank)
+    return {
+        "tokenizer.ggml.model": "llama",
+        "tokenizer.ggml.pre": "default",
+        "tokenizer.ggml.scores": scores,
+        "tokenizer.ggml.add_space_prefix": prefix,
+    }
+
+
+def tokenizer_metadata(
+    directory: Path, vocab_size: int, hp: dict[str, Any]
+) -> tuple[dict[str, Any], dict[str, tuple[int, ...]], list[str]]:
+    """llama.cpp's tokenizer.* keys from a BPE tokenizer.json, byte-level or sentencepiece's
+    (byte fallback), with its config's special tokens and chat template."""
+    path = directory / "tokenizer.json"
+    if not path.is_file():
+        return {}, {}, [f"the tokenizer ({path.name} not found; llama.cpp needs one to run)"]
+    tj = read_json(path, MAX_TOKENIZER_JSON_BYTES)
+    model = tj.get("model", {}) if isinstance(tj, dict) else {}
+    if model.get("type") != "BPE" or not isinstance(model.get("vocab"), dict):
+        kind = model.get("type")
+        return {}, {}, [f"the tokenizer (a {kind!r} tokenizer.json; only BPE)"]
+    spm = bool(model.get("byte_fallback"))
     added = {int(a["id"]): a for a in tj.get("added_tokens", [])}
     n = max(vocab_size, len(model["vocab"]), max(added, default=-1) + 1)
     tokens = [f"[PAD{i}]" for i in range(n)]
     types = [UNUSED] * n
     for tok, i in model["vocab"].items():
-        tokens[i], types[i] = tok, NORMAL
+        tokens[i], types[i] = tok, BYTE if spm and _BYTE_TOKEN.fullmatch(tok) else NORMAL
     for i, a in added.items():
         tokens[i], types[i] = a["content"], CONTROL if a.get("special") else USER_DEFINED
     merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
-    meta: dict[str, Any] = {
-        "tokenizer.ggml.model": "gpt2",
-        "tokenizer.ggml.pre": pre,
+    try:
+        keys = _sentencepiece_keys(tj, tokens, merges) if spm else _byte_level_keys(tj)
+    except CheckpointError as e:
+        return {}, {}, [f"the tokenizer ({e})"]
+    meta: dict[str, Any] = keys | {
         "tokenizer.ggml.tokens": tokens,
         "tokenizer.ggml.token_type": types,
-        "tokenizer.ggml.merges": merges,
+        "tokenizer.ggml.merges": merges,  # (llama.cpp ranks sentencepiece merges by the scores)
     }
     vt: dict[str, tuple[int, ...]] = {
         "tokenizer.ggml.model": (V.STRING,),
@@ -303,7 +356,10 @@ def tokenizer_metadata(
         "tokenizer.ggml.tokens": (V.ARRAY, V.STRING),
         "tokenizer.ggml.token_type": (V.ARRAY, V.INT32),
         "tokenizer.ggml.merges": (V.ARRAY, V.STRING),
+        "tokenizer.ggml.scores": (V.ARRAY, V.FLOAT32),
+        "tokenizer.ggml.add_space_prefix": (V.BOOL,),
     }
+    vt = {k: v for k, v in vt.items() if k in meta}
     cfg = _read_optional_json(directory / "tokenizer_config.json")
     ids = {a["content"]: i for i, a in added.items()}
     for role in ("bos", "eos", "unk", "pad"):

@@ -1,6 +1,7 @@
 """`inferflow convert HF_DIR -o X.gguf` writes a llama.cpp model: llama.cpp's names, hyperparameter
-keys with the value types llama.cpp checks, the byte-level BPE tokenizer and chat template, and
-llama's q/k rows permuted for llama.cpp's rope. Checked here against transformers (the same
+keys with the value types llama.cpp checks, the BPE tokenizer (byte-level or sentencepiece's) and
+chat template, llama's q/k rows permuted for llama.cpp's rope, Gemma's norms as 1 + w and GPT-2's
+Conv1D weights transposed. Checked here against transformers (the same
 logits from the GGUF as from the HF model, the same token ids from the GGUF's tokenizer) and
 gguf-py (what the file declares); llama.cpp itself runs these files in
 test_llama_cpp_interchange.py."""
@@ -13,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import gguf
+import numpy as np
 import pytest
 import torch
 import transformers as tf
@@ -22,16 +24,18 @@ from inferflow.convert import convert_checkpoint
 from inferflow.errors import CheckpointError
 from inferflow.quantize import quantize_checkpoint
 from inferflow.runtime import load
-from tests.conftest import all_logits, randomize, smollm2_path
+from tests.conftest import all_logits, gemma3_path, randomize, smollm2_path
 
 PROMPTS = ("The capital of France is", "def fibonacci(n):\n    return", "<|im_start|>user\nHi")
 
 
-def tiny_hf(out: Path, model_type: str = "llama", tied: bool = False, **cfg: Any) -> Path:
-    """A random tiny model of ``model_type`` saved by transformers with SmolLM2's tokenizer
-    (as transformers reads it from SmolLM2's GGUF): config.json, model.safetensors,
+def tiny_hf(
+    out: Path, model_type: str = "llama", tied: bool = False, vocab: Path | None = None, **cfg: Any
+) -> Path:
+    """A random tiny model of ``model_type`` saved by transformers with the tokenizer of the GGUF
+    ``vocab`` (SmolLM2's by default) as transformers reads it: config.json, model.safetensors,
     tokenizer.json, tokenizer_config.json, chat_template.jinja."""
-    g = smollm2_path()
+    g = vocab or smollm2_path()
     tok = tf.AutoTokenizer.from_pretrained(str(g.parent), gguf_file=g.name)
     tok.save_pretrained(out)
     config_class = {
@@ -103,6 +107,40 @@ def test_hf_directory_to_gguf_runs_as_transformers(
     assert arch == ("llama" if model_type == "mistral" else model_type)
     if model_type == "qwen2":
         assert {"blk.0.attn_q.bias", "blk.1.attn_v.bias"} <= names
+
+
+def test_sentencepiece_tokenizer_to_gguf(tmp_path: Path) -> None:
+    """A Gemma directory with Gemma-3's sentencepiece BPE tokenizer.json (byte fallback, '▁' for
+    spaces, 262k tokens): the GGUF's 'llama' tokenizer encodes every prompt as tokenizers does,
+    and its keys are llama.cpp's own Gemma-3 GGUF's: the same tokens and token types (but for
+    the runs of spaces), no space prefix, and scores in the same order among merged tokens."""
+    src = gemma3_path()
+    hf_dir = tiny_hf(tmp_path / "hf", "gemma", True, vocab=src)
+    out = convert_checkpoint(hf_dir, tmp_path / "m.gguf", type_name="F32")
+    _same_logits(out, hf_dir, 1e-4)
+    ours, theirs = gguf.GGUFReader(out).fields, gguf.GGUFReader(src).fields
+    assert ours["tokenizer.ggml.model"].contents() == "llama"
+    assert ours["tokenizer.ggml.add_space_prefix"].contents() is False
+    tokens, original = ours["tokenizer.ggml.tokens"].contents(), theirs["tokenizer.ggml.tokens"]
+    runs = {i for i, t in enumerate(original.contents()) if t and not t.strip(" ")}
+    # llama.cpp's converter writes Gemma's 30 runs of spaces with spaces, as user-defined tokens;
+    # the tokenizer.json has them as '▁' runs among the merged ones
+    assert len(runs) == 30 and all(tokens[i] == "▁" * len(original.contents()[i]) for i in runs)
+    assert [t for i, t in enumerate(tokens) if i not in runs] == [
+        t for i, t in enumerate(original.contents()) if i not in runs
+    ]
+    types = ours["tokenizer.ggml.token_type"].contents()
+    want = theirs["tokenizer.ggml.token_type"].contents()
+    assert [t for i, t in enumerate(types) if i not in runs] == [
+        t for i, t in enumerate(want) if i not in runs
+    ]
+    ours_s = np.asarray(ours["tokenizer.ggml.scores"].contents())
+    theirs_s = np.asarray(theirs["tokenizer.ggml.scores"].contents())
+    merged = (np.asarray(types) == 1) & (ours_s > -1e9)
+    merged[list(runs)] = False
+    assert merged.sum() > 200_000
+    order = np.argsort(-theirs_s[merged], kind="stable")
+    assert (np.diff(ours_s[merged][order]) <= 0).all()
 
 
 def test_llama_permutation_matters(llama_dir: Path, tmp_path: Path) -> None:

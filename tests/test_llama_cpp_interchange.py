@@ -6,6 +6,7 @@ llama-cpp-python's source distribution once and cached (tools/build_llama_cpp.py
 from __future__ import annotations
 
 import importlib.util
+import re
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -22,11 +23,11 @@ from inferflow.engine.generate import new_cache
 from inferflow.model.batch import FlatBatch
 from inferflow.quantize import quantize_checkpoint
 from inferflow.runtime import load
-from tests.conftest import smollm2_path
+from tests.conftest import gemma3_path, smollm2_path
 from tests.test_hf_gguf import tiny_hf
 
 ROOT = Path(__file__).resolve().parent.parent
-NORMAL, CONTROL = 1, 3  # GGUF token types
+NORMAL, CONTROL, BYTE = 1, 3, 6  # GGUF token types
 PROMPTS = (
     "The capital of France is",
     "Once upon a time, in a small village,",
@@ -75,13 +76,25 @@ def _llama_greedy(bin_dir: Path, model: Path, prompt: str, n: int = TOKENS) -> b
 
 def _token_bytes(model: Path) -> list[bytes]:
     """Each token's bytes as llama.cpp prints them (gguf-py's view of the file; control tokens
-    print nothing)."""
+    print nothing): a byte-level BPE token's bytes through GPT-2's byte table, a sentencepiece
+    one's with '▁' for a space, a byte-fallback token ``<0xXX>`` its byte."""
     byte_of = {c: b for b, c in bytes_to_unicode().items()}
     field = gguf.GGUFReader(model).fields
     tokens = field["tokenizer.ggml.tokens"].contents()
     types = field["tokenizer.ggml.token_type"].contents()
+    spm = field["tokenizer.ggml.model"].contents() == "llama"
+
+    def normal(tok: str) -> bytes:
+        return tok.replace("▁", " ").encode() if spm else bytes(byte_of[c] for c in tok)
+
     return [
-        b"" if t == CONTROL else bytes(byte_of[c] for c in tok) if t == NORMAL else tok.encode()
+        b""
+        if t == CONTROL
+        else normal(tok)
+        if t == NORMAL
+        else bytes([int(tok[3:5], 16)])
+        if t == BYTE
+        else tok.encode()
         for tok, t in zip(tokens, types, strict=True)
     ]
 
@@ -270,6 +283,44 @@ def test_llama_cpp_runs_a_converted_hf_mistral(llama_bin: Path, tmp_path: Path) 
     as llama too): llama.cpp's greedy tokens are Inferflow's top-1 (measured 766/768)."""
     hf_dir = tiny_hf(tmp_path / "hf", "mistral", hidden_size=256, intermediate_size=512)
     out = convert_checkpoint(hf_dir, tmp_path / "mistral.gguf", type_name="F32")
+    _check_agreement(llama_bin, out, 0.95, 600)
+
+
+def _llama_prompt_ids(bin_dir: Path, model: Path, text: str) -> list[int]:
+    """The token ids llama.cpp makes of ``text`` (as its --verbose-prompt lists them)."""
+    run = subprocess.run(
+        [str(bin_dir / "llama-completion"), "-m", str(model), "-p", text, "-n", "0",
+         "-no-cnv", "--verbose-prompt", "--no-warmup", "-t", "2"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    log = run.stdout + run.stderr
+    head = re.search(r"number of tokens in prompt = (\d+)", log)
+    assert head is not None, log[-2000:]
+    return [int(i) for i in re.findall(r" I +(\d+) -> '", log[head.end() :])[: int(head[1])]]
+
+
+SPM_TEXTS = (
+    "Hello  world, it's 2026!",
+    "tabs\tand\nnew lines\n\n  indented",
+    "<b>bold</b> and <start_of_turn>user",
+    "ünïcödé ☃ 😀 ﬁ — “quotes”",
+    "    four spaces, then     five",
+)
+
+
+@pytest.mark.slow
+def test_llama_cpp_reads_a_converted_sentencepiece_tokenizer(
+    llama_bin: Path, tmp_path: Path
+) -> None:
+    """A Gemma directory with Gemma-3's sentencepiece tokenizer.json (262k tokens, byte
+    fallback, user-defined and control tokens) made a GGUF by `convert`: llama.cpp makes the
+    same token ids of each text as we do (with the scores all equal it does not: llama.cpp
+    merges by score), and its greedy tokens are ours (768/768)."""
+    hf_dir = tiny_hf(tmp_path / "hf", "gemma", True, vocab=gemma3_path())
+    out = convert_checkpoint(hf_dir, tmp_path / "gemma.gguf", type_name="F32")
+    tok = load(str(out))._tok()
+    for text in SPM_TEXTS:
+        assert _llama_prompt_ids(llama_bin, out, text) == tok.encode(text), text
     _check_agreement(llama_bin, out, 0.95, 600)
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import logging
+import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -173,19 +174,24 @@ def _tiny_bpe_metadata() -> dict[str, Any]:
     }
 
 
-def _tiny_spm_metadata() -> dict[str, Any]:
+def _spm_tokens_and_types() -> tuple[list[str], list[int]]:
     specials = ["<unk>", "<s>", "</s>", "<start_of_turn>", "<think>"]
     types = [2, 3, 3, 3, 4]
     pieces = ["▁", "e", "h", "l", "o", "w", "r", "d", "t", "▁h", "he", "ll", "▁he", "llo", "▁hello"]
     pieces += ["hello", "▁w", "or", "▁wor", "ld", "▁world", "▁t", "▁th", "th", "▁the", "日", "本"]
     pieces += ["日本", "▁▁", "▁▁▁▁", "\n", "x"]
     tokens = specials + [f"<0x{b:02X}>" for b in range(256)] + pieces
-    scores = [0.0] * len(specials) + [0.0] * 256 + [-float(i // 2) for i in range(len(pieces))]
+    return tokens, types + [6] * 256 + [1] * len(pieces)
+
+
+def _tiny_spm_metadata() -> dict[str, Any]:
+    tokens, types = _spm_tokens_and_types()
+    scores = [0.0] * 261 + [-float(i // 2) for i in range(len(tokens) - 261)]
     return {
         "tokenizer.ggml.model": "llama",
         "tokenizer.ggml.tokens": tokens,
         "tokenizer.ggml.scores": scores,  # pairs of equal scores exercise tie order
-        "tokenizer.ggml.token_type": types + [6] * 256 + [1] * len(pieces),
+        "tokenizer.ggml.token_type": types,
         "tokenizer.ggml.bos_token_id": 1,
         "tokenizer.ggml.eos_token_id": 2,
         "tokenizer.ggml.unknown_token_id": 0,
@@ -202,8 +208,23 @@ def tiny(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     return Pair(Tokenizer.from_gguf_metadata(metadata), ref, 0.0)
 
 
+def _prefix_rules_differ(pair: Pair, text: str) -> bool:
+    """transformers' GGUF reader puts a sentencepiece vocabulary's space prefix once, where the
+    text does not begin with a space; llama.cpp (and we) before every piece of text: the first,
+    also after a space, and each after a special or user-defined token. Where the two differ,
+    ours is checked against llama.cpp itself (test_llama_cpp_interchange's sentencepiece
+    test)."""
+    if pair.ours.piece_style != "sentencepiece":
+        return False
+    specials = [t for t, k in zip(*_spm_tokens_and_types(), strict=True) if k in (3, 4)]
+    pieces = re.split("|".join(map(re.escape, specials)), text)
+    return pieces[0].startswith(" ") or any(pieces[1:])
+
+
 @pytest.mark.parametrize("text", TEXTS + ["<think>hello the world</think>", "hello  world"])
 def test_tiny_gguf_matches_transformers(tiny: Pair, text: str) -> None:
+    if _prefix_rules_differ(tiny, text):
+        pytest.skip("space prefix: transformers and llama.cpp differ here; checked with llama.cpp")
     _check_parity(tiny, text)
 
 

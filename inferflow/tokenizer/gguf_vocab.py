@@ -266,14 +266,15 @@ def build_sentencepiece_bpe(vocab: GgufVocab) -> BackendTokenizer:
             byte_fallback=True,
         )
     )
-    # llama.cpp's default; transformers' LlamaTokenizer prepends to the first text piece only
-    # (prepend_scheme 'first'), not after every special token as llama.cpp does.
+    # llama.cpp's default. As llama.cpp (and Llama 2's own tokenizer.json) do, a '▁' goes before
+    # every piece of text, the first and each after a special or user-defined token, also where
+    # the text begins with a space (transformers' GGUF reader prepends once, and only where the
+    # text does not begin with one).
     add_space_prefix = bool(vocab.get("add_space_prefix", True))
-    backend.normalizer = normalizers.Replace(" ", "▁")
-    if add_space_prefix:
-        backend.pre_tokenizer = pre_tokenizers.Metaspace(
-            replacement="▁", prepend_scheme="first", split=False
-        )
+    space = normalizers.Replace(" ", "▁")
+    backend.normalizer = (
+        normalizers.Sequence([normalizers.Prepend("▁"), space]) if add_space_prefix else space
+    )
     steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
     if add_space_prefix:
         steps.append(decoders.Strip(content=" ", left=1, right=0))

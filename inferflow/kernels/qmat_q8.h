@@ -1,0 +1,108 @@
+/* The q8 products' pieces on vector types (--dtype act8): rows of x as 8-bit codes, their
+   group sums, and 4-bit tiles times them. Part of quant_decode.c (after qmat.h). */
+#ifndef INFERFLOW_QMAT_Q8_H
+#define INFERFLOW_QMAT_Q8_H
+
+#include "qmat.h"
+
+/* 8-bit activations (the "q8" products): each row of x as int8 codes per 32 columns, x ~= dx *
+   xq with dx = max |x| / 127 and xq = rint(x * 127 / max |x|) (nearest even), the 32 codes of
+   chunk j stored in the tiles' order: byte 4s + e is column (2s, 2s + 1, 16 + 2s, 17 + 2s)[e].
+   A 4-bit tile's chunk is then one integer dot product per row (exact), times scale * dx in
+   float32; the mins' term keeps x's float group sums. Integer sums are exact in any order; the
+   float32 operations after them are fixed per build, as for float32 x, so a row's result
+   never depends on the other rows. */
+static void quantize_row_q8(const float *x, int64_t k, int8_t *xq, float *dx) {
+    for (int64_t j = 0; j < k / 32; j++) {
+        const float *c = x + 32 * j;
+        int8_t *o = xq + 32 * j;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+        /* the same operations 16 at a time: cvtps rounds to nearest even as rintf does, and
+           |x * id| <= 127 (+ rounding) needs no clamp; columns 2s, 2s + 1 of lo and of hi are
+           interleaved as 16-bit pairs */
+        const __m512 lo = _mm512_loadu_ps(c), hi = _mm512_loadu_ps(c + 16);
+        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+        const float id = amax > 0.f ? 127.f / amax : 0.f;
+        dx[j] = amax / 127.f;
+        const __m512 vid = _mm512_set1_ps(id);
+        const __m128i l = _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(lo, vid)));
+        const __m128i h = _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(hi, vid)));
+        _mm_storeu_si128((__m128i *)o, _mm_unpacklo_epi16(l, h));
+        _mm_storeu_si128((__m128i *)(o + 16), _mm_unpackhi_epi16(l, h));
+#else
+        float amax = 0.f;
+        for (int i = 0; i < 32; i++) {
+            const float a = fabsf(c[i]);
+            amax = a > amax ? a : amax;
+        }
+        const float id = amax > 0.f ? 127.f / amax : 0.f;
+        dx[j] = amax / 127.f;
+        for (int s = 0; s < 8; s++) {
+            const float v[4] = {c[2 * s], c[2 * s + 1], c[16 + 2 * s], c[17 + 2 * s]};
+            for (int e = 0; e < 4; e++) {
+                const float r = rintf(v[e] * id);
+                o[4 * s + e] = (int8_t)(r > 127.f ? 127.f : (r < -127.f ? -127.f : r));
+            }
+        }
+#endif
+    }
+}
+
+/* The mins' term of 8-bit rows takes the group sums of the rounded row (dx * xq), as the codes'
+   term does: the product is then sum((scale * code + min) * dx * xq), whose error is the
+   weights' own size times x's rounding, not the codes' offset's (128 for Q8_0) times it. */
+static void q8_group_sums(const QMat *w, const int8_t *xq, const float *dx, float *xs) {
+    const int64_t chunks = w->group / 32;
+    for (int64_t g = 0; g < w->k / w->group; g++) {
+        float s = 0.f;
+        for (int64_t j = g * chunks; j < (g + 1) * chunks; j++) {
+            int32_t q = 0;
+            for (int i = 0; i < 32; i++) q += xq[32 * j + i];
+            s += dx[j] * (float)q;
+        }
+        xs[g] = s;
+    }
+}
+
+/* tile_dot_rows with 8-bit rows of x (xq, dx: their codes and scales, k / 32 per row) */
+static inline __attribute__((always_inline)) void tile_dot_rows_q8(const QMat *w, int64_t t,
+                                                                   const int8_t *xq, const float *dx,
+                                                                   const float *xs, float *out,
+                                                                   int add, const int mr) {
+    const int64_t k = w->k, G = k / w->group, chunks = w->group / 32, J = k / 32;
+    const uint8_t *c = w->codes + t * J * 256;
+    v8f acc[MR][2];
+    for (int m = 0; m < mr; m++) acc[m][0] = acc[m][1] = (v8f){0};
+    for (int64_t g = 0; g < G; g++) {
+        v8f sc[2], mn[2];
+        for (int h = 0; h < 2; h++) {
+            sc[h] = ld8(w, w->scale, (t * G + g) * 16 + 8 * h);
+            mn[h] = min8(w, (t * G + g) * 16 + 8 * h);
+        }
+        for (int64_t j = 0; j < chunks; j++) {
+            const int64_t jj = g * chunks + j;
+            v8i a[MR][2];
+            for (int m = 0; m < mr; m++) a[m][0] = a[m][1] = (v8i){0};
+            for (int s = 0; s < 8; s++, c += 32)
+                for (int h = 0; h < 2; h++) {
+                    v8u16 u;
+                    memcpy(&u, c + 16 * h, sizeof u);
+                    const v8i d = __builtin_convertvector(u, v8i);
+                    const v8i q0 = d & 15, q1 = (d >> 8) & 15, q2 = (d >> 4) & 15, q3 = d >> 12;
+                    for (int m = 0; m < mr; m++) {
+                        const int8_t *xc = xq + m * k + jj * 32 + 4 * s;
+                        a[m][h] += q0 * xc[0] + q1 * xc[1] + q2 * xc[2] + q3 * xc[3];
+                    }
+                }
+            for (int h = 0; h < 2; h++)
+                for (int m = 0; m < mr; m++)
+                    acc[m][h] = fma8(__builtin_convertvector(a[m][h], v8f),
+                                     sc[h] * ((v8f){0} + dx[m * J + jj]), acc[m][h]);
+        }
+        for (int h = 0; h < 2; h++)
+            for (int m = 0; m < mr; m++) acc[m][h] = fma8(mn[h], (v8f){0} + xs[m * G + g], acc[m][h]);
+    }
+    store_tile(w, t, acc, out, add, mr);
+}
+
+#endif /* INFERFLOW_QMAT_Q8_H */

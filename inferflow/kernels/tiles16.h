@@ -1,0 +1,149 @@
+/* AVX-512 builds' tile products (float32 and, with VNNI, 8-bit rows of x). Part of
+   quant_decode.c (after qmat.h and qmat_q8.h). */
+#ifndef INFERFLOW_TILES16_H
+#define INFERFLOW_TILES16_H
+
+#include "qmat.h"
+#include "qmat_q8.h"
+
+#if defined(__AVX512F__)
+/* AVX-512 builds: 4-bit tiles with all 16 rows of a tile in one vector, 8-bit rows in groups
+   of a multiple of 32 sixteen columns at a time; the same rule (a row's operations do not
+   depend on the other rows) */
+#define MR16 4 /* rows of x per unpacked tile: 4 accumulators each */
+
+static inline __m512 ld16(const QMat *w, const float *a, int64_t i) {
+#if HALF_BUILT
+    if (w->half) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)a + i)));
+#endif
+    return _mm512_loadu_ps(a + i);
+}
+
+static inline __m512 min16(const QMat *w, int64_t i) {
+    return w->min ? ld16(w, w->min, i) : _mm512_mul_ps(_mm512_set1_ps(-w->zero), ld16(w, w->scale, i));
+}
+
+/* tile t's 16 outputs of rows m < mr: acc + mins, into out (added to it where add) */
+static inline __attribute__((always_inline)) void store_tile16(const QMat *w, int64_t t,
+                                                               const __m512 *acc,
+                                                               const __m512 *mins, float *out,
+                                                               int add, const int mr) {
+    const int64_t rows = w->n - 16 * t < 16 ? w->n - 16 * t : 16;
+    const __mmask16 keep = (__mmask16)((1u << rows) - 1);
+    for (int m = 0; m < mr; m++) {
+        float *y = out + m * w->n + 16 * t;
+        const __m512 o = _mm512_add_ps(acc[m], mins[m]);
+        _mm512_mask_storeu_ps(y, keep, add ? _mm512_add_ps(_mm512_maskz_loadu_ps(keep, y), o) : o);
+    }
+}
+
+/* Tile t of 16 rows, 4-bit (eight = 0) or 8-bit codes, a 32-column chunk at a time: per
+   sub-block s, dword i of a vector holds row i's codes of columns (2s, 2s + 1, 16 + 2s, 17 + 2s)
+   [e] as byte e (8-bit: the chunk's 512 bytes (s, i, e)), or 4-bit ones as byte e's low nibble
+   for an even s and high nibble for the odd s after it (the chunk's 256 bytes (s / 2, i, e)):
+   one mask, or a shift and a mask, gives the VNNI operand of a sub-block. */
+#define TILE_CHUNK(eight) ((eight) ? 512 : 256)
+
+/* sub-block s's 16 dwords of codes as bytes (c: the chunk) */
+static inline __attribute__((always_inline)) __m512i tile16_dwords(const uint8_t *c, int s,
+                                                                   const int eight) {
+    if (eight) return _mm512_loadu_si512((const void *)(c + 64 * s));
+    const __m512i d = _mm512_loadu_si512((const void *)(c + 64 * (s >> 1)));
+    return _mm512_and_si512(s & 1 ? _mm512_srli_epi32(d, 4) : d, _mm512_set1_epi8(0x0F));
+}
+
+/* sub-block s's codes as floats, q[e]: column (2s, 2s + 1, 16 + 2s, 17 + 2s)[e] of the 16 rows
+   (4-bit: vpermps reads the low 4 bits of each index, one nibble per lookup) */
+static inline __attribute__((always_inline)) void tile16_codes(const uint8_t *c, int s,
+                                                               const int eight, __m512 q[4]) {
+    if (eight) {
+        const __m512i d = tile16_dwords(c, s, 1), byte = _mm512_set1_epi32(0xFF);
+        for (int e = 0; e < 3; e++)
+            q[e] = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(d, 8 * e), byte));
+        q[3] = _mm512_cvtepi32_ps(_mm512_srli_epi32(d, 24));
+    } else {
+        const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+        const __m512i d = _mm512_loadu_si512((const void *)(c + 64 * (s >> 1)));
+        for (int e = 0; e < 4; e++)
+            q[e] = _mm512_permutexvar_ps(_mm512_srli_epi32(d, 8 * e + 4 * (s & 1)), iota);
+    }
+}
+
+static inline __attribute__((always_inline)) void tile_dot_rows16(const QMat *w, int64_t t,
+                                                                  const float *x, const float *xs,
+                                                                  float *out, int add, const int mr,
+                                                                  const int eight) {
+    const int64_t k = w->k, G = k / w->group, chunks = w->group / 32;
+    const uint8_t *c = w->codes + t * (k / 32) * TILE_CHUNK(eight);
+    __m512 acc[MR16], mins[MR16];
+    for (int m = 0; m < mr; m++) acc[m] = mins[m] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < G; g++) {
+        __m512 a0[MR16], a1[MR16];
+        for (int m = 0; m < mr; m++) a0[m] = a1[m] = _mm512_setzero_ps();
+        for (int64_t j = 0; j < chunks; j++) {
+            const int64_t col = (g * chunks + j) * 32;
+#pragma GCC unroll 8
+            for (int s = 0; s < 8; s++) {
+                __m512 q[4];
+                tile16_codes(c, s, eight, q);
+                for (int m = 0; m < mr; m++) {
+                    const float *xc = x + m * k + col;
+                    a0[m] = _mm512_fmadd_ps(q[0], _mm512_set1_ps(xc[2 * s]), a0[m]);
+                    a1[m] = _mm512_fmadd_ps(q[2], _mm512_set1_ps(xc[16 + 2 * s]), a1[m]);
+                    a0[m] = _mm512_fmadd_ps(q[1], _mm512_set1_ps(xc[2 * s + 1]), a0[m]);
+                    a1[m] = _mm512_fmadd_ps(q[3], _mm512_set1_ps(xc[17 + 2 * s]), a1[m]);
+                }
+            }
+            c += TILE_CHUNK(eight);
+        }
+        const __m512 sc = ld16(w, w->scale, (t * G + g) * 16), mn = min16(w, (t * G + g) * 16);
+        for (int m = 0; m < mr; m++) {
+            acc[m] = _mm512_fmadd_ps(_mm512_add_ps(a0[m], a1[m]), sc, acc[m]);
+            mins[m] = _mm512_fmadd_ps(mn, _mm512_set1_ps(xs[m * G + g]), mins[m]);
+        }
+    }
+    store_tile16(w, t, acc, mins, out, add, mr);
+}
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) /* (inside __AVX512F__) */
+#define Q8_TILES16 1
+/* tile_dot_rows16 with 8-bit rows of x: sub-block s's 16 dwords of codes (as bytes, in the x
+   codes' column order) times the chunk's four x codes (one broadcast dword), by VNNI */
+static inline __attribute__((always_inline)) void tile_dot_rows16_q8(const QMat *w, int64_t t,
+                                                                     const int8_t *xq,
+                                                                     const float *dx,
+                                                                     const float *xs, float *out,
+                                                                     int add, const int mr,
+                                                                     const int eight) {
+    const int64_t k = w->k, G = k / w->group, chunks = w->group / 32, J = k / 32;
+    const uint8_t *c = w->codes + t * J * TILE_CHUNK(eight);
+    __m512 acc[MR16], mins[MR16];
+    for (int m = 0; m < mr; m++) acc[m] = mins[m] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < G; g++) {
+        const __m512 sc = ld16(w, w->scale, (t * G + g) * 16), mn = min16(w, (t * G + g) * 16);
+        for (int64_t j = 0; j < chunks; j++) {
+            const int64_t jj = g * chunks + j;
+            __m512i a[MR16];
+            for (int m = 0; m < mr; m++) a[m] = _mm512_setzero_si512();
+            for (int s = 0; s < 8; s++) {
+                const __m512i q = tile16_dwords(c, s, eight);
+                for (int m = 0; m < mr; m++) {
+                    int32_t xv;
+                    memcpy(&xv, xq + m * k + jj * 32 + 4 * s, sizeof xv);
+                    a[m] = _mm512_dpbusd_epi32(a[m], q, _mm512_set1_epi32(xv));
+                }
+            }
+            c += TILE_CHUNK(eight);
+            for (int m = 0; m < mr; m++)
+                acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[m]),
+                                         _mm512_mul_ps(sc, _mm512_set1_ps(dx[m * J + jj])), acc[m]);
+        }
+        for (int m = 0; m < mr; m++)
+            mins[m] = _mm512_fmadd_ps(mn, _mm512_set1_ps(xs[m * G + g]), mins[m]);
+    }
+    store_tile16(w, t, acc, mins, out, add, mr);
+}
+#endif
+#endif
+
+#endif /* INFERFLOW_TILES16_H */

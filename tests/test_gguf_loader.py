@@ -427,7 +427,7 @@ def test_an_open_source_holds_no_long_array(tmp_path: Path) -> None:
     long array is parsed again only when asked for."""
     import gc
 
-    from inferflow.loaders import gguf as loader
+    from inferflow.loaders import gguf_parse as loader
 
     long = [f"tok{i}" for i in range(5000)]
 
@@ -478,7 +478,7 @@ def test_load_forgets_the_vocabulary_before_the_weights(monkeypatch: pytest.Monk
     load: SmolLM2's 49k-token vocabulary is not held beside the weights being bound, and the
     load parses it no second time."""
     from inferflow import runtime
-    from inferflow.loaders import gguf as loader
+    from inferflow.loaders import gguf_parse as loader
     from tests.conftest import smollm2_path
 
     smollm2_path()

@@ -1,6 +1,6 @@
 """Our own GGUF v3 writer: typed metadata, tensor infos, aligned tensor data, streamed.
 
-Layout (ggml docs/gguf.md, the mirror of ``loaders/gguf.py``): magic ``GGUF``, uint32 version,
+Layout (ggml docs/gguf.md, the mirror of ``loaders/gguf_parse.py``): magic ``GGUF``, uint32 version,
 uint64 tensor count, uint64 key/value count, the key/values (key string, uint32 value type,
 value), the tensor infos (name, uint32 n_dims, uint64 ne[n_dims] in GGML order = torch shape
 reversed, uint32 GGML type, uint64 offset relative to the data section), zero padding to

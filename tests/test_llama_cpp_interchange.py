@@ -86,19 +86,16 @@ def _token_bytes(model: Path) -> list[bytes]:
     types = field["tokenizer.ggml.token_type"].contents()
     spm = field["tokenizer.ggml.model"].contents() == "llama"
 
-    def normal(tok: str) -> bytes:
+    def piece(tok: str, kind: int) -> bytes:
+        if kind == CONTROL:
+            return b""
+        if kind == BYTE:
+            return bytes([int(tok[3:5], 16)])
+        if kind != NORMAL:  # user-defined: its text
+            return tok.encode()
         return tok.replace("▁", " ").encode() if spm else bytes(byte_of[c] for c in tok)
 
-    return [
-        b""
-        if t == CONTROL
-        else normal(tok)
-        if t == NORMAL
-        else bytes([int(tok[3:5], 16)])
-        if t == BYTE
-        else tok.encode()
-        for tok, t in zip(tokens, types, strict=True)
-    ]
+    return [piece(tok, t) for tok, t in zip(tokens, types, strict=True)]
 
 
 def _agreement(lm: Any, vocab: list[bytes], prompt: list[int], text: bytes) -> tuple[int, int]:

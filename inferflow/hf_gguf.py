@@ -106,14 +106,11 @@ def gguf_architecture(config: dict[str, Any], where: str) -> tuple[str, str]:
     return kind, known[kind]
 
 
-def _gguf_network(arch: str) -> Any:
-    """The network of the GGUF template of ``arch``."""
-    return _network(read_doc(GGUF_TEMPLATES / f"{arch}.yaml")["network"])
-
-
 def _networks(hf: str, arch: str) -> tuple[Any, Any]:
     """The networks of the HF template ``hf`` and the GGUF template of ``arch``."""
-    return _network(read_doc(BUILTIN_DIR / "arch" / f"{hf}.yaml")["network"]), _gguf_network(arch)
+    hf_doc = read_doc(BUILTIN_DIR / "arch" / f"{hf}.yaml")["network"]
+    gguf_doc = read_doc(GGUF_TEMPLATES / f"{arch}.yaml")["network"]
+    return _network(hf_doc), _network(gguf_doc)
 
 
 def _pairings(net: Any) -> tuple[str, ...]:
@@ -153,9 +150,8 @@ def _plain_names(tensors: Any, arch: str) -> dict[str, str]:
 
 
 def _renames(
-    hf: str, arch: str, names: list[str], hp: dict[str, Any], tied: bool
+    hf: str, arch: str, hf_net: Any, gguf_net: Any, names: list[str], hp: dict[str, Any], tied: bool
 ) -> dict[str, _Rename]:
-    hf_net, gguf_net = _networks(hf, arch)
     qk_gguf = gguf_net.attention.qk_norm
     offsets = {
         "norm": _norm_offset(hf_net.norm, gguf_net.norm),
@@ -192,11 +188,11 @@ def _renames(
                 "one-to-one renames (transposed or not) convert to a GGUF yet"
             )
         canon = uses[0].target
-        m = _LAYER.match(canon)
-        layer = m.group(1) if m else None
-        target = to_gguf.get(canon.replace(f".{layer}.", ".{i}.", 1) if layer else canon)
+        target = to_gguf.get(e.target)
         if target is None or (tied and canon == "dec.output.weight"):
             continue
+        m = _LAYER.match(canon)
+        layer = m.group(1) if m else None
         module = canon.split(".")[-2]
         n = heads.get(module, 0) if permute else 0
         is_norm = module.endswith("norm") and canon.endswith(".weight")
@@ -207,12 +203,12 @@ def _renames(
 
 
 def _hparam_metadata(
-    arch: str, hp: dict[str, Any], config: dict[str, Any]
+    arch: str, gguf_net: Any, hp: dict[str, Any], config: dict[str, Any]
 ) -> tuple[dict[str, Any], dict[str, tuple[int, ...]], list[str]]:
     meta: dict[str, Any] = {"general.architecture": arch}
     types: dict[str, tuple[int, ...]] = {"general.architecture": (V.STRING,)}
     dropped: list[str] = []
-    norm = NORMS.get(_gguf_network(arch).norm)
+    norm = NORMS.get(gguf_net.norm)
     rms = isinstance(norm, type) and issubclass(norm, RMSNorm)
     for ours, keys in GGUF_KEYS.items():
         if ours in hp and ours in HPARAM_TYPES and not isinstance(hp[ours], (list, dict)):
@@ -404,8 +400,9 @@ class HFAsGGUF:
                 raise CheckpointError(f"{directory}/config.json: no {need} value")
         names = source.names()
         tied = bool(config.get("tie_word_embeddings", False))
-        self._renames = _renames(hf, arch, names, hp, tied)
-        self.metadata, self.metadata_types, dropped = _hparam_metadata(arch, hp, config)
+        hf_net, gguf_net = _networks(hf, arch)
+        self._renames = _renames(hf, arch, hf_net, gguf_net, names, hp, tied)
+        self.metadata, self.metadata_types, dropped = _hparam_metadata(arch, gguf_net, hp, config)
         meta, vt, lost = tokenizer_metadata(directory, int(hp["vocab_size"]), hp)
         self.metadata |= meta | {"general.name": directory.name}
         self.metadata_types |= vt | {"general.name": (V.STRING,)}

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -99,13 +99,26 @@ class PromptLogprobs:
     top: list[list[tuple[int, float]]]
 
 
-@torch.inference_mode()
 def prompt_logprobs(
     model: Network, ids: list[int], top: int = 0, chunk: int = 256
 ) -> PromptLogprobs:
     """The prompt's log-probabilities (what lm-evaluation-harness scores over ``echo``): the
     prompt runs once, ``chunk`` positions at a time over a cache of its own, so the
     (positions, vocabulary) log-softmax never holds more than ``chunk`` rows."""
+    steps = prompt_logprobs_steps(model, ids, top, chunk)
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value
+
+
+@torch.inference_mode()
+def prompt_logprobs_steps(
+    model: Network, ids: list[int], top: int = 0, chunk: int = 256
+) -> Generator[None, None, PromptLogprobs]:
+    """``prompt_logprobs`` as a generator that yields after each chunk and returns the result:
+    a server interleaves the chunks with other work and stops between two."""
     cache = new_cache(model, len(ids))
     out = PromptLogprobs([], [], [])
     for a in range(0, len(ids) - 1, chunk):  # tokens a..b-1 predict a+1..b
@@ -123,6 +136,7 @@ def prompt_logprobs(
             ]
         else:
             out.top += [[] for _ in range(b - a)]
+        yield
     return out
 
 

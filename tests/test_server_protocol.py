@@ -22,7 +22,7 @@ from inferflow.spec import load_spec  # noqa: E402
 def client(tmp_path_factory: pytest.TempPathFactory) -> TestClient:
     d: Path = tmp_path_factory.mktemp("tiny-serve")
     tiny_llama(d)
-    return TestClient(create_app(ServerConfig(load_spec(d / "spec.yaml"), api_key="k")))
+    return TestClient(create_app(ServerConfig(load_spec(d / "spec.yaml"), api_keys=("k",))))
 
 
 AUTH = {"Authorization": "Bearer k"}

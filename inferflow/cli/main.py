@@ -31,6 +31,10 @@ MODEL_COMMANDS = frozenset(
 )
 
 
+MAX_LOG_LINE = 2000
+MAX_LOG_RECORD = 20000
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="inferflow", description="Configuration-driven transformer inference."
@@ -44,6 +48,20 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+class BoundedFormatter(logging.Formatter):
+    """Log records cut to MAX_LOG_LINE characters a line and MAX_LOG_RECORD in all: a message or
+    a traceback may quote what a client sent (a grammar, a prompt), megabytes of it."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        text = super().format(record)
+        lines = [
+            line if len(line) <= MAX_LOG_LINE else f"{line[:MAX_LOG_LINE]}... [{len(line)} chars]"
+            for line in text.split("\n")
+        ]
+        text = "\n".join(lines)
+        return text if len(text) <= MAX_LOG_RECORD else f"{text[:MAX_LOG_RECORD]}... [cut]"
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if next((a for a in argv if not a.startswith("-")), None) in MODEL_COMMANDS:
@@ -53,6 +71,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     level = logging.WARNING - 10 * min(args.verbose, 2)
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
+    for handler in logging.getLogger().handlers:
+        handler.setFormatter(BoundedFormatter("%(levelname)s %(name)s: %(message)s"))
     try:
         return int(args.run(args) or 0)
     except InferflowError as e:

@@ -11,11 +11,13 @@ import re
 
 from inferflow.cli.common import add_dtype, add_speculation, speculation
 from inferflow.engine.engine import EngineConfig
+from inferflow.engine.grammar_bounds import GrammarLimits
 from inferflow.engine.kv_cache import KV_DTYPES
 from inferflow.engine.scheduler import SchedulerConfig
 from inferflow.errors import InferflowError
 from inferflow.parallel.layout import resolve_layout
 from inferflow.runtime import load, quant_for
+from inferflow.server.limits import MAX_SCORED
 from inferflow.server.store import StoreLimits
 from inferflow.spec import load_spec, partition_spec
 from inferflow.tokenizer.chat import TemplateBudget
@@ -53,8 +55,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=int, default=8000, help="TCP port (8000)")
     p.add_argument(
         "--api-key",
-        default=os.environ.get("INFERFLOW_API_KEY"),
-        help="require 'Authorization: Bearer KEY' on every route but /health (env INFERFLOW_API_KEY)",
+        action="append",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on every route but /health (env "
+        "INFERFLOW_API_KEY); repeatable: any of the keys, and the prefix cache keeps each "
+        "key's prompts apart",
     )
     p.add_argument(
         "--served-model-name", default=None, help="model id clients send (the spec's name)"
@@ -148,6 +153,31 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         metavar="SECONDS",
         help=f"how long a stored response is kept ({StoreLimits.seconds:g})",
     )
+    limits = GrammarLimits()
+    for name, flag in GrammarLimits.FLAGS.items():
+        what = {
+            "max_bytes": "bytes of a structured-output constraint as sent (schema, grammar, "
+            "regex, choices)",
+            "max_rules": "Lark rules and terminals, or a schema's $defs / definitions",
+            "max_depth": "nesting of a schema, or brackets of a grammar or regex",
+            "max_alternatives": "anyOf / oneOf / allOf / enum members, choices, or a grammar's '|'",
+            "seconds": "seconds to compile and validate one constraint (in a worker process)",
+        }[name]
+        default = getattr(limits, name)
+        p.add_argument(
+            flag,
+            type=type(default),
+            default=default,
+            dest=f"grammar_{name}",
+            help=f"at most this many {what}; past it, 400 ({default:g})",
+        )
+    p.add_argument(
+        "--max-scored-tokens",
+        type=int,
+        default=None,
+        help="prompt tokens one request may have scored with echo or prompt_logprobs "
+        f"({MAX_SCORED}, or the model's context where longer)",
+    )
     p.add_argument(
         "--cors-origin",
         action="append",
@@ -210,6 +240,12 @@ def run(args: argparse.Namespace) -> int:
                 f"--{flag.replace('_', '-')}: seconds in (0, 86400), got {getattr(args, flag)}"
             )
     engine = engine_config(args)
+    grammar = GrammarLimits(**{n: getattr(args, f"grammar_{n}") for n in GrammarLimits.FLAGS})
+    if args.max_scored_tokens is not None and args.max_scored_tokens < 1:
+        raise InferflowError(f"--max-scored-tokens: must be >= 1, got {args.max_scored_tokens}")
+    keys = args.api_key or (
+        [os.environ["INFERFLOW_API_KEY"]] if "INFERFLOW_API_KEY" in os.environ else []
+    )
     draft = load_spec(args.draft) if args.draft else None
     sock = listen(args.host, args.port)  # (a port in use fails here, before the model loads)
     cfg = ServerConfig(
@@ -218,7 +254,7 @@ def run(args: argparse.Namespace) -> int:
         args.dtype,
         args.quant,
         engine,
-        args.api_key,
+        tuple(keys),
         args.max_body_bytes,
         tuple(args.cors_origin),
         args.shutdown_grace,
@@ -226,6 +262,8 @@ def run(args: argparse.Namespace) -> int:
         f"http://{args.host}:{args.port}",
         StoreLimits(items=args.responses_store, seconds=args.responses_ttl),
         draft,
+        grammar,
+        args.max_scored_tokens,
     )
     # what loads, how long it took and when requests can be served: said at the default level
     for name in ("inferflow.server", "inferflow.model.materialise"):  # (+ loading progress)

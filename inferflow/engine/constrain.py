@@ -8,28 +8,33 @@ Schema / regex / Lark compiled lazily (no up-front automaton over the vocabulary
 schema costs milliseconds, not seconds), and errors returned as messages rather than
 crashes. xgrammar, the other common choice, pulls a CUDA build of torch as a dependency.
 
-``compile_grammar`` turns a request's constraint into llguidance's grammar text (a RequestError
-naming what is wrong otherwise) as a ``Grammar``; the engine keeps one ``Constraint`` (a
+``compile_grammar`` turns a request's constraint, once within its bounds
+(``inferflow.engine.grammar_bounds``), into llguidance's grammar text (a RequestError naming
+what is wrong otherwise) as a ``Grammar``; the engine keeps one ``Constraint`` (a
 matcher) per sample, copied from it.
 """
 
 from __future__ import annotations
 
 import functools
-import json
 import threading
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from inferflow.engine.grammar_bounds import (
+    KINDS,
+    GrammarLimits,
+    check_bounds,
+    grammar_text,
+    parser_limits,
+    short,
+)
 from inferflow.errors import RequestError
 
-KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
-# JSON as json.dumps writes it (", " and ": "), no other whitespace: a model cannot pad its
-# output with newlines until max_tokens (llguidance's flexible whitespace allows that); a
-# schema's "x-guidance" options may still change it
-JSON_OPTIONS = {"whitespace_flexible": False}
+__all__ = ["KINDS", "Constraint", "Grammar", "compile_grammar", "compile_text", "mask_rows"]
+
 _lock = threading.Lock()
 
 
@@ -70,31 +75,37 @@ def lltokenizer(tok: Any, vocab: int) -> Any:
         return ll
 
 
-def compile_grammar(kind: str, value: Any, ll: Any) -> Grammar:
-    """A constraint compiled: ``json_schema`` (a schema object), ``json_object`` (any JSON
-    object), ``regex``, ``choice`` (one of a list of strings) or ``grammar`` (Lark). A
-    constraint llguidance cannot compile is a RequestError with its message. Runs where the
-    request arrives (the server: a worker thread), never on the engine's thread."""
+def compile_grammar(kind: str, value: Any, ll: Any, limits: GrammarLimits | None = None) -> Grammar:
+    """A constraint compiled in this process: ``json_schema`` (a schema object),
+    ``json_object`` (any JSON object), ``regex``, ``choice`` (one of a list of strings) or
+    ``grammar`` (Lark), within ``limits``. A constraint out of bounds or one llguidance
+    cannot compile is a RequestError with its message. The server validates the constraint
+    in a worker process first (``validated_text``) and builds it with ``compile_text``."""
+    check_bounds(kind, value, limits or GrammarLimits())
+    return compile_text(kind, grammar_text(kind, value), ll)
+
+
+def compile_text(kind: str, text: str, ll: Any) -> Grammar:
+    """llguidance's grammar ``text`` as a Grammar, checked at its first two steps: a grammar
+    whose first mask fails, or whose first allowed token it then refuses, is a RequestError
+    here (at admission) rather than a failed request in the engine. The matcher's own
+    construction runs without the GIL."""
     llg = _llguidance()
-    m = llg.LLMatcher
-    try:
-        if kind in ("json_schema", "json_object"):
-            schema = value if kind == "json_schema" else {"type": "object"}
-            text = m.grammar_from_json_schema(json.dumps(schema), defaults=JSON_OPTIONS)
-        elif kind == "regex":
-            text = m.grammar_from_regex(value)
-        elif kind == "choice":
-            text = m.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in value))
-        elif kind == "grammar":
-            text = m.grammar_from_lark(value)
-        else:
-            raise RequestError(f"unknown constraint {kind!r}; allowed: {', '.join(KINDS)}")
-    except ValueError as e:
-        raise RequestError(f"{kind}: {e}") from None
-    proto = m(ll, text)  # (building it validates it: an error state, never an exception)
+    proto = llg.LLMatcher(ll, text, log_level=0, limits=parser_limits())
+    words = (ll.vocab_size + 31) // 32
+    if not proto.is_error():
+        first = proto.deep_copy()
+        mask = torch.zeros(1, words, dtype=torch.int32)
+        _executor().unsafe_compute_mask_ptr([(first, 0)], mask.data_ptr(), words * 4, 1)
+        allowed = (mask.view(torch.uint8).unsqueeze(-1) & _POW2).flatten().nonzero()
+        # one allowed token taken, and the mask after it (a grammar may fail only then)
+        if not first.is_error() and len(allowed) and first.consume_token(int(allowed[0])):
+            _executor().unsafe_compute_mask_ptr([(first, 0)], mask.data_ptr(), words * 4, 1)
+        if first.is_error():
+            raise RequestError(f"{kind}: fails at its first steps: {short(first.get_error())}")
     if proto.is_error():
-        raise RequestError(f"{kind}: cannot be compiled: {proto.get_error()}")
-    return Grammar(proto, (ll.vocab_size + 31) // 32)
+        raise RequestError(f"{kind}: cannot be compiled: {short(proto.get_error())}")
+    return Grammar(proto, words)
 
 
 @dataclass(frozen=True, eq=False)
@@ -130,7 +141,9 @@ class Constraint:
 
     def consume(self, token: int) -> None:
         if not self.matcher.consume_token(token):
-            raise RequestError(f"the grammar refused token {token}: {self.matcher.get_error()}")
+            raise RequestError(
+                f"the grammar refused token {token}: {short(self.matcher.get_error())}"
+            )
 
     def stopped(self) -> bool:
         return bool(self.matcher.is_stopped())
@@ -145,6 +158,9 @@ def mask_rows(x: torch.Tensor, rows: list[int], constraints: list[Constraint]) -
     _executor().unsafe_compute_mask_ptr(
         [(c.matcher, k) for k, c in enumerate(constraints)], words.data_ptr(), w * 4, b
     )
+    for c in constraints:  # (an error state masks every token: say why instead)
+        if c.matcher.is_error():
+            raise RequestError(f"the grammar failed: {short(c.matcher.get_error())}")
     n = min(x.shape[-1], 32 * w)
     banned = (words.view(torch.uint8).unsqueeze(-1) & _POW2).eq(0).reshape(b, -1)[:, :n]
     if rows == list(range(x.shape[0])):

@@ -20,7 +20,7 @@ from inferflow.engine.batch_sampling import take_rows
 from inferflow.engine.beam import BeamState, BeamSteps
 from inferflow.engine.constrain import mask_rows
 from inferflow.engine.forward import Rows, forward_rows
-from inferflow.engine.kv_cache import PagedKVCache, plan_cache
+from inferflow.engine.kv_cache import PagedKVCache, SeqBlocks, plan_cache
 from inferflow.engine.request import FINISHED, Request, RequestOutput, Scheduled, TokenLogprobs
 from inferflow.engine.sampling import SamplingParams, make_sampler, sample_batch
 from inferflow.engine.scheduler import Scheduler, SchedulerConfig
@@ -197,6 +197,7 @@ class Engine(BeamSteps):
             group=rid,
             index=i,
             constraint=None if params.grammar is None else params.grammar.start(),
+            kv=SeqBlocks(salt=params.cache_salt),
         )
 
     def abort(self, request_id: str) -> bool:
@@ -394,28 +395,32 @@ class Engine(BeamSteps):
             log.warning("batched sampling failed; sampling each request alone", exc_info=True)
             toks = [None] * len(draws)
         return [
-            self._fail(r) if j in broken else self._sample(r, x[j], t)
+            self._fail(r, broken[j]) if j in broken else self._sample(r, x[j], t)
             for j, (r, t) in enumerate(zip(reqs, toks, strict=True))
         ]
 
-    def _mask(self, x: torch.Tensor, reqs: list[Request]) -> set[int]:
+    def _mask(self, x: torch.Tensor, reqs: list[Request]) -> dict[int, str | None]:
         """Mask the constrained rows of ``x`` in one call; if that fails, row by row, and the
-        rows whose mask failed are returned (those requests end with "error", no one else)."""
+        rows whose mask failed are returned with what the client is told (those requests end
+        with "error", no one else)."""
         bound = [j for j, r in enumerate(reqs) if r.constraint is not None]
         if not bound:
-            return set()
+            return {}
         try:
             mask_rows(x, bound, [reqs[j].constraint for j in bound])
-            return set()
+            return {}
         except Exception:
-            log.warning("batched grammar masks failed; masking each request alone", exc_info=True)
-        broken = set()
+            log.info("batched grammar masks failed; masking each request alone")
+        broken: dict[int, str | None] = {}
         for j in bound:
             try:
                 mask_rows(x, [j], [reqs[j].constraint])
+            except RequestError as e:  # (the request's own grammar: said to its client)
+                log.info("request %s: %s", reqs[j].id, e)
+                broken[j] = str(e)
             except Exception:
                 log.exception("request %s: its grammar mask failed", reqs[j].id)
-                broken.add(j)
+                broken[j] = None
         return broken
 
     def _sample(self, req: Request, row: torch.Tensor, tok: int | None = None) -> RequestOutput:
@@ -430,15 +435,19 @@ class Engine(BeamSteps):
             if req.params.logprobs is not None:
                 out.logprobs = [token_logprobs(row, tok, req.params.logprobs)]
             return out
+        except RequestError as e:  # (the request's own doing, e.g. its grammar: said to it)
+            log.info("request %s failed: %s", req.id, e)
+            return self._fail(req, str(e))
         except Exception:  # one request's failure (sampler, detokenizer) ends only that request
             log.exception("request %s failed; the others go on", req.id)
             return self._fail(req)
 
-    def _fail(self, req: Request) -> RequestOutput:
-        """End one sample with finish reason "error"."""
+    def _fail(self, req: Request, error: str | None = None) -> RequestOutput:
+        """End one sample with finish reason "error"; ``error``: what its client is told when
+        the request itself is at fault."""
         self.scheduler.remove(req)
         self._finish(req, "error")
-        return RequestOutput(req.group, [], "", True, "error", index=req.index)
+        return RequestOutput(req.group, [], "", True, "error", index=req.index, error=error)
 
     def fail_group(self, gid: str) -> list[RequestOutput]:
         """End every live sample (or beam) of request ``gid`` with finish reason "error"."""

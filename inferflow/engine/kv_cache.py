@@ -8,7 +8,10 @@ precomputes its write and read slots once, then every layer indexes with them.
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import os
+from array import array
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -36,7 +39,7 @@ class BlockAllocator:
         self.num_blocks = num_blocks
         self.refs = [0] * num_blocks
         self.free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
-        self.on_reuse: dict[int, int] = {}  # block -> prefix hash it still holds (evictable)
+        self.on_reuse: dict[int, bytes] = {}  # block -> prefix hash it still holds (evictable)
 
     @property
     def num_free(self) -> int:
@@ -144,11 +147,15 @@ class KVFormat:
 
 @dataclass
 class SeqBlocks:
-    """One sequence's block table and how many of its positions hold computed K/V."""
+    """One sequence's block table and how many of its positions hold computed K/V. ``salt``
+    (a request's ``cache_salt``) starts its chain of prefix hashes: sequences of different
+    salts never share a block, so a prefix-cache hit (``cached_tokens``, a faster answer)
+    tells a client nothing about another salt's prompts."""
 
     blocks: list[int] = field(default_factory=list)
     num_computed: int = 0
-    hashes: list[int] = field(default_factory=list)  # prefix hash of each full block
+    hashes: list[bytes] = field(default_factory=list)  # prefix hash of each full block
+    salt: str = ""
 
 
 class KVPool:
@@ -190,7 +197,10 @@ class PagedKVCache(KVPool):
         self.k, self.v = lazy_zeros(shape, fmt.store), lazy_zeros(shape, fmt.store)
         self.block_size = block_size
         self.alloc = BlockAllocator(num_blocks)
-        self.prefix: dict[int, int] = {}  # prefix hash -> block
+        self.prefix: dict[bytes, int] = {}  # prefix hash -> block
+        # prefix hashes are keyed by a secret of this cache: a client cannot search offline for
+        # token blocks whose hash collides with another's (Python's hash of ints can be)
+        self._hash_key = os.urandom(16)
         # (source, copy) of each copy-on-write, when a partitioned model mirrors them elsewhere
         self.copy_log: list[tuple[int, int]] | None = None
 
@@ -247,7 +257,7 @@ class PagedKVCache(KVPool):
         """A copy sharing every block (n > 1 samples, beams); writes copy on demand."""
         for b in seq.blocks:
             self.alloc.incref(b)
-        return SeqBlocks(list(seq.blocks), seq.num_computed, list(seq.hashes))
+        return SeqBlocks(list(seq.blocks), seq.num_computed, list(seq.hashes), seq.salt)
 
     def _forget(self, block: int) -> None:
         h = self.alloc.on_reuse.pop(block, None)
@@ -271,10 +281,10 @@ class PagedKVCache(KVPool):
     def match_prefix(self, seq: SeqBlocks, tokens: list[int]) -> int:
         """Share cached blocks for the longest run of full blocks of ``tokens``; returns tokens
         covered. At least one token is always left to compute (its logits are needed)."""
-        bs, h = self.block_size, 0
+        bs, h = self.block_size, self._root(seq)
         n_full = (len(tokens) - 1) // bs
         for i in range(n_full):
-            h = hash((h, tuple(tokens[i * bs : (i + 1) * bs])))
+            h = self._chain(h, tokens[i * bs : (i + 1) * bs])
             block = self.prefix.get(h)
             if block is None:
                 break
@@ -284,12 +294,21 @@ class PagedKVCache(KVPool):
         seq.num_computed = len(seq.blocks) * bs
         return seq.num_computed
 
+    def _root(self, seq: SeqBlocks) -> bytes:
+        """The hash a sequence's chain starts from: its salt's."""
+        return self._chain(b"", [], seq.salt.encode("utf-8", "surrogatepass"))
+
+    def _chain(self, parent: bytes, tokens: list[int], salt: bytes = b"") -> bytes:
+        """The prefix hash of a block of ``tokens`` after the prefix hashed ``parent``."""
+        data = parent + array("q", tokens).tobytes() + salt
+        return hashlib.blake2b(data, digest_size=16, key=self._hash_key).digest()
+
     def register_full_blocks(self, seq: SeqBlocks, tokens: list[int]) -> None:
         """Publish newly completed blocks (all tokens computed) for prefix sharing."""
         bs = self.block_size
-        h = seq.hashes[-1] if seq.hashes else 0
+        h = seq.hashes[-1] if seq.hashes else self._root(seq)
         for i in range(len(seq.hashes), seq.num_computed // bs):
-            h = hash((h, tuple(tokens[i * bs : (i + 1) * bs])))
+            h = self._chain(h, tokens[i * bs : (i + 1) * bs])
             seq.hashes.append(h)
             block = seq.blocks[i]
             if h not in self.prefix:

@@ -72,6 +72,7 @@ class RequestOutput:
     # with the first output of a sample (prompt_token_ids set): prompt tokens whose K/V came
     # from the prefix cache instead of being computed
     cached_tokens: int = 0
+    error: str | None = None  # finish reason "error" caused by the request itself: why
 
 
 @dataclass(frozen=True)

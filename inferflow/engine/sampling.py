@@ -85,6 +85,9 @@ class SamplingParams:
     # (penalties, bias, min_new_tokens) apply, temperature and the filters do not
     beam_width: int = 1
     length_penalty: float = 1.0  # beams rank by logprob / generated_len ** length_penalty
+    # the prefix cache shares blocks only between requests of equal salts (vLLM's cache_salt;
+    # the server adds the client's API key when it has several)
+    cache_salt: str = ""
 
     def __post_init__(self) -> None:
         def bad(name: str, rule: str) -> RequestError:
@@ -123,6 +126,12 @@ class SamplingParams:
         if self.min_new_tokens > self.max_new_tokens:
             raise RequestError(
                 f"min_new_tokens ({self.min_new_tokens}) exceeds max_new_tokens ({self.max_new_tokens})"
+            )
+        if self.grammar is not None and self.min_new_tokens:
+            raise RequestError(
+                f"min_tokens: {self.min_new_tokens} does not combine with structured output (a "
+                "grammar ends the output once it is complete); leave min_tokens at 0",
+                "min_tokens",
             )
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise bad("logprobs", "in [0, 20]")

@@ -57,7 +57,7 @@ def create_app(cfg: ServerConfig) -> FastAPI:
 
     app = FastAPI(title="Inferflow", lifespan=lifespan)
     app.state.inferflow = state
-    auth = cfg.api_key is not None
+    auth = bool(cfg.api_keys)
     trim_schema(app, auth)
     install_error_handlers(app)
     app.add_middleware(Guard, state=state)
@@ -114,7 +114,9 @@ def create_app(cfg: ServerConfig) -> FastAPI:
         texts = prompt_list(body.prompt)
 
         async def echo() -> list[Echo]:
-            return await echoes(lm, runner, body, texts, prompts, request.is_disconnected)
+            return await echoes(
+                lm, runner, body, texts, prompts, request.is_disconnected, state.score_chunk()
+            )
 
         max_tokens = 16 if body.max_tokens is None else body.max_tokens
         scored = body.echo or body.prompt_logprobs is not None

@@ -1,18 +1,23 @@
 """``echo``, ``logprobs`` and vLLM's ``prompt_logprobs`` on ``/v1/completions``: what
 evaluation harnesses (lm-evaluation-harness ``local-completions``) score. The prompt's own
-token log-probabilities come from one teacher-forced pass over it (``evaluate.prompt_logprobs``,
-through the runner's batcher like embeddings), not from the engine's prefill, which the prefix
-cache may skip; ``max_tokens: 0`` with ``echo`` scores the prompt and generates nothing."""
+token log-probabilities come from one teacher-forced pass over it
+(``evaluate.prompt_logprobs_steps``), not from the engine's prefill, which the prefix cache may
+skip; ``max_tokens: 0`` with ``echo`` scores the prompt and generates nothing. The pass runs
+through the runner's batcher as a resumable call, ``chunk`` positions at a time with an engine
+step between two chunks, so a long prompt delays no stream by more than a chunk, and a client
+that leaves stops it within one."""
 
 from __future__ import annotations
 
+import asyncio
+import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from inferflow.errors import Stopped
-from inferflow.evaluate import PromptLogprobs, prompt_logprobs
+from inferflow.evaluate import PromptLogprobs, prompt_logprobs_steps
 from inferflow.runtime import LanguageModel
+from inferflow.server.batcher import Steps
 from inferflow.server.protocol import CompletionBody
 from inferflow.server.runner import EngineRunner, until_disconnect
 from inferflow.tokenizer import Tokenizer
@@ -35,9 +40,11 @@ async def echoes(
     texts: list[str | list[int]],
     prompts: list[list[int]],
     disconnected: Callable[[], Awaitable[bool]],
+    chunk: int,
 ) -> list[Echo]:
     """Per prompt, its Echo (for a request with echo or prompt_logprobs). ``texts``: the
-    prompts as sent (text, or token ids)."""
+    prompts as sent (text, or token ids); ``chunk``: positions scored between two engine
+    steps."""
     scored = body.echo and body.logprobs is not None
     tok = lm.tokenizer
     assert tok is not None  # (a model without a tokenizer takes token ids and answers none)
@@ -45,16 +52,27 @@ async def echoes(
     if scored or body.prompt_logprobs is not None:
         top = max(body.logprobs or 0, body.prompt_logprobs or 0)
 
-        def run(batch: list[list[int]], stop: Callable[[], bool]) -> list[PromptLogprobs]:
-            out = []
-            for ids in batch:  # (every client of the call gone: the rest is not computed)
-                if stop():
-                    raise Stopped("every client of this scoring call went away")
-                out.append(prompt_logprobs(lm.model, ids, top))
+        def run(batch: list[list[int]], stop: Callable[[], bool]) -> Steps:
+            out = []  # (the batcher checks for the client before each chunk)
+            for ids in batch:
+                out.append((yield from prompt_logprobs_steps(lm.model, ids, top, chunk)))
             return out
 
-        job = runner.batch(("prompt_logprobs", top), prompts, run)
+        # (a key of its own: a scoring call serves one request, so its client's leaving stops it)
+        job = runner.batch(("prompt_logprobs", uuid.uuid4().hex), prompts, run)
         scores = await until_disconnect(job, disconnected)
+    # (a long prompt's logprobs are many small objects: built off the event loop)
+    return await asyncio.to_thread(_build, tok, body, texts, prompts, scores)
+
+
+def _build(
+    tok: Tokenizer,
+    body: CompletionBody,
+    texts: list[str | list[int]],
+    prompts: list[list[int]],
+    scores: list[PromptLogprobs],
+) -> list[Echo]:
+    scored = body.echo and body.logprobs is not None
     out = []
     for i, ids in enumerate(prompts):
         e = Echo()

@@ -13,6 +13,7 @@ from typing import Any
 
 from inferflow.engine.request import RequestOutput
 from inferflow.engine.sampling import SamplingParams
+from inferflow.errors import RequestError
 from inferflow.server.echo import Echo
 from inferflow.server.protocol import error_body, sse_event
 from inferflow.server.runner import ClientGone, EngineRunner, ModelFailed, until_disconnect
@@ -24,6 +25,13 @@ from inferflow.tokenizer import Tokenizer
 FAILED = "the engine failed while generating this request"
 
 
+def failure(choices: list[Choice]) -> Exception:
+    """What a request whose samples ended with "error" answers: 400 with the reason when the
+    request caused it (its grammar failed), else ModelFailed (500)."""
+    own = next((c.error for c in choices if c.error), None)
+    return RequestError(own) if own else ModelFailed(FAILED)
+
+
 @dataclass
 class Choice:
     index: int
@@ -31,6 +39,7 @@ class Choice:
     tokens: int = 0
     finish_reason: str | None = None
     logprobs: list[Any] = field(default_factory=list)  # per output, its OpenAI logprobs part
+    error: str | None = None  # finish reason "error" of the request's own making: why
 
 
 class Generation:
@@ -88,7 +97,7 @@ class Generation:
                 c.tokens += len(out.token_ids)
                 c.text += out.text
                 if out.finished:
-                    c.finish_reason = out.finish_reason
+                    c.finish_reason, c.error = out.finish_reason, out.error
                     self.left -= 1
                 yield c, out
         finally:
@@ -161,7 +170,7 @@ class Generation:
             self.abort()  # (at once: the cancelled task's own cleanup runs later)
             raise
         if any(c.finish_reason == "error" for c in self.choices):
-            raise ModelFailed(FAILED)
+            raise failure(self.choices)
         return {
             **self._envelope([self._final(c) for c in self.choices], False),
             "usage": self.usage(),
@@ -215,7 +224,10 @@ class Generation:
         calls = {c.index: ToolStream(self.tools) for c in self.choices} if self.tools else {}
         async for c, out in self.events():
             if out.finish_reason == "error":
-                yield sse_event(error_body(FAILED, "server_error"))
+                why, kind = (
+                    (out.error, "invalid_request_error") if out.error else (FAILED, "server_error")
+                )
+                yield sse_event(error_body(why, kind))
                 continue
             text, delta = out.text, {}
             if c.index in calls:  # content as it comes; a tool call once complete

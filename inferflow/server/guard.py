@@ -9,6 +9,7 @@ import functools
 import hmac
 import json
 import logging
+from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
@@ -48,6 +49,10 @@ class APIError(Exception):
 
 
 KINDS = {401: "authentication_error", 404: "not_found_error"}  # others: invalid_request_error
+
+# Which of several API keys the request came with (its index among --api-key's), set by Guard
+# for the route it calls: the prefix cache keeps each key's prompts apart. None with one key.
+CLIENT_KEY: ContextVar[int | None] = ContextVar("inferflow_client_key", default=None)
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -102,6 +107,14 @@ def install_error_handlers(app: FastAPI) -> None:
             headers={"Retry-After": "5"},
         )
 
+    @app.exception_handler(RecursionError)
+    async def too_deep(request: Request, _: RecursionError) -> JSONResponse:
+        # (a backstop: request fields are bounded in depth; one that was missed is the
+        # client's 400, not the server's 500)
+        log.warning("%s %s: a RecursionError, answered 400", request.method, request.url.path)
+        text = "the request nests too deeply to be handled"
+        return JSONResponse(error_body(text, "invalid_request_error"), 400)
+
     @app.exception_handler(ModelFailed)
     async def failed(_: Request, e: ModelFailed) -> JSONResponse:
         return JSONResponse(error_body(str(e), "server_error"), 500)
@@ -127,19 +140,24 @@ class Guard:
 
     def __init__(self, app: ASGIApp, state: ServerState) -> None:
         self.app, self.state = app, state
-        self.key, self.limit = state.cfg.api_key, state.cfg.max_body_bytes
+        self.keys = [f"Bearer {k}".encode() for k in state.cfg.api_keys]
+        self.limit = state.cfg.max_body_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["path"] == "/health":
             return await self.app(scope, receive, send)
         headers = dict(scope["headers"])
-        if self.key is not None:
+        if self.keys:
             given = headers.get(b"authorization", b"")
-            if not hmac.compare_digest(given, f"Bearer {self.key}".encode()):
+            # (every key compared, in constant time: the answer's time names none of them)
+            match = [i for i, k in enumerate(self.keys) if hmac.compare_digest(given, k)]
+            if not match:
                 msg = "invalid or missing API key (send the header Authorization: Bearer KEY)"
                 return await JSONResponse(error_body(msg, "authentication_error"), 401)(
                     scope, receive, send
                 )
+            if len(self.keys) > 1:
+                CLIENT_KEY.set(match[0])
         if scope["path"] == "/metrics":
             return await self.app(scope, receive, send)
         if self.state.draining:

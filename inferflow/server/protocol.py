@@ -31,6 +31,7 @@ from inferflow.engine.sampling import (
     SamplingParams,
 )
 from inferflow.errors import RequestError
+from inferflow.server.jsonvalue import check_value, loads
 from inferflow.spec.types import GenerationDefaults
 
 
@@ -68,24 +69,6 @@ MAX_NAME_CHARS = 256  # a message's name, the user field, the model name
 MAX_TOKEN_ID = 2**31 - 1  # token ids past any vocabulary are refused as numbers, not converted
 
 
-def _no_surrogates(value: Any, where: str) -> None:
-    """Refuse a lone UTF-16 surrogate (JSON's "\\udfff"), which no UTF-8 text can hold."""
-    if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError as e:
-            raise ValueError(
-                f"a lone surrogate ({value[e.start]!r}) in {where} is not valid Unicode text"
-            ) from None
-    elif isinstance(value, list):
-        for v in value:
-            _no_surrogates(v, where)
-    elif isinstance(value, dict):
-        for k, v in value.items():
-            _no_surrogates(k, where)
-            _no_surrogates(v, where)
-
-
 def _nullable(schema: dict[str, Any], cls: type[BaseModel]) -> None:
     """The OpenAPI schema says what ``Body._nulls`` does: an optional field takes null."""
     required = set(schema.get("required", []))
@@ -121,7 +104,7 @@ class Body(BaseModel):
     @field_validator("*", mode="after")
     @classmethod
     def _text(cls, value: Any) -> Any:
-        _no_surrogates(value, "the text")
+        check_value(value, "the value")
         return value
 
 
@@ -189,6 +172,8 @@ class GenerationBody(Body):
     stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
     beam_width: int = Field(1, ge=1, le=MAX_N)  # > 1: beam search, the n best beams returned
     length_penalty: float = Field(1.0, ge=-MAX_LENGTH_PENALTY, le=MAX_LENGTH_PENALTY)
+    # vLLM's: the prefix cache shares prompt blocks only between requests of equal salts
+    cache_salt: Name | None = None
 
     def constraint(self) -> tuple[str, str, Any] | None:
         """Structured output: (the request field, the constraint's kind, its value)."""
@@ -386,13 +371,9 @@ class Message(Body):
 
 def _arguments(call: ToolCall) -> Any:
     try:
-        return json.loads(call.function.arguments)
-    except ValueError:
-        raise RequestError(
-            f"messages: tool call {call.id!r} has arguments that are not JSON: "
-            f"{call.function.arguments[:60]!r}",
-            "messages",
-        ) from None
+        return loads(call.function.arguments, f"the arguments of tool call {call.id!r}")
+    except ValueError as e:
+        raise RequestError(f"messages: {e}", "messages") from None
 
 
 class FunctionDef(Body):

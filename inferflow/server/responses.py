@@ -184,7 +184,7 @@ class ResponseRun:
         calls: list[dict[str, Any]] = []
         async for _, out in self.gen.events():
             if out.finish_reason == "error":
-                error = {"code": "server_error", "message": FAILED}
+                error = {"code": "server_error", "message": out.error or FAILED}
                 yield self.event("response.failed", response=self.obj("failed", error=error))
                 return
             lp = (self.gen.logprobs_of(out, 0) or {}).get("content", [])

@@ -4,12 +4,12 @@ template messages (``inferflow.server.responses`` serves them)."""
 
 from __future__ import annotations
 
-import json
 from typing import Annotated, Any, Literal
 
 from pydantic import Discriminator, Field, Tag
 
 from inferflow.errors import RequestError
+from inferflow.server.jsonvalue import loads
 from inferflow.server.protocol import MAX_MESSAGES, Body, GenerationBody, Name, Text
 
 LOGPROBS = "message.output_text.logprobs"  # the one ``include`` value (per-token logprobs)
@@ -55,11 +55,9 @@ class FunctionCallItem(Body):
 
     def as_call(self) -> dict[str, Any]:
         try:
-            args = json.loads(self.arguments)
-        except ValueError:
-            raise RequestError(
-                f"input: function call {self.call_id!r} has arguments that are not JSON", "input"
-            ) from None
+            args = loads(self.arguments, f"the arguments of function call {self.call_id!r}")
+        except ValueError as e:
+            raise RequestError(f"input: {e}", "input") from None
         return {
             "id": self.call_id,
             "type": "function",

@@ -17,15 +17,18 @@ from pathlib import Path
 from typing import Any
 
 from inferflow import __version__
-from inferflow.engine.constrain import compile_grammar, lltokenizer
+from inferflow.engine.constrain import lltokenizer
 from inferflow.engine.engine import Engine, EngineConfig
+from inferflow.engine.grammar_bounds import GrammarLimits
 from inferflow.errors import RequestError
 from inferflow.model.batch import check_input
 from inferflow.model.materialise import peak_rss
 from inferflow.runtime import LanguageModel, load
+from inferflow.server.compiler import GrammarCompiler
 from inferflow.server.echo import Echo
 from inferflow.server.generation import Generation
-from inferflow.server.guard import APIError
+from inferflow.server.guard import CLIENT_KEY, APIError
+from inferflow.server.limits import MAX_SCORED, SCORE_CHUNK
 from inferflow.server.metrics import Metrics
 from inferflow.server.protocol import GenerationBody
 from inferflow.server.runner import EngineRunner
@@ -74,7 +77,7 @@ class ServerConfig:
     dtype: str = "float32"
     quant: str | None = None
     engine: EngineConfig = field(default_factory=EngineConfig)
-    api_key: str | None = None
+    api_keys: tuple[str, ...] = ()  # any of them; with several, each key's prompts cache apart
     max_body_bytes: int = 4 << 20
     cors_origins: tuple[str, ...] = ()
     # SIGTERM: running requests may finish for this long, then end with finish reason "abort"
@@ -83,6 +86,11 @@ class ServerConfig:
     url: str | None = None  # where it listens (said once requests can be served)
     responses: StoreLimits = field(default_factory=StoreLimits)  # kept for previous_response_id
     draft: Spec | None = None  # speculative method "draft": the draft model
+    grammar: GrammarLimits = field(default_factory=GrammarLimits)  # structured-output bounds
+    # echo / prompt_logprobs: prompt tokens one request may have scored (None: MAX_SCORED, or
+    # the context where that is longer), and the positions scored between two engine steps
+    max_scored_tokens: int | None = None
+    score_chunk: int = SCORE_CHUNK
 
 
 class ServerState:
@@ -97,6 +105,7 @@ class ServerState:
         self.draining = False  # SIGTERM: new requests get 503 while running ones finish
         self.active = 0  # HTTP requests in flight (but /health and /metrics)
         self.fingerprint = system_fingerprint(cfg)
+        self.compiler = GrammarCompiler(cfg.grammar)
 
     def load(self, loop: asyncio.AbstractEventLoop) -> None:
         try:
@@ -152,6 +161,14 @@ class ServerState:
         lm, runner = self.ready()
         return int(runner.engine.max_len if runner.engine else lm.spec.hparams.max_positions)
 
+    def max_scored_tokens(self) -> int:
+        cap = self.cfg.max_scored_tokens
+        return cap if cap is not None else max(MAX_SCORED, self.max_len())
+
+    def score_chunk(self) -> int:
+        """Prompt positions scored between two engine steps: at most a step's token budget."""
+        return min(self.cfg.score_chunk, self.cfg.engine.scheduler.max_batched_tokens)
+
     def generating(self, model: str | None, chat: bool) -> tuple[LanguageModel, EngineRunner]:
         """The model and its runner, for a completions (``chat``: chat) request; 400 for a
         network type that does not serve it."""
@@ -200,12 +217,17 @@ class ServerState:
             name, kind, value = c
             tok, vocab = self.tokenizer(), lm.spec.hparams.vocab_size
             try:
-                grammar = await asyncio.to_thread(
-                    lambda: compile_grammar(kind, value, lltokenizer(tok, vocab))
-                )
+                grammar = await self.compiler.compile(kind, value, lambda: lltokenizer(tok, vocab))
             except RequestError as e:
                 raise APIError(400, f"{name}: {e}", param=name) from None
-            params = dataclasses.replace(params, grammar=grammar)
+            try:
+                params = dataclasses.replace(params, grammar=grammar)
+            except RequestError as e:  # (a field that does not combine with a grammar)
+                raise APIError(400, str(e), param=e.param) from None
+        key = CLIENT_KEY.get()  # (several API keys: each key's prompts apart in the cache)
+        salt = body.cache_salt or ""
+        if key is not None or salt:
+            params = dataclasses.replace(params, cache_salt=f"{key}\x00{salt}")
         if max_tokens != 0 and longest < most < longest + limit:  # (too long: the engine's)
             raise APIError(
                 400,
@@ -218,6 +240,14 @@ class ServerState:
         if echo is not None:  # (the scoring pass reads the prompts: check them first)
             for ids in prompts:
                 check_input(ids, lm.spec.hparams.vocab_size, most - (max_tokens != 0), field)
+            scored, cap = sum(map(len, prompts)), self.max_scored_tokens()
+            if scored > cap:
+                raise APIError(
+                    400,
+                    f"{field}: echo / prompt_logprobs would score {scored} prompt tokens; the "
+                    f"limit is {cap} per request (--max-scored-tokens): send fewer prompts",
+                    param=field,
+                )
             echoes = await echo()
         try:
             return Generation(

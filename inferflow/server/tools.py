@@ -17,6 +17,7 @@ from typing import Any
 
 from inferflow.errors import RequestError
 from inferflow.registry import Registry
+from inferflow.server.jsonvalue import loads
 
 
 @dataclass(frozen=True)
@@ -62,7 +63,7 @@ class CallFormat:
                 break
             body = text[i + len(self.start) : j].strip()
             try:
-                obj = json.loads(body)
+                obj = loads(body, "a tool call")  # (the model's: nested too deep stays text)
                 name, args = obj["name"], obj.get("arguments", {})
                 if not isinstance(name, str):
                     raise TypeError(name)

@@ -241,24 +241,38 @@ def _merge(base: dict[str, Any], child: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def read_doc(path: Path, _seen: tuple[Path, ...] = ()) -> Any:
-    """A spec document with its ``base:`` chain merged in (``_merge``)."""
+MAX_BASE_DEPTH = 16  # specs in one base: chain (a template's chain is 2 or 3)
+
+
+def read_doc(path: Path) -> Any:
+    """A spec document with its ``base:`` chain merged in (``_merge``), the chain followed
+    without recursion and at most MAX_BASE_DEPTH long."""
+    chain: list[dict[str, Any]] = []
+    seen = [path.resolve()]
     doc = _read_yaml(path)
-    if not isinstance(doc, dict) or "base" not in doc:
-        return doc
-    ref = doc.pop("base")
-    if not isinstance(ref, str):
-        raise SpecError(f"{path}: base: must be a spec path or built-in name, got {ref!r}")
-    rel = path.parent / expand_user(ref, "base")
-    if not ref.endswith(".yaml") and rel.name:  # '', '.', '/': no name to give a suffix
-        rel = rel.with_suffix(".yaml")
-    base_path = rel if os.path.isfile(rel) else find_spec_file(ref)
-    if base_path.resolve() in _seen:
-        raise SpecError(f"{path}: base: {ref!r} makes a cycle")
-    base = read_doc(base_path, (*_seen, path.resolve()))
-    if not isinstance(base, dict):
-        raise SpecError(f"{base_path}: a spec must be a YAML mapping")
-    return _merge(base, doc)
+    while isinstance(doc, dict) and "base" in doc:
+        ref = doc.pop("base")
+        if not isinstance(ref, str):
+            raise SpecError(f"{path}: base: must be a spec path or built-in name, got {ref!r}")
+        if len(chain) + 1 == MAX_BASE_DEPTH:
+            raise SpecError(
+                f"{path}: base: {ref!r} makes the chain of bases longer than {MAX_BASE_DEPTH} "
+                f"specs (from {seen[0]})"
+            )
+        rel = path.parent / expand_user(ref, "base")
+        if not ref.endswith(".yaml") and rel.name:  # '', '.', '/': no name to give a suffix
+            rel = rel.with_suffix(".yaml")
+        base_path = rel if os.path.isfile(rel) else find_spec_file(ref)
+        if base_path.resolve() in seen:
+            raise SpecError(f"{path}: base: {ref!r} makes a cycle")
+        chain.append(doc)
+        seen.append(base_path.resolve())
+        path, doc = base_path, _read_yaml(base_path)
+        if not isinstance(doc, dict):
+            raise SpecError(f"{base_path}: a spec must be a YAML mapping")
+    for child in reversed(chain):
+        doc = _merge(doc, child)
+    return doc
 
 
 def parse_spec(

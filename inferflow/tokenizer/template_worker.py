@@ -1,7 +1,8 @@
-"""Chat templates rendered under a ``TemplateBudget``, in worker processes that can be killed.
+"""Chat templates rendered under a ``TemplateBudget``, and structured-output grammars validated
+under ``GrammarLimits``, in worker processes that can be killed.
 
-A Python thread cannot be interrupted, so a budgeted render runs in one of a few long-lived
-worker processes: the worker caps its own address space (``RLIMIT_AS``) for each render, so a
+A Python thread cannot be interrupted, and a grammar compiler that recurses too deep takes its
+process down, so such work runs in one of a few long-lived worker processes: the worker caps its own address space (``RLIMIT_AS``) for each render, so a
 runaway string ends in a ``MemoryError``, and the parent kills it (SIGKILL) past the time limit
 and starts a fresh one on the next call. Over the worker's stdin and stdout go length-prefixed
 frames: a pickled request, and a tagged UTF-8 reply (the parent never unpickles what a worker
@@ -9,7 +10,10 @@ sends).
 
 Workers are plain subprocesses, not multiprocessing's spawn (which re-imports the parent's
 ``__main__``, the CLI with torch): the bootstrap imports this module without running
-``inferflow/tokenizer/__init__.py``, so a worker loads only jinja2 and the chat module.
+``inferflow/tokenizer/__init__.py`` or ``inferflow/engine/__init__.py``, so a worker loads only
+jinja2 and the chat module (and llguidance with ``grammar_bounds`` for its first grammar).
+Grammars go to a pool of their own (``GRAMMAR_POOL``), so a slow one never delays a template,
+and its workers run at a lower priority than the engine.
 """
 
 from __future__ import annotations
@@ -30,10 +34,12 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from inferflow.errors import TokenizerError
+from inferflow.engine.grammar_bounds import GrammarLimits, check_bounds, validated_text
+from inferflow.errors import RequestError, TokenizerError
 from inferflow.tokenizer.chat import TemplateBudget, TemplateLimitError, _render
 
 logger = logging.getLogger(__name__)
@@ -44,14 +50,21 @@ _HEADER = struct.Struct("!Q")  # byte length of the frame that follows
 # reply tags: ready, rendered text, error, limit error
 _READY, _TEXT, _ERROR, _LIMIT = b"R", b"T", b"E", b"L"
 
-# Run by the worker's interpreter (argv: sys.path as JSON, this package's directory). A bare
-# module registered as inferflow.tokenizer lets its submodules import without its __init__.
+GRAMMAR_STACK_BYTES = 16 << 20  # a grammar's validation thread in the worker (the server's
+# own compile threads have 16x that: what passes here cannot overflow there)
+GRAMMAR_MEMORY_BYTES = 1 << 30
+GRAMMAR_NICE = 10
+
+# Run by the worker's interpreter (argv: sys.path as JSON, the directories of inferflow.tokenizer
+# and inferflow.engine). Bare modules registered as those packages let their submodules import
+# without their __init__ (which import torch).
 _BOOTSTRAP = """\
 import json, sys, types
 sys.path[:0] = json.loads(sys.argv[1])
-package = types.ModuleType("inferflow.tokenizer")
-package.__path__ = [sys.argv[2]]
-sys.modules["inferflow.tokenizer"] = package
+for name, path in (("inferflow.tokenizer", sys.argv[2]), ("inferflow.engine", sys.argv[3])):
+    package = types.ModuleType(name)
+    package.__path__ = [path]
+    sys.modules[name] = package
 from inferflow.tokenizer.template_worker import serve
 serve()
 """
@@ -81,12 +94,14 @@ def serve() -> None:
 
 
 def _handle(request: dict[str, Any]) -> tuple[bytes, str]:
+    if "grammar" in request:
+        return _validate_grammar(request)
     budget = TemplateBudget(**request["budget"])
     memory_error = (
         f"chat template: rendering exceeded the memory limit of "
         f"{budget.max_memory_bytes / (1 << 20):g} MiB"
     )
-    restore = _limit_resources(budget)
+    restore = _limit_resources(budget.seconds, budget.max_memory_bytes)
     try:
         text = _render(
             request["template"],
@@ -108,15 +123,43 @@ def _handle(request: dict[str, Any]) -> tuple[bytes, str]:
     return _TEXT, text
 
 
-def _limit_resources(budget: TemplateBudget) -> Callable[[], None]:
-    """Cap this process's address space at its current size plus the budget, and its CPU time
-    (a backstop, should the parent die mid-render); returns the function that undoes it."""
+def _validate_grammar(request: dict[str, Any]) -> tuple[bytes, str]:
+    """``validated_text`` for a grammar request, in a thread with a stack of
+    GRAMMAR_STACK_BYTES (a deeper recursion ends this process: the parent answers for it)."""
+    if os.getpriority(os.PRIO_PROCESS, 0) < GRAMMAR_NICE:
+        os.setpriority(os.PRIO_PROCESS, 0, GRAMMAR_NICE)
+    limits = GrammarLimits(**request["limits"])
+    reply: list[tuple[bytes, str]] = []
+
+    def run() -> None:
+        try:
+            reply.append((_TEXT, validated_text(request["kind"], request["grammar"], limits)))
+        except RequestError as e:
+            reply.append((_ERROR, str(e)))
+        except MemoryError:
+            reply.append((_LIMIT, f"validating took more than {GRAMMAR_MEMORY_BYTES >> 20} MiB"))
+
+    restore = _limit_resources(limits.seconds, GRAMMAR_MEMORY_BYTES)
+    threading.stack_size(GRAMMAR_STACK_BYTES)
+    try:
+        thread = threading.Thread(target=run)
+        thread.start()
+        thread.join()
+    finally:
+        restore()
+    return reply[0] if reply else (_LIMIT, "the grammar compiler failed")
+
+
+def _limit_resources(seconds: float, max_memory_bytes: int) -> Callable[[], None]:
+    """Cap this process's address space at its current size plus ``max_memory_bytes``, and its
+    CPU time (a backstop, should the parent die mid-call); returns the function that undoes
+    it."""
     with open("/proc/self/statm") as f:
         address_space = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
     usage = resource.getrusage(resource.RUSAGE_SELF)
     limits = {
-        resource.RLIMIT_AS: address_space + budget.max_memory_bytes,
-        resource.RLIMIT_CPU: int(usage.ru_utime + usage.ru_stime + budget.seconds) + 2,
+        resource.RLIMIT_AS: address_space + max_memory_bytes,
+        resource.RLIMIT_CPU: int(usage.ru_utime + usage.ru_stime + seconds) + 2,
     }
     saved = {which: resource.getrlimit(which) for which in limits}
     for which, soft in limits.items():
@@ -139,12 +182,25 @@ class _WorkerDied(Exception):
     pass
 
 
+@dataclass(frozen=True)
+class _Errors:
+    """What a kind of work raises: ``limit`` past a limit (``died`` and ``slow`` format the
+    worker's death and the time limit into its message), ``error`` for its own failure."""
+
+    what: str
+    limit: Callable[[str], Exception]
+    error: Callable[[str], Exception]
+    died: str
+    slow: str
+
+
 class _Worker:
     """One worker process, used by one thread at a time."""
 
     def __init__(self) -> None:
         started = time.perf_counter()
-        argv = [json.dumps(sys.path), str(Path(__file__).parent)]
+        here = Path(__file__).parent
+        argv = [json.dumps(sys.path), str(here), str(here.parent / "engine")]
         try:
             self.proc = subprocess.Popen(
                 [sys.executable, "-I", "-c", _BOOTSTRAP, *argv],
@@ -179,37 +235,29 @@ class _Worker:
                 with contextlib.suppress(OSError):  # unwritten bytes for a dead reader
                     stream.close()
 
-    def render(self, request: dict[str, Any], budget: TemplateBudget) -> str:
+    def call(self, request: dict[str, Any], seconds: float, max_reply: int, errors: _Errors) -> str:
+        """The worker's text for ``request`` within ``seconds``; ``errors`` names the work in
+        what is raised when it fails or the worker dies or runs out of time."""
         assert self.proc.stdin is not None
         try:
             self.proc.stdin.write(_frame(pickle.dumps(request, pickle.HIGHEST_PROTOCOL)))
             self.proc.stdin.flush()
-            reply = self._receive(
-                time.monotonic() + budget.seconds, 4 * budget.max_output_chars + (1 << 16)
-            )
+            reply = self._receive(time.monotonic() + seconds, max_reply)
         except (_WorkerDied, OSError) as e:
             self.kill()
-            logger.warning("chat template worker %d failed: %s", self.proc.pid, e)
-            # most likely a C allocation that failed under RLIMIT_AS and aborted the process
-            raise TemplateLimitError(
-                f"chat template: the rendering worker died ({e}), likely past the memory limit "
-                f"of {budget.max_memory_bytes / (1 << 20):g} MiB"
-            ) from e
+            logger.warning("%s worker %d failed: %s", errors.what, self.proc.pid, e)
+            raise errors.limit(errors.died.format(e)) from e
         if reply is None:
             self.kill()
-            logger.warning(
-                "chat template worker %d killed past %s s", self.proc.pid, budget.seconds
-            )
-            raise TemplateLimitError(
-                f"chat template: rendering exceeded the time limit of {budget.seconds} s"
-            )
+            logger.warning("%s worker %d killed past %s s", errors.what, self.proc.pid, seconds)
+            raise errors.limit(errors.slow.format(seconds))
         tag, text = reply
         if tag == _TEXT:
             return text
         if tag == _LIMIT:
             self.kill()  # it may be short of memory now, or hold a huge cache: start a clean one
-            raise TemplateLimitError(text)
-        raise TokenizerError(text)
+            raise errors.limit(text)
+        raise errors.error(text)
 
     def _receive(self, deadline: float, max_bytes: int) -> tuple[bytes, str] | None:
         """The worker's next message, or None if it is not complete by ``deadline``."""
@@ -247,10 +295,10 @@ class WorkerPool:
         self._starting = 0
         self._cond = threading.Condition()
 
-    def render(self, request: dict[str, Any], budget: TemplateBudget) -> str:
+    def call(self, request: dict[str, Any], seconds: float, max_reply: int, errors: _Errors) -> str:
         worker = self._acquire()
         try:
-            return worker.render(request, budget)
+            return worker.call(request, seconds, max_reply, errors)
         finally:
             with self._cond:
                 if worker.alive:
@@ -291,7 +339,9 @@ class WorkerPool:
 
 
 _POOL = WorkerPool()
+GRAMMAR_POOL = WorkerPool()
 atexit.register(_POOL.close)
+atexit.register(GRAMMAR_POOL.close)
 
 
 def render_in_worker(
@@ -310,4 +360,31 @@ def render_in_worker(
         "variables": variables,
         "budget": dataclasses.asdict(budget),
     }
-    return pool.render(request, budget)
+    errors = _Errors(
+        "chat template",
+        TemplateLimitError,
+        TokenizerError,
+        # most likely a C allocation that failed under RLIMIT_AS and aborted the process
+        "chat template: the rendering worker died ({}), likely past the memory limit of "
+        f"{budget.max_memory_bytes / (1 << 20):g} MiB",
+        "chat template: rendering exceeded the time limit of {} s",
+    )
+    return pool.call(request, budget.seconds, 4 * budget.max_output_chars + (1 << 16), errors)
+
+
+def validate_in_worker(
+    kind: str, value: Any, limits: GrammarLimits, pool: WorkerPool = GRAMMAR_POOL
+) -> str:
+    """``grammar_bounds.validated_text`` in a worker process: the constraint's grammar text,
+    or a RequestError naming the bound it broke, llguidance's complaint, the time limit, or
+    the worker's death (a recursion too deep for GRAMMAR_STACK_BYTES)."""
+    check_bounds(kind, value, limits)  # (the cheap refusals need no worker)
+    request = {"kind": kind, "grammar": value, "limits": dataclasses.asdict(limits)}
+    errors = _Errors(
+        "grammar",
+        RequestError,
+        RequestError,
+        f"{kind}: compiling it ended the compiler ({{}}): it nests or chains too deeply",
+        f"{kind}: compiling it took longer than the limit of {{}} s ({limits.FLAGS['seconds']})",
+    )
+    return pool.call(request, limits.seconds, 2 * limits.max_bytes + (16 << 20), errors)

@@ -5,18 +5,51 @@ tests/test_server_fuzz.py sets it): one extra check and two hooks.
 - ``before_call``: schema-valid token counts are capped at FUZZ_MAX_TOKENS (default 4), and a
   completion without max_tokens gets it, so a case takes milliseconds on CPU; a value of the
   wrong type or range is sent as generated.
+- ``before_call`` also gives every third completion or chat request one of issue 48's deep
+  shapes (``inferflow.fuzz.deep``), in turn and at sizes from small to past every bound: a
+  chained or nested grammar or schema, nested tool parameters, nested tool-call arguments.
 - ``after_call``: appends "METHOD PATH<TAB>STATUS<TAB>SECONDS" per request to
   $INFERFLOW_FUZZ_LOG (if set), from which the test counts the cases each operation ran.
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 from typing import Any
 
 import schemathesis
 
+from inferflow.fuzz import deep
+
 MAX_TOKENS = int(os.environ.get("FUZZ_MAX_TOKENS", "4"))
+SIZES = (3, 40, 700, 3000)
+NESTED = 200  # nested objects sent at most this deep (schemathesis recurses on the body)
+# (the pattern intersection stays small: past ~12 patterns each case waits for the time limit)
+DEEP = (
+    [(shape, n) for n in SIZES for shape in sorted(deep.CONSTRAINTS)]
+    + [("tool parameters", n) for n in SIZES]
+    + [("tool arguments", n) for n in SIZES]
+)
+_turn = itertools.count()
+
+
+def _deep_fields(path: str, shape: str, n: int) -> dict[str, Any]:
+    """The fields that carry ``shape`` at size ``n`` in a request to ``path``."""
+    if shape == "tool parameters":  # (nested objects: the client's own code recurses on them)
+        schema = deep.nested_schema(min(n, NESTED))
+        tool = {"type": "function", "function": {"name": "f", "parameters": schema}}
+        return {"tools": [tool]} if path.endswith("chat/completions") else {}
+    if shape == "tool arguments":
+        if not path.endswith("chat/completions"):
+            return {}
+        call = {"id": "c", "type": "function",
+                "function": {"name": "f", "arguments": deep.nested_json(n)}}  # fmt: skip
+        return {"messages": [{"role": "user", "content": "x"},
+                             {"role": "assistant", "tool_calls": [call]}]}  # fmt: skip
+    kind, build = deep.CONSTRAINTS[shape]
+    size = min(n, 10) if "allOf" in shape else min(n, NESTED) if shape == "schema nested" else n
+    return {"structured_outputs": deep.structured_outputs(kind, build(size))}
 
 
 @schemathesis.check
@@ -45,6 +78,11 @@ def before_call(context: Any, case: Any, kwargs: dict[str, Any]) -> None:
         v = body.get(k)
         if type(v) is int and v > MAX_TOKENS:
             body[k] = MAX_TOKENS
+    path = case.operation.path
+    turn = next(_turn) if path in ("/v1/completions", "/v1/chat/completions") else 1
+    if turn % 3 == 0:
+        shape, n = DEEP[turn // 3 % len(DEEP)]
+        body.update(_deep_fields(path, shape, n))
 
 
 @schemathesis.hook

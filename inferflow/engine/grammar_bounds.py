@@ -68,23 +68,25 @@ def check_bounds(kind: str, value: Any, limits: GrammarLimits) -> None:
     if kind == "json_object":
         return
     if kind == "json_schema":
-        size = len(json.dumps(value))
+        _check_schema(value, limits)  # (first: a schema too deep for json.dumps fails here)
+        try:
+            size = len(json.dumps(value))
+        except RecursionError:
+            raise RequestError("the schema nests too deeply to be measured") from None
     elif kind == "choice":
         size = sum(len(c.encode()) for c in value)
     else:
         size = len(value.encode())
     if size > limits.max_bytes:
         raise limits.over("max_bytes", f"the constraint has {size} bytes")
-    if kind == "json_schema":
-        _check_schema(value, limits)
-    elif kind == "choice":
+    if kind == "choice":
         if len(value) > limits.max_alternatives:
             raise limits.over("max_alternatives", f"{len(value)} choices")
     elif kind == "regex":
         _check_text(value, limits, lark=False)
     elif kind == "grammar":
         _check_text(value, limits, lark=True)
-    else:
+    elif kind != "json_schema":
         raise RequestError(f"unknown constraint {kind!r}; allowed: {', '.join(KINDS)}")
 
 

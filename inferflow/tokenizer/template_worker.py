@@ -240,7 +240,11 @@ class _Worker:
         what is raised when it fails or the worker dies or runs out of time."""
         assert self.proc.stdin is not None
         try:
-            self.proc.stdin.write(_frame(pickle.dumps(request, pickle.HIGHEST_PROTOCOL)))
+            frame = _frame(pickle.dumps(request, pickle.HIGHEST_PROTOCOL))
+        except RecursionError:
+            raise errors.error(f"{errors.what}: the input nests too deeply to send") from None
+        try:
+            self.proc.stdin.write(frame)
             self.proc.stdin.flush()
             reply = self._receive(time.monotonic() + seconds, max_reply)
         except (_WorkerDied, OSError) as e:

@@ -225,20 +225,17 @@ def test_a_grammar_that_crashes_its_compiler_costs_only_a_worker(tmp_path: Path)
     for flag in ("--grammar-max-rules", "--grammar-max-alternatives", "--grammar-max-bytes"):
         args += [flag, str(10**8)]
     with run_server(tmp_path, *args) as (url, proc):
-        lone = httpx.post(
-            f"{url}/v1/completions", json={"prompt": VICTIM, "max_tokens": 32, "temperature": 0}
-        )
-        cases = [{"grammar": deep.lark_chain(50_000)}, {"json": deep.ref_chain(20_000)}]
-        for so in cases:
-            r = httpx.post(
-                f"{url}/v1/completions", json=_completion({"structured_outputs": so}), timeout=60
-            )
-            check_error(r, 400, "ended the compiler")
-            assert proc.poll() is None
-        again = httpx.post(
-            f"{url}/v1/completions", json={"prompt": VICTIM, "max_tokens": 32, "temperature": 0}
-        )
-        assert again.json()["choices"][0]["text"] == lone.json()["choices"][0]["text"]
+        lone = Alone(url)
+        lone[300]
+        with Victim(url, 300) as v:
+            cases = [{"grammar": deep.lark_chain(50_000)}, {"json": deep.ref_chain(20_000)}]
+            for so in cases:
+                body = _completion({"structured_outputs": so})
+                r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+                check_error(r, 400, "ended the compiler")
+                assert proc.poll() is None
+        _check_victim(v, lone, "compiler crashes")
+        assert httpx.get(f"{url}/health").status_code == 200
 
 
 # --- 2: scoring -----------------------------------------------------------------------------

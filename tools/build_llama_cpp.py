@@ -25,7 +25,40 @@ from pathlib import Path
 VERSION = "0.3.36"  # llama-cpp-python's release; its vendor/llama.cpp is what gets built
 TOOLS = ("llama-completion", "llama-perplexity", "llama-quantize", "llama-imatrix")
 SERVER = ("llama-server",)  # built apart (its own directory): the tests do not need it
-CACHE = Path.home() / ".cache" / "inferflow" / "llama.cpp" / VERSION
+# The host's instruction sets but AMX: on a VM whose CPU lists AMX, ggml's AMX matrix code ends
+# in SIGILL at its first tile instruction (seen on a 2-core Xeon guest), and the comparisons want
+# llama.cpp's AVX-512 / AVX2 kernels anyway. GGML_NATIVE (-march=native) would turn AMX on, so
+# each of ggml's x86 switches is set from /proc/cpuinfo instead; like the native build, they
+# apply to ggml's CPU kernels only (its reference quantizers stay baseline x86-64, no FMA, whose
+# bytes tests/test_llama_cpp_interchange.py compares with ours).
+X86_SWITCHES = {
+    "GGML_SSE42": "sse4_2", "GGML_AVX": "avx", "GGML_AVX2": "avx2", "GGML_FMA": "fma",
+    "GGML_F16C": "f16c", "GGML_BMI2": "bmi2", "GGML_AVX_VNNI": "avx_vnni",
+    "GGML_AVX512": "avx512f", "GGML_AVX512_VBMI": "avx512vbmi",
+    "GGML_AVX512_VNNI": "avx512_vnni", "GGML_AVX512_BF16": "avx512_bf16",
+}  # fmt: skip
+CMAKE_FLAGS = [
+    "-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=OFF", "-DGGML_NATIVE=OFF",
+    "-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF",
+    "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
+]  # fmt: skip
+
+
+def _x86_flags() -> list[str]:
+    """ggml's x86 switches, each on where this CPU has its instructions (none elsewhere)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return []
+    line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
+    have = set(line.split(":", 1)[-1].split())
+    if "avx2" not in have:  # (not x86, or an old one: ggml's defaults)
+        return []
+    return [f"-D{k}={'ON' if v in have else 'OFF'}" for k, v in X86_SWITCHES.items()]
+
+
+# (a build with other flags is another folder; "-noamx2": the switches above, AMX off)
+CACHE = Path.home() / ".cache" / "inferflow" / "llama.cpp" / f"{VERSION}-noamx2"
 
 
 class BuildError(RuntimeError):
@@ -91,10 +124,8 @@ def _build(bin_dir: Path, jobs: int | None, tools: tuple[str, ...]) -> None:
             tar.extractall(work, members=members, filter="data")
         src = work / prefix
         build = work / "build"
-        flags = ["-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=OFF", "-DGGML_NATIVE=ON"]
-        flags += ["-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF"]
         server = "ON" if tools == SERVER else "OFF"
-        flags += ["-DLLAMA_BUILD_EXAMPLES=OFF", f"-DLLAMA_BUILD_SERVER={server}"]
+        flags = [*CMAKE_FLAGS, *_x86_flags(), f"-DLLAMA_BUILD_SERVER={server}"]
         _run(["cmake", "-S", str(src), "-B", str(build), *flags], log)
         jobs = jobs or os.cpu_count() or 2
         _run(["cmake", "--build", str(build), "-j", str(jobs), "--target", *tools], log)

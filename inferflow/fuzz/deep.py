@@ -5,7 +5,6 @@ the HTTP fuzzer's hooks draw sizes from small to far past the server's limits.""
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 
@@ -86,7 +85,3 @@ def structured_outputs(kind: str, value: Any) -> dict[str, Any]:
     """vLLM's ``structured_outputs`` field for a constraint of ``kind``."""
     field = {"json_schema": "json", "regex": "regex", "choice": "choice", "grammar": "grammar"}
     return {field[kind]: value}
-
-
-def dumps_size(value: Any) -> int:
-    return len(value) if isinstance(value, str) else len(json.dumps(value))

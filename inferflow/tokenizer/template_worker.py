@@ -2,9 +2,10 @@
 under ``GrammarLimits``, in worker processes that can be killed.
 
 A Python thread cannot be interrupted, and a grammar compiler that recurses too deep takes its
-process down, so such work runs in one of a few long-lived worker processes: the worker caps its own address space (``RLIMIT_AS``) for each render, so a
-runaway string ends in a ``MemoryError``, and the parent kills it (SIGKILL) past the time limit
-and starts a fresh one on the next call. Over the worker's stdin and stdout go length-prefixed
+process down, so such work runs in one of a few long-lived worker processes: the worker caps its
+own address space (``RLIMIT_AS``) for each call, so a runaway string ends in a ``MemoryError``,
+and the parent kills it (SIGKILL) past the time limit (or finds it dead) and starts a fresh one
+on the next call. Over the worker's stdin and stdout go length-prefixed
 frames: a pickled request, and a tagged UTF-8 reply (the parent never unpickles what a worker
 sends).
 
@@ -57,7 +58,7 @@ GRAMMAR_NICE = 10
 
 # Run by the worker's interpreter (argv: sys.path as JSON, the directories of inferflow.tokenizer
 # and inferflow.engine). Bare modules registered as those packages let their submodules import
-# without their __init__ (which import torch).
+# without running their __init__ (the tokenizer package's imports the tokenizers library).
 _BOOTSTRAP = """\
 import json, sys, types
 sys.path[:0] = json.loads(sys.argv[1])

@@ -145,7 +145,7 @@ def test_grammars_out_of_bounds_get_400_naming_the_limit(
         ({"grammar": deep.lark_chain(1500).replace(" | ", " ")}, "--grammar-max-rules"),
         ({"grammar": deep.lark_nested(100)}, "--grammar-max-depth"),
         ({"json": deep.ref_chain(1000)}, "--grammar-max-rules"),
-        ({"json": deep.any_of_objects(5000)}, "--grammar-max-bytes"),
+        ({"json": deep.any_of_objects(5000)}, "--grammar-max-alternatives"),
         ({"json": {"anyOf": [{"type": "integer"}] * 2000}}, "--grammar-max-alternatives"),
         ({"choice": deep.long_choices(256, 15000)}, "--grammar-max-bytes"),
         ({"regex": "(" * 80 + "a" + ")" * 80}, "--grammar-max-depth"),

@@ -153,23 +153,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         metavar="SECONDS",
         help=f"how long a stored response is kept ({StoreLimits.seconds:g})",
     )
-    limits = GrammarLimits()
-    for name, flag in GrammarLimits.FLAGS.items():
-        what = {
-            "max_bytes": "bytes of a structured-output constraint as sent (schema, grammar, "
-            "regex, choices)",
-            "max_rules": "Lark rules and terminals, or a schema's $defs / definitions",
-            "max_depth": "nesting of a schema, or brackets of a grammar or regex",
-            "max_alternatives": "anyOf / oneOf / allOf / enum members, choices, or a grammar's '|'",
-            "seconds": "seconds to compile and validate one constraint (in a worker process)",
-        }[name]
-        default = getattr(limits, name)
+    for f in dataclasses.fields(GrammarLimits):  # (each declares its flag and help)
         p.add_argument(
-            flag,
-            type=type(default),
-            default=default,
-            dest=f"grammar_{name}",
-            help=f"at most this many {what}; past it, 400 ({default:g})",
+            f.metadata["flag"],
+            type=type(f.default),
+            default=f.default,
+            dest=f"grammar_{f.name}",
+            help=f"at most this many {f.metadata['help']}; past it, 400 ({f.default:g})",
         )
     p.add_argument(
         "--max-scored-tokens",
@@ -240,7 +230,9 @@ def run(args: argparse.Namespace) -> int:
                 f"--{flag.replace('_', '-')}: seconds in (0, 86400), got {getattr(args, flag)}"
             )
     engine = engine_config(args)
-    grammar = GrammarLimits(**{n: getattr(args, f"grammar_{n}") for n in GrammarLimits.FLAGS})
+    grammar = GrammarLimits(
+        **{f.name: getattr(args, f"grammar_{f.name}") for f in dataclasses.fields(GrammarLimits)}
+    )
     if args.max_scored_tokens is not None and args.max_scored_tokens < 1:
         raise InferflowError(f"--max-scored-tokens: must be >= 1, got {args.max_scored_tokens}")
     keys = args.api_key or (

@@ -15,7 +15,7 @@ This module imports neither torch nor the rest of the engine: the worker loads i
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from inferflow.errors import RequestError
@@ -28,33 +28,47 @@ JSON_OPTIONS: Any = {"whitespace_flexible": False}
 MAX_MESSAGE = 300  # characters of llguidance's message kept in an error (it may quote the grammar)
 
 
+def _limit(default: float, flag: str, what: str) -> Any:
+    """A GrammarLimits field: its default, its ``serve`` flag and what it counts (the help)."""
+    return field(default=default, metadata={"flag": flag, "help": what})
+
+
 @dataclass(frozen=True)
 class GrammarLimits:
-    """What one request's constraint may hold (``inferflow serve --grammar-*``)."""
+    """What one request's constraint may hold (``inferflow serve --grammar-*``): each field
+    declares its flag and help here, the CLI builds its options from them."""
 
-    max_bytes: int = 131072  # the constraint as sent: schema JSON, grammar, regex, choices
-    max_rules: int = 1000  # Lark rules and terminals; a schema's $defs / definitions
-    max_depth: int = 64  # nesting: schema objects and lists; a grammar's or regex's brackets
-    max_alternatives: int = 1024  # anyOf / oneOf / allOf / enum members, choices, Lark's '|'
-    seconds: float = 5.0  # compiling and validating, in the worker
+    max_bytes: int = _limit(
+        131072, "--grammar-max-bytes",
+        "bytes of a structured-output constraint as sent (schema JSON, grammar, regex, choices)",
+    )  # fmt: skip
+    max_rules: int = _limit(
+        1000, "--grammar-max-rules", "Lark rules and terminals, or a schema's $defs / definitions"
+    )
+    max_depth: int = _limit(
+        64, "--grammar-max-depth", "levels a schema nests, or brackets of a grammar or regex"
+    )
+    max_alternatives: int = _limit(
+        1024, "--grammar-max-alternatives",
+        "anyOf / oneOf / allOf / enum members, choices, or a grammar's '|'",
+    )  # fmt: skip
+    seconds: float = _limit(
+        5.0, "--grammar-timeout", "seconds to compile and validate one constraint (in a worker)"
+    )
 
-    FLAGS = {  # noqa: RUF012 - (a class constant, not a field)
-        "max_bytes": "--grammar-max-bytes",
-        "max_rules": "--grammar-max-rules",
-        "max_depth": "--grammar-max-depth",
-        "max_alternatives": "--grammar-max-alternatives",
-        "seconds": "--grammar-timeout",
-    }
+    @classmethod
+    def flag(cls, name: str) -> str:
+        return str(next(f.metadata["flag"] for f in fields(cls) if f.name == name))
 
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
             if not value > 0:
-                raise RequestError(f"{self.FLAGS[f.name]}: must be > 0, got {value!r}")
+                raise RequestError(f"{f.metadata['flag']}: must be > 0, got {value!r}")
 
     def over(self, name: str, what: str) -> RequestError:
         """The error for a constraint past the bound ``name``: ``what`` it has, the limit."""
-        return RequestError(f"{what}; the limit is {getattr(self, name)} ({self.FLAGS[name]})")
+        return RequestError(f"{what}; the limit is {getattr(self, name)} ({self.flag(name)})")
 
 
 def short(message: str, most: int = MAX_MESSAGE) -> str:

@@ -390,6 +390,6 @@ def validate_in_worker(
         RequestError,
         RequestError,
         f"{kind}: compiling it ended the compiler ({{}}): it nests or chains too deeply",
-        f"{kind}: compiling it took longer than the limit of {{}} s ({limits.FLAGS['seconds']})",
+        f"{kind}: compiling it took longer than the limit of {{}} s ({limits.flag('seconds')})",
     )
     return pool.call(request, limits.seconds, 2 * limits.max_bytes + (16 << 20), errors)

@@ -140,6 +140,7 @@ RANDOM_BLOCKS = {
     "Q5_K": [0, 2],
     "Q6_K": [208],
     "Q2_K": [80, 82],
+    "Q3_K": [108],
     "IQ4_NL": [0],
 }
 _SCALE_FIELDS = {**RANDOM_BLOCKS, "Q4_0": [0], "Q5_0": [0]}  # (writable ones: every code too)

@@ -14,13 +14,14 @@ from inferflow.kernels import quant_decode
 from inferflow.quant import quantize
 from inferflow.quant.linear import QuantLinear
 from inferflow.runtime import load
-from tests.conftest import smollm2_path
+from tests.conftest import random_blocks, smollm2_path
 from tests.test_batch_invariance import PROMPTS, _check
 
 gguf = pytest.importorskip("gguf")
 
-GGML = {"Q4_0": gguf.GGMLQuantizationType.Q4_0, "Q4_1": gguf.GGMLQuantizationType.Q4_1,
-        "Q4_K": gguf.GGMLQuantizationType.Q4_K, "Q8_0": gguf.GGMLQuantizationType.Q8_0}  # fmt: skip
+# every GGML block type with an affine view (k-quants from random blocks: no writer here)
+GGML = {name: getattr(gguf.GGMLQuantizationType, name) for name in (
+    "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")}  # fmt: skip
 
 
 @pytest.fixture(params=[[], ["-mno-avx512f"]], ids=["native", "portable"])
@@ -42,8 +43,10 @@ def _layer(fmt: str, n: int, k: int, seed: int) -> tuple[QuantLinear, torch.Tens
     """A QuantLinear on its C plane, and its weights as gguf-py decodes the blocks."""
     if quant_decode.library() is None:
         pytest.skip("no C compiler here: the plane kernel cannot be built")
-    w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * 0.05
-    qt = quantize(w, fmt)
+    if fmt.endswith("_K"):
+        qt = random_blocks(fmt, n, k)
+    else:
+        qt = quantize(torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * 0.05, fmt)
     layer = QuantLinear(qt, None)
     assert layer.plane is not None
     blocks = qt.data.numpy().reshape(n, -1)
@@ -51,16 +54,23 @@ def _layer(fmt: str, n: int, k: int, seed: int) -> tuple[QuantLinear, torch.Tens
     return layer, torch.from_numpy(np.ascontiguousarray(ref)).double()
 
 
+def _width(fmt: str) -> int:
+    """Rows of W as wide as a format allows and not a multiple of 256 where it can be (k-quants'
+    super-blocks are 256 weights)."""
+    return 768 if fmt.endswith("_K") else 480
+
+
 @pytest.mark.parametrize("fmt", list(GGML))
 def test_inputs_on_the_8_bit_grid_give_the_exact_product(fmt: str, build) -> None:  # noqa: ANN001
     """x whose every 32 values are integers times a power of two, one of them +-127: the
     rounding keeps x exactly, so the integer dot products must give W x as gguf-py's weights
     say (a code paired with the wrong column, or a wrong scale, would not)."""
-    layer, w = _layer(fmt, 72, 512, 0)  # (4 full tiles of 16 rows and a half one)
+    k = _width(fmt)
+    layer, w = _layer(fmt, 71, k, 0)  # (4 full tiles of 16 rows and 7 rows)
     g = torch.Generator().manual_seed(1)
-    xi = torch.randint(-127, 128, (6, 512 // 32, 32), generator=g)
-    xi[:, :, 5] = 127 * (1 - 2 * (torch.arange(512 // 32) % 2))  # amax 127 in every chunk
-    x = (xi * 2.0 ** torch.randint(-9, -3, (6, 512 // 32, 1), generator=g)).reshape(6, 512)
+    xi = torch.randint(-127, 128, (6, k // 32, 32), generator=g)
+    xi[:, :, 5] = 127 * (1 - 2 * (torch.arange(k // 32) % 2))  # amax 127 in every chunk
+    x = (xi * 2.0 ** torch.randint(-9, -3, (6, k // 32, 1), generator=g)).reshape(6, k)
     want = x.double() @ w.T
     for act8 in (False, True):
         layer.act8 = act8
@@ -72,15 +82,16 @@ def test_inputs_on_the_8_bit_grid_give_the_exact_product(fmt: str, build) -> Non
 def test_general_inputs_within_the_rounding_of_x(fmt: str, build) -> None:  # noqa: ANN001
     """Any x: the product moves from W x by at most what rounding x to 8 bits per 32 values
     can move it (half a step per value, times |w|), and rows alone equal rows together."""
-    layer, w = _layer(fmt, 64, 512, 2)
+    k = _width(fmt)
+    layer, w = _layer(fmt, 63, k, 2)
     if not layer.plane.has_q8():  # type: ignore[union-attr]
         pytest.skip(f"this build has no integer path for {fmt} (no VNNI, or portable 8-bit rows)")
-    x = torch.randn(5, 512, generator=torch.Generator().manual_seed(3))
+    x = torch.randn(5, k, generator=torch.Generator().manual_seed(3))
     x[1] *= 1e-4
     x[2, :64] = 0.0
     got = layer.plane.matmul_f32(x, q8=True).double()  # type: ignore[union-attr]
     half_step = x.reshape(5, -1, 32).abs().amax(-1, keepdim=True) / 127 / 2
-    bound = (half_step.expand(-1, -1, 32).reshape(5, 512).double() @ w.abs().T) * 1.01 + 1e-7
+    bound = (half_step.expand(-1, -1, 32).reshape(5, k).double() @ w.abs().T) * 1.01 + 1e-7
     err = (got - x.double() @ w.T).abs()
     assert bool((err <= bound).all()), float((err / bound).max())
     assert float(err.max()) > 1e-4  # (the inputs were rounded: not the float32 product)
@@ -104,13 +115,16 @@ def test_the_product_is_that_of_the_rounded_row(fmt: str, build) -> None:  # noq
     term included: it takes the rounded row's group sums, as llama.cpp's Q8_1 sums do. With
     x's own float sums there, the error would be the codes' offset (8 for Q4_0) times x's
     rounding instead of the weights' size times it."""
-    layer, w = _layer(fmt, 64, 512, 4)
+    k = _width(fmt)
+    layer, w = _layer(fmt, 65, k, 4)
     if not layer.plane.has_q8():  # type: ignore[union-attr]
         pytest.skip(f"this build has no integer path for {fmt} (no VNNI, or portable 8-bit rows)")
-    x = torch.randn(5, 512, generator=torch.Generator().manual_seed(5)) + 0.5
+    x = torch.randn(5, k, generator=torch.Generator().manual_seed(5)) + 0.5
     got = layer.plane.matmul_f32(x, q8=True).double()  # type: ignore[union-attr]
     want = _rounded(x) @ w.T
     assert float((got - want).abs().max() / want.abs().max()) < 2e-6
+    for rows in ([3], [4, 0], [1, 2, 3]):  # a row's result whatever else is in the call
+        assert torch.equal(layer.plane.matmul_f32(x[rows], q8=True).double(), got[rows])  # type: ignore[union-attr]
 
 
 @pytest.fixture(scope="module")
@@ -156,9 +170,9 @@ def test_which_planes_take_8_bit_inputs(
     monkeypatch: pytest.MonkeyPatch,
     tmp_path,  # noqa: ANN001
 ) -> None:
-    """4-bit tiles do (AVX-512 builds only with VNNI; portable builds always), and 8-bit codes
-    where they are tiles too (AVX-512 VNNI builds); 5-bit codes and portable builds' 8-bit rows
-    keep float32 inputs, bit for bit the float32 product."""
+    """Every tile does on AVX-512 VNNI builds (4-, 5- and 8-bit codes, groups of 16 too);
+    portable builds' 4-bit tiles do; portable builds' 5-bit tiles and 8-bit rows, and AVX-512
+    builds without VNNI, keep float32 inputs, bit for bit the float32 product."""
     from inferflow import kernels
     from tests.test_fused import _reset
 
@@ -175,12 +189,13 @@ def test_which_planes_take_8_bit_inputs(
     _reset()
     try:
         x = torch.randn(3, 256, generator=torch.Generator().manual_seed(4))
-        for fmt in ("Q4_0", "Q4_1", "Q4_B64", "Q5_0", "Q8_0"):
+        for fmt in ("Q4_0", "Q4_1", "Q4_B64", "Q5_0", "Q8_0", "Q6_K"):
             w = torch.randn(32, 256, generator=torch.Generator().manual_seed(5))
-            plane = QuantLinear(quantize(w, fmt), None).plane
+            qt = random_blocks(fmt, 32, 256) if fmt.endswith("_K") else quantize(w, fmt)
+            plane = QuantLinear(qt, None).plane
             assert plane is not None
-            four, eight = fmt.startswith("Q4"), fmt == "Q8_0"
-            assert plane.has_q8() is ((four and tiles) or (eight and avx512 and vnni)), fmt
+            four = fmt.startswith("Q4")
+            assert plane.has_q8() is ((four and tiles) or (avx512 and vnni)), fmt
             same = torch.equal(plane.matmul_f32(x, q8=True), plane.matmul_f32(x))
             assert same is not plane.has_q8(), fmt
     finally:

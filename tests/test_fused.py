@@ -53,10 +53,10 @@ def test_8_bit_tiles_reuse_the_codes_storage(lib) -> None:  # noqa: ANN001
     assert float((plane.matmul_f32(x) - ref).abs().max()) < 1e-5
 
 
-@pytest.mark.parametrize("name", [*AFFINE_WRITABLE, "Q4_K", "Q5_K", "Q6_K"])
+@pytest.mark.parametrize("name", [*AFFINE_WRITABLE, "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"])
 def test_plane_matvec_matches_dequantize(name: str, lib) -> None:  # noqa: ANN001
     g = torch.Generator().manual_seed(0)
-    if name in ("Q4_K", "Q5_K", "Q6_K"):
+    if name.endswith("_K"):
         qt = random_blocks(name, 96, 512)
     else:
         w = torch.randn(200, 576, generator=g) * 0.05 + torch.randn(200, 1, generator=g) * 0.05
@@ -65,12 +65,14 @@ def test_plane_matvec_matches_dequantize(name: str, lib) -> None:  # noqa: ANN00
     plane = quant_decode.make_plane(*affine_parts(qt), view.levels, view.zero)
     assert plane is not None
     # symmetric formats (the codec's min is -zero * scale) hold no mins: the kernels derive them
-    symmetric = name in ("Q4_0", "Q5_0", "Q8_0", "Q6_K")
+    symmetric = name in ("Q4_0", "Q5_0", "Q8_0", "Q3_K", "Q6_K")
     assert (plane.min is None) == symmetric
     # 4-bit tiles; 5-bit ones (a tile of the low four bits and a plane of the fifth) where the
-    # groups are multiples of 32; else one byte per code
+    # groups are multiples of 32; else one byte per code. Groups of 16 go in tiles on AVX-512
+    # builds only.
+    tiles = view.group % 32 == 0 or quant_decode.tiles16_built()
     five = view.levels in (17, 32) and view.group % 32 == 0  # (no format has 17..31 levels)
-    assert plane.bits == (4 if view.levels <= 16 else 5 if five else 8)
+    assert plane.bits == (4 if view.levels <= 16 and tiles else 5 if five else 8)
     if plane.bits == 5:
         assert plane.high is not None
         assert (

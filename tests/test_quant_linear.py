@@ -126,11 +126,11 @@ def test_affine_formats_use_a_fast_kernel(name: str, layers) -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_read_only_formats(name: str, dtype: torch.dtype) -> None:
     """k-quants and IQ4_NL from random blocks: Q4_K/Q5_K (32-weight groups) take the affine
-    kernels (and int4pack when forced), Q6_K (16-weight groups of 6-bit codes) the C plane
-    alone, Q2_K and the non-affine ones dequant."""
+    kernels (and int4pack when forced), Q2_K, Q3_K and Q6_K (16-weight groups) the C plane
+    alone, the non-affine ones dequant."""
     qt = random_blocks(name, 192, 512)
     affine = name in ("Q4_K", "Q5_K")
-    plane = affine or (name == "Q6_K" and quant_decode.library() is not None)
+    plane = affine or (name in ("Q2_K", "Q3_K", "Q6_K") and quant_decode.library() is not None)
     assert select_kernel(get_format(name)) == (_fast_kernel() if plane else "dequant")
     ql = QuantLinear(qt)
     assert ql.kernel_name == (_fast_kernel() if plane else "dequant")
@@ -142,7 +142,7 @@ def test_read_only_formats(name: str, dtype: torch.dtype) -> None:
             QuantLinear(qt, kernel="int4pack")
 
 
-@pytest.mark.parametrize("name", [*AFFINE_WRITABLE, "Q4_K", "Q5_K"])
+@pytest.mark.parametrize("name", [*AFFINE_WRITABLE, "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"])
 def test_affine_views_are_exact(name: str) -> None:
     # codes * scale + min must be the codec's float32 output to the bit, for every block
     qt = random_blocks(name, 64, 256) if name in RANDOM_BLOCKS else quantize(_weight(64, 256), name)

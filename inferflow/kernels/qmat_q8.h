@@ -52,6 +52,15 @@ static void quantize_row_q8(const float *x, int64_t k, int8_t *xq, float *dx) {
    term does: the product is then sum((scale * code + min) * dx * xq), whose error is the
    weights' own size times x's rounding, not the codes' offset's (128 for Q8_0) times it. */
 static void q8_group_sums(const QMat *w, const int8_t *xq, const float *dx, float *xs) {
+    if (w->group == 16) { /* (tiles only) a chunk's columns 0 .. 15 are its bytes 4s + e, e < 2 */
+        for (int64_t j = 0; j < w->k / 32; j++)
+            for (int h = 0; h < 2; h++) {
+                int32_t q = 0;
+                for (int s = 0; s < 8; s++) q += xq[32 * j + 4 * s + 2 * h] + xq[32 * j + 4 * s + 2 * h + 1];
+                xs[2 * j + h] = dx[j] * (float)q;
+            }
+        return;
+    }
     const int64_t chunks = w->group / 32;
     for (int64_t g = 0; g < w->k / w->group; g++) {
         float s = 0.f;

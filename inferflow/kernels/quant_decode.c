@@ -10,6 +10,9 @@
      bits beside them, 64 bytes per tile and chunk: byte (t, j, s, h, e) has bit i set where row
      16t + 8h + i's code of column 2s, 16 + 2s, 2s + 1, 17 + 2s (e = 0 .. 3) is >= 16 (the order
      of tile_codes' vectors).
+   AVX-512 builds hold other tiles (tiles16.h): 4-bit ones with two sub-blocks per byte, 5-bit
+   ones with their fifth bits as bit s of a byte per (row, column of the sub-block), 8-bit
+   ones; tiles there also take groups of 16 (Q2_K, Q3_K, Q6_K: two scales per chunk).
    Scales and mins are float32, or float16 where every one is exact in it (F16C builds);
    symmetric formats (min = -zero * scale, zero a power of two) may leave min NULL.
 
@@ -66,22 +69,27 @@ typedef struct {
 int qmat_half_built(void) { return HALF_BUILT; }
 
 /* How W is walked: 0 = 4/5-bit tiles (vector types), 1 = 8-bit rows RW at a time (vector
-   types), 2 = 4-bit tiles (AVX-512), 3 = 8-bit tiles (AVX-512, groups of 32k). A property of W
-   and the build (qmat_tiles16_built), never of the rows of x. */
+   types); AVX-512 tiles: 2 = 4-bit, 3 = 8-bit, 4 = 5-bit (groups of 32k), 5 = 4-bit and 6 =
+   8-bit in groups of 16. A property of W and the build (qmat_tiles16_built), never of the rows
+   of x. */
 static inline int path_of(const QMat *w) {
 #if defined(__AVX512F__)
-    if (w->bits == 4 && !w->high) return 2;
-    if (w->bits == 8 && w->group % 32 == 0) return 3;
+    if (w->k % 32 == 0 && (w->group % 32 == 0 || w->group == 16)) {
+        const int g16 = w->group == 16;
+        if (w->bits == 4) return g16 ? 5 : 2;
+        if (w->bits == 8) return g16 ? 6 : 3;
+        if (w->high && !g16) return 4;
+    }
 #endif
     return w->bits == 8 ? 1 : 0;
 }
 
 /* rows of W per block, rows of x per block */
-static const int64_t BLOCK_ROWS[4] = {16, RW, 16, 16};
+static const int64_t BLOCK_ROWS[7] = {16, RW, 16, 16, 16, 16, 16};
 #if defined(__AVX512F__)
-static const int64_t X_ROWS[4] = {MR, MR, MR16, MR16};
+static const int64_t X_ROWS[7] = {MR, MR, MR16, MR16, MR16, MR16, MR16};
 #else
-static const int64_t X_ROWS[4] = {MR, MR, MR, MR};
+static const int64_t X_ROWS[7] = {MR, MR, MR, MR, MR, MR, MR};
 #endif
 
 /* one body per path and constant row count, so that every body is inlined with constants */
@@ -123,24 +131,36 @@ static void block_dot(const QMat *w, int path, int64_t t, const float *x, const 
     }
 #if defined(__AVX512F__)
     case 2:
-#define C4(n) tile_dot_rows16(w, t, x, xs, y, add, n, 0)
+#define C4(n) tile_dot_rows16(w, t, x, xs, y, add, n, 0, 0, 0)
         CASES(C4);
         break;
     case 3:
-#define C5(n) tile_dot_rows16(w, t, x, xs, y, add, n, 1)
+#define C5(n) tile_dot_rows16(w, t, x, xs, y, add, n, 1, 0, 0)
         CASES(C5);
+        break;
+    case 4:
+#define C9(n) tile_dot_rows16(w, t, x, xs, y, add, n, 0, 1, 0)
+        CASES(C9);
+        break;
+    case 5:
+#define C10(n) tile_dot_rows16(w, t, x, xs, y, add, n, 0, 0, 1)
+        CASES(C10);
+        break;
+    case 6:
+#define C11(n) tile_dot_rows16(w, t, x, xs, y, add, n, 1, 0, 1)
+        CASES(C11);
         break;
 #endif
     default: break;
     }
 }
 
-/* Whether block_dot_q8 takes W: 4-bit tiles, and 8-bit tiles where the build has AVX-512 VNNI;
-   other codes keep float32 x */
+/* Whether block_dot_q8 takes W: every AVX-512 tile where the build has VNNI, 4-bit tiles of
+   the vector types; other codes keep float32 x */
 static inline int q8_path(const QMat *w, int path) {
 #if defined(Q8_TILES16)
     (void)w;
-    return path == 2 || path == 3;
+    return path >= 2;
 #elif defined(__AVX512F__)
     (void)w, (void)path;
     return 0;
@@ -153,19 +173,32 @@ static inline int q8_path(const QMat *w, int path) {
 static void block_dot_q8(const QMat *w, int path, int64_t t, const int8_t *xq, const float *dx,
                          const float *xs, float *y, int add, int64_t mr) {
 #if defined(Q8_TILES16)
-    if (path == 2) {
-#define C6(n) tile_dot_rows16_q8(w, t, xq, dx, xs, y, add, n, 0)
+    switch (path) {
+    case 2:
+#define C6(n) tile_dot_rows16_q8(w, t, xq, dx, xs, y, add, n, 0, 0, 0)
         CASES(C6);
         return;
-    }
-    if (path == 3) {
-#define C8(n) tile_dot_rows16_q8(w, t, xq, dx, xs, y, add, n, 1)
+    case 3:
+#define C8(n) tile_dot_rows16_q8(w, t, xq, dx, xs, y, add, n, 1, 0, 0)
         CASES(C8);
         return;
+    case 4:
+#define C12(n) tile_dot_rows16_q8(w, t, xq, dx, xs, y, add, n, 0, 1, 0)
+        CASES(C12);
+        return;
+    case 5:
+#define C13(n) tile_dot_rows16_q8(w, t, xq, dx, xs, y, add, n, 0, 0, 1)
+        CASES(C13);
+        return;
+    case 6:
+#define C14(n) tile_dot_rows16_q8(w, t, xq, dx, xs, y, add, n, 1, 0, 1)
+        CASES(C14);
+        return;
+    default: break;
     }
 #endif
     (void)path;
-#if !defined(__AVX512F__) /* (q8_path: on AVX-512 builds only paths 2 and 3 take 8-bit x) */
+#if !defined(__AVX512F__) /* (q8_path: on AVX-512 builds only the tiles take 8-bit x) */
 #define C7(n) tile_dot_rows_q8(w, t, xq, dx, xs, y, add, (n) < MR ? (n) : MR)
     CASES(C7);
 #else

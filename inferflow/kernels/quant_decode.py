@@ -138,6 +138,11 @@ class QPlane:
             b = self.codes[t, :, :, i, :]  # (N, k / 32, s2, (h, e))
             b = torch.stack([b & 15, b >> 4], dim=-1).reshape(len(ids), -1, 4, 2, 2, 2)
             codes = b.permute(0, 1, 3, 2, 5, 4).reshape(len(ids), self.k)
+            if self.high is not None:  # bit s of byte (t, j, i, 2h + e): column 32j + 16h + 2s + e
+                s = torch.arange(8, dtype=torch.uint8)
+                hb = (self.high[t, :, i, :, None] >> s) & 1  # (N, k / 32, (h, e), s)
+                hb = hb.reshape(len(ids), -1, 2, 2, 8).permute(0, 1, 2, 4, 3)
+                codes = codes | (hb.reshape(len(ids), self.k) << 4)
             scale, mn = self.scale[t, :, i], mins[t, :, i]
         else:  # tile t = id // 16, row i = id % 16; byte (t, j, s, i, e): columns 2s + e, +16
             b = self.codes[t, :, :, i, :].reshape(len(ids), -1, 16)  # (N, k / 32, (s, e))
@@ -179,16 +184,28 @@ class QPlane:
 
 
 def plane_takes(levels: int, group: int) -> bool:
-    """Whether a plane holds codes of ``levels`` values in groups of ``group``: 4-bit tiles
-    need groups of a multiple of 32, 8-bit rows of 16."""
-    return levels <= 256 and group % (32 if levels <= 16 else 16) == 0
+    """Whether a plane holds codes of ``levels`` values in groups of ``group``: tiles need
+    groups of a multiple of 32 (AVX-512 builds: or of 16), 8-bit rows of 16."""
+    return levels <= 256 and group % 16 == 0
 
 
-def plane_bits(levels: int, group: int) -> int:
-    """The bits per code of the plane ``plane_takes``: 4- and 5-bit tiles where the groups are
-    multiples of 32, else 8-bit rows."""
-    if group % 32 == 0 and levels <= 32:
-        return 4 if levels <= 16 else 5
+def _tiles(group: int, k: int | None = None) -> bool:
+    """Whether groups of ``group`` (rows of ``k``) go in tiles of 16 rows: groups of a multiple
+    of 32, and on AVX-512 builds groups of 16 (k a multiple of 32)."""
+    if k is not None and k % 32:
+        return False
+    return group % 32 == 0 or (group == 16 and tiles16_built())
+
+
+def plane_bits(levels: int, group: int, k: int | None = None) -> int:
+    """The bits per code of the plane ``plane_takes``: 4-bit tiles (<= 16 levels), 5-bit ones
+    (<= 32 levels, groups of a multiple of 32), else 8-bit codes (tiles on AVX-512 builds, else
+    rows)."""
+    if _tiles(group, k) and levels <= 32:
+        if levels <= 16:
+            return 4
+        if group % 32 == 0:
+            return 5
     return 8
 
 
@@ -210,8 +227,8 @@ def make_plane(
     if half_built() and all(torch.equal(t.half().float(), t) for t in kept):
         scale, mn = scale.half(), mn.half()  # (exact: no value changes)
     z = zero if minless and zero is not None else 0  # (minless implies a zero)
-    bits, wide = plane_bits(levels, group), tiles16_built()
-    if bits == 8 and (group % 32 or not wide):
+    bits, wide = plane_bits(levels, group, k), tiles16_built()
+    if bits == 8 and not (wide and _tiles(group, k)):
         mins = None if minless else mn.contiguous()
         return QPlane(codes.contiguous(), scale.contiguous(), mins, n, k, group, 8, None, z)
     tiles = -(-n // 16)
@@ -237,13 +254,19 @@ def make_plane(
             chunk.copy_(pairs.permute(0, 2, 4, 1, 3).reshape(len(chunk), -1).view(torch.uint8))
         return QPlane(flat.view(tiles, k // 32, 8, 16, 4), tiled(scale), mins, n, k, group, 8,
                       None, z)  # fmt: skip
-    if bits == 4 and wide:  # column 32j + 16h + 4 s2 + 2p + e of row 16t + i -> nibble p of
-        # byte (t, j, s2, i, 2h + e)
-        c = codes.reshape(tiles, 16, k // 32, 2, 4, 2, 2)
+    if wide:  # column 32j + 16h + 4 s2 + 2p + e of row 16t + i -> nibble p of byte (t, j, s2,
+        # i, 2h + e)
+        c = (codes & 15 if bits == 5 else codes).reshape(tiles, 16, k // 32, 2, 4, 2, 2)
         b = (c[..., 0, :] | (c[..., 1, :] << 4)).view(torch.int16).squeeze(-1)
         packed = b.permute(0, 2, 4, 1, 3).contiguous().view(torch.uint8)
+        high = None
+        if bits == 5:  # fifth bit of column 32j + 16h + 2s + e of row 16t + i -> bit s of byte
+            # (t, j, i, 2h + e)
+            hb = (codes >> 4).reshape(tiles, 16, k // 32, 2, 8, 2).permute(0, 2, 1, 3, 5, 4)
+            lanes = torch.tensor([1 << s for s in range(8)], dtype=torch.uint8)
+            high = (hb * lanes).sum(-1, dtype=torch.uint8).reshape(tiles, k // 32, 16, 4)
         return QPlane(packed.reshape(tiles, k // 32, 4, 16, 4), tiled(scale), mins, n, k, group,
-                      4, None, z)  # fmt: skip
+                      bits, high, z)  # fmt: skip
     # column 32j + 16h + 2s + e of row 16t + i -> nibble h of byte (t, j, s, i, e)
     c = (codes & 15 if bits == 5 else codes).reshape(tiles, 16, k // 32, 2, 8, 2)
     packed = (c[:, :, :, 0] | (c[:, :, :, 1] << 4)).permute(0, 2, 3, 1, 4).contiguous()

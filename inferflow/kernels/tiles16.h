@@ -52,10 +52,25 @@ static inline __attribute__((always_inline)) __m512i tile16_dwords(const uint8_t
     return _mm512_and_si512(s & 1 ? _mm512_srli_epi32(d, 4) : d, _mm512_set1_epi8(0x0F));
 }
 
+/* 5-bit tiles (AVX-512 builds): the 4-bit tiles of the codes' low four bits, and per chunk 64
+   bytes of their fifth bits: byte (i, e) of the chunk's bits holds bit s for sub-block s's
+   column (2s, 2s + 1, 16 + 2s, 17 + 2s)[e] of row i (dword i of a vector, as the codes) */
+static inline const uint8_t *high16(const QMat *w, int64_t t, int64_t jj) {
+    return w->high + (t * (w->k / 32) + jj) * 64;
+}
+
+/* sub-block s's fifth bits as 16 in each byte of a code that has one (h: the chunk's bits) */
+static inline __attribute__((always_inline)) __m512i high16_bytes(__m512i h, int s) {
+    const __m512i b = s <= 4 ? _mm512_slli_epi32(h, 4 - s) : _mm512_srli_epi32(h, s - 4);
+    return _mm512_and_si512(b, _mm512_set1_epi8(0x10));
+}
+
 /* sub-block s's codes as floats, q[e]: column (2s, 2s + 1, 16 + 2s, 17 + 2s)[e] of the 16 rows
-   (4-bit: vpermps reads the low 4 bits of each index, one nibble per lookup) */
+   (4-bit: vpermps reads the low 4 bits of each index, one nibble per lookup; five: plus 16
+   where the fifth bit is set, h the chunk's bits) */
 static inline __attribute__((always_inline)) void tile16_codes(const uint8_t *c, int s,
-                                                               const int eight, __m512 q[4]) {
+                                                               const int eight, const int five,
+                                                               __m512i h, __m512 q[4]) {
     if (eight) {
         const __m512i d = tile16_dwords(c, s, 1), byte = _mm512_set1_epi32(0xFF);
         for (int e = 0; e < 3; e++)
@@ -64,28 +79,40 @@ static inline __attribute__((always_inline)) void tile16_codes(const uint8_t *c,
     } else {
         const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
         const __m512i d = _mm512_loadu_si512((const void *)(c + 64 * (s >> 1)));
-        for (int e = 0; e < 4; e++)
+        for (int e = 0; e < 4; e++) {
             q[e] = _mm512_permutexvar_ps(_mm512_srli_epi32(d, 8 * e + 4 * (s & 1)), iota);
+            if (five) {
+                const __mmask16 m = _mm512_test_epi32_mask(h, _mm512_set1_epi32(1 << (8 * e + s)));
+                q[e] = _mm512_mask_add_ps(q[e], m, q[e], _mm512_set1_ps(16.f));
+            }
+        }
     }
 }
 
+/* The float32 products of a tile. Groups of a multiple of 32 take one scale per group; groups
+   of 16 (g16: Q6_K, Q3_K, Q2_K) split each chunk, columns 0 .. 15 (the sub-blocks' bytes e < 2:
+   a0) and 16 .. 31 (e >= 2: a1) under their own scales. */
 static inline __attribute__((always_inline)) void tile_dot_rows16(const QMat *w, int64_t t,
                                                                   const float *x, const float *xs,
                                                                   float *out, int add, const int mr,
-                                                                  const int eight) {
-    const int64_t k = w->k, G = k / w->group, chunks = w->group / 32;
+                                                                  const int eight, const int five,
+                                                                  const int g16) {
+    const int64_t k = w->k, G = k / w->group, chunks = g16 ? 1 : w->group / 32;
+    const int64_t steps = g16 ? k / 32 : G; /* a group, or (g16) a chunk of two */
     const uint8_t *c = w->codes + t * (k / 32) * TILE_CHUNK(eight);
     __m512 acc[MR16], mins[MR16];
     for (int m = 0; m < mr; m++) acc[m] = mins[m] = _mm512_setzero_ps();
-    for (int64_t g = 0; g < G; g++) {
+    for (int64_t g = 0; g < steps; g++) {
         __m512 a0[MR16], a1[MR16];
         for (int m = 0; m < mr; m++) a0[m] = a1[m] = _mm512_setzero_ps();
         for (int64_t j = 0; j < chunks; j++) {
             const int64_t col = (g * chunks + j) * 32;
+            const __m512i h = five ? _mm512_loadu_si512((const void *)high16(w, t, g * chunks + j))
+                                   : _mm512_setzero_si512();
 #pragma GCC unroll 8
             for (int s = 0; s < 8; s++) {
                 __m512 q[4];
-                tile16_codes(c, s, eight, q);
+                tile16_codes(c, s, eight, five, h, q);
                 for (int m = 0; m < mr; m++) {
                     const float *xc = x + m * k + col;
                     a0[m] = _mm512_fmadd_ps(q[0], _mm512_set1_ps(xc[2 * s]), a0[m]);
@@ -96,10 +123,22 @@ static inline __attribute__((always_inline)) void tile_dot_rows16(const QMat *w,
             }
             c += TILE_CHUNK(eight);
         }
-        const __m512 sc = ld16(w, w->scale, (t * G + g) * 16), mn = min16(w, (t * G + g) * 16);
-        for (int m = 0; m < mr; m++) {
-            acc[m] = _mm512_fmadd_ps(_mm512_add_ps(a0[m], a1[m]), sc, acc[m]);
-            mins[m] = _mm512_fmadd_ps(mn, _mm512_set1_ps(xs[m * G + g]), mins[m]);
+        if (g16) {
+            const int64_t i = (t * G + 2 * g) * 16;
+            const __m512 s0 = ld16(w, w->scale, i), s1 = ld16(w, w->scale, i + 16);
+            const __m512 n0 = min16(w, i), n1 = min16(w, i + 16);
+            for (int m = 0; m < mr; m++) {
+                acc[m] = _mm512_fmadd_ps(a0[m], s0, acc[m]);
+                acc[m] = _mm512_fmadd_ps(a1[m], s1, acc[m]);
+                mins[m] = _mm512_fmadd_ps(n0, _mm512_set1_ps(xs[m * G + 2 * g]), mins[m]);
+                mins[m] = _mm512_fmadd_ps(n1, _mm512_set1_ps(xs[m * G + 2 * g + 1]), mins[m]);
+            }
+        } else {
+            const __m512 sc = ld16(w, w->scale, (t * G + g) * 16), mn = min16(w, (t * G + g) * 16);
+            for (int m = 0; m < mr; m++) {
+                acc[m] = _mm512_fmadd_ps(_mm512_add_ps(a0[m], a1[m]), sc, acc[m]);
+                mins[m] = _mm512_fmadd_ps(mn, _mm512_set1_ps(xs[m * G + g]), mins[m]);
+            }
         }
     }
     store_tile16(w, t, acc, mins, out, add, mr);
@@ -108,38 +147,58 @@ static inline __attribute__((always_inline)) void tile_dot_rows16(const QMat *w,
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) /* (inside __AVX512F__) */
 #define Q8_TILES16 1
 /* tile_dot_rows16 with 8-bit rows of x: sub-block s's 16 dwords of codes (as bytes, in the x
-   codes' column order) times the chunk's four x codes (one broadcast dword), by VNNI */
+   codes' column order) times the chunk's four x codes (one broadcast dword), by VNNI. Groups of
+   16 (g16) take the x dword's low two bytes (columns 2s, 2s + 1) and its high two (16 + 2s,
+   17 + 2s) in two products, one sum per group. */
 static inline __attribute__((always_inline)) void tile_dot_rows16_q8(const QMat *w, int64_t t,
                                                                      const int8_t *xq,
                                                                      const float *dx,
                                                                      const float *xs, float *out,
                                                                      int add, const int mr,
-                                                                     const int eight) {
-    const int64_t k = w->k, G = k / w->group, chunks = w->group / 32, J = k / 32;
+                                                                     const int eight,
+                                                                     const int five,
+                                                                     const int g16) {
+    const int64_t k = w->k, G = k / w->group, chunks = g16 ? 1 : w->group / 32, J = k / 32;
+    const int64_t steps = g16 ? J : G;
     const uint8_t *c = w->codes + t * J * TILE_CHUNK(eight);
     __m512 acc[MR16], mins[MR16];
     for (int m = 0; m < mr; m++) acc[m] = mins[m] = _mm512_setzero_ps();
-    for (int64_t g = 0; g < G; g++) {
-        const __m512 sc = ld16(w, w->scale, (t * G + g) * 16), mn = min16(w, (t * G + g) * 16);
+    for (int64_t g = 0; g < steps; g++) {
+        const int64_t i = (t * G + (g16 ? 2 * g : g)) * 16;
+        const __m512 sc = ld16(w, w->scale, i), mn = min16(w, i);
+        const __m512 s1 = g16 ? ld16(w, w->scale, i + 16) : sc, n1 = g16 ? min16(w, i + 16) : mn;
         for (int64_t j = 0; j < chunks; j++) {
             const int64_t jj = g * chunks + j;
-            __m512i a[MR16];
-            for (int m = 0; m < mr; m++) a[m] = _mm512_setzero_si512();
+            const __m512i h = five ? _mm512_loadu_si512((const void *)high16(w, t, jj))
+                                   : _mm512_setzero_si512();
+            __m512i a[MR16], b[MR16];
+            for (int m = 0; m < mr; m++) a[m] = b[m] = _mm512_setzero_si512();
+#pragma GCC unroll 8
             for (int s = 0; s < 8; s++) {
-                const __m512i q = tile16_dwords(c, s, eight);
+                __m512i q = tile16_dwords(c, s, eight);
+                if (five) q = _mm512_or_si512(q, high16_bytes(h, s));
                 for (int m = 0; m < mr; m++) {
-                    int32_t xv;
+                    uint32_t xv;
                     memcpy(&xv, xq + m * k + jj * 32 + 4 * s, sizeof xv);
-                    a[m] = _mm512_dpbusd_epi32(a[m], q, _mm512_set1_epi32(xv));
+                    if (g16) {
+                        a[m] = _mm512_dpbusd_epi32(a[m], q, _mm512_set1_epi32((int)(xv & 0xFFFFu)));
+                        b[m] = _mm512_dpbusd_epi32(b[m], q, _mm512_set1_epi32((int)(xv & 0xFFFF0000u)));
+                    } else
+                        a[m] = _mm512_dpbusd_epi32(a[m], q, _mm512_set1_epi32((int)xv));
                 }
             }
             c += TILE_CHUNK(eight);
-            for (int m = 0; m < mr; m++)
-                acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[m]),
-                                         _mm512_mul_ps(sc, _mm512_set1_ps(dx[m * J + jj])), acc[m]);
+            for (int m = 0; m < mr; m++) {
+                const __m512 d = _mm512_set1_ps(dx[m * J + jj]);
+                acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[m]), _mm512_mul_ps(sc, d), acc[m]);
+                if (g16)
+                    acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(b[m]), _mm512_mul_ps(s1, d), acc[m]);
+            }
         }
-        for (int m = 0; m < mr; m++)
-            mins[m] = _mm512_fmadd_ps(mn, _mm512_set1_ps(xs[m * G + g]), mins[m]);
+        for (int m = 0; m < mr; m++) {
+            mins[m] = _mm512_fmadd_ps(mn, _mm512_set1_ps(xs[m * G + (g16 ? 2 * g : g)]), mins[m]);
+            if (g16) mins[m] = _mm512_fmadd_ps(n1, _mm512_set1_ps(xs[m * G + 2 * g + 1]), mins[m]);
+        }
     }
     store_tile16(w, t, acc, mins, out, add, mr);
 }

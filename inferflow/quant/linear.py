@@ -27,7 +27,7 @@ unless ``dense_rows`` adds one):
   request's outputs do not depend on its batch. The same plane feeds the one-call decode of a
   whole stack (inferflow.model.fused), with the same arithmetic.
   ``quant: {kernel: int4pack}`` keeps int4pack alone.
-- ``dequant``: everything else (Q2_K, Q3_K, IQ/TQ/MXFP4, float formats):
+- ``dequant``: everything else (IQ/TQ/MXFP4, float formats):
   dequantize a bounded tile of rows (``TILE_BYTES`` of float32) at a time from the raw blocks and
   multiply in float32 (float32 GEMM is no slower than bf16 on this CPU, and the codecs emit
   float32 anyway). Keeps the format's own memory footprint; slow per call.
@@ -132,6 +132,26 @@ def _k_scales(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return ggml._f16(b, 0) * sc.to(torch.float32), -(ggml._f16(b, 2) * mn.to(torch.float32))
 
 
+def _q2_k(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    # gguf-py Q2_K: (d * sc) * q - (dmin * m), 4-bit sc and m per 16 weights
+    n = b.shape[0]
+    sc, d, dmin = b[:, :16], ggml._f16(b, 80), ggml._f16(b, 82)
+    q = ggml._shr(b[:, 16:80].reshape(n, -1, 1, 32), [0, 2, 4, 6], (1, 1, 4, 1)) & 3
+    return _u8(q.reshape(n, -1)), d * (sc & 0x0F).to(torch.float32), -(dmin * (sc >> 4).float())
+
+
+def _q3_k(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    # gguf-py Q3_K: (d * (sc - 32)) * (q3 - 4), q3 = low two bits | hmask bit << 2; the codec's
+    # s * (q3 - 4) equals q3 * s - 4 s exactly (<= 20-bit products)
+    n = b.shape[0]
+    lsc = ggml._shr(b[:, 96:104].reshape(n, 1, 8), [0, 4], (1, 2, 1)).reshape(n, 16)
+    hsc = ggml._shr(b[:, 104:108].reshape(n, 1, 4), [0, 2, 4, 6], (1, 4, 1)).reshape(n, 16)
+    s = ggml._f16(b, 108) * ggml._int((lsc & 0x0F) | ((hsc & 0x03) << 4), 32)
+    ql = ggml._shr(b[:, 32:96].reshape(n, -1, 1, 32), [0, 2, 4, 6], (1, 1, 4, 1)) & 3
+    qh = ggml._shr(b[:, :32].reshape(n, -1, 1, 32), list(range(8)), (1, 1, 8, 1)) & 1
+    return _u8(ql.reshape(n, -1) | (qh.reshape(n, -1) << 2)), s, -4 * s
+
+
 def _q4_k(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     n = b.shape[0]
     q = ggml._shr(b[:, 16:].reshape(n, -1, 1, 32), [0, 4], (1, 1, 2, 1)) & 0x0F
@@ -178,6 +198,8 @@ for _name, _levels, _group, _fn, _zero in [
     ("Q4_K", 16, 32, _q4_k, None),
     ("Q5_K", 32, 32, _q5_k, None),
     ("Q6_K", 64, 16, _q6_k, 32),
+    ("Q2_K", 4, 16, _q2_k, None),
+    ("Q3_K", 8, 16, _q3_k, 4),
 ]:
     AFFINE_VIEWS.add(_name, AffineView(_levels, _group, _fn, _zero))
 for _lay in MINMAX_LAYOUTS:
@@ -377,8 +399,8 @@ def plane_kernel(plane: QPlane, q8: bool = False) -> Kernel:
 
 # What ``--dtype`` may name besides torch dtypes: float32 weights and activations, with the
 # inputs of quantized products rounded to 8 bits per 32 values where the codes have an integer
-# path (4-bit tiles: Q4_0, Q4_1, Q4_K, Q4_B32, Q4_B64, ...; with AVX-512 VNNI also 8-bit codes in
-# groups of 32k: Q8_0, Q8), as llama.cpp's CPU kernels do
+# path (with AVX-512 VNNI every tile: 4-, 5- and 8-bit codes, groups of 16 too, so every GGML
+# type from Q2_K to Q8_0; portable builds: 4-bit tiles), as llama.cpp's CPU kernels do
 ACT8 = "act8"
 
 

@@ -16,10 +16,19 @@ from inferflow.engine.sampling import SamplingParams
 from inferflow.engine.scheduler import SchedulerConfig
 from inferflow.kernels import quant_decode
 from inferflow.model.batch import ContiguousKVCache, FlatBatch
+from inferflow.model.build import load_model
 from inferflow.quant import quantize
 from inferflow.quant.apply import QuantPolicy, quantize_model
 from inferflow.quant.linear import AFFINE_VIEWS, QuantLinear, affine_parts
-from tests.conftest import AFFINE_WRITABLE, dequantized_copy, load_quant_llama, random_blocks
+from inferflow.spec import load_spec
+from tests.conftest import (
+    AFFINE_WRITABLE,
+    dequantized_copy,
+    load_quant_llama,
+    random_blocks,
+    randomize,
+    spec_doc,
+)
 
 
 def _reset() -> None:
@@ -209,6 +218,37 @@ def test_fused_decoder_matches_the_dequantized_float_model(
     err = (ours - want).abs().max() / want.abs().max()
     assert err < 1e-5, f"relative error {err:.2e}"
     assert torch.equal(ours.argmax(-1), want.argmax(-1))
+
+
+def test_qkv_bias_is_read_by_the_fused_decoder(
+    tmp_path_factory: pytest.TempPathFactory,
+    write_spec,  # noqa: ANN001
+    lib,  # noqa: ANN001
+) -> None:
+    """A qwen2 stack (biases on q, k and v only) decodes in the one call too, against the
+    float model holding the dequantized weights; without the bias the kernel would be off by
+    the bias's share of each logit (checked: the model's biases are not zero)."""
+    tf = pytest.importorskip("transformers")
+    cfg = tf.Qwen2Config(
+        hidden_size=128, intermediate_size=192, num_attention_heads=4, num_key_value_heads=2,
+        num_hidden_layers=2, vocab_size=256, max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    hf = tf.Qwen2ForCausalLM(cfg)
+    randomize(hf)
+    d = tmp_path_factory.mktemp("qwen2")
+    hf.save_pretrained(d)
+    model = load_model(load_spec(write_spec(spec_doc("qwen2", d, "safetensors"))), torch.float32)
+    model, ref = _quantized_and_reference(model)
+    bias = model.dec.layers()[0].self_attn.wqkv.bias
+    assert bias is not None and float(bias.abs().max()) > 0.01
+    ids = torch.randint(0, 256, (30,), generator=torch.Generator().manual_seed(5)).tolist()
+    ours = _token_by_token(model, ids)
+    assert model.dec.fused_decode() is not None
+    want = _token_by_token(ref, ids)
+    err = (ours - want).abs().max() / want.abs().max()
+    assert err < 1e-5, f"relative error {err:.2e}"
 
 
 def test_engine_single_sequence_decode_is_fused(

@@ -56,6 +56,7 @@
 typedef struct {
     const float *attn_norm, *ffn_norm; /* (hidden,) */
     QMat qkv, o, gate_up, down;        /* gate_up: [gate; up] rows */
+    const float *qkv_bias;             /* NULL, or added to the q/k/v rows before the rotation */
 } Layer;
 
 typedef struct {
@@ -304,6 +305,8 @@ void decode_stack(const Layer *layers, int64_t L, const Dims *d, int64_t B, floa
         for (int64_t b = 0; b < B; b++) {
             float *row = qkv + b * QKV;
             const int64_t w = slots[b * S + lens[b] - 1];
+            if (ly->qkv_bias)
+                for (int64_t i = 0; i < QKV; i++) row[i] += ly->qkv_bias[i];
             for (int64_t j = 0; j < H + KVH; j++)
                 rope_head(row + j * D, cos + b * R2, sin + b * R2, d->rotary_dim, d->adjacent);
             if (d->kv_q8) {

@@ -28,7 +28,7 @@ class CQMat(ctypes.Structure):
 
 class CLayer(ctypes.Structure):
     _fields_ = [("attn_norm", _P), ("ffn_norm", _P), ("qkv", CQMat), ("o", CQMat)]
-    _fields_ += [("gate_up", CQMat), ("down", CQMat)]
+    _fields_ += [("gate_up", CQMat), ("down", CQMat), ("qkv_bias", _P)]
 
 
 class CDims(ctypes.Structure):

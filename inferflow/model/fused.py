@@ -12,7 +12,8 @@ generated token gets the same operations in any batch):
   ``rope`` (either pairing, partial rotary, any scaling: cos / sin come from the rope block);
 - ``gated`` FFN with ``silu``;
 - every projection a ``QuantLinear`` with a C plane (an affine format: Q2-Q8, Q3H, GGML Q4_0 ..
-  Q8_0, Q4_K, Q5_K), whole (no tensor-parallel split), float32 activations on the CPU.
+  Q8_0, Q2_K .. Q6_K), whole (no tensor-parallel split), float32 activations on the CPU; a bias
+  on the q/k/v projection only (Qwen2's), added to its outputs as the module does.
 
 Anything else keeps the module path; ``FusedDecode.build`` logs why once. Embedding, final norm
 and head stay in torch. The math is float32 on the codec's exact weights, so it equals the
@@ -46,6 +47,7 @@ class _Parts(NamedTuple):
     attn_norm: RMSNorm
     ffn_norm: RMSNorm
     planes: list[QPlane]  # wqkv, wo, w13, w2
+    qkv_bias: torch.Tensor | None  # float32, contiguous
 
 
 def _layer_parts(layer: Layer) -> _Parts | str:
@@ -59,8 +61,8 @@ def _layer_parts(layer: Layer) -> _Parts | str:
         return "learned residual gates"
     if a.a.qk_norm is not None or a.a.window is not None or a.a.softcap is not None:
         return "q/k-norm, sliding window or soft-cap"
-    if not a.a.causal or a.a.bias != "none":
-        return "bidirectional attention, or attention with bias"
+    if not a.a.causal:
+        return "bidirectional attention"
     if not isinstance(f, GatedFFN) or f.act is not F.silu:
         return "an FFN other than gated silu"
     norms = (layer.attn_norm, layer.ffn_norm)
@@ -68,9 +70,12 @@ def _layer_parts(layer: Layer) -> _Parts | str:
         return "norms other than rms"
     mods = (a.wqkv, a.wo, f.w13, f.w2)
     planes = [getattr(m, "plane", None) for m in mods]
-    if not all(isinstance(p, QPlane) for p in planes) or any(m.bias is not None for m in mods):
-        return "a projection without a C plane (float, bias, or a non-affine format)"
-    return _Parts(norms[0], norms[1], [p for p in planes if isinstance(p, QPlane)])
+    if not all(isinstance(p, QPlane) for p in planes):
+        return "a projection without a C plane (float, or a non-affine format)"
+    if any(m.bias is not None for m in mods[1:]):
+        return "a bias on the output, FFN or down projection (q/k/v biases are read)"
+    bias = None if a.wqkv.bias is None else a.wqkv.bias.detach().float().contiguous()
+    return _Parts(norms[0], norms[1], [p for p in planes if isinstance(p, QPlane)], bias)
 
 
 def _stack_parts(stack: Stack) -> list[_Parts] | str:
@@ -114,7 +119,11 @@ class FusedDecode:
             ws = [n.weight.detach().float().contiguous() for n in (p.attn_norm, p.ffn_norm)]
             self._keep += [*ws, *p.planes]
             mats = (q.struct for q in p.planes)
-            self.layers[i] = CLayer(ws[0].data_ptr(), ws[1].data_ptr(), *mats)
+            bias = None
+            if p.qkv_bias is not None:
+                self._keep.append(p.qkv_bias)
+                bias = p.qkv_bias.data_ptr()
+            self.layers[i] = CLayer(ws[0].data_ptr(), ws[1].data_ptr(), *mats, bias)
 
     @classmethod
     def build(cls, stack: Stack) -> FusedDecode | None:

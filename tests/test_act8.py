@@ -101,12 +101,17 @@ def test_general_inputs_within_the_rounding_of_x(fmt: str, build) -> None:  # no
 
 def _rounded(x: torch.Tensor) -> torch.Tensor:
     """x as the q8 path rounds it: per 32 values, dx = max|x| / 127 and x ~= dx * rint(x / dx)
-    (nearest even), computed here in float32 as quant_decode.c's quantize_row_q8 does."""
-    c = x.reshape(x.shape[0], -1, 32)
-    amax = c.abs().amax(-1, keepdim=True)
-    inv = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
-    q = torch.round(c * inv).clamp(-127, 127)
-    return (q.double() * (amax / 127).double()).reshape(x.shape)
+    (nearest even), each step one IEEE float32 operation as quant_decode.c's quantize_row_q8
+    does: numpy's float32 division is correctly rounded (torch's vectorized one may be an ulp
+    off, which moves a tie such as 60.5)."""
+    c = x.numpy().astype(np.float32).reshape(x.shape[0], -1, 32)
+    amax = np.abs(c).max(-1, keepdims=True)
+    with np.errstate(divide="ignore"):
+        inv = np.where(amax > 0, np.float32(127) / amax, np.float32(0)).astype(np.float32)
+    q = np.clip(np.rint(c * inv), -127, 127)
+    return torch.from_numpy(
+        (q.astype(np.float64) * (amax / np.float32(127)).astype(np.float64)).reshape(x.shape)
+    )
 
 
 @pytest.mark.parametrize("fmt", list(GGML))

@@ -7,12 +7,13 @@
 
 /* 8-bit activations (the "q8" products): each row of x as int8 codes per 32 columns, x ~= dx *
    xq with dx = max |x| / 127 and xq = rint(x * 127 / max |x|) (nearest even), the 32 codes of
-   chunk j stored in the tiles' order: byte 4s + e is column (2s, 2s + 1, 16 + 2s, 17 + 2s)[e].
+   chunk j stored in the tiles' order: byte 4s + e is column (2s, 2s + 1, 16 + 2s, 17 + 2s)[e]
+   (plain: column 4s + e, the order of tiles in groups of 16).
    A 4-bit tile's chunk is then one integer dot product per row (exact), times scale * dx in
    float32; the mins' term keeps x's float group sums. Integer sums are exact in any order; the
    float32 operations after them are fixed per build, as for float32 x, so a row's result
    never depends on the other rows. */
-static void quantize_row_q8(const float *x, int64_t k, int8_t *xq, float *dx) {
+static void quantize_row_q8(const float *x, int64_t k, int8_t *xq, float *dx, const int plain) {
     for (int64_t j = 0; j < k / 32; j++) {
         const float *c = x + 32 * j;
         int8_t *o = xq + 32 * j;
@@ -27,8 +28,8 @@ static void quantize_row_q8(const float *x, int64_t k, int8_t *xq, float *dx) {
         const __m512 vid = _mm512_set1_ps(id);
         const __m128i l = _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(lo, vid)));
         const __m128i h = _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(hi, vid)));
-        _mm_storeu_si128((__m128i *)o, _mm_unpacklo_epi16(l, h));
-        _mm_storeu_si128((__m128i *)(o + 16), _mm_unpackhi_epi16(l, h));
+        _mm_storeu_si128((__m128i *)o, plain ? l : _mm_unpacklo_epi16(l, h));
+        _mm_storeu_si128((__m128i *)(o + 16), plain ? h : _mm_unpackhi_epi16(l, h));
 #else
         float amax = 0.f;
         for (int i = 0; i < 32; i++) {
@@ -40,7 +41,7 @@ static void quantize_row_q8(const float *x, int64_t k, int8_t *xq, float *dx) {
         for (int s = 0; s < 8; s++) {
             const float v[4] = {c[2 * s], c[2 * s + 1], c[16 + 2 * s], c[17 + 2 * s]};
             for (int e = 0; e < 4; e++) {
-                const float r = rintf(v[e] * id);
+                const float r = rintf((plain ? c[4 * s + e] : v[e]) * id);
                 o[4 * s + e] = (int8_t)(r > 127.f ? 127.f : (r < -127.f ? -127.f : r));
             }
         }
@@ -52,11 +53,11 @@ static void quantize_row_q8(const float *x, int64_t k, int8_t *xq, float *dx) {
    term does: the product is then sum((scale * code + min) * dx * xq), whose error is the
    weights' own size times x's rounding, not the codes' offset's (128 for Q8_0) times it. */
 static void q8_group_sums(const QMat *w, const int8_t *xq, const float *dx, float *xs) {
-    if (w->group == 16) { /* (tiles only) a chunk's columns 0 .. 15 are its bytes 4s + e, e < 2 */
+    if (w->group == 16) { /* (tiles only: x in column order) */
         for (int64_t j = 0; j < w->k / 32; j++)
             for (int h = 0; h < 2; h++) {
                 int32_t q = 0;
-                for (int s = 0; s < 8; s++) q += xq[32 * j + 4 * s + 2 * h] + xq[32 * j + 4 * s + 2 * h + 1];
+                for (int i = 0; i < 16; i++) q += xq[32 * j + 16 * h + i];
                 xs[2 * j + h] = dx[j] * (float)q;
             }
         return;

@@ -92,6 +92,13 @@ static const int64_t X_ROWS[7] = {MR, MR, MR16, MR16, MR16, MR16, MR16};
 #else
 static const int64_t X_ROWS[7] = {MR, MR, MR, MR, MR, MR, MR};
 #endif
+/* with 8-bit rows of x (q8_path): more rows share each unpacked tile where their accumulators
+   fit the registers (groups of 32k; groups of 16 keep two integer sums a row) */
+#if defined(Q8_TILES16)
+static const int64_t XQ_ROWS[7] = {MR, MR, MRQ, MRQ, MRQ, MR16, MR16};
+#else
+static const int64_t XQ_ROWS[7] = {MR, MR, MR, MR, MR, MR, MR};
+#endif
 
 /* one body per path and constant row count, so that every body is inlined with constants */
 #define CASES(call)                                                                                 \
@@ -100,6 +107,17 @@ static const int64_t X_ROWS[7] = {MR, MR, MR, MR, MR, MR, MR};
     case 2: call(2); break;                                                                         \
     case 3: call(3); break;                                                                         \
     default: call(4); break;                                                                        \
+    }
+#define CASES8(call)                                                                                \
+    switch (mr) {                                                                                   \
+    case 1: call(1); break;                                                                         \
+    case 2: call(2); break;                                                                         \
+    case 3: call(3); break;                                                                         \
+    case 4: call(4); break;                                                                         \
+    case 5: call(5); break;                                                                         \
+    case 6: call(6); break;                                                                         \
+    case 7: call(7); break;                                                                         \
+    default: call(8); break;                                                                        \
     }
 
 /* rows x .. x + mr - 1 (mr <= X_ROWS[path]) times block t of W */
@@ -177,15 +195,15 @@ static void block_dot_q8(const QMat *w, int path, int64_t t, const int8_t *xq, c
     switch (path) {
     case 2:
 #define C6(n) tile_dot_rows16_q8(w, t, xq, dx, xs, y, add, n, 0, 0, 0)
-        CASES(C6);
+        CASES8(C6);
         return;
     case 3:
 #define C8(n) tile_dot_rows16_q8(w, t, xq, dx, xs, y, add, n, 1, 0, 0)
-        CASES(C8);
+        CASES8(C8);
         return;
     case 4:
 #define C12(n) tile_dot_rows16_q8(w, t, xq, dx, xs, y, add, n, 0, 1, 0)
-        CASES(C12);
+        CASES8(C12);
         return;
     case 5:
 #define C13(n) tile_dot_rows16_q8(w, t, xq, dx, xs, y, add, n, 0, 0, 1)
@@ -219,12 +237,13 @@ static inline int64_t blocks_of(const QMat *w, int path) {
 static void gemm_in_team(const QMat *w, const float *x, int64_t M, float *xs, float *y, int add,
                          int8_t *xq, float *dx) {
     const int path = path_of(w), q8 = xq != NULL && q8_path(w, path);
-    const int64_t k = w->k, G = k / w->group, T = blocks_of(w, path), R = X_ROWS[path];
+    const int64_t k = w->k, G = k / w->group, T = blocks_of(w, path);
+    const int64_t R = q8 ? XQ_ROWS[path] : X_ROWS[path];
     const int64_t B = (M + R - 1) / R, J = k / 32;
 #pragma omp for schedule(static)
     for (int64_t m = 0; m < M; m++) {
         if (q8) {
-            quantize_row_q8(x + m * k, k, xq + m * k, dx + m * J);
+            quantize_row_q8(x + m * k, k, xq + m * k, dx + m * J, w->group == 16);
             q8_group_sums(w, xq + m * k, dx + m * J, xs + m * G);
         } else
             group_sums(w, x + m * k, xs + m * G);

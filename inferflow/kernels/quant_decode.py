@@ -130,8 +130,15 @@ class QPlane:
         t, i = ids // 16, ids % 16
         if self.codes.dim() == 2:  # 8-bit rows
             codes, scale, mn = self.codes[ids], self.scale[ids], mins[ids]
+        elif self.bits == 8 and self.group == 16:  # byte (t, j, s, i, e): column 32j + 4s + e
+            codes, scale, mn = self.codes[t, :, :, i, :], self.scale[t, :, i], mins[t, :, i]
         elif self.bits == 8:  # byte (t, j, s, i, 2h + e): column 32j + 16h + 2s + e
             b = self.codes[t, :, :, i, :].reshape(len(ids), -1, 8, 2, 2).permute(0, 1, 3, 2, 4)
+            codes, scale, mn = b.reshape(len(ids), self.k), self.scale[t, :, i], mins[t, :, i]
+        elif self.codes.shape[2] == 4 and self.group == 16:  # nibble p of byte (t, j, s2, i, e):
+            # column 32j + 8 s2 + 4p + e
+            b = self.codes[t, :, :, i, :]  # (N, k / 32, s2, e)
+            b = torch.stack([b & 15, b >> 4], dim=-2)  # (N, k / 32, s2, p, e)
             codes, scale, mn = b.reshape(len(ids), self.k), self.scale[t, :, i], mins[t, :, i]
         elif self.codes.shape[2] == 4:  # nibble p of byte (t, j, s2, i, 2h + e): column
             # 32j + 16h + 4 s2 + 2p + e
@@ -250,9 +257,20 @@ def make_plane(
         step = max(1, (4 << 20) // (16 * k))
         for t0 in range(0, tiles, step):
             chunk = flat[t0 : t0 + step]
-            pairs = chunk.clone().view(torch.int16).reshape(-1, 16, k // 32, 2, 8)
-            chunk.copy_(pairs.permute(0, 2, 4, 1, 3).reshape(len(chunk), -1).view(torch.uint8))
+            if group == 16:  # column 32j + 4s + e -> byte (t, j, s, i, e)
+                quads = chunk.clone().view(torch.int32).reshape(-1, 16, k // 32, 8)
+                moved = quads.permute(0, 2, 3, 1)
+            else:
+                pairs = chunk.clone().view(torch.int16).reshape(-1, 16, k // 32, 2, 8)
+                moved = pairs.permute(0, 2, 4, 1, 3)
+            chunk.copy_(moved.reshape(len(chunk), -1).view(torch.uint8))
         return QPlane(flat.view(tiles, k // 32, 8, 16, 4), tiled(scale), mins, n, k, group, 8,
+                      None, z)  # fmt: skip
+    if wide and group == 16:  # column 32j + 8 s2 + 4p + e of row 16t + i -> nibble p of
+        # byte (t, j, s2, i, e)
+        c = codes.reshape(tiles, 16, k // 32, 4, 2, 4)
+        b = c[:, :, :, :, 0] | (c[:, :, :, :, 1] << 4)
+        return QPlane(b.permute(0, 2, 3, 1, 4).contiguous(), tiled(scale), mins, n, k, group, 4,
                       None, z)  # fmt: skip
     if wide:  # column 32j + 16h + 4 s2 + 2p + e of row 16t + i -> nibble p of byte (t, j, s2,
         # i, 2h + e)

@@ -11,6 +11,7 @@
    of a multiple of 32 sixteen columns at a time; the same rule (a row's operations do not
    depend on the other rows) */
 #define MR16 4 /* rows of x per unpacked tile: 4 accumulators each */
+#define MRQ 8  /* rows of 8-bit x per unpacked tile (groups of 32k: 3 accumulators each) */
 
 static inline __m512 ld16(const QMat *w, const float *a, int64_t i) {
 #if HALF_BUILT
@@ -90,8 +91,9 @@ static inline __attribute__((always_inline)) void tile16_codes(const uint8_t *c,
 }
 
 /* The float32 products of a tile. Groups of a multiple of 32 take one scale per group; groups
-   of 16 (g16: Q6_K, Q3_K, Q2_K) split each chunk, columns 0 .. 15 (the sub-blocks' bytes e < 2:
-   a0) and 16 .. 31 (e >= 2: a1) under their own scales. */
+   of 16 (g16: Q6_K, Q3_K, Q2_K) are tiles in column order, sub-block s holding columns 4s + e
+   (e < 4; G16_ORDER), and split each chunk: columns 0 .. 15 (sub-blocks 0 .. 3: a0) and 16 .. 31
+   (a1) under their own scales. */
 static inline __attribute__((always_inline)) void tile_dot_rows16(const QMat *w, int64_t t,
                                                                   const float *x, const float *xs,
                                                                   float *out, int add, const int mr,
@@ -115,6 +117,12 @@ static inline __attribute__((always_inline)) void tile_dot_rows16(const QMat *w,
                 tile16_codes(c, s, eight, five, h, q);
                 for (int m = 0; m < mr; m++) {
                     const float *xc = x + m * k + col;
+                    if (g16) { /* columns 4s + e: group 0 for s < 4, group 1 after */
+                        __m512 *a = s < 4 ? &a0[m] : &a1[m];
+                        for (int e = 0; e < 4; e++)
+                            *a = _mm512_fmadd_ps(q[e], _mm512_set1_ps(xc[4 * s + e]), *a);
+                        continue;
+                    }
                     a0[m] = _mm512_fmadd_ps(q[0], _mm512_set1_ps(xc[2 * s]), a0[m]);
                     a1[m] = _mm512_fmadd_ps(q[2], _mm512_set1_ps(xc[16 + 2 * s]), a1[m]);
                     a0[m] = _mm512_fmadd_ps(q[1], _mm512_set1_ps(xc[2 * s + 1]), a0[m]);
@@ -148,8 +156,8 @@ static inline __attribute__((always_inline)) void tile_dot_rows16(const QMat *w,
 #define Q8_TILES16 1
 /* tile_dot_rows16 with 8-bit rows of x: sub-block s's 16 dwords of codes (as bytes, in the x
    codes' column order) times the chunk's four x codes (one broadcast dword), by VNNI. Groups of
-   16 (g16) take the x dword's low two bytes (columns 2s, 2s + 1) and its high two (16 + 2s,
-   17 + 2s) in two products, one sum per group. */
+   16 (g16): x in column order too (quantize_row_q8's plain), sub-blocks 0 .. 3 summed for the
+   chunk's first group, 4 .. 7 for its second. */
 static inline __attribute__((always_inline)) void tile_dot_rows16_q8(const QMat *w, int64_t t,
                                                                      const int8_t *xq,
                                                                      const float *dx,
@@ -161,7 +169,7 @@ static inline __attribute__((always_inline)) void tile_dot_rows16_q8(const QMat 
     const int64_t k = w->k, G = k / w->group, chunks = g16 ? 1 : w->group / 32, J = k / 32;
     const int64_t steps = g16 ? J : G;
     const uint8_t *c = w->codes + t * J * TILE_CHUNK(eight);
-    __m512 acc[MR16], mins[MR16];
+    __m512 acc[MRQ], mins[MRQ];
     for (int m = 0; m < mr; m++) acc[m] = mins[m] = _mm512_setzero_ps();
     for (int64_t g = 0; g < steps; g++) {
         const int64_t i = (t * G + (g16 ? 2 * g : g)) * 16;
@@ -171,7 +179,7 @@ static inline __attribute__((always_inline)) void tile_dot_rows16_q8(const QMat 
             const int64_t jj = g * chunks + j;
             const __m512i h = five ? _mm512_loadu_si512((const void *)high16(w, t, jj))
                                    : _mm512_setzero_si512();
-            __m512i a[MR16], b[MR16];
+            __m512i a[MRQ], b[MRQ];
             for (int m = 0; m < mr; m++) a[m] = b[m] = _mm512_setzero_si512();
 #pragma GCC unroll 8
             for (int s = 0; s < 8; s++) {
@@ -180,10 +188,9 @@ static inline __attribute__((always_inline)) void tile_dot_rows16_q8(const QMat 
                 for (int m = 0; m < mr; m++) {
                     uint32_t xv;
                     memcpy(&xv, xq + m * k + jj * 32 + 4 * s, sizeof xv);
-                    if (g16) {
-                        a[m] = _mm512_dpbusd_epi32(a[m], q, _mm512_set1_epi32((int)(xv & 0xFFFFu)));
-                        b[m] = _mm512_dpbusd_epi32(b[m], q, _mm512_set1_epi32((int)(xv & 0xFFFF0000u)));
-                    } else
+                    if (g16 && s >= 4)
+                        b[m] = _mm512_dpbusd_epi32(b[m], q, _mm512_set1_epi32((int)xv));
+                    else
                         a[m] = _mm512_dpbusd_epi32(a[m], q, _mm512_set1_epi32((int)xv));
                 }
             }

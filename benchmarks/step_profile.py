@@ -1,9 +1,10 @@
-"""Where the engine's time goes: N concurrent SmolLM2 requests (random token-id prompts, greedy,
-a fixed length each) through the in-process engine, with timers around its stages: the one-call
-C decode of the layers (decode rows), the module path (prompt rows), final norm and head,
-sampling and bookkeeping.
+"""Where the engine's time goes: N concurrent requests (SmolLM2, or ``--spec``; random token-id
+prompts, greedy, a fixed length each) through the in-process engine, with timers around its
+stages: the one-call C decode of the layers (decode rows), the module path (prompt rows), final
+norm and head, sampling and bookkeeping.
 
-    python benchmarks/step_profile.py [--n 32] [--prompt-len 64] [--output-len 128]
+    python benchmarks/step_profile.py [--spec NAME] [--n 32] [--prompt-len 64] [--output-len 128]
+                                      [--dtype auto|float32|act8]
 """
 
 from __future__ import annotations
@@ -56,7 +57,9 @@ def main() -> int:
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--spec", default="smollm2-135m-instruct")
-    ap.add_argument("--dtype", default="float32", help="float32, or act8 (8-bit product inputs)")
+    ap.add_argument(
+        "--dtype", default="auto", help="auto (serve's default), float32, or act8 (8-bit inputs)"
+    )
     ap.add_argument("--kv-cache-dtype", default=None, help="float32 (default), bfloat16 or q8")
     args = ap.parse_args()
     lm = load(args.spec, args.dtype)

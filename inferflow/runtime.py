@@ -34,6 +34,8 @@ from inferflow.tokenizer import Tokenizer, load_tokenizer
 
 log = logging.getLogger(__name__)
 
+AUTO = "auto"  # dtype: act8 where the model has integer products, else float32 (load's doc)
+
 
 @dataclass
 class Completion:
@@ -268,12 +270,18 @@ def load(
 ) -> LanguageModel:
     """``quant`` replaces the spec's default weight format (``quant_for``): a format name
     re-quantizes every linear layer, "none" runs everything in float. ``tokenizer``: one
-    already made by ``tokenizer_for(spec)`` (checks that need no weights ran on it)."""
+    already made by ``tokenizer_for(spec)`` (checks that need no weights ran on it).
+    ``dtype`` "auto" (the CLI's default): act8 where some quantized layer takes 8-bit inputs
+    into integer products, else float32 (float checkpoints, no C kernels, partitioned models)."""
     spec = ref if isinstance(ref, Spec) else load_spec(ref)
-    act8 = dtype == ACT8  # float32, with 8-bit inputs into integer products (quant.linear)
-    dt = parse_dtype(dtype) if isinstance(dtype, str) else dtype
+    auto = dtype == AUTO
+    act8 = dtype == ACT8 or auto  # float32, with 8-bit inputs into integer products
+    dt = torch.float32 if auto else parse_dtype(dtype) if isinstance(dtype, str) else dtype
     q = quant_for(spec, quant)
     if spec.partition is not None:  # every rank loads its own share (inferflow.parallel)
+        if auto:
+            act8 = False
+            log.info("dtype auto: float32 (a partitioned model)")
         if act8:
             raise SpecError(f"dtype {ACT8!r}: not for partitioned models yet; use float32")
         from inferflow.parallel.layout import resolve_layout
@@ -295,13 +303,24 @@ def load(
     if act8:
         n = set_activations(model, True)
         if n:
-            log.info("dtype %s: %d layers take 8-bit inputs into integer dot products", ACT8, n)
+            log.info(
+                "dtype %s%s: %d layers take 8-bit inputs into integer dot products (--dtype "
+                "float32: the exact mode)",
+                ACT8,
+                " (auto: quantized weights)" if auto else "",
+                n,
+            )
+        elif auto:
+            set_activations(model, False)
+            log.info("dtype auto: float32 (no quantized layer with an integer path here)")
         else:
             log.warning(
-                "dtype %s: no layer of %s has an integer path here (4-bit codes on their C "
-                "plane; on AVX-512 builds only with VNNI, which also takes 8-bit codes): it runs "
-                "as float32",
+                "dtype %s: no layer of %s has an integer path here (quantized codes on their C "
+                "plane: every tile on AVX-512 builds with VNNI, 4-bit tiles on portable ones): "
+                "it runs as float32",
                 ACT8,
                 spec.name,
             )
+    else:
+        log.info("dtype %s", dtype)
     return LanguageModel(spec, model, tokenizer)

@@ -11,17 +11,18 @@ from inferflow.errors import RequestError
 if TYPE_CHECKING:
     from inferflow.engine.speculative import SpecConfig
 
-DTYPE_CHOICES = ("float32", "bfloat16", "act8")
+DTYPE_CHOICES = ("auto", "float32", "bfloat16", "act8")
 
 
 def add_dtype(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--dtype",
-        default="float32",
+        default="auto",
         choices=DTYPE_CHOICES,
-        help="activation and weight dtype; act8: float32, with the inputs of 4-bit quantized "
-        "products (and 8-bit ones on AVX-512 VNNI) rounded to 8 bits per 32 values for integer "
-        "dot products (faster; not exact, as llama.cpp's CPU kernels)",
+        help="activation and weight dtype; act8: float32, with the inputs of quantized products "
+        "rounded to 8 bits per 32 values for integer dot products where the build has them "
+        "(faster; not exact, as llama.cpp's CPU kernels); float32: the exact mode; auto "
+        "(default): act8 where some quantized layer has an integer path, else float32",
     )
 
 

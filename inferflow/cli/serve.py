@@ -258,7 +258,8 @@ def run(args: argparse.Namespace) -> int:
         args.max_scored_tokens,
     )
     # what loads, how long it took and when requests can be served: said at the default level
-    for name in ("inferflow.server", "inferflow.model.materialise"):  # (+ loading progress)
+    for name in ("inferflow.server", "inferflow.model.materialise", "inferflow.runtime"):
+        # (+ loading progress, and the dtype the model runs in)
         said = logging.getLogger(name)
         said.setLevel(min(said.getEffectiveLevel(), logging.INFO))
     serve(create_app(cfg), args.host, args.port, args.shutdown_grace, sock)

@@ -104,7 +104,8 @@ def test_plane_matvec_matches_dequantize(name: str, lib) -> None:  # noqa: ANN00
     # QuantLinear holds the plane alone and takes every call there: one row through matvec,
     # more rows through the many-row kernel, which gives each row the same float32 operations
     ql = QuantLinear(qt)
-    assert ql.plane is not None and ql.kernel_name == "plane" and ql.nbytes == plane.nbytes
+    assert ql.plane is not None and ql.kernel_name == "plane" and ql.nbytes == ql.plane.nbytes
+    assert ql.nbytes <= plane.nbytes  # (k-quants' scales in two levels: fewer)
     assert torch.equal(ql(x[:1]), plane.matvec(x[:1]))
     many = plane.matmul_f32(x)
     assert ((many - ref).abs() <= bound).all()
@@ -113,6 +114,30 @@ def test_plane_matvec_matches_dequantize(name: str, lib) -> None:  # noqa: ANN00
     assert torch.equal(many, plane.matvec(x))
     for rows in ([3], [6, 0], [5, 1, 2], [4, 4, 0, 6, 2]):
         assert torch.equal(plane.matmul_f32(x[rows]), many[rows])
+
+
+@pytest.mark.parametrize("name", ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"])
+def test_k_quant_scales_stay_in_the_files_two_levels(name: str, lib) -> None:  # noqa: ANN001
+    """AVX-512 tiles hold a k-quant's scales as the file does (a float16 d per 256 weights,
+    int8 sub-scales per group; mins likewise): the products and rows are those of the plane
+    with float32 group scales, bit for bit, in fewer bytes (Q4_K: 0.58 bytes a weight against
+    the file's 0.5625, was 0.75)."""
+    if not quant_decode.tiles16_built():
+        pytest.skip("two-level scales are read by the AVX-512 tiles only")
+    qt = random_blocks(name, 72, 768)
+    view = AFFINE_VIEWS.get(name)
+    flat = quant_decode.make_plane(*affine_parts(qt), view.levels, view.zero)
+    two = QuantLinear(qt).plane
+    assert flat is not None and two is not None and flat.sb == 0
+    assert two.sb == 256 // view.group and two.sc8 is not None and two.sc8.dtype == torch.int8
+    assert two.nbytes < flat.nbytes
+    if name == "Q4_K":  # (72 rows are 5 tiles of 16: 80 rows held)
+        assert two.nbytes <= 1.03 * qt.data.nbytes * 80 / 72
+    x = torch.randn(9, 768, generator=torch.Generator().manual_seed(2))
+    for q8 in (False, True):
+        assert torch.equal(two.matmul_f32(x, q8), flat.matmul_f32(x, q8))
+    ids = torch.tensor([0, 71, 17, 5, 16])
+    assert torch.equal(two.rows(ids), qt.dequantize()[ids])
 
 
 @pytest.mark.parametrize("name", ["Q4_B32", "Q4_B64", "Q3H", "Q4_1", "Q4_0"])

@@ -17,6 +17,11 @@ typedef struct {
     int32_t half; /* scale and min are float16 (only where qmat_half_built()) */
     const uint8_t *high; /* 5-bit codes: their fifth bits (else NULL) */
     float zero;          /* min NULL (symmetric formats, SYMMETRIC_BUILT only): min = -zero * scale */
+    /* sb > 0 (AVX-512 tiles, k-quants): scales and mins in two levels, as the file holds them:
+       scale and min are float16 (tiles, k / group / sb, 16), one per sb groups, and the groups'
+       own are those times sc8 and mn8 (tiles, k / group, 16) int8 */
+    const int8_t *sc8, *mn8;
+    int64_t sb;
 } QMat;
 
 /* GCC vector types (AVX2 ymm; scalar code where the CPU has no vectors) */

@@ -24,6 +24,7 @@ _P, _I64, _I32, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_f
 class CQMat(ctypes.Structure):
     _fields_ = [("codes", _P), ("scale", _P), ("min", _P), ("n", _I64), ("k", _I64)]
     _fields_ += [("group", _I64), ("bits", _I32), ("half", _I32), ("high", _P), ("zero", _F)]
+    _fields_ += [("sc8", _P), ("mn8", _P), ("sb", _I64)]
 
 
 class CLayer(ctypes.Structure):
@@ -92,6 +93,11 @@ class QPlane:
     bits: int
     high: torch.Tensor | None = None  # 5-bit codes' fifth bits
     zero: int = 0
+    # two-level scales (``factor``): scale / min hold a float16 value per ``sb`` groups, and the
+    # groups' own are those times sc8 / mn8 (int8, tiled as scale was)
+    sc8: torch.Tensor | None = None
+    mn8: torch.Tensor | None = None
+    sb: int = 0
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -99,7 +105,7 @@ class QPlane:
 
     @property
     def nbytes(self) -> int:
-        extra = sum(t.nbytes for t in (self.min, self.high) if t is not None)
+        extra = sum(t.nbytes for t in (self.min, self.high, self.sc8, self.mn8) if t is not None)
         return self.codes.nbytes + self.scale.nbytes + extra
 
     @cached_property
@@ -109,7 +115,46 @@ class QPlane:
         ptrs = (self.codes.data_ptr(), self.scale.data_ptr(), mn)
         half = int(self.scale.dtype == torch.float16)
         high = None if self.high is None else self.high.data_ptr()
-        return CQMat(*ptrs, self.n, self.k, self.group, self.bits, half, high, self.zero)
+        two = [None if t is None else t.data_ptr() for t in (self.sc8, self.mn8)]
+        return CQMat(*ptrs, self.n, self.k, self.group, self.bits, half, high, self.zero, *two,
+                     self.sb)  # fmt: skip
+
+    def group_scales(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every group's scale and min as float32, tiled as ``scale`` (one-level values)."""
+        mins = None if self.min is None else self._level(self.min, self.mn8)
+        scale = self._level(self.scale, self.sc8)
+        return scale, -self.zero * scale if mins is None else mins
+
+    def _level(self, a: torch.Tensor, a8: torch.Tensor | None) -> torch.Tensor:
+        if a8 is None:
+            return a.float()
+        return a.float().repeat_interleave(self.sb, dim=1) * a8.float()
+
+    def factor(
+        self, d: torch.Tensor, sc: torch.Tensor, dmin: torch.Tensor | None,
+        m: torch.Tensor | None, sb: int,
+    ) -> bool:  # fmt: skip
+        """Hold the scales (and mins) in two levels: ``d`` (n, G / sb) float16-exact values per
+        ``sb`` groups and ``sc`` (n, G) integer sub-scales in int8, ``d * sc`` being exactly
+        the scales held now (mins likewise: ``dmin * m``). Only for AVX-512 tiles, where the
+        build reads them; returns whether it did (nothing changes where the products would)."""
+        if self.codes.dim() != 5 or not (tiles16_built() and half_built()):
+            return False
+        parts = [(d, sc, self.scale)] + ([] if self.min is None else [(dmin, m, self.min)])
+        tiled: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for hi, lo, now in parts:
+            if hi is None or lo is None or lo.abs().max() > 127:
+                return False
+            hi16, lo8 = _tiled(hi.half(), self.n), _tiled(lo.to(torch.int8), self.n)
+            if not torch.equal(hi16.float().repeat_interleave(sb, 1) * lo8.float(), now.float()):
+                return False  # (not the values held: keep one level)
+            tiled.append((hi16, lo8))
+        (self.scale, self.sc8), self.sb = tiled[0], sb
+        if self.min is not None:
+            self.min, self.mn8 = tiled[1]
+        self.__dict__.pop("struct", None)  # (the C view is made again from these tensors)
+        return True
+
 
     def matvec(self, x: torch.Tensor) -> torch.Tensor:
         """``x (M, k) float32 @ W.T`` -> (M, n) float32, one row of x at a time."""
@@ -126,20 +171,22 @@ class QPlane:
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows ``ids`` (N,) of W as float32 (N, k): code * scale + min, the codec's values (an
         embedding lookup from a tied head's plane)."""
-        mins = -self.zero * self.scale if self.min is None else self.min
+        scales, mins = self.group_scales() if self.codes.dim() == 5 else (self.scale, None)
+        if mins is None:
+            mins = -self.zero * self.scale if self.min is None else self.min
         t, i = ids // 16, ids % 16
         if self.codes.dim() == 2:  # 8-bit rows
-            codes, scale, mn = self.codes[ids], self.scale[ids], mins[ids]
+            codes, scale, mn = self.codes[ids], scales[ids], mins[ids]
         elif self.bits == 8 and self.group == 16:  # byte (t, j, s, i, e): column 32j + 4s + e
-            codes, scale, mn = self.codes[t, :, :, i, :], self.scale[t, :, i], mins[t, :, i]
+            codes, scale, mn = self.codes[t, :, :, i, :], scales[t, :, i], mins[t, :, i]
         elif self.bits == 8:  # byte (t, j, s, i, 2h + e): column 32j + 16h + 2s + e
             b = self.codes[t, :, :, i, :].reshape(len(ids), -1, 8, 2, 2).permute(0, 1, 3, 2, 4)
-            codes, scale, mn = b.reshape(len(ids), self.k), self.scale[t, :, i], mins[t, :, i]
+            codes, scale, mn = b.reshape(len(ids), self.k), scales[t, :, i], mins[t, :, i]
         elif self.codes.shape[2] == 4 and self.group == 16:  # nibble p of byte (t, j, s2, i, e):
             # column 32j + 8 s2 + 4p + e
             b = self.codes[t, :, :, i, :]  # (N, k / 32, s2, e)
             b = torch.stack([b & 15, b >> 4], dim=-2)  # (N, k / 32, s2, p, e)
-            codes, scale, mn = b.reshape(len(ids), self.k), self.scale[t, :, i], mins[t, :, i]
+            codes, scale, mn = b.reshape(len(ids), self.k), scales[t, :, i], mins[t, :, i]
         elif self.codes.shape[2] == 4:  # nibble p of byte (t, j, s2, i, 2h + e): column
             # 32j + 16h + 4 s2 + 2p + e
             b = self.codes[t, :, :, i, :]  # (N, k / 32, s2, (h, e))
@@ -150,7 +197,7 @@ class QPlane:
                 hb = (self.high[t, :, i, :, None] >> s) & 1  # (N, k / 32, (h, e), s)
                 hb = hb.reshape(len(ids), -1, 2, 2, 8).permute(0, 1, 2, 4, 3)
                 codes = codes | (hb.reshape(len(ids), self.k) << 4)
-            scale, mn = self.scale[t, :, i], mins[t, :, i]
+            scale, mn = scales[t, :, i], mins[t, :, i]
         else:  # tile t = id // 16, row i = id % 16; byte (t, j, s, i, e): columns 2s + e, +16
             b = self.codes[t, :, :, i, :].reshape(len(ids), -1, 16)  # (N, k / 32, (s, e))
             codes = torch.cat([b & 15, b >> 4], dim=-1).reshape(len(ids), self.k)
@@ -158,7 +205,7 @@ class QPlane:
                 hb = self.high[t, :, :, i // 8, :] >> (i % 8).reshape(-1, 1, 1, 1).to(torch.uint8)
                 hb = (hb & 1).reshape(len(ids), -1, 8, 2, 2).permute(0, 1, 4, 2, 3)
                 codes = codes | (hb.reshape(len(ids), self.k) << 4)
-            scale, mn = self.scale[t, :, i], mins[t, :, i]  # (N, G)
+            scale, mn = scales[t, :, i], mins[t, :, i]  # (N, G)
         g, scale, mn = self.group, scale.float(), mn.float()
         w = codes.to(torch.float32).reshape(len(ids), -1, g) * scale[..., None] + mn[..., None]
         return w.reshape(len(ids), self.k)
@@ -188,6 +235,14 @@ class QPlane:
                           torch.get_num_threads(), None if xq is None else xq.data_ptr(),
                           None if dx is None else dx.data_ptr())  # fmt: skip
         return y
+
+
+def _tiled(t: torch.Tensor, n: int) -> torch.Tensor:
+    """(n, G) per-row values -> (tiles, G, 16) as the tiles read them (zero rows past n)."""
+    tiles = -(-n // 16)
+    if n % 16:
+        t = torch.cat([t, t.new_zeros(tiles * 16 - n, t.shape[1])])
+    return t.reshape(tiles, 16, -1).transpose(1, 2).contiguous()
 
 
 def plane_takes(levels: int, group: int) -> bool:
@@ -243,11 +298,8 @@ def make_plane(
     def pad(t: torch.Tensor) -> torch.Tensor:
         return torch.cat([t, t.new_zeros(tiles * 16 - n, t.shape[1])]) if n % 16 else t
 
-    def tiled(t: torch.Tensor) -> torch.Tensor:
-        return pad(t).reshape(tiles, 16, -1).transpose(1, 2).contiguous()
-
     codes = pad(codes)
-    mins = None if minless else tiled(mn)
+    mins = None if minless else _tiled(mn, n)
     # (the moves below take the byte pairs (e = 0, 1) of adjacent columns as one int16: half
     # the elements for torch's strided copy)
     if bits == 8:  # column 32j + 16h + 2s + e of row 16t + i -> byte (t, j, s, i, 2h + e),
@@ -264,13 +316,13 @@ def make_plane(
                 pairs = chunk.clone().view(torch.int16).reshape(-1, 16, k // 32, 2, 8)
                 moved = pairs.permute(0, 2, 4, 1, 3)
             chunk.copy_(moved.reshape(len(chunk), -1).view(torch.uint8))
-        return QPlane(flat.view(tiles, k // 32, 8, 16, 4), tiled(scale), mins, n, k, group, 8,
+        return QPlane(flat.view(tiles, k // 32, 8, 16, 4), _tiled(scale, n), mins, n, k, group, 8,
                       None, z)  # fmt: skip
     if wide and group == 16:  # column 32j + 8 s2 + 4p + e of row 16t + i -> nibble p of
         # byte (t, j, s2, i, e)
         c = codes.reshape(tiles, 16, k // 32, 4, 2, 4)
         b = c[:, :, :, :, 0] | (c[:, :, :, :, 1] << 4)
-        return QPlane(b.permute(0, 2, 3, 1, 4).contiguous(), tiled(scale), mins, n, k, group, 4,
+        return QPlane(b.permute(0, 2, 3, 1, 4).contiguous(), _tiled(scale, n), mins, n, k, group, 4,
                       None, z)  # fmt: skip
     if wide:  # column 32j + 16h + 4 s2 + 2p + e of row 16t + i -> nibble p of byte (t, j, s2,
         # i, 2h + e)
@@ -283,7 +335,7 @@ def make_plane(
             hb = (codes >> 4).reshape(tiles, 16, k // 32, 2, 8, 2).permute(0, 2, 1, 3, 5, 4)
             lanes = torch.tensor([1 << s for s in range(8)], dtype=torch.uint8)
             high = (hb * lanes).sum(-1, dtype=torch.uint8).reshape(tiles, k // 32, 16, 4)
-        return QPlane(packed.reshape(tiles, k // 32, 4, 16, 4), tiled(scale), mins, n, k, group,
+        return QPlane(packed.reshape(tiles, k // 32, 4, 16, 4), _tiled(scale, n), mins, n, k, group,
                       bits, high, z)  # fmt: skip
     # column 32j + 16h + 2s + e of row 16t + i -> nibble h of byte (t, j, s, i, e)
     c = (codes & 15 if bits == 5 else codes).reshape(tiles, 16, k // 32, 2, 8, 2)
@@ -295,7 +347,7 @@ def make_plane(
         lanes = torch.tensor([1 << i for i in range(8)], dtype=torch.uint8)
         high = (hb * lanes).sum(-1, dtype=torch.uint8).reshape(tiles, k // 32, 8, 2, 4)
 
-    return QPlane(packed, tiled(scale), mins, n, k, group, bits, high, z)
+    return QPlane(packed, _tiled(scale, n), mins, n, k, group, bits, high, z)
 
 
 def q8_0_rows(x: torch.Tensor) -> torch.Tensor:

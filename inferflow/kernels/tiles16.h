@@ -20,8 +20,20 @@ static inline __m512 ld16(const QMat *w, const float *a, int64_t i) {
     return _mm512_loadu_ps(a + i);
 }
 
+/* the 16 scales (or mins, from a and a8) of the group at i = 16 (t * G + g): where they are in
+   two levels (sb), the super-block's float16 value times the group's int8 one (exact: <= 19
+   significant bits), the float32 a one-level plane would hold */
+static inline __m512 two16(const QMat *w, const float *a, const int8_t *a8, int64_t i) {
+    if (!w->sb) return ld16(w, a, i);
+    const __m512 d = ld16(w, a, i / 16 / w->sb * 16);
+    const __m128i s = _mm_loadu_si128((const __m128i *)(a8 + i));
+    return _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(s)));
+}
+
+static inline __m512 scale16(const QMat *w, int64_t i) { return two16(w, w->scale, w->sc8, i); }
+
 static inline __m512 min16(const QMat *w, int64_t i) {
-    return w->min ? ld16(w, w->min, i) : _mm512_mul_ps(_mm512_set1_ps(-w->zero), ld16(w, w->scale, i));
+    return w->min ? two16(w, w->min, w->mn8, i) : _mm512_mul_ps(_mm512_set1_ps(-w->zero), scale16(w, i));
 }
 
 /* tile t's 16 outputs of rows m < mr: acc + mins, into out (added to it where add) */
@@ -133,7 +145,7 @@ static inline __attribute__((always_inline)) void tile_dot_rows16(const QMat *w,
         }
         if (g16) {
             const int64_t i = (t * G + 2 * g) * 16;
-            const __m512 s0 = ld16(w, w->scale, i), s1 = ld16(w, w->scale, i + 16);
+            const __m512 s0 = scale16(w, i), s1 = scale16(w, i + 16);
             const __m512 n0 = min16(w, i), n1 = min16(w, i + 16);
             for (int m = 0; m < mr; m++) {
                 acc[m] = _mm512_fmadd_ps(a0[m], s0, acc[m]);
@@ -142,7 +154,7 @@ static inline __attribute__((always_inline)) void tile_dot_rows16(const QMat *w,
                 mins[m] = _mm512_fmadd_ps(n1, _mm512_set1_ps(xs[m * G + 2 * g + 1]), mins[m]);
             }
         } else {
-            const __m512 sc = ld16(w, w->scale, (t * G + g) * 16), mn = min16(w, (t * G + g) * 16);
+            const __m512 sc = scale16(w, (t * G + g) * 16), mn = min16(w, (t * G + g) * 16);
             for (int m = 0; m < mr; m++) {
                 acc[m] = _mm512_fmadd_ps(_mm512_add_ps(a0[m], a1[m]), sc, acc[m]);
                 mins[m] = _mm512_fmadd_ps(mn, _mm512_set1_ps(xs[m * G + g]), mins[m]);
@@ -173,8 +185,8 @@ static inline __attribute__((always_inline)) void tile_dot_rows16_q8(const QMat 
     for (int m = 0; m < mr; m++) acc[m] = mins[m] = _mm512_setzero_ps();
     for (int64_t g = 0; g < steps; g++) {
         const int64_t i = (t * G + (g16 ? 2 * g : g)) * 16;
-        const __m512 sc = ld16(w, w->scale, i), mn = min16(w, i);
-        const __m512 s1 = g16 ? ld16(w, w->scale, i + 16) : sc, n1 = g16 ? min16(w, i + 16) : mn;
+        const __m512 sc = scale16(w, i), mn = min16(w, i);
+        const __m512 s1 = g16 ? scale16(w, i + 16) : sc, n1 = g16 ? min16(w, i + 16) : mn;
         for (int64_t j = 0; j < chunks; j++) {
             const int64_t jj = g * chunks + j;
             const __m512i h = five ? _mm512_loadu_si512((const void *)high16(w, t, jj))

@@ -78,6 +78,8 @@ Kernel = Callable[[torch.Tensor], torch.Tensor]  # (M, in) -> (M, out), same dty
 # --- affine views: how a format's blocks read as code * scale + min ---------------------------
 
 Unpack = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+Factored = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]
+Factors = Callable[[torch.Tensor], Factored]
 
 
 @dataclass(frozen=True)
@@ -89,6 +91,9 @@ class AffineView:
     group: int  # weights sharing one (scale, min)
     unpack: Unpack
     zero: int | None = None  # symmetric formats: min == -zero * scale always
+    # k-quants: their scales (and mins) in the file's two levels, ``unpack``'s exactly as d * sc
+    # (dmin * m): blocks -> (d (n, 1), sc (n, G) integers, dmin (n, 1) or None, m or None)
+    factors: Factors | None = None
 
     @property
     def bits(self) -> int:
@@ -126,6 +131,30 @@ def _q8_0(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return _u8(b[:, 2:].view(torch.int8).to(torch.int16) + 128), d, -128 * d
 
 
+def _k_factors(b: torch.Tensor) -> Factored:  # Q4_K / Q5_K: d * sc and -(dmin) * m
+    sc, mn = ggml._scale_min_k4(b[:, 4:16])
+    return ggml._f16(b, 0), sc, -ggml._f16(b, 2), mn
+
+
+def _q6_k_factors(b: torch.Tensor) -> Factored:
+    return ggml._f16(b, 208), b[:, 192:208].contiguous().view(torch.int8), None, None
+
+
+def _q3_k_scales(b: torch.Tensor) -> torch.Tensor:  # the 16 six-bit scales minus 32
+    n = b.shape[0]
+    lsc = ggml._shr(b[:, 96:104].reshape(n, 1, 8), [0, 4], (1, 2, 1)).reshape(n, 16)
+    hsc = ggml._shr(b[:, 104:108].reshape(n, 1, 4), [0, 2, 4, 6], (1, 4, 1)).reshape(n, 16)
+    return ((lsc & 0x0F) | ((hsc & 0x03) << 4)).to(torch.int16) - 32
+
+
+def _q3_k_factors(b: torch.Tensor) -> Factored:
+    return ggml._f16(b, 108), _q3_k_scales(b), None, None
+
+
+def _q2_k_factors(b: torch.Tensor) -> Factored:
+    return ggml._f16(b, 80), b[:, :16] & 0x0F, -ggml._f16(b, 82), b[:, :16] >> 4
+
+
 def _k_scales(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     # gguf-py Q4_K/Q5_K: sub-block scale d * sc and min -(dmin * m), 8 sub-blocks of 32
     sc, mn = ggml._scale_min_k4(b[:, 4:16])
@@ -144,9 +173,7 @@ def _q3_k(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     # gguf-py Q3_K: (d * (sc - 32)) * (q3 - 4), q3 = low two bits | hmask bit << 2; the codec's
     # s * (q3 - 4) equals q3 * s - 4 s exactly (<= 20-bit products)
     n = b.shape[0]
-    lsc = ggml._shr(b[:, 96:104].reshape(n, 1, 8), [0, 4], (1, 2, 1)).reshape(n, 16)
-    hsc = ggml._shr(b[:, 104:108].reshape(n, 1, 4), [0, 2, 4, 6], (1, 4, 1)).reshape(n, 16)
-    s = ggml._f16(b, 108) * ggml._int((lsc & 0x0F) | ((hsc & 0x03) << 4), 32)
+    s = ggml._f16(b, 108) * _q3_k_scales(b).to(torch.float32)
     ql = ggml._shr(b[:, 32:96].reshape(n, -1, 1, 32), [0, 2, 4, 6], (1, 1, 4, 1)) & 3
     qh = ggml._shr(b[:, :32].reshape(n, -1, 1, 32), list(range(8)), (1, 1, 8, 1)) & 1
     return _u8(ql.reshape(n, -1) | (qh.reshape(n, -1) << 2)), s, -4 * s
@@ -189,25 +216,33 @@ def _minmax_view(lay: MinMaxLayout) -> AffineView:
     return AffineView(lay.levels, lay.block_size, unpack)
 
 
-for _name, _levels, _group, _fn, _zero in [
-    ("Q4_0", 16, 32, _q4_0, 8),
-    ("Q4_1", 16, 32, _q4_1, None),
-    ("Q5_0", 32, 32, _q5_0, 16),
-    ("Q5_1", 32, 32, _q5_1, None),
-    ("Q8_0", 256, 32, _q8_0, 128),
-    ("Q4_K", 16, 32, _q4_k, None),
-    ("Q5_K", 32, 32, _q5_k, None),
-    ("Q6_K", 64, 16, _q6_k, 32),
-    ("Q2_K", 4, 16, _q2_k, None),
-    ("Q3_K", 8, 16, _q3_k, 4),
+for _name, _levels, _group, _fn, _zero, _factors in [
+    ("Q4_0", 16, 32, _q4_0, 8, None),
+    ("Q4_1", 16, 32, _q4_1, None, None),
+    ("Q5_0", 32, 32, _q5_0, 16, None),
+    ("Q5_1", 32, 32, _q5_1, None, None),
+    ("Q8_0", 256, 32, _q8_0, 128, None),
+    ("Q4_K", 16, 32, _q4_k, None, _k_factors),
+    ("Q5_K", 32, 32, _q5_k, None, _k_factors),
+    ("Q6_K", 64, 16, _q6_k, 32, _q6_k_factors),
+    ("Q2_K", 4, 16, _q2_k, None, _q2_k_factors),
+    ("Q3_K", 8, 16, _q3_k, 4, _q3_k_factors),
 ]:
-    AFFINE_VIEWS.add(_name, AffineView(_levels, _group, _fn, _zero))
+    AFFINE_VIEWS.add(_name, AffineView(_levels, _group, _fn, _zero, _factors))
 for _lay in MINMAX_LAYOUTS:
     AFFINE_VIEWS.add(_lay.name, _minmax_view(_lay))
 
 
 def affine_parts(w: QuantTensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A 2-D weight as (codes uint8 (out, in), scale, min float32 (out, in // group))."""
+    return affine_parts_factored(w)[0]
+
+
+def affine_parts_factored(
+    w: QuantTensor,
+) -> tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], Factored | None]:
+    """``affine_parts``, and where the view has them its two-level factors, each (out, ...):
+    d and dmin (out, in // block), sc and m (out, in // group); read in the same pass."""
     view = AFFINE_VIEWS.get(w.format)
     fmt = w.qformat
     rows, cols = w.shape
@@ -216,17 +251,25 @@ def affine_parts(w: QuantTensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
     scale, mn = torch.empty(rows, g), torch.empty(rows, g)
     blocks = w.data.reshape(rows, -1)
     per_row = blocks.shape[1]
+    factors: list[list[torch.Tensor]] = []
     for r in range(0, rows, _CHUNK_ROWS):  # (the unpacking's temporaries stay a chunk's size)
-        c, s, m = view.unpack(blocks[r : r + _CHUNK_ROWS].reshape(-1, fmt.bytes_per_block))
+        chunk = blocks[r : r + _CHUNK_ROWS].reshape(-1, fmt.bytes_per_block)
+        c, s, m = view.unpack(chunk)
         n = c.numel() // cols
         codes[r : r + n], scale[r : r + n], mn[r : r + n] = (
             c.reshape(n, cols),
             s.reshape(n, g),
             m.reshape(n, g),
         )
+        if view.factors is not None:
+            parts = view.factors(chunk)
+            factors.append([t if t is None else t.reshape(n, -1) for t in parts])  # type: ignore[misc]
         if w.release is not None:  # the chunk's file pages: read, so let them go
             w.release(r * per_row, (r + n) * per_row)
-    return codes, scale, mn
+    if not factors:
+        return (codes, scale, mn), None
+    joined = [None if f[0] is None else torch.cat(list(f)) for f in zip(*factors, strict=True)]
+    return (codes, scale, mn), (joined[0], joined[1], joined[2], joined[3])  # type: ignore[return-value]
 
 
 def _view_matches(w: QuantTensor, view: AffineView) -> bool:
@@ -472,10 +515,12 @@ class QuantLinear(nn.Module):
         self.plane: QPlane | None = None
         self.act8 = False  # set_activations: 8-bit inputs into the plane's products
         if name in ("plane", "int4pack"):
-            parts = affine_parts(weight)
+            parts, factors = affine_parts_factored(weight)
             if name == "plane":  # every call on the plane: one copy of the weights
                 self.plane = make_plane(*parts, view.levels, view.zero)
                 assert self.plane is not None  # (select_kernel checked what make_plane needs)
+                if factors is not None:  # (the file's two levels of scales, where read)
+                    self.plane.factor(*factors, sb=weight.qformat.block_size // view.group)
                 self.kernel, self.nbytes = plane_kernel(self.plane), self.plane.nbytes
             else:
                 p = pack_int4(weight, parts)

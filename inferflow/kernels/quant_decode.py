@@ -155,7 +155,6 @@ class QPlane:
         self.__dict__.pop("struct", None)  # (the C view is made again from these tensors)
         return True
 
-
     def matvec(self, x: torch.Tensor) -> torch.Tensor:
         """``x (M, k) float32 @ W.T`` -> (M, n) float32, one row of x at a time."""
         lib = library()

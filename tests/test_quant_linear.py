@@ -326,3 +326,35 @@ def test_serve_dense_batch_flag_is_checked(capsys: pytest.CaptureFixture[str]) -
     smollm2_path()  # (the built-in spec names the model package's file)
     assert main(["serve", "smollm2-135m-instruct", "--dense-batch", "0"]) == 2
     assert "--dense-batch: must be >= 1, got 0" in capsys.readouterr().err
+
+
+def test_row_parts_in_formats_no_widening_joins_share_one_plane() -> None:
+    """A fused q/k/v whose rows a Q4_K_M file stores as Q4_K and Q6_K (no exact widening joins
+    them) is one C plane of the parts' own values: products against gguf-py's decoding of
+    each part, its bias added, rows read back exactly, a row's result the same in any company;
+    it was a float32 copy of the weights (4 bytes a weight) and kept the stack off the one-call
+    decode."""
+    gguf = pytest.importorskip("gguf")
+    if quant_decode.library() is None:
+        pytest.skip("no C compiler here: the plane cannot be built")
+    a, b = random_blocks("Q4_K", 48, 512), random_blocks("Q6_K", 24, 512)
+    bias = torch.randn(72, generator=torch.Generator().manual_seed(1))
+    ql = QuantLinear.from_row_parts([a, b], bias)
+    assert ql is not None and ql.kernel_name == "plane" and ql.format == "Q4_K+Q6_K"
+    assert ql.nbytes < 72 * 512 * 2
+    w = torch.cat(
+        [
+            torch.from_numpy(
+                gguf.quants.dequantize(t.data.numpy(), getattr(gguf.GGMLQuantizationType, t.format))
+            )
+            .reshape(t.shape)
+            .double()
+            for t in (a, b)
+        ]
+    )
+    x = torch.randn(7, 512, generator=torch.Generator().manual_seed(2))
+    ref = x.double() @ w.T + bias.double()
+    assert float((ql(x).double() - ref).abs().max() / ref.abs().max()) < 1e-6
+    assert torch.equal(ql.plane.rows(torch.tensor([0, 47, 48, 71])), w.float()[[0, 47, 48, 71]])
+    assert torch.equal(ql(x[[2, 5]]), ql(x)[[2, 5]])
+    assert QuantLinear.from_row_parts([a, quantize(torch.randn(24, 512), "F16")]) is None

@@ -440,6 +440,17 @@ def _report(
 def stored_blocks(source: WeightSource, parts: Sequence[Bound], rows: int) -> QuantTensor | None:
     """The checkpoint's own blocks for a whole parameter of ``rows`` rows, when every part is
     stored quantized in one format and lands as stored; else None."""
+    blocks = stored_parts(source, parts)
+    if blocks is None:
+        return None
+    from inferflow.quant.apply import stack_rows
+
+    return stack_rows(blocks, rows)
+
+
+def stored_parts(source: WeightSource, parts: Sequence[Bound]) -> dict[int, QuantTensor] | None:
+    """The checkpoint's quantized row blocks of a parameter by first row, when every part is
+    stored quantized and lands as stored; else None."""
     if not parts or not all(b.as_stored for b in parts):
         return None
     blocks: dict[int, QuantTensor] = {}
@@ -448,9 +459,7 @@ def stored_blocks(source: WeightSource, parts: Sequence[Bound], rows: int) -> Qu
         if not isinstance(w, QuantTensor):
             return None
         blocks[0 if b.target.rows is None else b.target.rows.start] = w
-    from inferflow.quant.apply import stack_rows
-
-    return stack_rows(blocks, rows)
+    return blocks
 
 
 def read_param(

@@ -32,7 +32,14 @@ from torch import nn
 from inferflow.blocks.linear import Embedding, Linear
 from inferflow.errors import CheckpointError, WeightBindingError
 from inferflow.loaders.base import WeightSource
-from inferflow.model.binding import WeightPlan, read_param, set_param, stored_blocks
+from inferflow.model.binding import (
+    Bound,
+    WeightPlan,
+    read_param,
+    set_param,
+    stored_blocks,
+    stored_parts,
+)
 from inferflow.quant import ggml
 from inferflow.quant.apply import (
     QuantPolicy,
@@ -50,6 +57,22 @@ log = logging.getLogger(__name__)
 
 def _fast(qt: QuantTensor | None) -> QuantTensor | None:
     return qt if qt is not None and select_kernel(qt.qformat) != "dequant" else None
+
+
+def _mixed_rows(
+    source: WeightSource, parts: Sequence[Bound], mod: Linear
+) -> list[QuantTensor] | None:
+    """Row blocks of a linear weight in formats no exact widening joins, in row order and
+    covering its rows (``QuantLinear.from_row_parts`` holds them in one plane); else None."""
+    blocks = stored_parts(source, parts)
+    if blocks is None or len(blocks) < 2:
+        return None
+    starts = sorted(blocks)
+    ordered = [blocks[s] for s in starts]
+    ends = [s + b.shape[0] for s, b in zip(starts, ordered, strict=True)]
+    if starts[0] != 0 or ends[-1] != mod.out_features or starts[1:] != ends[:-1]:
+        return None
+    return ordered
 
 
 def materialise(
@@ -98,15 +121,22 @@ def materialise(
         linears = [(p, m) for p, m in model.named_modules() if type(m) is Linear]
         linears.sort(key=lambda pm: -pm[1].in_features * pm[1].out_features)
         for path, mod in linears:
-            qt = _fast(
-                stored_blocks(source, plan.parts.get(f"{path}.weight", []), mod.out_features)
-            )
-            if qt is None:
+            wparts = plan.parts.get(f"{path}.weight", [])
+            qt = _fast(stored_blocks(source, wparts, mod.out_features))
+            mixed = None if qt is not None or kernel else _mixed_rows(source, wparts, mod)
+            if qt is None and mixed is None:
                 continue
             bias = None
             if mod.bias is not None:
                 bias = read_param(model, source, mod.bias, plan.parts[f"{path}.bias"])
-            set_module(model, path, QuantLinear(qt, bias, kernel))
+            if mixed is not None:
+                built = QuantLinear.from_row_parts(mixed, bias)
+                if built is None:
+                    continue
+                set_module(model, path, built)
+            else:
+                assert qt is not None
+                set_module(model, path, QuantLinear(qt, bias, kernel))
             done.update((f"{path}.weight", f"{path}.bias"))
             loading.finished(f"{path}.weight", f"{path}.bias")
             kept += 1

@@ -531,6 +531,46 @@ class QuantLinear(nn.Module):
             raise QuantError(f"unknown QuantLinear kernel {name!r}; known: dequant, int4pack")
         self.kernel_name = name
 
+    @classmethod
+    def from_row_parts(
+        cls, parts: list[QuantTensor], bias: torch.Tensor | None = None
+    ) -> QuantLinear | None:
+        """One layer over row blocks stored in different formats that no exact widening joins
+        (a fused q/k/v of Q4_K q/k and a Q6_K v, as Q4_K_M files hold): each part's affine
+        values (code * scale + min) in one C plane, the groups brought to the smallest group
+        size by repeating their scale and min (the same values), the codes at the widest
+        part's bits. None where some part has no affine view or no plane can hold them."""
+        views = [AFFINE_VIEWS.get(p.format) for p in parts if p.format in AFFINE_VIEWS]
+        if len(views) != len(parts) or any(len(p.shape) != 2 for p in parts):
+            return None
+        group, levels = min(v.group for v in views), max(v.levels for v in views)
+        cols = parts[0].shape[1]
+        if any(p.shape[1] != cols for p in parts) or cols % group or quant_decode.library() is None:
+            return None
+        if not plane_takes(levels, group):
+            return None
+        codes, scales, mins = [], [], []
+        for p, v in zip(parts, views, strict=True):
+            if not _view_matches(p, v):
+                return None
+            c, sc, mn = affine_parts(p)
+            codes.append(c)
+            scales.append(sc.repeat_interleave(v.group // group, dim=1))
+            mins.append(mn.repeat_interleave(v.group // group, dim=1))
+        plane = make_plane(torch.cat(codes), torch.cat(scales), torch.cat(mins), levels)
+        if plane is None:
+            return None
+        layer = cls.__new__(cls)
+        nn.Module.__init__(layer)
+        layer.out_features, layer.in_features = plane.n, cols
+        layer.format = "+".join(dict.fromkeys(p.format for p in parts))
+        if bias is not None and tuple(bias.shape) != (plane.n,):
+            raise QuantError(f"bias of shape {list(bias.shape)} for {plane.n} outputs")
+        layer.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
+        layer.dense_rows, layer.plane, layer.act8 = None, plane, False
+        layer.kernel, layer.nbytes, layer.kernel_name = plane_kernel(plane), plane.nbytes, "plane"
+        return layer
+
     def attach_dense(self, rows: int) -> None:
         """Calls of ``rows`` rows or more multiply by a dense bf16 copy of the int4pack
         weights (a no-op for other kernels: ``plane`` is as fast without a copy)."""

@@ -276,7 +276,7 @@ def load(
     spec = ref if isinstance(ref, Spec) else load_spec(ref)
     auto = dtype == AUTO
     act8 = dtype == ACT8 or auto  # float32, with 8-bit inputs into integer products
-    dt = torch.float32 if auto else parse_dtype(dtype) if isinstance(dtype, str) else dtype
+    dt = parse_dtype(dtype) if isinstance(dtype, str) else dtype
     q = quant_for(spec, quant)
     if spec.partition is not None:  # every rank loads its own share (inferflow.parallel)
         if auto:

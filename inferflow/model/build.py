@@ -38,6 +38,7 @@ DTYPES: dict[str, torch.dtype] = {
     # float32 activations, rounded to 8 bits at the inputs of integer products (runtime.load
     # sets that on the loaded model: quant.linear.set_activations)
     "act8": torch.float32,
+    "auto": torch.float32,  # act8 or float32, as runtime.load decides: float32 activations either way
 }
 
 

@@ -19,7 +19,7 @@ typedef struct {
     float zero;          /* min NULL (symmetric formats, SYMMETRIC_BUILT only): min = -zero * scale */
     /* sb > 0 (AVX-512 tiles, k-quants): scales and mins in two levels, as the file holds them:
        scale and min are float16 (tiles, k / group / sb, 16), one per sb groups, and the groups'
-       own are those times sc8 and mn8 (tiles, k / group, 16) int8 */
+       own are those times sc8 and mn8 (tiles, k / group, 16) int8; sb is a power of two */
     const int8_t *sc8, *mn8;
     int64_t sb;
 } QMat;

@@ -138,7 +138,7 @@ class QPlane:
         ``sb`` groups and ``sc`` (n, G) integer sub-scales in int8, ``d * sc`` being exactly
         the scales held now (mins likewise: ``dmin * m``). Only for AVX-512 tiles, where the
         build reads them; returns whether it did (nothing changes where the products would)."""
-        if self.codes.dim() != 5 or not (tiles16_built() and half_built()):
+        if self.codes.dim() != 5 or sb & (sb - 1) or not (tiles16_built() and half_built()):
             return False
         parts = [(d, sc, self.scale)] + ([] if self.min is None else [(dmin, m, self.min)])
         tiled: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -170,9 +170,7 @@ class QPlane:
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows ``ids`` (N,) of W as float32 (N, k): code * scale + min, the codec's values (an
         embedding lookup from a tied head's plane)."""
-        scales, mins = self.group_scales() if self.codes.dim() == 5 else (self.scale, None)
-        if mins is None:
-            mins = -self.zero * self.scale if self.min is None else self.min
+        scales, mins = self.group_scales()
         t, i = ids // 16, ids % 16
         if self.codes.dim() == 2:  # 8-bit rows
             codes, scale, mn = self.codes[ids], scales[ids], mins[ids]

@@ -25,7 +25,7 @@ static inline __m512 ld16(const QMat *w, const float *a, int64_t i) {
    significant bits), the float32 a one-level plane would hold */
 static inline __m512 two16(const QMat *w, const float *a, const int8_t *a8, int64_t i) {
     if (!w->sb) return ld16(w, a, i);
-    const __m512 d = ld16(w, a, i / 16 / w->sb * 16);
+    const __m512 d = ld16(w, a, (i >> 4 >> __builtin_ctzll((uint64_t)w->sb)) << 4); /* (sb: 2^n) */
     const __m128i s = _mm_loadu_si128((const __m128i *)(a8 + i));
     return _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(s)));
 }
@@ -104,7 +104,7 @@ static inline __attribute__((always_inline)) void tile16_codes(const uint8_t *c,
 
 /* The float32 products of a tile. Groups of a multiple of 32 take one scale per group; groups
    of 16 (g16: Q6_K, Q3_K, Q2_K) are tiles in column order, sub-block s holding columns 4s + e
-   (e < 4; G16_ORDER), and split each chunk: columns 0 .. 15 (sub-blocks 0 .. 3: a0) and 16 .. 31
+   (e < 4; make_plane lays them out so), and split each chunk: columns 0 .. 15 (sub-blocks 0 .. 3: a0) and 16 .. 31
    (a1) under their own scales. */
 static inline __attribute__((always_inline)) void tile_dot_rows16(const QMat *w, int64_t t,
                                                                   const float *x, const float *xs,

@@ -46,6 +46,7 @@ from inferflow.quant.apply import (
     forget_fused,
     get_module,
     quantize_linear,
+    rows_in_order,
     set_module,
 )
 from inferflow.quant.formats import FORMATS, QuantFormat
@@ -62,17 +63,12 @@ def _fast(qt: QuantTensor | None) -> QuantTensor | None:
 def _mixed_rows(
     source: WeightSource, parts: Sequence[Bound], mod: Linear
 ) -> list[QuantTensor] | None:
-    """Row blocks of a linear weight in formats no exact widening joins, in row order and
-    covering its rows (``QuantLinear.from_row_parts`` holds them in one plane); else None."""
+    """Row blocks of a linear weight stored in several formats, in row order and covering its
+    rows (``QuantLinear.from_row_parts`` holds them in one plane); else None."""
     blocks = stored_parts(source, parts)
     if blocks is None or len(blocks) < 2:
         return None
-    starts = sorted(blocks)
-    ordered = [blocks[s] for s in starts]
-    ends = [s + b.shape[0] for s, b in zip(starts, ordered, strict=True)]
-    if starts[0] != 0 or ends[-1] != mod.out_features or starts[1:] != ends[:-1]:
-        return None
-    return ordered
+    return rows_in_order(blocks, mod.out_features)
 
 
 def materialise(

@@ -135,18 +135,27 @@ def stack_rows(parts: dict[int, QuantTensor], rows: int) -> QuantTensor | None:
     """Row blocks of one parameter as one QuantTensor, or None unless they cover all ``rows``
     in order and share a format, directly or by an exact widening (a fused q/k/v with a Q8_0 v
     among Q5_0 parts becomes Q8_0; one with a Q6_K v among Q4_K stays float)."""
-    starts = sorted(parts)
-    ordered = [parts[k] for k in starts]
-    fmt = ggml.common_format({p.format for p in ordered})
-    ends = [s + p.shape[0] for s, p in zip(starts, ordered, strict=True)]
-    if fmt is None or any(len(p.shape) != 2 for p in ordered):
-        return None
-    if starts[0] != 0 or ends[-1] != rows or starts[1:] != ends[:-1]:
+    ordered = rows_in_order(parts, rows)
+    fmt = None if ordered is None else ggml.common_format({p.format for p in ordered})
+    if ordered is None or fmt is None:
         return None
     if len(ordered) == 1:
         return ordered[0]
     data = torch.cat([_blocks_as(p, fmt) for p in ordered])
     return QuantTensor(data, fmt, (rows, ordered[0].shape[1]))
+
+
+def rows_in_order(parts: dict[int, QuantTensor], rows: int) -> list[QuantTensor] | None:
+    """2-D row blocks by first row, in order, or None unless they cover rows 0 .. ``rows``
+    without gaps or overlaps."""
+    starts = sorted(parts)
+    ordered = [parts[k] for k in starts]
+    ends = [s + p.shape[0] for s, p in zip(starts, ordered, strict=True)]
+    if any(len(p.shape) != 2 for p in ordered) or not starts:
+        return None
+    if starts[0] != 0 or ends[-1] != rows or starts[1:] != ends[:-1]:
+        return None
+    return ordered
 
 
 def _blocks_as(w: QuantTensor, fmt: str) -> torch.Tensor:

@@ -155,41 +155,43 @@ def _q2_k_factors(b: torch.Tensor) -> Factored:
     return ggml._f16(b, 80), b[:, :16] & 0x0F, -ggml._f16(b, 82), b[:, :16] >> 4
 
 
-def _k_scales(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    # gguf-py Q4_K/Q5_K: sub-block scale d * sc and min -(dmin * m), 8 sub-blocks of 32
-    sc, mn = ggml._scale_min_k4(b[:, 4:16])
-    return ggml._f16(b, 0) * sc.to(torch.float32), -(ggml._f16(b, 2) * mn.to(torch.float32))
+def _two_level(f: Factored, zero: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """A k-quant's group scales and mins from its two levels: d * sc, and dmin * m (or
+    -zero * scale for a symmetric one); float32 products of <= 17 significant bits, exact."""
+    d, sc, dmin, m = f
+    scale = d * sc.to(torch.float32)
+    if dmin is None or m is None:
+        return scale, -zero * scale
+    return scale, dmin * m.to(torch.float32)
 
 
 def _q2_k(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     # gguf-py Q2_K: (d * sc) * q - (dmin * m), 4-bit sc and m per 16 weights
     n = b.shape[0]
-    sc, d, dmin = b[:, :16], ggml._f16(b, 80), ggml._f16(b, 82)
     q = ggml._shr(b[:, 16:80].reshape(n, -1, 1, 32), [0, 2, 4, 6], (1, 1, 4, 1)) & 3
-    return _u8(q.reshape(n, -1)), d * (sc & 0x0F).to(torch.float32), -(dmin * (sc >> 4).float())
+    return (_u8(q.reshape(n, -1)), *_two_level(_q2_k_factors(b)))
 
 
 def _q3_k(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     # gguf-py Q3_K: (d * (sc - 32)) * (q3 - 4), q3 = low two bits | hmask bit << 2; the codec's
     # s * (q3 - 4) equals q3 * s - 4 s exactly (<= 20-bit products)
     n = b.shape[0]
-    s = ggml._f16(b, 108) * _q3_k_scales(b).to(torch.float32)
     ql = ggml._shr(b[:, 32:96].reshape(n, -1, 1, 32), [0, 2, 4, 6], (1, 1, 4, 1)) & 3
     qh = ggml._shr(b[:, :32].reshape(n, -1, 1, 32), list(range(8)), (1, 1, 8, 1)) & 1
-    return _u8(ql.reshape(n, -1) | (qh.reshape(n, -1) << 2)), s, -4 * s
+    return (_u8(ql.reshape(n, -1) | (qh.reshape(n, -1) << 2)), *_two_level(_q3_k_factors(b), 4))
 
 
 def _q4_k(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     n = b.shape[0]
     q = ggml._shr(b[:, 16:].reshape(n, -1, 1, 32), [0, 4], (1, 1, 2, 1)) & 0x0F
-    return (q.reshape(n, -1), *_k_scales(b))
+    return (q.reshape(n, -1), *_two_level(_k_factors(b)))
 
 
 def _q5_k(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     n = b.shape[0]
     ql = ggml._shr(b[:, 48:].reshape(n, -1, 1, 32), [0, 4], (1, 1, 2, 1)) & 0x0F
     qh = ggml._shr(b[:, 16:48].reshape(n, -1, 1, 32), list(range(8)), (1, 1, 8, 1)) & 1
-    return (_u8(ql.reshape(n, -1) | (qh.reshape(n, -1) << 4)), *_k_scales(b))
+    return (_u8(ql.reshape(n, -1) | (qh.reshape(n, -1) << 4)), *_two_level(_k_factors(b)))
 
 
 def _q6_k(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -198,8 +200,7 @@ def _q6_k(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     lo = ggml._shr(b[:, :128].reshape(n, -1, 1, 64), [0, 4], (1, 1, 2, 1)) & 0x0F
     hi = ggml._shr(b[:, 128:192].reshape(n, -1, 1, 32), [0, 2, 4, 6], (1, 1, 4, 1)) & 3
     q = _u8(lo.reshape(n, -1, 32) | (hi.reshape(n, -1, 32) << 4)).reshape(n, -1)
-    s = ggml._f16(b, 208) * b[:, 192:208].contiguous().view(torch.int8).to(torch.float32)
-    return q, s, -32 * s
+    return (q, *_two_level(_q6_k_factors(b), 32))
 
 
 def _minmax_view(lay: MinMaxLayout) -> AffineView:
@@ -490,17 +491,19 @@ class QuantLinear(nn.Module):
     on CPU: the packed weight is a plain attribute, not a buffer, so ``.to()`` leaves it alone.
     """
 
+    nbytes: int  # resident weight bytes (bias excluded)
+    kernel: Kernel
+    dense_rows: int | None
+    plane: QPlane | None
+    act8: bool  # set_activations: 8-bit inputs into the plane's products
+
     def __init__(
         self, weight: QuantTensor, bias: torch.Tensor | None = None, kernel: str | None = None
     ) -> None:
         super().__init__()
         if len(weight.shape) != 2:
             raise QuantError(f"QuantLinear needs a 2-D weight, got shape {list(weight.shape)}")
-        self.out_features, self.in_features = weight.shape
-        self.format = weight.format
-        if bias is not None and tuple(bias.shape) != (self.out_features,):
-            raise QuantError(f"bias of shape {list(bias.shape)} for {self.out_features} outputs")
-        self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
+        self._shape(*weight.shape, weight.format, bias)
         name = kernel or select_kernel(weight.qformat)
         if kernel == "int4pack" and not _int4pack_takes(weight.qformat):
             raise QuantError(f"{self.format} cannot use the int4pack kernel; use dequant")
@@ -509,11 +512,6 @@ class QuantLinear(nn.Module):
             if not _view_matches(weight, view):  # a wrong view would be silently wrong output
                 log.warning("%s: affine view disagrees with the codec; using dequant", self.format)
                 name = "dequant"
-        self.nbytes: int  # resident weight bytes (bias excluded)
-        self.kernel: Kernel
-        self.dense_rows: int | None = None
-        self.plane: QPlane | None = None
-        self.act8 = False  # set_activations: 8-bit inputs into the plane's products
         if name in ("plane", "int4pack"):
             parts, factors = affine_parts_factored(weight)
             if name == "plane":  # every call on the plane: one copy of the weights
@@ -530,6 +528,14 @@ class QuantLinear(nn.Module):
         else:
             raise QuantError(f"unknown QuantLinear kernel {name!r}; known: dequant, int4pack")
         self.kernel_name = name
+
+    def _shape(self, out: int, inp: int, fmt: str, bias: torch.Tensor | None) -> None:
+        """What every QuantLinear holds before its kernel: shape, format, bias (checked)."""
+        self.out_features, self.in_features, self.format = out, inp, fmt
+        if bias is not None and tuple(bias.shape) != (out,):
+            raise QuantError(f"bias of shape {list(bias.shape)} for {out} outputs")
+        self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
+        self.dense_rows, self.plane, self.act8 = None, None, False
 
     @classmethod
     def from_row_parts(
@@ -562,13 +568,9 @@ class QuantLinear(nn.Module):
             return None
         layer = cls.__new__(cls)
         nn.Module.__init__(layer)
-        layer.out_features, layer.in_features = plane.n, cols
-        layer.format = "+".join(dict.fromkeys(p.format for p in parts))
-        if bias is not None and tuple(bias.shape) != (plane.n,):
-            raise QuantError(f"bias of shape {list(bias.shape)} for {plane.n} outputs")
-        layer.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
-        layer.dense_rows, layer.plane, layer.act8 = None, plane, False
-        layer.kernel, layer.nbytes, layer.kernel_name = plane_kernel(plane), plane.nbytes, "plane"
+        layer._shape(plane.n, cols, "+".join(dict.fromkeys(p.format for p in parts)), bias)
+        layer.plane, layer.kernel_name = plane, "plane"
+        layer.kernel, layer.nbytes = plane_kernel(plane), plane.nbytes
         return layer
 
     def attach_dense(self, rows: int) -> None:

@@ -495,3 +495,48 @@ def test_load_forgets_the_vocabulary_before_the_weights(monkeypatch: pytest.Monk
     lm = runtime.load("smollm2-135m-instruct")
     assert cached == [0, 0]
     assert lm._tok().encode("Hello world") == [19556, 905]
+
+
+def test_key_values_of_a_large_file_read_under_an_address_space_limit(tmp_path: Path) -> None:
+    """A spec's hyperparameters come from the file's key/values: reading them maps the file's first
+    KEY_VALUE_WINDOW bytes, not the whole file, so a process under RLIMIT_AS (the fuzz worker;
+    a container's limit) reads a 3 GiB model's header with 512 MiB to spare. Key/values reaching
+    past the window are read from the whole file, the same values."""
+    import subprocess
+    import sys
+
+    from inferflow.loaders import gguf_parse as loader
+
+    def build(w: Any) -> None:
+        w.add_uint32("llama.block_count", 2)
+        w.add_array("tokenizer.ggml.tokens", [f"tok{i}" for i in range(3000)])
+        w.add_tensor("f32", F32_2D)
+
+    path = _write(tmp_path / "big.gguf", build)
+    with path.open("r+b") as f:
+        f.truncate(3 << 30)  # (sparse: a big model's size, no disk)
+    script = (
+        "import resource, sys\n"
+        "from inferflow.loaders.gguf_parse import read_gguf_metadata\n"
+        "def vm():\n"
+        "    for line in open('/proc/self/status'):\n"
+        "        if line.startswith('VmSize:'): return int(line.split()[1]) * 1024\n"
+        "resource.setrlimit(resource.RLIMIT_AS, (vm() + (512 << 20), resource.RLIM_INFINITY))\n"
+        "print(read_gguf_metadata(sys.argv[1])['llama.block_count'])\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script, str(path)], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0 and done.stdout.strip() == "2", done.stderr[-2000:]
+    # key/values longer than the window: parsed from the whole file
+    loader.forget_metadata()
+    whole = read_gguf_metadata(path)
+    loader.forget_metadata()
+    window = loader.KEY_VALUE_WINDOW
+    try:
+        loader.KEY_VALUE_WINDOW = 4096  # the token array alone is ~30 KB
+        assert read_gguf_metadata(path) == whole
+    finally:
+        loader.KEY_VALUE_WINDOW = window
+        loader.forget_metadata()
+    assert len(whole["tokenizer.ggml.tokens"]) == 3000

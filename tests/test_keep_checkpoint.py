@@ -22,7 +22,7 @@ from inferflow.model.materialise import _Loading, check_memory, materialise
 from inferflow.model.names import NameMap
 from inferflow.quant import quantize
 from inferflow.quant.apply import stack_rows
-from inferflow.quant.linear import QuantLinear
+from inferflow.quant.linear import QuantLinear, select_kernel
 from inferflow.quant.tensor import QuantTensor
 from inferflow.runtime import load
 from inferflow.spec import load_spec
@@ -133,7 +133,7 @@ class _DictSource:
 def test_materialise_keeps_fast_formats_only_and_reads_the_rest(monkeypatch, caplog) -> None:  # noqa: ANN001
     """On a network built on the meta device: a Linear whose checkpoint weight is stored whole
     in a fast (C plane / int4pack) format becomes a QuantLinear over those very blocks; a slow
-    format (Q2_K) and a float weight are read into float parameters equal to the checkpoint's values;
+    format (IQ4_NL: no C plane) and a float weight are read into float parameters equal to the checkpoint's values;
     a quantized embedding keeps its blocks and looks up exactly the dequantized rows."""
     with build._meta_parameters():
         model = nn.Module()
@@ -143,14 +143,15 @@ def test_materialise_keeps_fast_formats_only_and_reads_the_rest(monkeypatch, cap
     assert all(p.is_meta for p in model.parameters())
     (_, a), (_, b) = _q(16, "Q4_1", 1), _q(8, "Q4_1", 2)
     q4 = QuantTensor(torch.cat([a.data, b.data]), "Q4_1", (24, 64))
-    q2 = random_blocks("Q2_K", 24, 256)  # (no writer here)
-    assert q2.dequantize().abs().sum() > 0
+    slow_q = random_blocks("IQ4_NL", 24, 256)  # (no writer here)
+    assert slow_q.dequantize().abs().sum() > 0
+    assert select_kernel(slow_q.qformat) == "dequant"  # (the premise: a format with no C plane)
     plain, bias = torch.randn(24, 64), torch.randn(24)
     src = {
         "fast.weight": q4,
         "fast.bias": bias,
         "plain.weight": plain,
-        "slow.weight": q2,
+        "slow.weight": slow_q,
         "table.weight": a,  # 16 rows: does not fit 24
     }
     names = NameMap(TensorsSpec(map=tuple(MapEntry(k, k) for k in src)))
@@ -170,7 +171,7 @@ def test_materialise_keeps_fast_formats_only_and_reads_the_rest(monkeypatch, cap
     want = x.bfloat16().float() @ q4.dequantize().t() + bias
     assert (model.fast(x) - want).abs().max() <= 2**-6 * want.abs().max()
     assert type(model.plain) is Linear and torch.equal(model.plain.weight, plain)
-    assert type(model.slow) is Linear and torch.equal(model.slow.weight, q2.dequantize())
+    assert type(model.slow) is Linear and torch.equal(model.slow.weight, slow_q.dequantize())
     ids = torch.tensor([[5, 0], [23, 5]])
     blocks = model.table.blocks  # (the checkpoint's blocks)
     assert blocks is not None and torch.equal(blocks.data, q4.data.reshape(blocks.data.shape))

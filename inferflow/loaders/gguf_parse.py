@@ -44,6 +44,7 @@ MAX_ARRAY_NESTING = 8  # arrays of arrays: cap the recursion a hostile file coul
 # A metadata array longer than this (a vocabulary, its scores, its merges) is not held by an open
 # GGUFSource: it is read through the parse cache when asked for (GgufMetadata)
 LONG_ARRAY = 1024
+KEY_VALUE_WINDOW = 64 << 20  # bytes mapped to read the key/values (a 262k vocabulary needs ~10 MB)
 
 
 class GGUFValueType(IntEnum):
@@ -288,8 +289,9 @@ class _Header:
     kv_end: int  # where the key/values end (the tensor infos begin)
 
 
-def _map(path: Path) -> np.memmap[Any, np.dtype[np.uint8]]:
-    """Check magic and version with a plain read, then memory-map the whole file."""
+def _map(path: Path, window: int | None = None) -> np.memmap[Any, np.dtype[np.uint8]]:
+    """Check magic and version with a plain read, then memory-map the whole file (or its first
+    ``window`` bytes)."""
     try:
         size = path.stat().st_size
         with path.open("rb") as f:
@@ -311,7 +313,8 @@ def _map(path: Path) -> np.memmap[Any, np.dtype[np.uint8]]:
             f"{path}: unsupported GGUF version {version}{hint}; supported: "
             f"{', '.join(map(str, SUPPORTED_VERSIONS))}"
         )
-    return np.memmap(path, dtype=np.uint8, mode="r")
+    shape = None if window is None or window >= size else (window,)
+    return np.memmap(path, dtype=np.uint8, mode="r", shape=shape)
 
 
 def _parse(
@@ -463,6 +466,15 @@ def _key_values(path: Path) -> _Header:
 
 @functools.lru_cache(maxsize=4)
 def _parsed_key_values(path: Path, mtime_ns: int, size: int) -> _Header:
+    """Parsed from a mapping of the file's first ``KEY_VALUE_WINDOW`` bytes: reading a spec's
+    hyperparameters maps a few MiB, not a 1 GB model (address space is a limit where a process
+    runs under ``RLIMIT_AS``). Key/values reaching past the window, or a corrupt header, are
+    parsed again from the whole file, which also gives the error its true sizes."""
+    if size > KEY_VALUE_WINDOW:
+        try:
+            return _parse(_map(path, KEY_VALUE_WINDOW), path, with_tensors=False)
+        except CheckpointError:
+            pass
     return _parse(_map(path), path, with_tensors=False)
 
 

@@ -50,10 +50,36 @@ class RequestError(InferflowError):
     ``param``: the request field at fault (the server's error ``param``); by default the name a
     message starts with, as in "top_k: 1000000 exceeds the model's vocabulary size"."""
 
-    def __init__(self, message: str, param: str | None = None) -> None:
+    def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
         super().__init__(message)
         lead = re.match(r"([a-z][a-z0-9_]*): ", message)
         self.param = param if param is not None else (lead[1] if lead else None)
+        self.code = code  # OpenAI's error code, where clients branch on one
+
+
+CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
+
+
+def context_exceeded(
+    limit: int, prompt: int, new: int = 0, where: str = "", what: str = "input"
+) -> RequestError:
+    """A prompt (with ``new`` tokens asked after it) past the ``limit`` a sequence may hold, in
+    the words OpenAI and vLLM use (LangChain, LiteLLM and others match them) and with OpenAI's
+    code; ``where``: what the limit is when not the model's context; ``what``: the request's
+    field holding the prompt."""
+    head = f"This model's maximum context length is {limit} tokens{where}. However, "
+    if new:
+        return RequestError(
+            head + f"you requested {prompt + new} tokens ({prompt} in the {what}, {new} in the "
+            f"completion). Please reduce the length of the {what} or completion.",
+            "max_tokens",
+            CONTEXT_LENGTH_EXCEEDED,
+        )
+    return RequestError(
+        head + f"your request has {prompt} input tokens. Please reduce the length of the {what}.",
+        "prompt",
+        CONTEXT_LENGTH_EXCEEDED,
+    )
 
 
 class Stopped(InferflowError):

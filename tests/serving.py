@@ -10,10 +10,13 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
+import torch
 
 from inferflow.parallel import free_port
+from tests.conftest import smollm2_path
 
 NAME = "smollm2-embed"  # the default model, declared for /v1/embeddings too
 
@@ -84,3 +87,26 @@ def wait_for(pred: Callable[[], bool], timeout: float = 10.0) -> bool:
             return True
         time.sleep(0.05)
     return False
+
+
+def smollm2_transformers() -> tuple[Any, Any]:
+    """The default model's GGUF in transformers, float32: (model, tokenizer), the reference of
+    the servers that serve it with ``--quant none``."""
+    import transformers as tf
+
+    path = smollm2_path()
+    model = tf.AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32
+    ).eval()
+    tok = tf.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    return model, tok
+
+
+def greedy(hf: tuple[Any, Any], ids: list[int], n: int) -> list[int]:
+    """transformers' greedy continuation of ``ids`` (at most ``n`` tokens; it stops at EOS)."""
+    model, _ = hf
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([ids]), max_new_tokens=n, do_sample=False, top_p=None, top_k=None
+        )
+    return list(out[0, len(ids) :].tolist())

@@ -165,8 +165,9 @@ def test_bad_requests(model) -> None:
         eng.add_request([])
     with pytest.raises(RequestError, match="outside the vocabulary"):
         eng.add_request([1, VOCAB + 5])
-    with pytest.raises(RequestError, match="context is 256"):
+    with pytest.raises(RequestError, match="maximum context length is 256 tokens") as e:
         eng.add_request([1] * 300)
+    assert e.value.code == "context_length_exceeded" and e.value.param == "prompt"
     for tok in (VOCAB, -1):  # refused up front, not when a step samples
         with pytest.raises(
             RequestError, match=rf"logit_bias: token id {tok} is outside .*{VOCAB - 1}"

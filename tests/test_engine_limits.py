@@ -50,7 +50,9 @@ def test_a_sequence_longer_than_the_kv_cache_ends_with_length(model) -> None:  #
     _run(eng)
     assert req.finish_reason == "length" and len(req.tokens) == 64
     assert eng.cache.alloc.num_free == 4
-    with pytest.raises(RequestError, match=r"has 64 tokens; the KV cache .* holds 64"):
+    with pytest.raises(
+        RequestError, match=r"length is 64 tokens here \(what the KV cache holds\).*has 64 input"
+    ):
         eng.add_request([7] * 64)
 
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from tests.conftest import smollm2_path
-from tests.serving import NAME
+from tests.serving import NAME, greedy, smollm2_transformers
 from tests.serving import check_error as _err
 from tests.serving import metric as _metric
 from tests.serving import run_server as _server
@@ -51,21 +51,7 @@ def client(url: str):  # noqa: ANN201
 
 @pytest.fixture(scope="module")
 def hf():  # noqa: ANN201
-    path = smollm2_path()
-    model = tf.AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, dtype=torch.float32
-    ).eval()
-    tok = tf.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    return model, tok
-
-
-def _greedy(hf, ids: list[int], n: int) -> list[int]:  # noqa: ANN001
-    model, _ = hf
-    with torch.no_grad():
-        out = model.generate(
-            torch.tensor([ids]), max_new_tokens=n, do_sample=False, top_p=None, top_k=None
-        )
-    return out[0, len(ids) :].tolist()
+    return smollm2_transformers()
 
 
 def test_completion_greedy_text_and_logprobs_match_transformers(client, hf) -> None:  # noqa: ANN001
@@ -75,7 +61,7 @@ def test_completion_greedy_text_and_logprobs_match_transformers(client, hf) -> N
         model=NAME, prompt=prompt, max_tokens=12, temperature=0, logprobs=3
     )
     ids = tok(prompt)["input_ids"]
-    want = _greedy(hf, ids, 12)
+    want = greedy(hf, ids, 12)
     c = r.choices[0]
     assert c.text == tok.decode(want, skip_special_tokens=True)
     assert c.finish_reason == "length" and r.usage.completion_tokens == 12
@@ -106,7 +92,7 @@ def test_chat_stream_equals_non_stream_and_template_matches(client, hf, url) -> 
     kw = dict(model=NAME, messages=messages, max_tokens=16, temperature=0)
     full = client.chat.completions.create(**kw)
     assert full.object == "chat.completion" and full.choices[0].message.role == "assistant"
-    want = tok.decode(_greedy(hf, list(want_ids), 16), skip_special_tokens=True)
+    want = tok.decode(greedy(hf, list(want_ids), 16), skip_special_tokens=True)
     assert full.choices[0].message.content == want
     chunks = list(
         client.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True})
@@ -337,6 +323,7 @@ def test_every_sampling_field_reaches_sampling_params() -> None:
     by_hand = {"model", "max_tokens", "stream", "stream_options", "user", "stop", "logit_bias"}
     by_hand |= {"min_tokens", "stop_token_ids", "n", "response_format", "structured_outputs"}
     by_hand |= {"cache_salt"}  # (with the API key, to SamplingParams.cache_salt: ServerState.start)
+    by_hand |= {"guided_json", "guided_regex", "guided_choice", "guided_grammar"}  # (constraint)
     assert set(SamplingBody.model_fields) - by_hand == {*SAME_NAME, *SPEC_DEFAULTED}
     assert {*SAME_NAME, *SPEC_DEFAULTED} <= {f.name for f in dataclasses.fields(SamplingParams)}
 
@@ -365,7 +352,7 @@ def _templated(hf, messages: list[dict]) -> list[int]:  # noqa: ANN001
 def _reply(hf, messages: list[dict], n: int) -> str:  # noqa: ANN001
     """transformers' greedy reply to ``messages`` (at most ``n`` tokens, EOS cut)."""
     _, tok = hf
-    return tok.decode(_greedy(hf, _templated(hf, messages), n), skip_special_tokens=True)
+    return tok.decode(greedy(hf, _templated(hf, messages), n), skip_special_tokens=True)
 
 
 def test_responses_create_and_multi_turn_match_transformers(client, hf) -> None:  # noqa: ANN001

@@ -46,7 +46,7 @@ def test_types_are_strict(client: TestClient) -> None:
     _bad(client, "/v1/completions", {**base, "stream": "yes"}, "stream", "boolean")
     _bad(client, "/v1/completions", {**base, "mirostat": False}, "mirostat", "integer")
     _bad(client, "/v1/completions", {**base, "logit_bias": {"5": "2"}}, "logit_bias", "number")
-    _bad(client, "/v1/completions", {**base, "n": 2.0}, "n", "integer")
+    _bad(client, "/v1/completions", {**base, "n": 2.5}, "n", "integer")
     ok = client.post("/v1/completions", json={**base, "temperature": 1}, headers=AUTH)
     assert ok.status_code == 503  # (an integer is a number: valid, and the model is loading)
 
@@ -66,8 +66,8 @@ def test_non_finite_numbers_are_refused(client: TestClient) -> None:
 
 def test_unknown_fields_are_named(client: TestClient) -> None:
     _bad(client, "/v1/completions", {"prompt": "a", "frobnicate": 1}, "frobnicate", "unknown")
-    chat = {"messages": [{"role": "user", "content": "x", "refusal": "no"}]}
-    _bad(client, "/v1/chat/completions", chat, "messages.0.refusal", "unknown field")
+    chat = {"messages": [{"role": "user", "content": "x", "frobnicate": "no"}]}
+    _bad(client, "/v1/chat/completions", chat, "messages.0.frobnicate", "unknown field")
 
 
 def test_malformed_json_names_no_field(client: TestClient) -> None:
@@ -169,7 +169,7 @@ def test_null_means_not_set_for_every_optional_field(client: TestClient) -> None
         "/v1/chat/completions",
         {**routes["/v1/chat/completions"][1], "functions": []},
         "functions",
-        "unknown",
+        "deprecated form: use tools",
     )
     _valid(client, "/v1/responses", {"input": "hi", "reasoning": None, "tools": None})
     _valid(client, "/v1/responses", {"input": "hi", "tools": [], "tool_choice": "auto"})
@@ -339,3 +339,76 @@ def test_bad_requests_name_their_param_and_a_body_without_content_type_is_json(
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2, r.text
     r = loaded.post("/v1/completions", content=raw, headers={"content-type": "text/plain"})
     assert r.status_code == 400 and "Content-Type: application/json" in r.text, r.text
+
+
+def test_vllm_extras_sdk_messages_and_integral_floats_are_accepted(client: TestClient) -> None:
+    """vLLM's chat and completion extras are known fields (their effects: tests/test_server_vllm
+    .py); an assistant message as the openai SDK dumps it (refusal, annotations, audio,
+    function_call: null) goes back as it is; 2.0 is an integer, as OpenAI reads it; fields of
+    OpenAI's or vLLM's APIs not served here say why, not "unknown field"."""
+    chat = {"messages": [{"role": "user", "content": "x"}]}
+    extras = {
+        "add_generation_prompt": False,
+        "continue_final_message": True,
+        "chat_template_kwargs": {"enable_thinking": False},
+        "echo": True,
+        "skip_special_tokens": False,
+        "spaces_between_special_tokens": True,
+        "include_stop_str_in_output": True,
+        "prompt_logprobs": 2,
+        "add_special_tokens": True,
+    }
+    _valid(client, "/v1/chat/completions", {**chat, **extras})
+    for guided in (
+        {"guided_json": {"type": "object"}},
+        {"guided_json": '{"type": "object"}'},
+        {"guided_regex": "[ab]+"},
+        {"guided_choice": ["yes", "no"]},
+        {"guided_grammar": 'start: "a"'},
+    ):
+        _valid(client, "/v1/chat/completions", {**chat, **guided})
+        _valid(client, "/v1/completions", {"prompt": "x", **guided})
+    for name in ("skip_special_tokens", "include_stop_str_in_output", "add_special_tokens"):
+        _valid(client, "/v1/completions", {"prompt": "x", name: False})
+    dumped = {  # (openai SDK: resp.choices[0].message.model_dump())
+        "role": "assistant",
+        "content": None,
+        "refusal": None,
+        "annotations": None,
+        "audio": None,
+        "function_call": None,
+        "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+        ],
+    }
+    tool = {"role": "tool", "tool_call_id": "call_1", "content": "42"}
+    _valid(client, "/v1/chat/completions", {"messages": [*chat["messages"], dumped, tool]})
+    plain = {**dumped, "content": "hi", "tool_calls": None, "annotations": []}
+    _valid(client, "/v1/chat/completions", {"messages": [*chat["messages"], plain]})
+    refused = {"role": "assistant", "content": [{"type": "refusal", "refusal": "no"}]}
+    _valid(client, "/v1/chat/completions", {"messages": [*chat["messages"], refused]})
+    for field, value in (("max_tokens", 3.0), ("n", 2.0), ("top_k", 5.0), ("seed", 7.0)):
+        _valid(client, "/v1/completions", {"prompt": "x", field: value})
+    _valid(client, "/v1/chat/completions", {**chat, "max_completion_tokens": 4.0})
+    _bad(client, "/v1/completions", {"prompt": "x", "max_tokens": 3.5}, "max_tokens", "integer")
+    _bad(client, "/v1/completions", {"prompt": "x", "echo": 1.0}, "echo", "boolean")
+    _bad(client, "/v1/chat/completions", {**chat, "priority": 1}, "priority", "first come")
+    _bad(client, "/v1/completions", {"prompt": "x", "best_of": 2}, "best_of", "beam_width")
+    _valid(client, "/v1/completions", {"prompt": "x", "best_of": None, "priority": None})
+    audio = {"role": "assistant", "content": "a", "audio": {"id": "x"}}
+    _bad(client, "/v1/chat/completions", {"messages": [audio]}, "messages.0.audio", "text only")
+
+
+def test_cors_preflight_is_refused_by_name_unless_an_origin_is_allowed(
+    client: TestClient, tmp_path: Path
+) -> None:
+    """CORS stays off by default; a browser's preflight gets 403 naming the flag (it was 405
+    "method not allowed"), and with --cors-origin the origin is allowed."""
+    pre = {"Origin": "http://app.example", "Access-Control-Request-Method": "POST"}
+    r = client.options("/v1/chat/completions", headers=pre)
+    assert r.status_code == 403, r.text
+    assert "--cors-origin" in r.json()["error"]["message"] and "app.example" in r.text
+    tiny_llama(tmp_path)
+    cfg = ServerConfig(load_spec(tmp_path / "spec.yaml"), cors_origins=("http://app.example",))
+    r = TestClient(create_app(cfg)).options("/v1/chat/completions", headers=pre)
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "http://app.example"

@@ -62,7 +62,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "key's prompts apart",
     )
     p.add_argument(
-        "--served-model-name", default=None, help="model id clients send (the spec's name)"
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        metavar="NAME",
+        help="model ids clients may send (the spec's name); the first is the one responses "
+        "report, and /v1/models lists them all (as vLLM's flag of that name)",
     )
     add_dtype(p)
     p.add_argument(
@@ -242,7 +247,7 @@ def run(args: argparse.Namespace) -> int:
     sock = listen(args.host, args.port)  # (a port in use fails here, before the model loads)
     cfg = ServerConfig(
         spec,
-        args.served_model_name,
+        tuple(args.served_model_name or ()),
         args.dtype,
         args.quant,
         engine,

@@ -25,7 +25,7 @@ from inferflow.engine.request import FINISHED, Request, RequestOutput, Scheduled
 from inferflow.engine.sampling import SamplingParams, make_sampler, sample_batch
 from inferflow.engine.scheduler import Scheduler, SchedulerConfig
 from inferflow.engine.speculative import SpecConfig, SpecStats, Speculator
-from inferflow.errors import RequestError, SpecError
+from inferflow.errors import RequestError, SpecError, context_exceeded
 from inferflow.model.network import Network, PagedDecoder
 
 log = logging.getLogger(__name__)
@@ -142,15 +142,9 @@ class Engine(BeamSteps):
             raise RequestError(
                 f"prompt token ids {bad[:5]} are outside the vocabulary 0..{vocab - 1}", "prompt"
             )
-        if len(ids) >= self.max_len:
-            where = (
-                "the model's context is"
-                if self.max_len == h.max_positions
-                else "the KV cache (--kv-cache-memory) holds"
-            )
-            raise RequestError(
-                f"the prompt has {len(ids)} tokens; {where} {self.max_len}", "prompt"
-            )
+        if len(ids) >= self.max_len:  # (the first new token needs a position of its own)
+            where = "" if self.max_len == h.max_positions else " here (what the KV cache holds)"
+            raise context_exceeded(self.max_len, len(ids), where=where)
         for name, toks in (
             ("logit_bias", params.logit_bias), ("stop_token_ids", params.stop_token_ids)
         ):  # fmt: skip
@@ -185,7 +179,13 @@ class Engine(BeamSteps):
     ) -> Request:
         if i and params.seed is not None:
             params = dataclasses.replace(params, seed=params.seed + i)
-        detok = self.tokenizer.incremental_decoder() if self.tokenizer is not None else None  # type: ignore[attr-defined]
+        detok = (
+            self.tokenizer.incremental_decoder(  # type: ignore[attr-defined]
+                params.skip_special_tokens, params.spaces_between_special_tokens
+            )
+            if self.tokenizer is not None
+            else None
+        )
         sampler = make_sampler(params, tuple(self.eos_ids))
         return Request(
             rid if i == 0 else f"{rid}/{i}",
@@ -468,6 +468,8 @@ class Engine(BeamSteps):
         reason = None
         if tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos_ids):
             reason = "stop"
+            if p.include_stop_str_in_output and req.detok is not None:
+                req.text += req.detok.push(tok) + req.detok.flush()
         else:
             if req.detok is not None:
                 req.text += req.detok.push(tok)
@@ -477,7 +479,7 @@ class Engine(BeamSteps):
                 reason = "length"
             if reason is not None and req.detok is not None:
                 req.text += req.detok.flush()
-        text, hit = _visible_text(req, p.stop, final=reason is not None)
+        text, hit = _visible_text(req, p.stop, reason is not None, p.include_stop_str_in_output)
         reason = "stop" if hit else reason
         first = req.prompt_ids if len(req.output_ids) == 1 else None
         if reason:
@@ -501,13 +503,20 @@ class Engine(BeamSteps):
             self.spec.forget(req)
 
 
-def _visible_text(req: Request, stops: tuple[str, ...], final: bool) -> tuple[str, bool]:
-    """New text to emit, and whether a stop string ended the request. Text that could still be
-    the start of a stop string is held back until the next token settles it."""
+def _visible_text(
+    req: Request, stops: tuple[str, ...], final: bool, keep_stop: bool = False
+) -> tuple[str, bool]:
+    """New text to emit, and whether a stop string ended the request (``keep_stop``: the text
+    ends with it, else just before it). Text that could still be the start of a stop string is
+    held back until the next token settles it."""
     hold = max(map(len, stops), default=1) - 1  # a stop string's first chars may be pending
-    hits = [i for i in (req.text.find(s, max(0, req.shown - hold)) for s in stops) if i >= 0]
+    hits = [
+        (i, i + len(s) if keep_stop else i)
+        for s in stops
+        if (i := req.text.find(s, max(0, req.shown - hold))) >= 0
+    ]
     if hits:
-        req.text = req.text[: min(hits)]
+        req.text = req.text[: min(hits)[1]]
     end = len(req.text) if final or hits else max(req.shown, len(req.text) - hold)
     text, req.shown = req.text[req.shown : end], end
     return text, bool(hits)

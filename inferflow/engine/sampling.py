@@ -76,6 +76,12 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     stop: tuple[str, ...] = field(default_factory=tuple)  # stop strings (not shown in the text)
+    # the text: the stop string (or stop token's text) that ended it kept at its end; special
+    # tokens dropped, or kept and, with spaces_between_special_tokens, set apart from the text
+    # around them by a space (HF's slow tokenizers; None: as the tokenizer decodes them)
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool | None = None
     ignore_eos: bool = False
     logprobs: int | None = None  # None: off; n >= 0: chosen token's logprob plus the top n
     n: int = 1  # samples per prompt; they share the prompt's KV blocks (sample i uses seed + i)

@@ -31,8 +31,9 @@ from inferflow.server.echo import Echo, echoes
 from inferflow.server.generation import Generation
 from inferflow.server.guard import APIError, Guard, install_error_handlers
 from inferflow.server.openapi import HEALTH, responses, trim_schema
-from inferflow.server.protocol import ChatBody, CompletionBody, NamedToolChoice, prompt_list
+from inferflow.server.protocol import CompletionBody, prompt_list
 from inferflow.server.protocol_aux import DetokenizeBody, EmbeddingBody, TokenizeBody, TokenizeChat
+from inferflow.server.protocol_chat import ChatBody, NamedToolChoice
 from inferflow.server.responses import add_responses_routes
 from inferflow.server.runner import until_disconnect
 from inferflow.server.scoring import add_scoring_routes
@@ -85,14 +86,18 @@ def create_app(cfg: ServerConfig) -> FastAPI:
 
     @app.get("/v1/models", responses=responses(auth))
     async def models() -> dict[str, Any]:
-        card = {
-            "id": state.name,
-            "object": "model",
-            "created": int(state.started),
-            "owned_by": "inferflow",
-            "max_model_len": state.max_len(),
-        }
-        return {"object": "list", "data": [card]}
+        cards = [
+            {
+                "id": name,
+                "object": "model",
+                "created": int(state.started),
+                "owned_by": "inferflow",
+                "root": state.name,  # (vLLM's: the model a name serves)
+                "max_model_len": state.max_len(),
+            }
+            for name in state.names
+        ]
+        return {"object": "list", "data": cards}
 
     @app.post(
         "/v1/completions",
@@ -101,7 +106,7 @@ def create_app(cfg: ServerConfig) -> FastAPI:
     )
     async def completions(body: CompletionBody, request: Request) -> Any:
         lm, runner = state.generating(body.model, chat=False)
-        prompts = await _prompt_ids(state, body.prompt)
+        prompts = await _prompt_ids(state, body.prompt, body.add_special_tokens)
         if lm.spec.network.type == "encoder_decoder":
             head = {"model": state.name, "system_fingerprint": state.fingerprint}
             return await seq2seq_complete(lm, runner, head, body, prompts, request)
@@ -111,11 +116,23 @@ def create_app(cfg: ServerConfig) -> FastAPI:
                 "max_tokens: 0 generates nothing; it needs echo (to score the prompt)",
                 param="max_tokens",
             )
-        texts = prompt_list(body.prompt)
+        sent = prompt_list(body.prompt)
 
         async def echo() -> list[Echo]:
+            texts = None
+            if body.echo:
+                tok = state.tokenizer()
+                texts = [t if isinstance(t, str) else tok.decode(t) for t in sent]
+            scored = body.logprobs if body.echo else None
             return await echoes(
-                lm, runner, body, texts, prompts, request.is_disconnected, state.score_chunk()
+                lm,
+                runner,
+                prompts,
+                texts,
+                scored,
+                body.prompt_logprobs,
+                request.is_disconnected,
+                state.score_chunk(),
             )
 
         max_tokens = 16 if body.max_tokens is None else body.max_tokens
@@ -134,18 +151,47 @@ def create_app(cfg: ServerConfig) -> FastAPI:
         lm, runner = state.generating(body.model, chat=True)
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "top_logprobs: needs logprobs set to true", param="top_logprobs")
-        choice = body.tool_choice
+        choice, render = body.tool_choice, body.render()
+        messages = [m.as_template_input() for m in body.messages]
         ids, plan = await state.chat_prompt(
-            [m.as_template_input() for m in body.messages],
+            messages,
             [t.model_dump(exclude_none=True) for t in body.tools or []],
             choice if isinstance(choice, str) else None,
             choice.function.name if isinstance(choice, NamedToolChoice) else None,
             body.parallel_tool_calls,
+            render,
         )
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         max_tokens = body.max_completion_tokens or body.max_tokens
+        # echo (vLLM's): the reply starts with the last message's text when it has the reply's
+        # role (a continued assistant message)
+        last = messages[-1]
+        shown = body.echo and last["role"] == body.reply_role(render.add_generation_prompt)
+
+        async def echo() -> list[Echo]:
+            texts = [last["content"]] if shown else None
+            return await echoes(
+                lm,
+                runner,
+                [ids],
+                texts,
+                None,
+                body.prompt_logprobs,
+                request.is_disconnected,
+                state.score_chunk(),
+            )
+
+        scored = shown or body.prompt_logprobs is not None
         gen = await state.start(
-            lm, runner, [ids], body, max_tokens, logprobs, "messages", tools=plan
+            lm,
+            runner,
+            [ids],
+            body,
+            max_tokens,
+            logprobs,
+            "messages",
+            echo if scored else None,
+            tools=plan,
         )
         return await _respond(gen, request, body.stream, body.stream_options)
 
@@ -203,7 +249,8 @@ def create_app(cfg: ServerConfig) -> FastAPI:
         state.ready(body.model)
         if isinstance(body, TokenizeChat):
             listed = [t.model_dump(exclude_none=True) for t in body.tools or []] or None
-            ids = await state.chat_ids([m.as_template_input() for m in body.messages], listed)
+            messages = [m.as_template_input() for m in body.messages]
+            ids = await state.chat_ids(messages, listed, body.render())
         else:
             texts = [body.prompt]
             ids = (
@@ -270,14 +317,17 @@ def create_app(cfg: ServerConfig) -> FastAPI:
 
 
 async def _prompt_ids(
-    state: ServerState, prompt: str | list[str] | list[int] | list[list[int]]
+    state: ServerState,
+    prompt: str | list[str] | list[int] | list[list[int]],
+    add_special_tokens: bool = True,
 ) -> list[list[int]]:
     """A prompt or input field (any of OpenAI's four shapes) as token-id lists."""
     prompts = prompt_list(prompt)
     texts = [p for p in prompts if isinstance(p, str)]
     if not texts:
         return prompts  # type: ignore[return-value]
-    encoded = iter(await asyncio.to_thread(state.tokenizer().encode_batch, texts, True))
+    tok = state.tokenizer()
+    encoded = iter(await asyncio.to_thread(tok.encode_batch, texts, add_special_tokens))
     return [p if isinstance(p, list) else next(encoded) for p in prompts]
 
 

@@ -1,5 +1,5 @@
-"""``echo``, ``logprobs`` and vLLM's ``prompt_logprobs`` on ``/v1/completions``: what
-evaluation harnesses (lm-evaluation-harness ``local-completions``) score. The prompt's own
+"""``echo``, ``logprobs`` and vLLM's ``prompt_logprobs`` on ``/v1/completions`` (what
+evaluation harnesses, lm-evaluation-harness ``local-completions``, score) and chat. The prompt's own
 token log-probabilities come from one teacher-forced pass over it
 (``evaluate.prompt_logprobs_steps``), not from the engine's prefill, which the prefix cache may
 skip; ``max_tokens: 0`` with ``echo`` scores the prompt and generates nothing. The pass runs
@@ -18,7 +18,6 @@ from typing import Any
 from inferflow.evaluate import PromptLogprobs, prompt_logprobs_steps
 from inferflow.runtime import LanguageModel
 from inferflow.server.batcher import Steps
-from inferflow.server.protocol import CompletionBody
 from inferflow.server.runner import EngineRunner, until_disconnect
 from inferflow.tokenizer import Tokenizer
 
@@ -36,21 +35,22 @@ class Echo:
 async def echoes(
     lm: LanguageModel,
     runner: EngineRunner,
-    body: CompletionBody,
-    texts: list[str | list[int]],
     prompts: list[list[int]],
+    texts: list[str] | None,
+    echo_logprobs: int | None,
+    prompt_logprobs: int | None,
     disconnected: Callable[[], Awaitable[bool]],
     chunk: int,
 ) -> list[Echo]:
-    """Per prompt, its Echo (for a request with echo or prompt_logprobs). ``texts``: the
-    prompts as sent (text, or token ids); ``chunk``: positions scored between two engine
-    steps."""
-    scored = body.echo and body.logprobs is not None
+    """Per prompt, its Echo: ``texts``, what each prompt's choices start with (None: nothing);
+    ``echo_logprobs``: the echoed prompt's OpenAI logprobs part, with this many alternatives
+    (completions' echo with logprobs); ``prompt_logprobs``: vLLM's list, this many
+    alternatives; ``chunk``: positions scored between two engine steps."""
     tok = lm.tokenizer
     assert tok is not None  # (a model without a tokenizer takes token ids and answers none)
     scores: list[PromptLogprobs] = []
-    if scored or body.prompt_logprobs is not None:
-        top = max(body.logprobs or 0, body.prompt_logprobs or 0)
+    if echo_logprobs is not None or prompt_logprobs is not None:
+        top = max(echo_logprobs or 0, prompt_logprobs or 0)
 
         def run(batch: list[list[int]], stop: Callable[[], bool]) -> Steps:
             out = []  # (the batcher checks for the client before each chunk)
@@ -61,30 +61,19 @@ async def echoes(
         # (a key of its own: a scoring call serves one request, so its client's leaving stops it)
         job = runner.batch(("prompt_logprobs", uuid.uuid4().hex), prompts, run)
         scores = await until_disconnect(job, disconnected)
-    # (a long prompt's logprobs are many small objects: built off the event loop)
-    return await asyncio.to_thread(_build, tok, body, texts, prompts, scores)
 
+    def build() -> list[Echo]:  # (a long prompt's logprobs are many small objects)
+        out = []
+        for i, ids in enumerate(prompts):
+            e = Echo(texts[i] if texts is not None else "")
+            if echo_logprobs is not None:
+                e.logprobs = _openai_part(tok, ids, scores[i], echo_logprobs)
+            if prompt_logprobs is not None:
+                e.prompt_logprobs = _vllm_list(tok, ids, scores[i], prompt_logprobs)
+            out.append(e)
+        return out
 
-def _build(
-    tok: Tokenizer,
-    body: CompletionBody,
-    texts: list[str | list[int]],
-    prompts: list[list[int]],
-    scores: list[PromptLogprobs],
-) -> list[Echo]:
-    scored = body.echo and body.logprobs is not None
-    out = []
-    for i, ids in enumerate(prompts):
-        e = Echo()
-        if body.echo:
-            sent = texts[i]
-            e.text = sent if isinstance(sent, str) else tok.decode(ids)
-        if scored:
-            e.logprobs = _openai_part(tok, ids, scores[i], body.logprobs or 0)
-        if body.prompt_logprobs is not None:
-            e.prompt_logprobs = _vllm_list(tok, ids, scores[i], body.prompt_logprobs)
-        out.append(e)
-    return out
+    return await asyncio.to_thread(build)
 
 
 def _openai_part(tok: Tokenizer, ids: list[int], s: PromptLogprobs, k: int) -> dict[str, Any]:

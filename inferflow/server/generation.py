@@ -173,8 +173,15 @@ class Generation:
             raise failure(self.choices)
         return {
             **self._envelope([self._final(c) for c in self.choices], False),
+            **self._prompt_logprobs(),
             "usage": self.usage(),
         }
+
+    def _prompt_logprobs(self) -> dict[str, Any]:
+        """Chat's prompt_logprobs (vLLM's: beside the choices; completions': in each choice)."""
+        if self.chat and self.echo and self.echo[0].prompt_logprobs is not None:
+            return {"prompt_logprobs": self.echo[0].prompt_logprobs}
+        return {}
 
     def _final(self, c: Choice) -> dict[str, Any]:
         lp: Any = None
@@ -194,7 +201,7 @@ class Generation:
                 body["message"]["tool_calls"] = calls
                 reason = "tool_calls" if reason == "stop" else reason
         extra = {}
-        if self.echo and (e := self.echo[c.index // self.n]).prompt_logprobs is not None:
+        if not self.chat and self.echo and (e := self.echo[c.index // self.n]).prompt_logprobs:
             extra["prompt_logprobs"] = e.prompt_logprobs
         out = {"index": c.index, **body, "logprobs": lp, "finish_reason": reason}
         return {**out, **extra}
@@ -204,21 +211,29 @@ class Generation:
 
         if self.chat:  # the role comes first, in a chunk of its own
             yield sse_event(
-                self._envelope(
-                    [
-                        {
-                            "index": c.index,
-                            "delta": {"role": "assistant", "content": ""},
-                            "logprobs": None,
-                            "finish_reason": None,
-                        }
-                        for c in self.choices
-                    ],
-                    True,
-                )
+                {
+                    **self._envelope(
+                        [
+                            {
+                                "index": c.index,
+                                "delta": {"role": "assistant", "content": ""},
+                                "logprobs": None,
+                                "finish_reason": None,
+                            }
+                            for c in self.choices
+                        ],
+                        True,
+                    ),
+                    **self._prompt_logprobs(),
+                }
             )
         for c in self.choices if self.echo else ():  # the prompt first (echo, prompt_logprobs)
-            part = self._final(c)
+            if self.chat:
+                if not c.text:
+                    continue
+                part = {"index": c.index, "delta": {"content": c.text}, "logprobs": None}
+            else:
+                part = self._final(c)
             part["finish_reason"] = None if self.left else c.finish_reason
             yield sse_event(self._envelope([part], True))
         calls = {c.index: ToolStream(self.tools) for c in self.choices} if self.tools else {}

@@ -22,7 +22,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from inferflow.engine.scheduler import QueueFull
 from inferflow.errors import InferflowError, Stopped
-from inferflow.server.protocol import Body, error_body
+from inferflow.server.protocol import NOT_SERVED, Body, error_body
 from inferflow.server.runner import ClientGone, ModelFailed
 
 if TYPE_CHECKING:
@@ -90,8 +90,9 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(InferflowError)
     async def bad(_: Request, e: InferflowError) -> JSONResponse:
-        param = getattr(e, "param", None)  # (RequestError's field at fault)
-        return JSONResponse(error_body(str(e), "invalid_request_error", param), 400)
+        param = getattr(e, "param", None)  # (RequestError's field at fault, and code)
+        code = getattr(e, "code", None)
+        return JSONResponse(error_body(str(e), "invalid_request_error", param, code), 400)
 
     @app.exception_handler(ClientGone)
     async def gone(request: Request, _: ClientGone) -> Response:
@@ -147,6 +148,16 @@ class Guard:
         if scope["type"] != "http" or scope["path"] == "/health":
             return await self.app(scope, receive, send)
         headers = dict(scope["headers"])
+        if scope["method"] == "OPTIONS" and b"access-control-request-method" in headers:
+            # a browser's CORS preflight (with --cors-origin, CORSMiddleware answers it first)
+            origin = headers.get(b"origin", b"").decode("latin-1")
+            msg = (
+                f"cross-origin requests are off: this server allows no origin ({origin!r} "
+                "asked); start it with --cors-origin ORIGIN (repeatable, or '*')"
+            )
+            return await JSONResponse(error_body(msg, "permission_error"), 403)(
+                scope, receive, send
+            )
         if self.keys:
             given = headers.get(b"authorization", b"")
             # (every key compared, in constant time: the answer's time names none of them)
@@ -254,7 +265,8 @@ def describe_invalid(errors: list[dict[str, Any]]) -> tuple[str | None, str]:
             return param or None, f"{param}: expected one of {', '.join(forms)} (got {got})"
     msg = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
     if first.get("type") == "extra_forbidden":
-        msg = "unknown field; see the API reference for the allowed fields"
+        name = str(first.get("loc", ("",))[-1])
+        msg = NOT_SERVED.get(name, "unknown field; see the API reference for the allowed fields")
     text = f"{param}: {msg}" if param else msg
     if "input" in first and first.get("type") not in ("missing", "extra_forbidden"):
         text += f" (got {json.dumps(first['input'], default=str)[:80]})"

@@ -4,8 +4,10 @@ accepted as extra body fields, as vLLM does."""
 
 from __future__ import annotations
 
+import functools
 import json
-from typing import Annotated, Any, ClassVar, Literal
+import types
+from typing import Annotated, Any, ClassVar, Literal, Union, get_args, get_origin
 
 from pydantic import (
     BaseModel,
@@ -81,6 +83,60 @@ def _nullable(schema: dict[str, Any], cls: type[BaseModel]) -> None:
         props[name] = {"type": "null", "description": "not implemented: only null (not set)"}
 
 
+# Fields of OpenAI's or vLLM's APIs that this server does not serve: null (as SDKs send for unset
+# options) means "not set"; any other value is a 400 saying why (not "unknown field")
+NOT_SERVED = {
+    "best_of": "not supported: use n (samples) or beam_width (beam search)",
+    "use_beam_search": "use beam_width (> 1: beam search)",
+    "suffix": "not supported (no fill-in-the-middle)",
+    "functions": "OpenAI's deprecated form: use tools",
+    "function_call": "OpenAI's deprecated form: use tool_choice",
+    "audio": "not supported: this server writes text only",
+    "modalities": "not supported: this server writes text only",
+    "prediction": "not supported (predicted outputs)",
+    "store": "not supported on chat completions (the Responses API stores responses)",
+    "metadata": "not supported on chat completions",
+    "service_tier": "not supported (one tier)",
+    "reasoning_effort": "not supported",
+    "web_search_options": "not supported (no web search)",
+    "guided_decoding_backend": "structured output always runs on llguidance; leave it unset",
+    "guided_whitespace_pattern": "not supported (JSON output has no free whitespace)",
+    "structural_tag": "not supported: use structured_outputs or response_format",
+    "logits_processors": "not supported (no custom logits processors)",
+    "allowed_token_ids": "not supported: use logit_bias",
+    "bad_words": "not supported: use logit_bias",
+    "truncate_prompt_tokens": "not supported: prompts are never truncated",
+    "chat_template": "not supported: the model's own chat template renders messages",
+    "documents": "not supported: put documents in the messages",
+    "mm_processor_kwargs": "not supported: text-only models",
+    "kv_transfer_params": "not supported (no disaggregated serving)",
+    "priority": "not supported (requests run first come, first served)",
+    "request_id": "not supported: the server names requests",
+    "return_tokens_as_token_ids": "not supported",
+    "vllm_xargs": "not supported",
+}
+
+
+@functools.cache
+def _integer_fields(cls: type[BaseModel]) -> frozenset[str]:
+    """Fields that take an integer and no other number: ``2.0`` is read as ``2`` there, as
+    OpenAI reads it (JSON Schema's integer includes it)."""
+
+    def kinds(ann: Any) -> set[Any]:
+        origin = get_origin(ann)
+        if origin is Annotated:
+            return kinds(get_args(ann)[0])
+        if origin in (Union, types.UnionType):
+            return set().union(*(kinds(a) for a in get_args(ann)))
+        return {ann if origin is None else origin}
+
+    return frozenset(
+        name
+        for name, f in cls.model_fields.items()
+        if int in (k := kinds(f.annotation)) and float not in k
+    )
+
+
 class Body(BaseModel):
     # strict: JSON types as the schema states them ("5" is not an integer, 1 not a boolean);
     # NaN / Infinity (which Python's JSON parser accepts) are refused for every number
@@ -98,8 +154,13 @@ class Body(BaseModel):
         if not isinstance(data, dict):
             return data
         optional = {n for n, f in cls.model_fields.items() if not f.is_required()}
-        skip = optional | cls.NULL_ONLY
-        return {k: v for k, v in data.items() if not (v is None and k in skip)}
+        skip = optional | cls.NULL_ONLY | NOT_SERVED.keys()
+        ints = _integer_fields(cls)
+        return {
+            k: int(v) if k in ints and type(v) is float and v.is_integer() else v
+            for k, v in data.items()
+            if not (v is None and k in skip)
+        }
 
     @field_validator("*", mode="after")
     @classmethod
@@ -129,6 +190,7 @@ SAME_NAME = (
     "min_p", "typical_p", "tfs_z", "mirostat", "mirostat_tau", "mirostat_eta", "fsd_alpha",
     "fsd_k", "fsd_n", "fsd_random_steps", "repetition_penalty", "presence_penalty",
     "frequency_penalty", "seed", "ignore_eos", "beam_width", "length_penalty",
+    "include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens",
 )  # fmt: skip
 
 
@@ -174,6 +236,11 @@ class GenerationBody(Body):
     length_penalty: float = Field(1.0, ge=-MAX_LENGTH_PENALTY, le=MAX_LENGTH_PENALTY)
     # vLLM's: the prefix cache shares prompt blocks only between requests of equal salts
     cache_salt: Name | None = None
+    # vLLM's: the text keeps the stop string that ended it; special tokens are dropped from the
+    # text, or kept (and then, with spaces_between_special_tokens, set apart by spaces)
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool | None = None
 
     def constraint(self) -> tuple[str, str, Any] | None:
         """Structured output: (the request field, the constraint's kind, its value)."""
@@ -291,19 +358,40 @@ class SamplingBody(GenerationBody):
         | None
     ) = None
     stream_options: StreamOptions | None = None
-    # structured output (inferflow.engine.constrain): OpenAI's, or vLLM's extra
+    # structured output (inferflow.engine.constrain): OpenAI's, vLLM's extra, or vLLM's older
+    # guided_* fields (a JSON Schema, given as an object or as JSON text; a regex; a choice; a
+    # Lark grammar)
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: Text | None = None
+    guided_choice: Annotated[list[Text], Field(min_length=1, max_length=MAX_PROMPTS)] | None = None
+    guided_grammar: Text | None = None
 
     def constraint(self) -> tuple[str, str, Any] | None:
         """(the request field, the constraint's kind, its value), or None."""
-        if self.response_format is not None and self.structured_outputs is not None:
+        guided = {
+            "guided_json": "json_schema",
+            "guided_regex": "regex",
+            "guided_choice": "choice",
+            "guided_grammar": "grammar",
+        }
+        given = [f for f in ("response_format", "structured_outputs", *guided) if getattr(self, f)]
+        if len(given) > 1:
             raise RequestError(
-                "structured_outputs: give it or response_format, not both", "structured_outputs"
+                f"{given[1]}: give one structured-output field, not {' and '.join(given)}",
+                given[1],
             )
         try:
             if self.structured_outputs is not None:
                 return ("structured_outputs", *self.structured_outputs.constraint())
+            if given and given[0] in guided:
+                value = getattr(self, given[0])
+                if given[0] == "guided_json" and isinstance(value, str):
+                    value = loads(value, "guided_json")
+                    if not isinstance(value, dict):
+                        raise ValueError("guided_json: a JSON Schema is an object")
+                return (given[0], guided[given[0]], value)
             c = self.response_format.constraint() if self.response_format else None
         except ValueError as e:
             raise RequestError(str(e)) from None
@@ -320,106 +408,7 @@ class CompletionBody(SamplingBody):
     echo: bool = False  # the prompt before the completion (with logprobs: the prompt's too)
     # vLLM's extra: per prompt token, its log-probability, rank and the most likely
     prompt_logprobs: int | None = Field(None, ge=0, le=20)
-
-
-class TextPart(Body):
-    type: Literal["text"]
-    text: str
-
-
-class CalledFunction(Body):
-    name: Name
-    arguments: str  # JSON text, as OpenAI sends it
-
-
-class ToolCall(Body):
-    id: Name
-    type: Literal["function"] = "function"
-    function: CalledFunction
-
-
-class Message(Body):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | Annotated[list[TextPart], Field(max_length=MAX_MESSAGES)] | None = None
-    name: Name | None = None
-    tool_calls: Annotated[list[ToolCall], Field(max_length=MAX_MESSAGES)] | None = None  # assistant
-    tool_call_id: Name | None = None  # tool: the call this message answers
-
-    def as_template_input(self) -> dict[str, Any]:
-        text = (
-            self.content
-            if isinstance(self.content, str)
-            else "".join(p.text for p in self.content or [])
-        )
-        out: dict[str, Any] = {
-            "role": "system" if self.role == "developer" else self.role,
-            "content": text,
-        }
-        if self.tool_calls:  # (templates read the arguments as an object, as transformers')
-            out["tool_calls"] = [
-                {
-                    "id": c.id,
-                    "type": "function",
-                    "function": {"name": c.function.name, "arguments": _arguments(c)},
-                }
-                for c in self.tool_calls
-            ]
-        if self.tool_call_id is not None:
-            out["tool_call_id"] = self.tool_call_id
-        return out
-
-
-def _arguments(call: ToolCall) -> Any:
-    try:
-        return loads(call.function.arguments, f"the arguments of tool call {call.id!r}")
-    except ValueError as e:
-        raise RequestError(f"messages: {e}", "messages") from None
-
-
-class FunctionDef(Body):
-    name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")]
-    description: str | None = None
-    parameters: dict[str, Any] | None = None  # a JSON Schema
-    strict: bool | None = None
-
-
-class Tool(Body):
-    type: Literal["function"]
-    function: FunctionDef
-
-
-class FunctionName(Body):
-    name: Name
-
-
-class NamedToolChoice(Body):
-    type: Literal["function"]
-    function: FunctionName
-
-
-class ChatBody(SamplingBody):
-    NULL_ONLY = frozenset(
-        {
-            "functions",
-            "function_call",
-            "audio",
-            "modalities",
-            "prediction",
-            "store",
-            "metadata",
-            "service_tier",
-            "reasoning_effort",
-            "web_search_options",
-        }
-    )
-    messages: list[Message] = Field(min_length=1, max_length=MAX_MESSAGES)
-    tools: Annotated[list[Tool], Field(max_length=128)] | None = None
-    # none: tools not offered; auto: the model may call them; required / a function: it must
-    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    parallel_tool_calls: bool = True
-    max_completion_tokens: int | None = Field(None, ge=1, description="at most the model's context")
-    logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    add_special_tokens: bool = True  # (vLLM's) text prompts begin with BOS where the model's do
 
 
 def prompt_list(p: str | list[str] | list[int] | list[list[int]]) -> list[str | list[int]]:

@@ -7,16 +7,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Discriminator, Field, Tag
 
-from inferflow.server.protocol import (
-    MAX_MESSAGES,
-    MAX_PROMPTS,
-    Body,
-    Message,
-    Name,
-    Prompt,
-    Text,
-    Tool,
-)
+from inferflow.server.protocol import MAX_MESSAGES, MAX_PROMPTS, Body, Name, Prompt, Text
+from inferflow.server.protocol_chat import Message, TemplateSwitches, Tool
 
 
 class EmbeddingBody(Body):
@@ -57,7 +49,7 @@ class TokenizeText(Body):
     add_special_tokens: bool = True
 
 
-class TokenizeChat(Body):
+class TokenizeChat(TemplateSwitches):
     model: Name | None = None
     messages: list[Message] = Field(min_length=1, max_length=MAX_MESSAGES)
     tools: Annotated[list[Tool], Field(max_length=128)] | None = None  # rendered as chat does

@@ -20,7 +20,7 @@ from inferflow import __version__
 from inferflow.engine.constrain import lltokenizer
 from inferflow.engine.engine import Engine, EngineConfig
 from inferflow.engine.grammar_bounds import GrammarLimits
-from inferflow.errors import RequestError
+from inferflow.errors import RequestError, context_exceeded
 from inferflow.model.batch import check_input
 from inferflow.model.materialise import peak_rss
 from inferflow.runtime import LanguageModel, load
@@ -31,6 +31,7 @@ from inferflow.server.guard import CLIENT_KEY, APIError
 from inferflow.server.limits import MAX_SCORED, SCORE_CHUNK
 from inferflow.server.metrics import Metrics
 from inferflow.server.protocol import GenerationBody
+from inferflow.server.protocol_chat import ChatRender
 from inferflow.server.runner import EngineRunner
 from inferflow.server.store import StoreLimits
 from inferflow.server.tools import ToolPlan, plan_tools
@@ -39,6 +40,8 @@ from inferflow.tokenizer import Tokenizer
 from inferflow.tokenizer.chat import TemplateBudget
 
 log = logging.getLogger(__name__)
+
+NEW_TURN = ChatRender()  # (chat's default: an assistant turn opened after the messages)
 
 # what the networks the engine does not run serve (neither chats; encoder-only: no completions)
 SERVES = {
@@ -73,7 +76,8 @@ def _stat(path: Path) -> os.stat_result | None:
 @dataclass
 class ServerConfig:
     spec: Spec
-    served_name: str | None = None  # the model id clients send (default: the spec's name)
+    # the model ids clients may send (default: the spec's name); responses report the first
+    served_names: tuple[str, ...] = ()
     dtype: str = "float32"
     quant: str | None = None
     engine: EngineConfig = field(default_factory=EngineConfig)
@@ -96,7 +100,8 @@ class ServerConfig:
 class ServerState:
     def __init__(self, cfg: ServerConfig) -> None:
         self.cfg = cfg
-        self.name = cfg.served_name or cfg.spec.name
+        self.names = cfg.served_names or (cfg.spec.name,)
+        self.name = self.names[0]
         self.metrics = Metrics()
         self.lm: LanguageModel | None = None
         self.runner: EngineRunner | None = None
@@ -146,10 +151,11 @@ class ServerState:
                 "server_error",
                 headers={"Retry-After": "1"},
             )
-        if model is not None and model != self.name:
+        if model is not None and model not in self.names:
             raise APIError(
                 404,
-                f"model {model!r} is not served here; available: {self.name!r}",
+                f"model {model!r} is not served here; available: "
+                f"{', '.join(map(repr, self.names))}",
                 param="model",
                 code="model_not_found",
             )
@@ -205,6 +211,18 @@ class ServerState:
         limit = max_tokens or max(1, min(most - longest, lm.spec.generation.max_new_tokens))
         if max_tokens == 0:
             limit = 1  # (the parameters are checked; no request is queued)
+        if longest > most - (max_tokens != 0):  # (and a position for the first new token)
+            too_long = context_exceeded(most, longest, what=field)
+            too_long.param = field
+            raise too_long
+        if max_tokens != 0 and longest + limit > most:
+            why = context_exceeded(most, longest, limit, what=field)
+            raise APIError(
+                400,
+                f"{why} At most {most - longest} new tokens fit after this prompt.",
+                param=body.MAX_FIELD,
+                code=why.code,
+            )
         params = body.sampling(
             limit, logprobs, lm.spec.hparams.vocab_size, most, lm.spec.generation
         )
@@ -228,13 +246,6 @@ class ServerState:
         salt = body.cache_salt or ""
         if key is not None or salt:
             params = dataclasses.replace(params, cache_salt=f"{key}\x00{salt}")
-        if max_tokens != 0 and longest < most < longest + limit:  # (too long: the engine's)
-            raise APIError(
-                400,
-                f"{body.MAX_FIELD}: {limit} new tokens after the prompt's {longest} exceed the "
-                f"context of {most} tokens; at most {most - longest} fit",
-                param=body.MAX_FIELD,
-            )
         chat = field != "prompt"
         echoes = None
         if echo is not None:  # (the scoring pass reads the prompts: check them first)
@@ -268,21 +279,26 @@ class ServerState:
             raise
 
     async def chat_ids(
-        self, messages: list[dict[str, Any]], tools: list[Any] | None = None
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[Any] | None = None,
+        render: ChatRender = NEW_TURN,
     ) -> list[int]:
         """Messages (``{role, content}``) through the chat template (with ``tools``: OpenAI
-        tool objects, as transformers passes them), as token ids; in worker threads (the
-        template renders under the server's budget)."""
+        tool objects, as transformers passes them; ``render``: the request's template
+        switches), as token ids; in worker threads (the template renders under the server's
+        budget)."""
         tok = self.tokenizer()
         text = await asyncio.to_thread(
             tok.apply_chat_template,
             messages,
-            add_generation_prompt=True,
+            add_generation_prompt=render.add_generation_prompt,
             budget=self.cfg.template,
-            tools=tools,
-        )
+            continue_final_message=render.continue_final_message,
+            **{**render.variables, "tools": tools},
+        )  # (a TokenizerError, the template's or the messages': the request's 400)
         # (the template writes BOS where needed)
-        return (await asyncio.to_thread(tok.encode_batch, [text], False))[0]
+        return (await asyncio.to_thread(tok.encode_batch, [text], render.add_special_tokens))[0]
 
     async def chat_prompt(
         self,
@@ -291,11 +307,12 @@ class ServerState:
         choice: str | None,
         named: str | None,
         parallel: bool,
+        render: ChatRender = NEW_TURN,
     ) -> tuple[list[int], ToolPlan]:
         """A chat request's prompt (chat completions, responses) and how its tools run
         (``plan_tools``: the arguments are its own)."""
         plan = plan_tools(self.tokenizer().chat_template, tools, choice, named, parallel)
-        return await self.chat_ids(messages, plan.listed), plan
+        return await self.chat_ids(messages, plan.listed, render), plan
 
     def tokenizer(self) -> Tokenizer:
         lm = self.lm

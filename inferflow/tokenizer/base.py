@@ -203,11 +203,36 @@ class Tokenizer:
         encs = self.backend.encode_batch(list(texts), add_special_tokens=add_special_tokens)
         return [list(e.ids) for e in encs]
 
-    def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
-        return str(self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens))
+    def decode(
+        self,
+        ids: Iterable[int],
+        skip_special_tokens: bool = True,
+        spaces_between_special_tokens: bool | None = None,
+    ) -> str:
+        """``spaces_between_special_tokens`` (with special tokens kept): True sets each special
+        token apart from the text around it by a space, as HF's slow tokenizers join their
+        pieces; False or None: as the tokenizer decodes them (fast tokenizers: no spaces)."""
+        ids = list(ids)
+        if skip_special_tokens or not spaces_between_special_tokens:
+            return str(self.backend.decode(ids, skip_special_tokens=skip_special_tokens))
+        pieces: list[str] = []
+        run: list[int] = []
+        for t in ids:
+            if self.is_special(t):
+                if run:
+                    pieces.append(str(self.backend.decode(run, skip_special_tokens=False)))
+                pieces.append(str(self.backend.decode([t], skip_special_tokens=False)))
+                run = []
+            else:
+                run.append(t)
+        if run:
+            pieces.append(str(self.backend.decode(run, skip_special_tokens=False)))
+        return " ".join(pieces)
 
-    def incremental_decoder(self, skip_special_tokens: bool = True) -> IncrementalDecoder:
-        return IncrementalDecoder(self, skip_special_tokens=skip_special_tokens)
+    def incremental_decoder(
+        self, skip_special_tokens: bool = True, spaces_between_special_tokens: bool | None = None
+    ) -> IncrementalDecoder:
+        return IncrementalDecoder(self, skip_special_tokens, spaces_between_special_tokens)
 
     def token_to_bytes(self, token_id: int) -> bytes:
         """The bytes one token stands for on its own (llama.cpp's ``token_to_piece``): special
@@ -242,11 +267,20 @@ class Tokenizer:
         messages: list[dict[str, Any]],
         add_generation_prompt: bool = True,
         budget: TemplateBudget | None = None,
+        continue_final_message: bool = False,
         **kwargs: Any,
     ) -> str:
         """The prompt for ``messages``; a server passes a ``budget`` (see ``render_chat_template``)
-        because the template comes with the checkpoint."""
-        from inferflow.tokenizer.chat import render_chat_template
+        because the template comes with the checkpoint. ``continue_final_message``: the prompt
+        ends with the last message's text, open for the model to continue (transformers'
+        option of that name: what the template prints after that text is cut)."""
+        from inferflow.tokenizer.chat import cut_at_tag, render_chat_template, tag_final_message
+
+        if continue_final_message and add_generation_prompt:
+            raise TokenizerError(
+                "continue_final_message continues the last message; it does not combine with "
+                "add_generation_prompt (which starts a new one)"
+            )
 
         if self.chat_template is None:
             raise TokenizerError(
@@ -258,13 +292,16 @@ class Tokenizer:
             "pad_token": None if self.pad_id is None else self.backend.id_to_token(self.pad_id),
             "unk_token": None if self.unk_id is None else self.backend.id_to_token(self.unk_id),
         }
-        return render_chat_template(
+        if continue_final_message:
+            messages = tag_final_message(messages)
+        text = render_chat_template(
             self.chat_template,
             messages,
             add_generation_prompt=add_generation_prompt,
             budget=budget,
             **{**specials, **kwargs},
         )
+        return cut_at_tag(text) if continue_final_message else text
 
     def __repr__(self) -> str:
         return (
@@ -284,15 +321,21 @@ class IncrementalDecoder:
     to ``tokenizer.decode(all_ids)`` (the vLLM / TGI ``prefix_offset``/``read_offset`` scheme).
     """
 
-    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        skip_special_tokens: bool = True,
+        spaces_between_special_tokens: bool | None = None,
+    ) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
+        self.spaces = spaces_between_special_tokens
         self.ids: list[int] = []
         self._prefix = 0  # window start: a token boundary where all earlier text is emitted
         self._read = 0  # tokens before this are emitted
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+        return self.tokenizer.decode(ids, self.skip_special_tokens, self.spaces)
 
     def push(self, token_id: int) -> str:
         self.ids.append(int(token_id))

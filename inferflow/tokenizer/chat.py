@@ -177,3 +177,50 @@ def _render(
             f"{max_output_chars}"
         )
     return "".join(pieces)
+
+
+# continue_final_message: a marker appended to the last message's text, cut off the render with
+# whatever the template printed after it (transformers' own way: it finds the end of the text
+# even where a template strips or repeats it)
+CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
+
+
+def tag_final_message(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A copy of ``messages`` whose last text (its content, or its last text part) ends with
+    ``CONTINUE_TAG``."""
+    if not messages:
+        raise TokenizerError("continue_final_message: there are no messages to continue")
+    last = dict(messages[-1])
+    content = last.get("content")
+    if isinstance(content, list):
+        parts = [dict(p) if isinstance(p, dict) else p for p in content]
+        at = next(
+            (
+                i
+                for i in reversed(range(len(parts)))
+                if isinstance(parts[i], dict) and "text" in parts[i]
+            ),
+            None,
+        )
+        if at is None:
+            raise TokenizerError("continue_final_message: the last message has no text part")
+        parts[at]["text"] = str(parts[at]["text"]) + CONTINUE_TAG
+        last["content"] = parts
+    elif isinstance(content, str):
+        last["content"] = content + CONTINUE_TAG
+    else:
+        raise TokenizerError("continue_final_message: the last message has no text to continue")
+    return [*messages[:-1], last]
+
+
+def cut_at_tag(rendered: str) -> str:
+    """``rendered`` (of ``tag_final_message``'s messages) ended where the last text ends."""
+    at = rendered.rfind(CONTINUE_TAG.strip())
+    if at < 0:
+        raise TokenizerError(
+            "continue_final_message: the chat template does not print the last message's text, "
+            "so the prompt cannot end inside it"
+        )
+    if rendered[at : at + len(CONTINUE_TAG)] == CONTINUE_TAG:
+        return rendered[:at]
+    return rendered[:at].rstrip()  # (the template stripped the text's trailing space)

@@ -19,6 +19,7 @@ from inferflow.parallel.layout import resolve_layout
 from inferflow.runtime import load, quant_for
 from inferflow.server.limits import MAX_SCORED
 from inferflow.server.store import StoreLimits
+from inferflow.server.tools import CALL_FORMATS
 from inferflow.spec import load_spec, partition_spec
 from inferflow.tokenizer.chat import TemplateBudget
 
@@ -174,6 +175,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         f"({MAX_SCORED}, or the model's context where longer)",
     )
     p.add_argument(
+        "--tool-call-parser",
+        default=None,
+        metavar="FORMAT",
+        help="how the model writes tool calls: "
+        f"{', '.join(CALL_FORMATS.names())} (default: the format the chat template prints)",
+    )
+    p.add_argument(
         "--cors-origin",
         action="append",
         default=[],
@@ -243,6 +251,8 @@ def run(args: argparse.Namespace) -> int:
     keys = args.api_key or (
         [os.environ["INFERFLOW_API_KEY"]] if "INFERFLOW_API_KEY" in os.environ else []
     )
+    if args.tool_call_parser is not None:
+        CALL_FORMATS.get(args.tool_call_parser)  # (an unknown name: the error lists them)
     draft = load_spec(args.draft) if args.draft else None
     sock = listen(args.host, args.port)  # (a port in use fails here, before the model loads)
     cfg = ServerConfig(
@@ -261,6 +271,7 @@ def run(args: argparse.Namespace) -> int:
         draft,
         grammar,
         args.max_scored_tokens,
+        tool_call_parser=args.tool_call_parser,
     )
     # what loads, how long it took and when requests can be served: said at the default level
     for name in ("inferflow.server", "inferflow.model.materialise", "inferflow.runtime"):

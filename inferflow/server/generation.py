@@ -17,7 +17,7 @@ from inferflow.errors import RequestError
 from inferflow.server.echo import Echo
 from inferflow.server.protocol import error_body, sse_event
 from inferflow.server.runner import ClientGone, EngineRunner, ModelFailed, until_disconnect
-from inferflow.server.tools import CallFormat, ToolStream
+from inferflow.server.tools import CallParser, ToolStream
 from inferflow.tokenizer import Tokenizer
 
 # what a client gets when the engine ended one of its samples with finish reason "error"
@@ -54,12 +54,12 @@ class Generation:
         fingerprint: str | None = None,
         echo: list[Echo] | None = None,
         generate: bool = True,
-        tools: CallFormat | None = None,
+        tools: CallParser | None = None,
     ) -> None:
         """``echo``: per prompt, what its choices start with (completions' echo and
         prompt_logprobs); ``generate`` False (max_tokens 0): no engine request, each choice
-        is its echo, finished ("length"); ``tools``: the model's tool-call markup, parsed out of
-        chat replies into ``tool_calls``."""
+        is its echo, finished ("length"); ``tools``: how tool calls are parsed out of chat
+        replies into ``tool_calls``."""
         self.tools = tools
         self.runner, self.tok, self.model, self.chat = runner, tokenizer, model_name, chat
         self.fingerprint = fingerprint  # OpenAI's system_fingerprint

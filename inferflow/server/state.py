@@ -95,6 +95,7 @@ class ServerConfig:
     # the context where that is longer), and the positions scored between two engine steps
     max_scored_tokens: int | None = None
     score_chunk: int = SCORE_CHUNK
+    tool_call_parser: str | None = None  # a CALL_FORMATS name (None: from the chat template)
 
 
 class ServerState:
@@ -271,7 +272,7 @@ class ServerState:
                 self.fingerprint,
                 echoes,
                 generate=max_tokens != 0,
-                tools=tools.fmt if tools is not None else None,
+                tools=tools.parser if tools is not None else None,
             )
         except RequestError as e:
             if e.param == "prompt":
@@ -311,7 +312,8 @@ class ServerState:
     ) -> tuple[list[int], ToolPlan]:
         """A chat request's prompt (chat completions, responses) and how its tools run
         (``plan_tools``: the arguments are its own)."""
-        plan = plan_tools(self.tokenizer().chat_template, tools, choice, named, parallel)
+        template, fmt = self.tokenizer().chat_template, self.cfg.tool_call_parser
+        plan = plan_tools(template, tools, choice, named, parallel, fmt)
         return await self.chat_ids(messages, plan.listed, render), plan
 
     def tokenizer(self) -> Tokenizer:

@@ -1,13 +1,16 @@
 """Schemathesis hooks for fuzzing `inferflow serve` (SCHEMATHESIS_HOOKS=tests.http_fuzz_hooks;
 tests/test_server_fuzz.py sets it): one extra check and two hooks.
 
-- ``openai_error_body``: every 4xx / 5xx answer but /health's is OpenAI's error object.
+- ``openai_error_body``: every 4xx / 5xx answer but /health's is OpenAI's error object
+  (Anthropic's on /v1/messages).
 - ``before_call``: schema-valid token counts are capped at FUZZ_MAX_TOKENS (default 4), and a
   completion without max_tokens gets it, so a case takes milliseconds on CPU; a value of the
   wrong type or range is sent as generated.
 - ``before_call`` also gives every third completion or chat request one of issue 48's deep
   shapes (``inferflow.fuzz.deep``), in turn and at sizes from small to past every bound: a
   chained or nested grammar or schema, nested tool parameters, nested tool-call arguments.
+- ``before_call`` names the served model (``$FUZZ_MODEL``) in Messages API requests, whose
+  ``model`` is required.
 - ``after_call``: appends "METHOD PATH<TAB>STATUS<TAB>SECONDS" per request to
   $INFERFLOW_FUZZ_LOG (if set), from which the test counts the cases each operation ran.
 """
@@ -23,6 +26,7 @@ import schemathesis
 from inferflow.fuzz import deep
 
 MAX_TOKENS = int(os.environ.get("FUZZ_MAX_TOKENS", "4"))
+SERVED = os.environ.get("FUZZ_MODEL", "smollm2-embed")  # the served model's name
 SIZES = (3, 40, 700, 3000)
 NESTED = 200  # nested objects sent at most this deep (schemathesis recurses on the body)
 # (the pattern intersection stays small: past ~12 patterns each case waits for the time limit)
@@ -58,6 +62,11 @@ def openai_error_body(ctx: Any, response: Any, case: Any) -> bool | None:
         return None
     body = response.json()
     err = body.get("error") if isinstance(body, dict) else None
+    if case.operation.path.startswith("/v1/messages"):  # (Anthropic's Messages API: its shape)
+        assert isinstance(err, dict) and body.get("type") == "error", f"not Anthropic's: {body!r}"
+        assert set(body) == {"type", "error"} and set(err) == {"type", "message"}, body
+        assert isinstance(err["message"], str) and err["message"], f"no message: {err!r}"
+        return True
     assert isinstance(err, dict) and set(body) == {"error"}, f"not an OpenAI error: {body!r}"
     assert set(err) == {"message", "type", "param", "code"}, f"error fields: {sorted(err)}"
     assert isinstance(err["message"], str) and err["message"], f"no message: {err!r}"
@@ -79,6 +88,8 @@ def before_call(context: Any, case: Any, kwargs: dict[str, Any]) -> None:
         if type(v) is int and v > MAX_TOKENS:
             body[k] = MAX_TOKENS
     path = case.operation.path
+    if path.startswith("/v1/messages") and isinstance(body.get("model"), str):
+        body["model"] = SERVED  # (required there: a random name stops every case at 404)
     turn = next(_turn) if path in ("/v1/completions", "/v1/chat/completions") else 1
     if turn % 3 == 0:
         shape, n = DEEP[turn // 3 % len(DEEP)]

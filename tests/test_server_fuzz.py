@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import smollm2_path
-from tests.serving import metric, run_server, wait_for
+from tests.serving import NAME, metric, run_server, wait_for
 
 pytest.importorskip("schemathesis")
 httpx = pytest.importorskip("httpx")
@@ -49,6 +49,8 @@ OPERATIONS = {
     "POST /v1/classify",
     "POST /v1/rerank",
     "POST /v1/responses",
+    "POST /v1/messages",
+    "POST /v1/messages/count_tokens",
     "GET /v1/responses/{response_id}",
     "DELETE /v1/responses/{response_id}",
     "POST /tokenize",
@@ -56,6 +58,7 @@ OPERATIONS = {
     "POST /detokenize",
 }
 ROOT = Path(__file__).resolve().parent.parent
+CONFIG = ROOT / "tests" / "schemathesis.toml"  # (413 is a rejection of invalid data too)
 
 
 @pytest.fixture(scope="module")
@@ -91,9 +94,11 @@ def test_schemathesis_finds_nothing(server: str, tmp_path: Path) -> None:
         "SCHEMATHESIS_HOOKS": "tests.http_fuzz_hooks",
         "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
         "INFERFLOW_FUZZ_LOG": str(calls),
+        "FUZZ_MODEL": NAME,
     }
     cmd = [
-        *(sys.executable, "-m", "schemathesis.cli", "run", f"{server}/openapi.json"),
+        *(sys.executable, "-m", "schemathesis.cli", "--config-file", str(CONFIG)),
+        *("run", f"{server}/openapi.json"),
         *("--header", f"Authorization: Bearer {KEY}"),
         *("--mode", "all", "--checks", "all", "--exclude-checks", "positive_data_acceptance"),
         *("--phases", "examples,coverage,fuzzing", "--max-examples", str(EXAMPLES)),

@@ -199,6 +199,13 @@ def test_guided_fields_hold_the_output(client: Any, url: str) -> None:
         model=MODEL, prompt="Ocean:", max_tokens=8, extra_body={"guided_choice": choice}
     )
     assert r.choices[0].text in choice
+    # the alternatives the grammar rules out have no finite log-probability: -9999, as vLLM says
+    # (a -inf was a 500: JSON has no infinity)
+    r = client.completions.create(
+        model=MODEL, prompt="Ocean:", max_tokens=4, logprobs=5, extra_body={"guided_choice": choice}
+    )
+    tops = [v for d in r.choices[0].logprobs.top_logprobs for v in d.values()]
+    assert r.choices[0].text in choice and -9999.0 in tops and min(tops) == -9999.0
     two = {"model": MODEL, "prompt": "x", "guided_regex": "a", "guided_choice": ["b"]}
     err = _error(httpx.post(f"{url}/v1/completions", json=two), "guided_choice")
     assert "guided_regex and guided_choice" in err["message"]

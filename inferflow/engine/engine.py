@@ -522,8 +522,13 @@ def _visible_text(
     return text, bool(hits)
 
 
+# a token the request rules out (a grammar's mask) has log-probability -inf, which JSON cannot
+# carry: reported as this floor, as vLLM reports it
+LOGPROB_FLOOR = -9999.0
+
+
 def token_logprobs(row: torch.Tensor, tok: int, n: int) -> TokenLogprobs:
-    lp = torch.log_softmax(row.float(), dim=-1)
+    lp = torch.log_softmax(row.float(), dim=-1).clamp(min=LOGPROB_FLOOR)
     top = torch.topk(lp, n) if n else None
     pairs = list(zip(top.indices.tolist(), top.values.tolist(), strict=True)) if top else []
     return TokenLogprobs(tok, float(lp[tok]), pairs)

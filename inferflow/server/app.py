@@ -27,6 +27,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from inferflow.engine.embed import embed_batch, resolve_pooling
 from inferflow.model.batch import check_inputs
+from inferflow.server.anthropic import add_anthropic_routes
 from inferflow.server.echo import Echo, echoes
 from inferflow.server.generation import Generation
 from inferflow.server.guard import APIError, Guard, install_error_handlers
@@ -243,6 +244,7 @@ def create_app(cfg: ServerConfig) -> FastAPI:
 
     add_scoring_routes(app, state, auth)
     add_responses_routes(app, state, auth)
+    add_anthropic_routes(app, state, auth)
 
     @app.post("/tokenize", responses=responses(auth, body=True))
     async def tokenize(body: TokenizeBody) -> Response:

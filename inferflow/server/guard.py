@@ -9,6 +9,7 @@ import functools
 import hmac
 import json
 import logging
+from collections.abc import Mapping
 from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any
 
@@ -55,14 +56,47 @@ KINDS = {401: "authentication_error", 404: "not_found_error"}  # others: invalid
 CLIENT_KEY: ContextVar[int | None] = ContextVar("inferflow_client_key", default=None)
 
 
+# Anthropic's Messages API answers errors in its own shape: {"type": "error", "error": {"type",
+# "message"}}, the type following the status
+ANTHROPIC_PATHS = frozenset(
+    {"/v1/messages", "/messages", "/v1/messages/count_tokens", "/messages/count_tokens"}
+)
+ANTHROPIC_KINDS = {
+    400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+    404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
+    500: "api_error", 503: "overloaded_error",
+}  # fmt: skip
+
+
+def anthropic_error(status: int, message: str) -> dict[str, Any]:
+    kind = ANTHROPIC_KINDS.get(status, "api_error" if status >= 500 else "invalid_request_error")
+    return {"type": "error", "error": {"type": kind, "message": message}}
+
+
+def error_json(
+    path: str,
+    status: int,
+    message: str,
+    kind: str,
+    param: str | None = None,
+    code: str | None = None,
+    headers: Mapping[str, str] | None = None,
+) -> JSONResponse:
+    """An error response in the shape the route's clients parse: OpenAI's error object, or
+    Anthropic's on the Messages API."""
+    if path in ANTHROPIC_PATHS:
+        return JSONResponse(anthropic_error(status, message), status, headers=headers)
+    return JSONResponse(error_body(message, kind, param, code), status, headers=headers)
+
+
 def install_error_handlers(app: FastAPI) -> None:
-    """Every error as OpenAI's JSON body (the client disconnected: nothing, one log line)."""
+    """Every error as OpenAI's JSON body, or Anthropic's on its routes (the client
+    disconnected: nothing, one log line)."""
 
     @app.exception_handler(APIError)
-    async def api_error(_: Request, e: APIError) -> JSONResponse:
-        return JSONResponse(
-            error_body(e.message, e.kind, e.param, e.code), e.status, headers=e.headers
-        )
+    async def api_error(request: Request, e: APIError) -> JSONResponse:
+        path = request.url.path
+        return error_json(path, e.status, e.message, e.kind, e.param, e.code, e.headers)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
@@ -70,7 +104,7 @@ def install_error_handlers(app: FastAPI) -> None:
         headers = e.headers
         if e.status_code == 405:  # (Starlette names the methods of the first route that matched)
             headers = {**(headers or {}), "Allow": ", ".join(allowed_methods(app, request))}
-        return JSONResponse(error_body(str(e.detail), kind), e.status_code, headers=headers)
+        return error_json(request.url.path, e.status_code, str(e.detail), kind, headers=headers)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, e: RequestValidationError) -> JSONResponse:
@@ -78,21 +112,20 @@ def install_error_handlers(app: FastAPI) -> None:
         errors = list(e.errors())
         if "json" not in kind and errors and tuple(errors[0].get("loc", ())) == ("body",):
             text = f"the body must be JSON, sent as Content-Type: application/json (got {kind!r})"
-            return JSONResponse(error_body(text, "invalid_request_error"), 400)
+            return error_json(request.url.path, 400, text, "invalid_request_error")
         param, text = describe_invalid(errors)
-        return JSONResponse(error_body(text, "invalid_request_error", param), 400)
+        return error_json(request.url.path, 400, text, "invalid_request_error", param)
 
     @app.exception_handler(QueueFull)
-    async def full(_: Request, e: QueueFull) -> JSONResponse:
-        return JSONResponse(
-            error_body(str(e), "rate_limit_error"), 429, headers={"Retry-After": "1"}
-        )
+    async def full(request: Request, e: QueueFull) -> JSONResponse:
+        retry = {"Retry-After": "1"}
+        return error_json(request.url.path, 429, str(e), "rate_limit_error", headers=retry)
 
     @app.exception_handler(InferflowError)
-    async def bad(_: Request, e: InferflowError) -> JSONResponse:
+    async def bad(request: Request, e: InferflowError) -> JSONResponse:
         param = getattr(e, "param", None)  # (RequestError's field at fault, and code)
         code = getattr(e, "code", None)
-        return JSONResponse(error_body(str(e), "invalid_request_error", param, code), 400)
+        return error_json(request.url.path, 400, str(e), "invalid_request_error", param, code)
 
     @app.exception_handler(ClientGone)
     async def gone(request: Request, _: ClientGone) -> Response:
@@ -100,13 +133,10 @@ def install_error_handlers(app: FastAPI) -> None:
         return Response(status_code=499)  # (nobody reads it)
 
     @app.exception_handler(Stopped)
-    async def stopped(_: Request, e: Stopped) -> JSONResponse:
+    async def stopped(request: Request, e: Stopped) -> JSONResponse:
         # a batched call stopped for the shutdown (a client that left gets ClientGone)
-        return JSONResponse(
-            error_body(f"the server is shutting down: {e}", "server_error"),
-            503,
-            headers={"Retry-After": "5"},
-        )
+        text, retry = f"the server is shutting down: {e}", {"Retry-After": "5"}
+        return error_json(request.url.path, 503, text, "server_error", headers=retry)
 
     @app.exception_handler(RecursionError)
     async def too_deep(request: Request, _: RecursionError) -> JSONResponse:
@@ -114,11 +144,11 @@ def install_error_handlers(app: FastAPI) -> None:
         # client's 400, not the server's 500)
         log.warning("%s %s: a RecursionError, answered 400", request.method, request.url.path)
         text = "the request nests too deeply to be handled"
-        return JSONResponse(error_body(text, "invalid_request_error"), 400)
+        return error_json(request.url.path, 400, text, "invalid_request_error")
 
     @app.exception_handler(ModelFailed)
-    async def failed(_: Request, e: ModelFailed) -> JSONResponse:
-        return JSONResponse(error_body(str(e), "server_error"), 500)
+    async def failed(request: Request, e: ModelFailed) -> JSONResponse:
+        return error_json(request.url.path, 500, str(e), "server_error")
 
 
 def allowed_methods(app: FastAPI, request: Request) -> list[str]:
@@ -155,16 +185,21 @@ class Guard:
                 f"cross-origin requests are off: this server allows no origin ({origin!r} "
                 "asked); start it with --cors-origin ORIGIN (repeatable, or '*')"
             )
-            return await JSONResponse(error_body(msg, "permission_error"), 403)(
+            return await error_json(scope["path"], 403, msg, "permission_error")(
                 scope, receive, send
             )
         if self.keys:
             given = headers.get(b"authorization", b"")
+            if not given and b"x-api-key" in headers:  # (Anthropic's SDK sends the key so)
+                given = b"Bearer " + headers[b"x-api-key"]
             # (every key compared, in constant time: the answer's time names none of them)
             match = [i for i, k in enumerate(self.keys) if hmac.compare_digest(given, k)]
             if not match:
-                msg = "invalid or missing API key (send the header Authorization: Bearer KEY)"
-                return await JSONResponse(error_body(msg, "authentication_error"), 401)(
+                msg = (
+                    "invalid or missing API key (send the header Authorization: Bearer KEY, or "
+                    "x-api-key: KEY)"
+                )
+                return await error_json(scope["path"], 401, msg, "authentication_error")(
                     scope, receive, send
                 )
             if len(self.keys) > 1:
@@ -173,9 +208,10 @@ class Guard:
             return await self.app(scope, receive, send)
         if self.state.draining:
             msg = "the server is shutting down; retry on another instance or later"
-            return await JSONResponse(
-                error_body(msg, "server_error"), 503, headers={"Retry-After": "5"}
-            )(scope, receive, send)
+            retry = {"Retry-After": "5"}
+            return await error_json(scope["path"], 503, msg, "server_error", headers=retry)(
+                scope, receive, send
+            )
         if not headers.get(b"content-type"):  # (curl -d without -H, some clients): JSON
             scope = {
                 **scope,
@@ -196,7 +232,7 @@ class Guard:
         size = headers.get(b"content-length", b"")
         if size.isdigit() and int(size) > self.limit:
             msg = f"the request body has {int(size)} bytes; the limit is {self.limit}"
-            return await JSONResponse(error_body(msg, "invalid_request_error"), 413)(
+            return await error_json(scope["path"], 413, msg, "invalid_request_error")(
                 scope, receive, send
             )
         seen = 0

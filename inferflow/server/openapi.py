@@ -5,16 +5,33 @@ streaming routes answer ``text/event-stream`` too, and ``/metrics`` is Prometheu
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
+from pydantic import BaseModel
 
 from inferflow.server.protocol import ErrorResponse
+
+
+class AnthropicErrorObject(BaseModel):
+    type: str
+    message: str
+
+
+class AnthropicErrorResponse(BaseModel):
+    """Every error of Anthropic's Messages API routes."""
+
+    type: Literal["error"]
+    error: AnthropicErrorObject
+
 
 # (a $ref, not FastAPI's "model": that would put the schema under a route's own media type,
 # text/plain for /metrics, while errors are always JSON)
 ERROR = {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}
+ANTHROPIC_ERROR = {
+    "application/json": {"schema": {"$ref": "#/components/schemas/AnthropicErrorResponse"}}
+}
 # one server-sent event, as schemathesis and browsers parse it: its data is a JSON chunk
 # (the OpenAI object with ``object`` "text_completion" / "chat.completion.chunk") or [DONE]
 SSE_EVENT = {
@@ -49,11 +66,13 @@ def responses(
     queued: bool = False,
     sse: bool = False,
     metrics: bool = False,
+    anthropic: bool = False,
 ) -> dict[int | str, dict[str, Any]]:
     """The responses a route can give besides its 200 JSON: ``body`` for routes that read a
     request body, ``queued`` for routes whose work waits in a bounded queue (429: completions,
     chat, embeddings), ``sse`` for routes that can stream (a text/event-stream 200),
-    ``metrics`` for /metrics (it answers while the model loads, or after loading failed)."""
+    ``metrics`` for /metrics (it answers while the model loads, or after loading failed),
+    ``anthropic`` for the Messages API (its error shape)."""
     codes = [401] if auth else []
     if not metrics:
         codes += [500, 503]
@@ -62,7 +81,8 @@ def responses(
     if queued:
         codes.append(429)
     out: dict[int | str, dict[str, Any]] = {
-        c: {"description": WHY[c], "content": ERROR} for c in sorted(codes)
+        c: {"description": WHY[c], "content": ANTHROPIC_ERROR if anthropic else ERROR}
+        for c in sorted(codes)
     }
     for c in (429, 503):
         if c in out:
@@ -90,6 +110,11 @@ def trim_schema(app: FastAPI, auth: bool) -> None:
             error = ErrorResponse.model_json_schema(ref_template="#/components/schemas/{model}")
             found.update(error.pop("$defs", {}))
             found["ErrorResponse"] = error
+            error = AnthropicErrorResponse.model_json_schema(
+                ref_template="#/components/schemas/{model}"
+            )
+            found.update(error.pop("$defs", {}))
+            found["AnthropicErrorResponse"] = error
             if auth:
                 schemes = schema.setdefault("components", {}).setdefault("securitySchemes", {})
                 schemes["bearer"] = {"type": "http", "scheme": "bearer"}

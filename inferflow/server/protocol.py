@@ -114,6 +114,14 @@ NOT_SERVED = {
     "request_id": "not supported: the server names requests",
     "return_tokens_as_token_ids": "not supported",
     "vllm_xargs": "not supported",
+    # Anthropic's
+    "effort": "not supported (no reasoning effort levels)",
+    "container": "not supported (no code-execution containers)",
+    "diagnostics": "not supported (no prompt-cache diagnostics)",
+    "inference_geo": "not supported (inference runs on this server)",
+    "speed": "not supported (one speed)",
+    "user_profile_id": "not supported",
+    "workspace_id": "not supported",
 }
 
 

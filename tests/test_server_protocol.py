@@ -114,14 +114,15 @@ def test_tokenize_takes_exactly_one_of_prompt_and_messages(client: TestClient) -
 def test_openapi_schema_is_what_the_server_answers(client: TestClient) -> None:
     s = client.get("/openapi.json", headers=AUTH).json()
     assert "HTTPValidationError" not in s["components"]["schemas"]
-    error_ref = {"$ref": "#/components/schemas/ErrorResponse"}
     for path, ops in s["paths"].items():
+        shape = "AnthropicErrorResponse" if path.startswith("/v1/messages") else "ErrorResponse"
         for op in ops.values():
             codes = op["responses"]
             assert "422" not in codes, path
             for code, resp in codes.items():
                 if code != "200" and path != "/health":
-                    assert resp["content"]["application/json"]["schema"] == error_ref
+                    want = {"$ref": f"#/components/schemas/{shape}"}
+                    assert resp["content"]["application/json"]["schema"] == want
     comp = s["paths"]["/v1/completions"]["post"]
     assert set(comp["responses"]) == {"200", "400", "401", "404", "413", "429", "500", "503"}
     assert set(comp["responses"]["200"]["content"]) == {"application/json", "text/event-stream"}
@@ -137,6 +138,14 @@ def test_openapi_schema_is_what_the_server_answers(client: TestClient) -> None:
     assert set(s["paths"]["/metrics"]["get"]["responses"]["200"]["content"]) == {"text/plain"}
     body = s["components"]["schemas"]["CompletionBody"]
     assert body["additionalProperties"] is False and body["required"] == ["prompt"]
+    # and the Messages API answers its errors in that shape (the model is loading: 503)
+    r = client.post(
+        "/v1/messages",
+        json={"model": "tiny", "max_tokens": 4, "messages": [{"role": "user", "content": "x"}]},
+        headers=AUTH,
+    )
+    assert r.status_code == 503 and r.json()["type"] == "error"
+    assert r.json()["error"]["type"] == "overloaded_error" and r.json()["error"]["message"]
 
 
 def _valid(client: TestClient, path: str, body: object) -> None:

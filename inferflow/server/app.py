@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import json
 import logging
 import threading
 from collections.abc import AsyncIterator, Callable
@@ -28,9 +27,10 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from inferflow.engine.embed import embed_batch, resolve_pooling
 from inferflow.model.batch import check_inputs
 from inferflow.server.anthropic import add_anthropic_routes
+from inferflow.server.api_error import APIError
 from inferflow.server.echo import Echo, echoes
 from inferflow.server.generation import Generation
-from inferflow.server.guard import APIError, Guard, install_error_handlers
+from inferflow.server.guard import Guard, install_error_handlers
 from inferflow.server.openapi import HEALTH, responses, trim_schema
 from inferflow.server.protocol import CompletionBody, prompt_list
 from inferflow.server.protocol_aux import DetokenizeBody, EmbeddingBody, TokenizeBody, TokenizeChat
@@ -39,7 +39,7 @@ from inferflow.server.responses import add_responses_routes
 from inferflow.server.runner import until_disconnect
 from inferflow.server.scoring import add_scoring_routes
 from inferflow.server.seq2seq import complete as seq2seq_complete
-from inferflow.server.state import ServerConfig, ServerState
+from inferflow.server.state import ServerConfig, ServerState, json_response
 
 log = logging.getLogger(__name__)
 
@@ -107,7 +107,7 @@ def create_app(cfg: ServerConfig) -> FastAPI:
     )
     async def completions(body: CompletionBody, request: Request) -> Any:
         lm, runner = state.generating(body.model, chat=False)
-        prompts = await _prompt_ids(state, body.prompt, body.add_special_tokens)
+        prompts = await state.prompt_ids(body.prompt, body.add_special_tokens)
         if lm.spec.network.type == "encoder_decoder":
             head = {"model": state.name, "system_fingerprint": state.fingerprint}
             return await seq2seq_complete(lm, runner, head, body, prompts, request)
@@ -214,7 +214,7 @@ def create_app(cfg: ServerConfig) -> FastAPI:
                 f"dimensions: this model's embeddings have {dim} dimensions, got {body.dimensions}",
                 param="dimensions",
             )
-        inputs = await _prompt_ids(state, body.input)
+        inputs = await state.prompt_ids(body.input)
         h = lm.spec.hparams
         check_inputs(inputs, h.vocab_size, h.max_positions, "input")
 
@@ -240,7 +240,7 @@ def create_app(cfg: ServerConfig) -> FastAPI:
             "model": state.name,
             "usage": {"prompt_tokens": used, "total_tokens": used},
         }
-        return await _json(out)  # (up to 1024 vectors: not on the event loop)
+        return await json_response(out)  # (up to 1024 vectors: not on the event loop)
 
     add_scoring_routes(app, state, auth)
     add_responses_routes(app, state, auth)
@@ -261,7 +261,7 @@ def create_app(cfg: ServerConfig) -> FastAPI:
                 )
             )[0]
         out = {"tokens": ids, "count": len(ids), "max_model_len": state.max_len()}
-        return await _json(out)
+        return await json_response(out)
 
     @app.get("/tokenizer_info", responses=responses(auth))
     async def tokenizer_info() -> dict[str, Any]:
@@ -311,32 +311,6 @@ def create_app(cfg: ServerConfig) -> FastAPI:
                 include_in_schema=False,
             )
     return app
-
-
-# Tokenizing and rendering templates run in worker threads, never on the event loop: the
-# tokenizer's encode_batch releases the GIL (its encode holds it, starving the loop), and
-# templates render in a worker process with a budget.
-
-
-async def _prompt_ids(
-    state: ServerState,
-    prompt: str | list[str] | list[int] | list[list[int]],
-    add_special_tokens: bool = True,
-) -> list[list[int]]:
-    """A prompt or input field (any of OpenAI's four shapes) as token-id lists."""
-    prompts = prompt_list(prompt)
-    texts = [p for p in prompts if isinstance(p, str)]
-    if not texts:
-        return prompts  # type: ignore[return-value]
-    tok = state.tokenizer()
-    encoded = iter(await asyncio.to_thread(tok.encode_batch, texts, add_special_tokens))
-    return [p if isinstance(p, list) else next(encoded) for p in prompts]
-
-
-async def _json(obj: Any) -> Response:
-    """A JSON response encoded in a worker thread (a large one would hold the event loop)."""
-    body = await asyncio.to_thread(json.dumps, obj, ensure_ascii=False, separators=(",", ":"))
-    return Response(body, media_type="application/json")
 
 
 async def _respond(gen: Generation, request: Request, stream: bool, options: Any) -> Any:

@@ -10,7 +10,6 @@ import hmac
 import json
 import logging
 from collections.abc import Mapping
-from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
@@ -23,6 +22,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from inferflow.engine.scheduler import QueueFull
 from inferflow.errors import InferflowError, Stopped
+from inferflow.server.api_error import CLIENT_KEY, APIError
 from inferflow.server.protocol import NOT_SERVED, Body, error_body
 from inferflow.server.runner import ClientGone, ModelFailed
 
@@ -32,28 +32,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-class APIError(Exception):
-    """An error a route raises on purpose: its HTTP status and OpenAI's error fields."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        kind: str = "invalid_request_error",
-        param: str | None = None,
-        code: str | None = None,
-        headers: dict[str, str] | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status, self.message, self.kind, self.param = status, message, kind, param
-        self.code, self.headers = code, headers
-
-
 KINDS = {401: "authentication_error", 404: "not_found_error"}  # others: invalid_request_error
-
-# Which of several API keys the request came with (its index among --api-key's), set by Guard
-# for the route it calls: the prefix cache keeps each key's prompts apart. None with one key.
-CLIENT_KEY: ContextVar[int | None] = ContextVar("inferflow_client_key", default=None)
 
 
 # Anthropic's Messages API answers errors in its own shape: {"type": "error", "error": {"type",

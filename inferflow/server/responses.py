@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 
+from inferflow.server.api_error import APIError
 from inferflow.server.generation import FAILED, Generation
-from inferflow.server.guard import APIError
 from inferflow.server.openapi import ERROR, responses
 from inferflow.server.responses_body import LOGPROBS, NamedFunction, ResponsesBody
 from inferflow.server.store import ResponseStore

@@ -8,7 +8,7 @@ import asyncio
 import time
 import uuid
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
@@ -17,19 +17,15 @@ from inferflow.engine.classify import classify_batch, classify_head, probabiliti
 from inferflow.errors import RequestError
 from inferflow.model.batch import check_inputs
 from inferflow.runtime import LanguageModel
+from inferflow.server.api_error import APIError
 from inferflow.server.batcher import GroupCall
-from inferflow.server.guard import APIError
 from inferflow.server.openapi import responses
 from inferflow.server.protocol_aux import ClassifyBody, RerankBody
 from inferflow.server.runner import EngineRunner, until_disconnect
-
-if TYPE_CHECKING:
-    from inferflow.server.state import ServerState
+from inferflow.server.state import ServerState, json_response
 
 
 def add_scoring_routes(app: FastAPI, state: ServerState, auth: bool) -> None:
-    from inferflow.server.app import _json, _prompt_ids  # (app imports this module)
-
     def scoring(model: str | None) -> tuple[LanguageModel, EngineRunner, tuple[str, ...]]:
         lm, runner = state.ready(model)
         try:
@@ -53,7 +49,7 @@ def add_scoring_routes(app: FastAPI, state: ServerState, auth: bool) -> None:
     @app.post("/v1/classify", responses=responses(auth, body=True, queued=True))
     async def classify(body: ClassifyBody, request: Request) -> Response:
         lm, runner, labels = scoring(body.model)
-        inputs = await _prompt_ids(state, body.input)
+        inputs = await state.prompt_ids(body.input)
         h = lm.spec.hparams
         check_inputs(inputs, h.vocab_size, h.max_positions, "input")
         job = runner.batch(("classify",), inputs, score(False))
@@ -76,7 +72,7 @@ def add_scoring_routes(app: FastAPI, state: ServerState, auth: bool) -> None:
             "data": data,
             "usage": {"prompt_tokens": used, "total_tokens": used, "completion_tokens": 0},
         }
-        return await _json(out)
+        return await json_response(out)
 
     @app.post("/v1/rerank", responses=responses(auth, body=True, queued=True))
     async def rerank(body: RerankBody, request: Request) -> Response:
@@ -108,4 +104,4 @@ def add_scoring_routes(app: FastAPI, state: ServerState, auth: bool) -> None:
             "usage": {"total_tokens": used},
             "results": results,
         }
-        return await _json(out)
+        return await json_response(out)

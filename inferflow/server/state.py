@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fastapi.responses import Response
+
 from inferflow import __version__
 from inferflow.engine.constrain import lltokenizer
 from inferflow.engine.engine import Engine, EngineConfig
@@ -24,13 +26,13 @@ from inferflow.errors import RequestError, context_exceeded
 from inferflow.model.batch import check_input
 from inferflow.model.materialise import peak_rss
 from inferflow.runtime import LanguageModel, load
+from inferflow.server.api_error import CLIENT_KEY, APIError
 from inferflow.server.compiler import GrammarCompiler
 from inferflow.server.echo import Echo
 from inferflow.server.generation import Generation
-from inferflow.server.guard import CLIENT_KEY, APIError
 from inferflow.server.limits import MAX_SCORED, SCORE_CHUNK
 from inferflow.server.metrics import Metrics
-from inferflow.server.protocol import GenerationBody
+from inferflow.server.protocol import GenerationBody, prompt_list
 from inferflow.server.protocol_chat import ChatRender
 from inferflow.server.runner import EngineRunner
 from inferflow.server.store import StoreLimits
@@ -316,8 +318,32 @@ class ServerState:
         plan = plan_tools(template, tools, choice, named, parallel, fmt)
         return await self.chat_ids(messages, plan.listed, render), plan
 
+    # Tokenizing and rendering templates run in worker threads, never on the event loop: the
+    # tokenizer's encode_batch releases the GIL (its encode holds it, starving the loop), and
+    # templates render in a worker process with a budget.
+
+    async def prompt_ids(
+        self,
+        prompt: str | list[str] | list[int] | list[list[int]],
+        add_special_tokens: bool = True,
+    ) -> list[list[int]]:
+        """A prompt or input field (any of OpenAI's four shapes) as token-id lists."""
+        prompts = prompt_list(prompt)
+        texts = [p for p in prompts if isinstance(p, str)]
+        if not texts:
+            return prompts  # type: ignore[return-value]
+        tok = self.tokenizer()
+        encoded = iter(await asyncio.to_thread(tok.encode_batch, texts, add_special_tokens))
+        return [p if isinstance(p, list) else next(encoded) for p in prompts]
+
     def tokenizer(self) -> Tokenizer:
         lm = self.lm
         if lm is None or lm.tokenizer is None:
             raise APIError(400, f"model {self.name!r} has no tokenizer: send token ids")
         return lm.tokenizer
+
+
+async def json_response(obj: Any) -> Response:
+    """A JSON response encoded in a worker thread (a large one would hold the event loop)."""
+    body = await asyncio.to_thread(json.dumps, obj, ensure_ascii=False, separators=(",", ":"))
+    return Response(body, media_type="application/json")

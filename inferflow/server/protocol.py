@@ -114,6 +114,9 @@ NOT_SERVED = {
     "request_id": "not supported: the server names requests",
     "return_tokens_as_token_ids": "not supported",
     "vllm_xargs": "not supported",
+    "prompt_embeds": "not supported: send text or token ids",
+    "return_token_ids": "not supported yet: /tokenize gives a prompt's ids",
+    "media_io_kwargs": "not supported: text-only models",
     # Anthropic's
     "effort": "not supported (no reasoning effort levels)",
     "container": "not supported (no code-execution containers)",

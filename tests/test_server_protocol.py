@@ -421,3 +421,63 @@ def test_cors_preflight_is_refused_by_name_unless_an_origin_is_allowed(
     cfg = ServerConfig(load_spec(tmp_path / "spec.yaml"), cors_origins=("http://app.example",))
     r = TestClient(create_app(cfg)).options("/v1/chat/completions", headers=pre)
     assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "http://app.example"
+
+
+def test_anthropic_messages_become_the_chat_messages_they_mean() -> None:
+    """system, text, tool_use and tool_result blocks (results before the user's text, a failed
+    call's marked) as chat messages; blocks in the wrong role's message are refused by name."""
+    from inferflow.errors import RequestError
+    from inferflow.server.anthropic import Conversation
+
+    conv = Conversation.model_validate(
+        {
+            "model": "m",
+            "system": [{"type": "text", "text": "Be brief."}],
+            "messages": [
+                {"role": "user", "content": "Weather?"},
+                {
+                    "role": "assistant",
+                    "content": [
+                        {"type": "text", "text": "Checking."},
+                        {"type": "tool_use", "id": "t1", "name": "w", "input": {"c": "Oslo"}},
+                        {"type": "tool_use", "id": "t2", "name": "w", "input": {"c": "Rome"}},
+                    ],
+                },
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "tool_result", "tool_use_id": "t1", "content": "5 C"},
+                        {"type": "tool_result", "tool_use_id": "t2", "is_error": True,
+                         "content": [{"type": "text", "text": "timeout"}]},
+                        {"type": "text", "text": "And?"},
+                    ],
+                },
+            ],
+        }
+    )  # fmt: skip
+    call = [
+        {
+            "id": f"t{i}",
+            "type": "function",
+            "function": {"name": "w", "arguments": f'{{"c": "{c}"}}'},
+        }
+        for i, c in ((1, "Oslo"), (2, "Rome"))
+    ]
+    assert conv.chat_messages() == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": [{"type": "text", "text": "Weather?"}]},
+        {
+            "role": "assistant",
+            "content": [{"type": "text", "text": "Checking."}],
+            "tool_calls": call,
+        },
+        {"role": "tool", "tool_call_id": "t1", "content": "5 C"},
+        {"role": "tool", "tool_call_id": "t2", "content": "Error: timeout"},
+        {"role": "user", "content": [{"type": "text", "text": "And?"}]},
+    ]
+    wrong = {"model": "m", "messages": [{"role": "assistant", "content": [
+        {"type": "tool_result", "tool_use_id": "t1", "content": "x"}]}]}  # fmt: skip
+    with pytest.raises(
+        RequestError, match=r"messages.0.content: tool_result blocks are the user's"
+    ):
+        Conversation.model_validate(wrong).chat_messages()

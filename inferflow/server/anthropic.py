@@ -56,9 +56,12 @@ class ToolResultBlock(Body):
     cache_control: Extra = None
 
     def text(self) -> str:
+        """The result as the tool message's text (a failed call's marked, as is_error says)."""
         if isinstance(self.content, str):
-            return self.content
-        return "".join(b.text for b in self.content or [])
+            text = self.content
+        else:
+            text = "".join(b.text for b in self.content or [])
+        return f"Error: {text}" if self.is_error else text
 
 
 Block = Annotated[TextBlock | ToolUseBlock | ToolResultBlock, Field(discriminator="type")]

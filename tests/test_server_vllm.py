@@ -31,6 +31,7 @@ pytestmark = pytest.mark.slow
 # ChatML with a template variable (greeting) and Hermes-style tool calls
 TEMPLATE = (
     "{%- if greeting is defined %}{{ greeting }}\n{% endif %}"
+    "{%- if documents %}{% for d in documents %}[{{ d.title }}] {{ d.text }}\n{% endfor %}{% endif %}"
     "{%- if tools %}<|im_start|>system\nTools: {{ tools | tojson }}. Call one as <tool_call>\n"
     '{"name": ..., "arguments": ...}\n</tool_call><|im_end|>\n{% endif %}'
     "{%- for m in messages %}<|im_start|>{{ m.role }}\n{% if m.content %}{{ m.content }}{% endif %}"
@@ -138,6 +139,24 @@ def test_chat_template_kwargs_reach_the_template(client: Any, url: str, hf: Any)
         model=MODEL, messages=messages, max_tokens=1, extra_body=body
     )
     assert r.usage.prompt_tokens == len(want)
+    docs = [{"title": "Tide", "text": "The sea rises twice a day."}]
+    want = _render(hf, messages, add_generation_prompt=True, documents=docs)
+    assert "[Tide] The sea" in hf[1].decode(want)
+    assert (
+        httpx.post(f"{url}/tokenize", json={"messages": messages, "documents": docs}).json()[
+            "tokens"
+        ]
+        == want
+    )
+    # vLLM's request_id names the response; fields at the value that asks for nothing special
+    r = httpx.post(
+        f"{url}/v1/chat/completions",
+        json={"model": MODEL, "messages": messages, "max_tokens": 1, "request_id": "abc-1",
+              "priority": 0, "use_beam_search": False, "bad_words": [], "best_of": 1},
+    )  # fmt: skip
+    assert r.status_code == 200 and r.json()["id"] == "chatcmpl-abc-1", r.text
+    r = httpx.post(f"{url}/v1/chat/completions", json={"messages": messages, "priority": 1})
+    assert _error(r, "priority")["message"].startswith("priority: not supported")
     bad = {"model": MODEL, "messages": messages, "chat_template_kwargs": {"messages": []}}
     err = _error(httpx.post(f"{url}/v1/chat/completions", json=bad), "chat_template_kwargs")
     assert "'messages'" in err["message"] and "reserved" in err["message"]
@@ -253,6 +272,7 @@ def test_over_context_errors_have_openai_code_and_vllm_wording(url: str) -> None
             err = _error(r, "max_tokens")
             assert err["code"] == "context_length_exceeded" and CONTEXT.match(err["message"])
             assert "you requested" in err["message"] and "in the completion" in err["message"]
+            assert "(max_tokens 9000: at most" in err["message"]
 
 
 def test_sdk_conversation_appends_dumped_replies_with_tool_calls(

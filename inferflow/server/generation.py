@@ -55,15 +55,16 @@ class Generation:
         echo: list[Echo] | None = None,
         generate: bool = True,
         tools: CallParser | None = None,
+        request_id: str | None = None,
     ) -> None:
         """``echo``: per prompt, what its choices start with (completions' echo and
         prompt_logprobs); ``generate`` False (max_tokens 0): no engine request, each choice
         is its echo, finished ("length"); ``tools``: how tool calls are parsed out of chat
-        replies into ``tool_calls``."""
+        replies into ``tool_calls``; ``request_id``: the client's, in the response's id."""
         self.tools = tools
         self.runner, self.tok, self.model, self.chat = runner, tokenizer, model_name, chat
         self.fingerprint = fingerprint  # OpenAI's system_fingerprint
-        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{request_id or uuid.uuid4().hex}"
         self.created = int(time.time())
         self.params = params
         self.n = params.n

@@ -107,16 +107,17 @@ NOT_SERVED = {
     "bad_words": "not supported: use logit_bias",
     "truncate_prompt_tokens": "not supported: prompts are never truncated",
     "chat_template": "not supported: the model's own chat template renders messages",
-    "documents": "not supported: put documents in the messages",
     "mm_processor_kwargs": "not supported: text-only models",
     "kv_transfer_params": "not supported (no disaggregated serving)",
     "priority": "not supported (requests run first come, first served)",
-    "request_id": "not supported: the server names requests",
     "return_tokens_as_token_ids": "not supported",
     "vllm_xargs": "not supported",
     "prompt_embeds": "not supported: send text or token ids",
     "return_token_ids": "not supported yet: /tokenize gives a prompt's ids",
     "media_io_kwargs": "not supported: text-only models",
+    "repetition_detection": "not supported: use repetition_penalty or stop strings",
+    "enable_response_messages": "not supported",
+    "previous_input_messages": "not supported: use previous_response_id",
     # Anthropic's
     "effort": "not supported (no reasoning effort levels)",
     "container": "not supported (no code-execution containers)",
@@ -126,6 +127,13 @@ NOT_SERVED = {
     "user_profile_id": "not supported",
     "workspace_id": "not supported",
 }
+
+# values of those fields that ask for what the server does anyway (SDKs and vLLM clients send
+# them): taken as "not set" too
+NOT_SERVED_DEFAULTS: dict[str, Any] = {
+    "best_of": 1, "use_beam_search": False, "priority": 0, "return_tokens_as_token_ids": False,
+    "return_token_ids": False, "bad_words": [], "modalities": ["text"], "store": False,
+}  # fmt: skip
 
 
 @functools.cache
@@ -171,7 +179,9 @@ class Body(BaseModel):
             k: int(v) if k in ints and type(v) is float and v.is_integer() else v
             for k, v in data.items()
             if not (v is None and k in skip)
-        }
+            and not (k in NOT_SERVED_DEFAULTS and k not in cls.model_fields
+                     and v == NOT_SERVED_DEFAULTS[k] and type(v) is type(NOT_SERVED_DEFAULTS[k]))
+        }  # fmt: skip
 
     @field_validator("*", mode="after")
     @classmethod
@@ -247,6 +257,8 @@ class GenerationBody(Body):
     length_penalty: float = Field(1.0, ge=-MAX_LENGTH_PENALTY, le=MAX_LENGTH_PENALTY)
     # vLLM's: the prefix cache shares prompt blocks only between requests of equal salts
     cache_salt: Name | None = None
+    # vLLM's: the response's id is made of it (chat: "chatcmpl-ID", completions: "cmpl-ID")
+    request_id: Name | None = None
     # vLLM's: the text keeps the stop string that ended it; special tokens are dropped from the
     # text, or kept (and then, with spaces_between_special_tokens, set apart by spaces)
     include_stop_str_in_output: bool = False

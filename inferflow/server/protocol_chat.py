@@ -126,12 +126,15 @@ class TemplateSwitches(Body):
     """vLLM's chat-template fields (chat completions and /tokenize): open an assistant turn
     (add_generation_prompt) or leave the last message open for the reply to continue
     (continue_final_message); the template's own switches (chat_template_kwargs, e.g.
-    ``{"enable_thinking": false}``); BOS added to the rendered prompt (add_special_tokens)."""
+    ``{"enable_thinking": false}``) and documents; BOS added to the rendered prompt
+    (add_special_tokens)."""
 
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     add_special_tokens: bool = False
+    # documents a RAG template prints (transformers' `documents`, e.g. {"title", "text"} each)
+    documents: Annotated[list[dict[str, str]], Field(max_length=MAX_MESSAGES)] | None = None
 
     def render(self) -> ChatRender:
         """RequestError for switches that do not combine or a variable the server sets."""
@@ -154,6 +157,8 @@ class TemplateSwitches(Body):
                 f"(reserved: {', '.join(sorted(RESERVED_TEMPLATE_VARIABLES))})",
                 "chat_template_kwargs",
             )
+        if self.documents is not None:
+            kwargs["documents"] = self.documents
         return ChatRender(gen, cont, kwargs, self.add_special_tokens)
 
 

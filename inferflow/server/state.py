@@ -222,7 +222,8 @@ class ServerState:
             why = context_exceeded(most, longest, limit, what=field)
             raise APIError(
                 400,
-                f"{why} At most {most - longest} new tokens fit after this prompt.",
+                f"{why} ({body.MAX_FIELD} {limit}: at most {most - longest} new tokens fit "
+                "after this prompt.)",
                 param=body.MAX_FIELD,
                 code=why.code,
             )
@@ -275,6 +276,7 @@ class ServerState:
                 echoes,
                 generate=max_tokens != 0,
                 tools=tools.parser if tools is not None else None,
+                request_id=body.request_id,
             )
         except RequestError as e:
             if e.param == "prompt":

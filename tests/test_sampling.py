@@ -209,7 +209,7 @@ class _Letters:
         def flush(self) -> str:
             return ""
 
-    def incremental_decoder(self) -> _Dec:
+    def incremental_decoder(self, skip_special: bool = True, spaces: bool | None = None) -> _Dec:
         return self._Dec()
 
 
@@ -233,6 +233,11 @@ def test_stop_strings_cut_the_text_and_hold_back_partial_matches(tiny_model) -> 
     assert outs[-1].finish_reason == "stop"
     # nothing of the stop string was ever emitted
     assert all(stop not in "".join(o.text for o in outs[: i + 1]) for i in range(len(outs)))
+    # include_stop_str_in_output (vLLM's): the text ends with the stop string
+    kept = SamplingParams(max_new_tokens=12, stop=("zzzz", stop), include_stop_str_in_output=True)
+    outs = _run(eng, prompt, kept)
+    assert "".join(o.text for o in outs) == free[: free.index(stop) + len(stop)]
+    assert outs[-1].finish_reason == "stop"
 
 
 def test_logprobs_are_log_softmax_of_the_model(tiny_model) -> None:  # noqa: ANN001

@@ -24,9 +24,9 @@ from inferflow.server.generation import FAILED, Generation
 from inferflow.server.guard import anthropic_error, describe_invalid
 from inferflow.server.openapi import responses
 from inferflow.server.protocol import MAX_MESSAGES, Body, Name
-from inferflow.server.protocol_chat import ChatBody, Message
+from inferflow.server.protocol_chat import ChatBody
 from inferflow.server.state import ServerState
-from inferflow.server.tools import ToolPlan, ToolStream
+from inferflow.server.tools import ToolStream
 
 Extra = dict[str, Any] | None  # (cache_control, citations: accepted, no effect on a local model)
 
@@ -162,6 +162,16 @@ class Conversation(Body):
             )
         return out
 
+    def as_chat(self, extra: dict[str, Any] | None = None) -> ChatBody:
+        """The chat request of this conversation (with ``extra`` chat fields); RequestError
+        naming the field a chat request would refuse."""
+        fields = {"model": self.model, "messages": self.chat_messages(), **self.chat_tools()}
+        try:
+            return ChatBody.model_validate({**fields, **(extra or {})})
+        except ValidationError as e:
+            param, text = describe_invalid([dict(x) for x in e.errors()])
+            raise RequestError(text.replace("stop:", "stop_sequences:"), param) from None
+
     def chat_tools(self) -> dict[str, Any]:
         """tools, tool_choice and parallel_tool_calls as chat takes them."""
         tools = [
@@ -213,12 +223,10 @@ class MessagesBody(Conversation):
     # a marker on the last cacheable block: the prefix cache here needs none (it is automatic)
     cache_control: Extra = None
 
-    def as_chat(self, model: str) -> ChatBody:
+    def as_chat(self, extra: dict[str, Any] | None = None) -> ChatBody:
         """The chat request this one means (stop strings kept in the text, so the reply can
         say which one ended it: ``MessageRun.ending``)."""
         fields: dict[str, Any] = {
-            "model": model,
-            "messages": self.chat_messages(),
             "max_tokens": self.max_tokens,
             "temperature": self.temperature,
             "top_p": self.top_p,
@@ -226,17 +234,12 @@ class MessagesBody(Conversation):
             "stop": self.stop_sequences,
             "include_stop_str_in_output": bool(self.stop_sequences),
             "user": (self.metadata or {}).get("user_id"),
-            **self.chat_tools(),
         }
         out = self.output_config.format if self.output_config else None
         if out is not None:
             schema = {"name": "output", "schema": out.schema_}
             fields["response_format"] = {"type": "json_schema", "json_schema": schema}
-        try:
-            return ChatBody.model_validate(fields)
-        except ValidationError as e:
-            param, text = describe_invalid([dict(x) for x in e.errors()])
-            raise RequestError(text.replace("stop:", "stop_sequences:"), param) from None
+        return super().as_chat({**fields, **(extra or {})})
 
 
 STOP_REASONS = {"length": "max_tokens", "tool_calls": "tool_use", "abort": "end_turn"}
@@ -352,23 +355,6 @@ def _event(kind: str, **fields: Any) -> str:
 
 
 def add_anthropic_routes(app: FastAPI, state: ServerState, auth: bool) -> None:
-    async def prompt(body: Conversation) -> tuple[list[int], ToolPlan]:
-        tools = body.chat_tools()
-        choice = tools.get("tool_choice")
-        try:
-            messages = [Message.model_validate(m) for m in body.chat_messages()]
-        except ValidationError as e:
-            raise RequestError(
-                describe_invalid([dict(x) for x in e.errors()])[1], "messages"
-            ) from None
-        return await state.chat_prompt(
-            [m.as_template_input() for m in messages],
-            tools["tools"] or [],
-            choice if isinstance(choice, str) else None,
-            choice["function"]["name"] if isinstance(choice, dict) else None,
-            tools.get("parallel_tool_calls", True),
-        )
-
     @app.post(
         "/v1/messages",
         response_model=None,
@@ -376,8 +362,8 @@ def add_anthropic_routes(app: FastAPI, state: ServerState, auth: bool) -> None:
     )
     async def messages(body: MessagesBody, request: Request) -> Any:
         lm, runner = state.generating(body.model, chat=True)
-        chat = body.as_chat(body.model)
-        ids, plan = await prompt(body)
+        chat = body.as_chat()
+        ids, plan = await state.chat_request_prompt(chat)
         limit = body.max_tokens
         gen = await state.start(lm, runner, [ids], chat, limit, None, "messages", tools=plan)
         run = MessageRun(gen, state.name, body.stop_sequences or [])
@@ -390,5 +376,5 @@ def add_anthropic_routes(app: FastAPI, state: ServerState, auth: bool) -> None:
     @app.post("/v1/messages/count_tokens", responses=responses(auth, body=True, anthropic=True))
     async def count_tokens(body: Conversation) -> dict[str, int]:
         state.generating(body.model, chat=True)
-        ids, _ = await prompt(body)
+        ids, _ = await state.chat_request_prompt(body.as_chat())
         return {"input_tokens": len(ids)}

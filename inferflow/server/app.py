@@ -34,7 +34,7 @@ from inferflow.server.guard import Guard, install_error_handlers
 from inferflow.server.openapi import HEALTH, responses, trim_schema
 from inferflow.server.protocol import CompletionBody, prompt_list
 from inferflow.server.protocol_aux import DetokenizeBody, EmbeddingBody, TokenizeBody, TokenizeChat
-from inferflow.server.protocol_chat import ChatBody, NamedToolChoice
+from inferflow.server.protocol_chat import ChatBody
 from inferflow.server.responses import add_responses_routes
 from inferflow.server.runner import until_disconnect
 from inferflow.server.scoring import add_scoring_routes
@@ -152,22 +152,13 @@ def create_app(cfg: ServerConfig) -> FastAPI:
         lm, runner = state.generating(body.model, chat=True)
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "top_logprobs: needs logprobs set to true", param="top_logprobs")
-        choice, render = body.tool_choice, body.render()
-        messages = [m.as_template_input() for m in body.messages]
-        ids, plan = await state.chat_prompt(
-            messages,
-            [t.model_dump(exclude_none=True) for t in body.tools or []],
-            choice if isinstance(choice, str) else None,
-            choice.function.name if isinstance(choice, NamedToolChoice) else None,
-            body.parallel_tool_calls,
-            render,
-        )
+        ids, plan = await state.chat_request_prompt(body)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         max_tokens = body.max_completion_tokens or body.max_tokens
         # echo (vLLM's): the reply starts with the last message's text when it has the reply's
         # role (a continued assistant message)
-        last = messages[-1]
-        shown = body.echo and last["role"] == body.reply_role(render.add_generation_prompt)
+        last = body.messages[-1].as_template_input()
+        shown = body.echo and last["role"] == body.reply_role(body.render().add_generation_prompt)
 
         async def echo() -> list[Echo]:
             texts = [last["content"]] if shown else None

@@ -33,7 +33,7 @@ from inferflow.server.generation import Generation
 from inferflow.server.limits import MAX_SCORED, SCORE_CHUNK
 from inferflow.server.metrics import Metrics
 from inferflow.server.protocol import GenerationBody, prompt_list
-from inferflow.server.protocol_chat import ChatRender
+from inferflow.server.protocol_chat import ChatBody, ChatRender, NamedToolChoice
 from inferflow.server.runner import EngineRunner
 from inferflow.server.store import StoreLimits
 from inferflow.server.tools import ToolPlan, plan_tools
@@ -319,6 +319,18 @@ class ServerState:
         template, fmt = self.tokenizer().chat_template, self.cfg.tool_call_parser
         plan = plan_tools(template, tools, choice, named, parallel, fmt)
         return await self.chat_ids(messages, plan.listed, render), plan
+
+    async def chat_request_prompt(self, body: ChatBody) -> tuple[list[int], ToolPlan]:
+        """``chat_prompt`` of a chat request (chat completions, the Messages API)."""
+        choice = body.tool_choice
+        return await self.chat_prompt(
+            [m.as_template_input() for m in body.messages],
+            [t.model_dump(exclude_none=True) for t in body.tools or []],
+            choice if isinstance(choice, str) else None,
+            choice.function.name if isinstance(choice, NamedToolChoice) else None,
+            body.parallel_tool_calls,
+            body.render(),
+        )
 
     # Tokenizing and rendering templates run in worker threads, never on the event loop: the
     # tokenizer's encode_batch releases the GIL (its encode holds it, starving the loop), and

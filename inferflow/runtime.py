@@ -31,6 +31,7 @@ from inferflow.quant.linear import ACT8, set_activations
 from inferflow.spec import Spec, load_spec
 from inferflow.spec.types import QuantSpec
 from inferflow.tokenizer import Tokenizer, load_tokenizer
+from inferflow.tokenizer.sources import SourceContext
 
 log = logging.getLogger(__name__)
 
@@ -51,13 +52,10 @@ def tokenizer_for(spec: Spec) -> Tokenizer | None:
     if t.kind == "none":
         return None
     metadata = None
-    files = list(t.files)
-    if t.kind == "gguf":
+    if t.kind == "gguf" and not t.files:
         from inferflow.loaders.gguf import read_gguf_metadata
 
         metadata = read_gguf_metadata(spec.source.files[0])
-    elif t.pattern is not None or t.specials:  # pickle_vocab's settings
-        metadata = {"pattern": t.pattern, "specials": dict(t.specials)}
     overrides = {
         k: v
         for k, v in (
@@ -67,7 +65,15 @@ def tokenizer_for(spec: Spec) -> Tokenizer | None:
         )
         if v is not None
     }
-    return load_tokenizer(t.kind, files, metadata, overrides)
+    return load_tokenizer(
+        t.kind,
+        t.files,
+        metadata,
+        overrides,
+        pattern=t.pattern,
+        pipeline=t.pipeline,
+        sources=SourceContext(spec.source.config),
+    )
 
 
 def require_tokenizer(spec: Spec, tok: Tokenizer | None) -> Tokenizer:

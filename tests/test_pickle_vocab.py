@@ -13,7 +13,13 @@ import pytest
 from inferflow.errors import SpecError, TokenizerError
 from inferflow.runtime import tokenizer_for
 from inferflow.spec import load_spec
-from inferflow.tokenizer import load_tokenizer, read_pickle_vocab, tokenizer_from_pickle_vocab
+from inferflow.tokenizer import (
+    PipelineSpec,
+    Specials,
+    load_tokenizer,
+    read_pickle_vocab,
+    tokenizer_from_pickle_vocab,
+)
 
 ITOS = ["<unk>", "<pad>", "<sos>", "<eos>", "c", "C", "1", "Cl", "[nH]", "%10", "\n"]
 PATTERN = r"\[[^\]]*\]|%\d{2}|Br|Cl|[\s\S]"
@@ -55,9 +61,11 @@ def test_encode_decode(tmp_path: Path) -> None:
 def test_wrapping_and_specials_from_settings(tmp_path: Path) -> None:
     itos = ["[UNK]", "[BOS]", "[EOS]", "a", "b"]
     path = dump(tmp_path, itos)
-    specials = {"unk": "[UNK]", "bos": "[BOS]", "eos": "[EOS]"}
     tok = load_tokenizer(
-        "pickle_vocab", [path], {"specials": specials}, {"add_bos": True, "add_eos": True}
+        "pickle_vocab",
+        [path],
+        overrides={"add_bos": True, "add_eos": True},
+        pipeline=PipelineSpec(specials=Specials(unk="[UNK]", bos="[BOS]", eos=("[EOS]",))),
     )
     assert tok.encode("abz") == [1, 3, 4, 0, 2]
     assert tok.encode("ab", add_special_tokens=False) == [3, 4]
@@ -70,16 +78,15 @@ def test_wrapping_and_specials_from_settings(tmp_path: Path) -> None:
     [
         (collections.defaultdict(int, {"a": 0}), "not a pickle of plain lists"),
         ("abc", "got str"),
-        (["a", 1], "must be a list of token strings"),
-        (["<unk>", "a", "a"], "lists token 'a' twice (ids 1 and 2)"),
+        (["a", 1], "must hold token strings only"),
+        (["<unk>", "a", "a"], "token 'a' is listed twice (ids 1, 2)"),
         ({"<unk>": 0, "a": 2}, "ids must be 0..1"),
-        ({"<unk>": 0, "a": True}, "must map token strings to integer ids"),
+        ({"<unk>": 0, "a": True}, "must map token strings to ids"),
         (
             {"itos": ["<unk>", "a"], "stoi": {"<unk>": 1, "a": 0}},
-            "itos and stoi disagree from id 0",
+            "itos and stoi disagree on ['<unk>', 'a']",
         ),
         ([], "the vocabulary is empty"),
-        (["a", "b"], "no unk token"),
     ],
 )
 def test_malformed_vocab(tmp_path: Path, content: object, message: str) -> None:
@@ -89,15 +96,22 @@ def test_malformed_vocab(tmp_path: Path, content: object, message: str) -> None:
     assert message in str(e.value)
 
 
+def test_vocab_without_unk_names_the_keys(tmp_path: Path) -> None:
+    with pytest.raises(TokenizerError, match=r"tokenizer.model.unk: the vocabulary has no <unk>"):
+        tokenizer_from_pickle_vocab(dump(tmp_path, ["a", "b"]))
+    tok = tokenizer_from_pickle_vocab(dump(tmp_path, ["a", "b"]), specials={"unk": "b"})
+    assert tok.encode("az") == [0, 1]
+
+
 def test_truncated_and_bad_settings(tmp_path: Path) -> None:
     path = dump(tmp_path, ITOS)
     cut = tmp_path / "cut.pkl"
     cut.write_bytes(path.read_bytes()[:-5])
-    with pytest.raises(TokenizerError, match="cut.pkl: not a pickle"):
+    with pytest.raises(TokenizerError, match="cut.pkl.*: not a pickle.*truncated"):
         tokenizer_from_pickle_vocab(cut)
     with pytest.raises(TokenizerError, match="not a valid regex"):
         tokenizer_from_pickle_vocab(path, "(")
-    with pytest.raises(TokenizerError, match=r"'<mask>' is not in"):
+    with pytest.raises(TokenizerError, match=r"unk: '<mask>' is not a token of the vocabulary"):
         tokenizer_from_pickle_vocab(path, specials={"unk": "<mask>"})
     with pytest.raises(TokenizerError, match="unknown special token role"):
         tokenizer_from_pickle_vocab(path, specials={"cls": "<sos>"})
@@ -135,7 +149,8 @@ def test_spec_keys(tmp_path: Path, write_spec) -> None:
         "add_eos": True,
     }
     spec = load_spec(write_spec(_doc(tmp_path, tok_doc)))
-    assert spec.tokenizer.pattern == PATTERN and spec.tokenizer.specials == (("bos", "<sos>"),)
+    assert spec.tokenizer.pattern == PATTERN
+    assert spec.tokenizer.pipeline.specials == Specials(bos="<sos>")
     tok = tokenizer_for(spec)
     assert tok is not None and tok.encode("Cl1") == [2, 7, 6, 3]
 
@@ -143,5 +158,7 @@ def test_spec_keys(tmp_path: Path, write_spec) -> None:
     with pytest.raises(SpecError, match="tokenizer.specials: unknown key 'sep'"):
         load_spec(write_spec(bad))
     other = _doc(tmp_path, {"from": "vocab_txt", "files": [vocab], "pattern": "."})
-    with pytest.raises(SpecError, match="read by from: pickle_vocab only"):
+    with pytest.raises(
+        SpecError, match="pattern is read by from: pickle_vocab / tiktoken, not 'vocab_txt'"
+    ):
         load_spec(write_spec(other))

@@ -19,8 +19,16 @@ from typing import Any
 import pytest
 
 from inferflow.errors import TokenizerError
-from inferflow.tokenizer import Tokenizer, load_tokenizer
+from inferflow.tokenizer import (
+    PipelineSpec,
+    Tokenizer,
+    load_tokenizer,
+    tokenizer_from_gguf_metadata,
+    tokenizer_from_json,
+)
 from inferflow.tokenizer.base import BYTE_ENCODER
+from inferflow.tokenizer.components import BertNormOptions
+from inferflow.tokenizer.pipeline import Step
 
 transformers = pytest.importorskip("transformers")
 gguf = pytest.importorskip("gguf")
@@ -81,7 +89,7 @@ def _read_metadata(path: Path) -> dict[str, Any]:
 def _pair(path: Path) -> Pair:
     metadata = _read_metadata(path)
     start = time.perf_counter()
-    ours = Tokenizer.from_gguf_metadata(metadata)
+    ours = tokenizer_from_gguf_metadata(metadata)
     build_s = time.perf_counter() - start
     logger.info("built %s tokenizer in %.2fs", path.name, build_s)
     ref = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
@@ -205,7 +213,7 @@ def tiny(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     path = tmp_path_factory.mktemp(request.param) / f"tiny-{request.param}.gguf"
     _write_gguf(path, metadata)
     ref = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    return Pair(Tokenizer.from_gguf_metadata(metadata), ref, 0.0)
+    return Pair(tokenizer_from_gguf_metadata(metadata), ref, 0.0)
 
 
 def _prefix_rules_differ(pair: Pair, text: str) -> bool:
@@ -242,13 +250,13 @@ def test_load_tokenizer_reads_gguf_file(tmp_path: Path) -> None:
     tok = load_tokenizer("gguf", [path], None, {"add_bos": True})
     assert tok.encode("hello") == [
         1,
-        *Tokenizer.from_gguf_metadata(_tiny_bpe_metadata()).encode("hello"),
+        *tokenizer_from_gguf_metadata(_tiny_bpe_metadata()).encode("hello"),
     ]
     assert tok.eos_ids == [2, 0]  # eos, then <|endoftext|> which llama.cpp also stops on
 
 
 def test_incremental_decoder_holds_partial_characters() -> None:
-    tok = Tokenizer.from_gguf_metadata(_tiny_spm_metadata())
+    tok = tokenizer_from_gguf_metadata(_tiny_spm_metadata())
     ids = tok.encode("x😀x", add_special_tokens=False)  # 😀 is four byte-fallback tokens
     dec = tok.incremental_decoder()
     pieces = [dec.push(i) for i in ids]
@@ -260,11 +268,11 @@ def test_incremental_decoder_holds_partial_characters() -> None:
 
 
 def test_token_to_piece() -> None:
-    spm = Tokenizer.from_gguf_metadata(_tiny_spm_metadata())
+    spm = tokenizer_from_gguf_metadata(_tiny_spm_metadata())
     assert spm.token_to_piece(spm.backend.token_to_id("▁hello")) == " hello"
     assert spm.token_to_bytes(spm.backend.token_to_id("<0xF0>")) == b"\xf0"
     assert spm.token_to_piece(spm.bos_id) == "<s>"
-    bpe = Tokenizer.from_gguf_metadata(_tiny_bpe_metadata())
+    bpe = tokenizer_from_gguf_metadata(_tiny_bpe_metadata())
     assert bpe.token_to_piece(bpe.backend.token_to_id("Ġworld")) == " world"
     assert bpe.token_to_bytes(bpe.backend.token_to_id("ä")) == b"\xe4"
     with pytest.raises(TokenizerError, match="out of range"):
@@ -273,7 +281,7 @@ def test_token_to_piece() -> None:
 
 def test_space_prefix_follows_metadata() -> None:
     md = _tiny_spm_metadata() | {"tokenizer.ggml.add_space_prefix": False}
-    tok = Tokenizer.from_gguf_metadata(md)
+    tok = tokenizer_from_gguf_metadata(md)
     ids = tok.encode("hello world", add_special_tokens=False)
     assert tok.backend.id_to_token(ids[0]) == "hello"
     assert tok.decode(ids) == "hello world"
@@ -344,7 +352,7 @@ def test_tokenizer_json_round_trip(smollm2: Pair, tmp_path: Path) -> None:
 
     smollm2.ref.save_pretrained(tmp_path)
     backend = Backend.from_file(str(tmp_path / "tokenizer.json"))
-    ours = Tokenizer.from_tokenizer_json(tmp_path / "tokenizer.json")
+    ours = tokenizer_from_json(tmp_path / "tokenizer.json")
     via_kind = load_tokenizer("tokenizer_json", [tmp_path / "tokenizer.json"])
     for text in TEXTS:
         ids = backend.encode(text).ids
@@ -358,7 +366,7 @@ def test_tokenizer_json_round_trip(smollm2: Pair, tmp_path: Path) -> None:
 def test_tokenizer_json_padding_disabled_and_config(tmp_path: Path) -> None:
     from tokenizers import Tokenizer as Backend
 
-    src = Tokenizer.from_gguf_metadata(_tiny_bpe_metadata())
+    src = tokenizer_from_gguf_metadata(_tiny_bpe_metadata())
     src.backend.enable_padding(length=32, pad_id=0, pad_token="<|endoftext|>")
     src.backend.enable_truncation(max_length=3)
     src.backend.save(str(tmp_path / "tokenizer.json"))
@@ -369,7 +377,7 @@ def test_tokenizer_json_padding_disabled_and_config(tmp_path: Path) -> None:
         "chat_template": [{"name": "default", "template": "{{ bos_token }}x"}],
     }
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
-    tok = Tokenizer.from_tokenizer_json(tmp_path / "tokenizer.json")
+    tok = tokenizer_from_json(tmp_path / "tokenizer.json")
     plain = Backend.from_file(str(tmp_path / "tokenizer.json"))
     plain.no_padding()
     plain.no_truncation()
@@ -386,8 +394,10 @@ def test_vocab_txt_matches_bert(tmp_path: Path) -> None:
     texts = ["Hello, worlds! Playing unbelievable 日本 xyz", "[MASK] the [CLS] ab", "", "HELLO"]
     for lowercase in (True, False):
         ref = transformers.BertTokenizer(vocab=str(tmp_path / "vocab.txt"), do_lower_case=lowercase)
+        # the preset lower-cases like BertTokenizer's default; a spec's normalizer says otherwise
+        bert = Step("bert", BertNormOptions(lowercase=lowercase))
         ours = load_tokenizer(
-            "vocab_txt", [tmp_path / "vocab.txt"], {"do_lower_case": lowercase}, None
+            "vocab_txt", [tmp_path / "vocab.txt"], pipeline=PipelineSpec(normalizers=(bert,))
         )
         for text in texts:
             ids = ours.encode(text)
@@ -453,7 +463,7 @@ def test_overrides_bos_eos() -> None:
 
 def test_unknown_kind_lists_known() -> None:
     with pytest.raises(
-        TokenizerError, match="'spm_model'.*gguf, pickle_vocab, tokenizer_json, vocab_txt"
+        TokenizerError, match="'spm_model'.*gguf, pickle_vocab, tiktoken, tokenizer_json, vocab_txt"
     ):
         load_tokenizer("spm_model", [], None, None)
 
@@ -462,24 +472,24 @@ def test_missing_file_names_path(tmp_path: Path) -> None:
     missing = tmp_path / "nope" / "tokenizer.json"
     with pytest.raises(TokenizerError, match="nope/tokenizer.json"):
         load_tokenizer("tokenizer_json", [missing], None, None)
-    with pytest.raises(TokenizerError, match="vocab.txt not found"):
-        Tokenizer.from_vocab_txt(tmp_path / "vocab.txt")
+    with pytest.raises(TokenizerError, match="not found: .*vocab.txt"):
+        load_tokenizer("vocab_txt", [tmp_path / "vocab.txt"])
 
 
 def test_unknown_gguf_model_lists_known() -> None:
     md = _tiny_bpe_metadata() | {"tokenizer.ggml.model": "rwkv"}
     with pytest.raises(TokenizerError, match="'rwkv'.*gpt2, llama"):
-        Tokenizer.from_gguf_metadata(md)
+        tokenizer_from_gguf_metadata(md)
 
 
 def test_unknown_gguf_pre_lists_known() -> None:
     md = _tiny_bpe_metadata() | {"tokenizer.ggml.pre": "mystery-bpe"}
     with pytest.raises(TokenizerError, match="'mystery-bpe'.*llama3.*qwen2.*smollm"):
-        Tokenizer.from_gguf_metadata(md)
+        tokenizer_from_gguf_metadata(md)
 
 
 def test_gguf_without_vocabulary() -> None:
     with pytest.raises(TokenizerError, match="tokenizer.ggml.tokens"):
-        Tokenizer.from_gguf_metadata({"tokenizer.ggml.model": "gpt2"})
+        tokenizer_from_gguf_metadata({"tokenizer.ggml.model": "gpt2"})
     with pytest.raises(TokenizerError, match="tokenizer.ggml.model"):
-        Tokenizer.from_gguf_metadata({})
+        tokenizer_from_gguf_metadata({})

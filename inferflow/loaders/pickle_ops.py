@@ -42,6 +42,24 @@ class SafeCallable:
         return f"<allow-listed {self.qualname}>"
 
 
+class Record:
+    """An instance of an allow-listed class kept as its pickled state: nothing is instantiated,
+    no ``__setstate__`` runs (``loads_records``)."""
+
+    def __init__(self, qualname: str) -> None:
+        self.qualname = qualname
+        self.state: Any = None
+
+
+class RecordClass(SafeCallable):
+    """A class NEWOBJ may name: it yields a ``Record`` that BUILD fills with the state."""
+
+    def new(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if args or kwargs:
+            raise UnsafePickleError(f"NEWOBJ on '{self.qualname}' with arguments is not allowed")
+        return Record(self.qualname)
+
+
 T = TypeVar("T")
 
 
@@ -161,6 +179,11 @@ def _op_newobj_ex(m: _Machine) -> None:
 def _op_build(m: _Machine) -> None:
     state = m.pop()
     inst = m.top()
+    if type(inst) is Record:
+        if inst.state is not None:
+            raise UnsafePickleError(f"second BUILD at byte offset {m.op_pos} on {inst.qualname}")
+        inst.state = state
+        return
     # The only BUILD a state dict needs is OrderedDict's instance dict (``state_dict()`` carries
     # ``_metadata``). We never setattr: the state is checked and dropped, so ``__setstate__``
     # tricks have nothing to hook into.

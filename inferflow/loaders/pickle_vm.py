@@ -22,7 +22,7 @@ from typing import Any, NoReturn
 from inferflow.errors import CheckpointError, UnsafePickleError
 from inferflow.loaders import pickle_limits as lim
 from inferflow.loaders.pickle_limits import HASH_MODULUS, PickleLimits
-from inferflow.loaders.pickle_ops import _DISPATCH, T, _decode_str
+from inferflow.loaders.pickle_ops import _DISPATCH, Record, RecordClass, T, _decode_str
 from inferflow.loaders.pickle_ops import HIGHEST_PROTOCOL as HIGHEST_PROTOCOL
 from inferflow.loaders.pickle_ops import SafeCallable as SafeCallable
 
@@ -261,3 +261,19 @@ def loads_plain(data: bytes, limits: PickleLimits | None = None) -> Any:
     """Interpret a pickle of plain built-in values only (no globals, no persistent ids)."""
     obj, _ = load_one(data, resolve=_no_globals, allowed=lambda: "(none)", limits=limits)
     return obj
+
+
+def loads_records(
+    data: bytes, classes: frozenset[tuple[str, str]], limits: PickleLimits | None = None
+) -> Any:
+    """Like ``loads_plain``, but instances of the (module, name) ``classes`` are allowed and
+    read as their pickled state (a top-level instance is returned as its state)."""
+
+    def resolve(module: str, name: str) -> RecordClass | None:
+        return RecordClass(f"{module}.{name}") if (module, name) in classes else None
+
+    def allowed() -> str:
+        return ", ".join(f"{m}.{n}" for m, n in sorted(classes)) or "(none)"
+
+    obj, _ = load_one(data, resolve=resolve, allowed=allowed, limits=limits)
+    return obj.state if isinstance(obj, Record) else obj

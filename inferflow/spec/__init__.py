@@ -27,6 +27,7 @@ from inferflow.loaders.gguf import GGUF_MAGIC
 from inferflow.paths import PACKAGE_SCHEME, expand_user, resolve_ref
 from inferflow.spec import hparams as hp
 from inferflow.spec.schema import validate
+from inferflow.spec.tokenizer import default_tokenizer, parse_tokenizer
 from inferflow.spec.types import (
     AttentionSpec,
     GenerationDefaults,
@@ -38,7 +39,6 @@ from inferflow.spec.types import (
     SourceSpec,
     Spec,
     TensorsSpec,
-    TokenizerSpec,
 )
 
 log = logging.getLogger(__name__)
@@ -296,26 +296,7 @@ def parse_spec(
     config = resolve_ref(src["config"], base_dir, what="source.config") if "config" in src else None
     source = SourceSpec(src["format"], files, config, tuple(src.get("keys", ())))
 
-    tok = doc.get("tokenizer", {"from": source.format if source.format == "gguf" else "none"})
-    tok_files = tuple(
-        resolve_ref(f, base_dir, what="tokenizer.files") for f in tok.get("files", ())
-    )
-    for f in tok_files:
-        if not os.path.exists(f):
-            raise SpecError(f"tokenizer.files: {f} does not exist")
-    if tok["from"] != "pickle_vocab" and ("pattern" in tok or "specials" in tok):
-        raise SpecError(
-            f"tokenizer: pattern and specials are read by from: pickle_vocab only, not {tok['from']!r}"
-        )
-    tokenizer = TokenizerSpec(
-        tok["from"],
-        tok_files,
-        tok.get("chat_template"),
-        tok.get("add_bos"),
-        tok.get("add_eos"),
-        tok.get("pattern"),
-        tuple(tok.get("specials", {}).items()),
-    )
+    tokenizer = parse_tokenizer(doc.get("tokenizer") or default_tokenizer(source), base_dir)
 
     network = _network(doc["network"])
     found = read_checkpoint_hparams(source)

@@ -60,7 +60,7 @@ def build_schema() -> dict[str, Any]:
     from inferflow.model.names import PRESETS
     from inferflow.quant import FORMATS
     from inferflow.tokenizer import TOKENIZER_KINDS
-    from inferflow.tokenizer.pickle_vocab import SPECIAL_ROLES
+    from inferflow.tokenizer.pipeline import pipeline_schema
 
     num = {"type": "number"}
     string = {"type": "string"}
@@ -159,11 +159,11 @@ def build_schema() -> dict[str, Any]:
                     "chat_template": string,
                     "add_bos": {"type": "boolean"},
                     "add_eos": {"type": "boolean"},
-                    # pickle_vocab: the regex cutting text into tokens, special token texts
+                    # the regex a kind that takes one (pickle_vocab, tiktoken) cuts text with
                     "pattern": string,
-                    "specials": _obj({k: string for k in SPECIAL_ROLES}),
-                },
-                ("from",),
+                    # the pipeline's own parts (normalizer, pre_tokenizer, model, ...)
+                    **pipeline_schema(),
+                }
             ),
             # (encoder: an encoder-decoder's encoder, where its numbers differ)
             "hparams": _obj({**_hparam_types(), "encoder": _obj(_hparam_types())}),

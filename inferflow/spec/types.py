@@ -12,6 +12,7 @@ from inferflow.blocks.linear import EmbeddingOptions, OutputOptions
 from inferflow.blocks.options import NoOptions, Options
 from inferflow.blocks.residual import GateOptions
 from inferflow.errors import SpecError
+from inferflow.tokenizer.pipeline import PipelineSpec
 
 
 @dataclass(frozen=True)
@@ -109,15 +110,15 @@ class SourceSpec:
 
 @dataclass(frozen=True)
 class TokenizerSpec:
-    kind: str  # gguf | tokenizer_json | vocab_txt | pickle_vocab | none
+    kind: str  # a TOKENIZER_KINDS name, 'pipeline' (the spec's own parts) or 'none'
     files: tuple[Path, ...] = ()
     chat_template: str | None = None
     add_bos: bool | None = None
     add_eos: bool | None = None
-    # pickle_vocab only: the regex that cuts text into tokens, and role -> token text
-    # (bos / eos / pad / unk) where the vocabulary's own spellings are not the usual ones
-    pattern: str | None = None
-    specials: tuple[tuple[str, str], ...] = ()
+    pattern: str | None = None  # the regex a kind that takes one cuts text with
+    # the spec's own pipeline parts (normalizer, pre-tokenizer, model, specials, template,
+    # decoder), laid over what the kind gives
+    pipeline: PipelineSpec = field(default_factory=PipelineSpec)
 
 
 AttentionSpec = AttentionOptions  # network.attention (declared once, next to the block)

@@ -7,13 +7,13 @@ detokenization then work the same whatever the source.
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Iterable, Sequence
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from tokenizers import AddedToken, processors
 from tokenizers import Tokenizer as BackendTokenizer
-from tokenizers import processors
 
 from inferflow.errors import TokenizerError
 
@@ -63,6 +63,21 @@ BYTE_DECODER: dict[str, int] = _byte_decoder()
 BYTE_ENCODER: dict[int, str] = {b: c for c, b in BYTE_DECODER.items()}
 
 
+def piece_style_of(backend: BackendTokenizer) -> str:
+    """Which spelling the vocabulary uses, read off the decoder the json configures."""
+    if backend.decoder is None:
+        return "plain"
+    state = json.loads(backend.decoder.__getstate__())
+    kinds = {state["type"], *(d.get("type") for d in state.get("decoders", []))}
+    if "ByteLevel" in kinds:
+        return "byte_level"
+    if kinds & {"ByteFallback", "Metaspace"}:
+        return "sentencepiece"
+    if "WordPiece" in kinds:
+        return "wordpiece"
+    return "plain"
+
+
 class Tokenizer:
     """Text <-> ids for one checkpoint, with its bos/eos facts and chat template."""
 
@@ -99,30 +114,9 @@ class Tokenizer:
         self._special_ids = {
             i for i, tok in backend.get_added_tokens_decoder().items() if tok.special
         }
+        self._own_post_processor = not keep_post_processor
         if not keep_post_processor:
             self._set_post_processor()
-
-    # -- constructors (each lives in its own module; imported lazily to keep this one small) --
-
-    @classmethod
-    def from_gguf_metadata(cls, metadata: dict[str, Any]) -> Tokenizer:
-        from inferflow.tokenizer.gguf_vocab import tokenizer_from_gguf_metadata
-
-        return tokenizer_from_gguf_metadata(metadata)
-
-    @classmethod
-    def from_tokenizer_json(
-        cls, path: str | Path, tokenizer_config: dict[str, Any] | None = None
-    ) -> Tokenizer:
-        from inferflow.tokenizer.files import tokenizer_from_json
-
-        return tokenizer_from_json(path, tokenizer_config)
-
-    @classmethod
-    def from_vocab_txt(cls, path: str | Path, lowercase: bool = True) -> Tokenizer:
-        from inferflow.tokenizer.files import tokenizer_from_vocab_txt
-
-        return tokenizer_from_vocab_txt(path, lowercase=lowercase)
 
     # -- special tokens --
 
@@ -163,10 +157,17 @@ class Tokenizer:
     def _set_post_processor(self) -> None:
         """BOS/EOS go in through the backend's post-processor, as transformers does, so
         ``backend.encode`` and ``encode`` agree; a flag without its token is a checkpoint error."""
+        self._own_post_processor = True
         if self._add_bos and self.bos_id is None:
-            raise TokenizerError("add_bos is set but the tokenizer has no bos token")
+            raise TokenizerError(
+                "add_bos is set but the tokenizer has no bos token; name one with "
+                "tokenizer.specials.bos"
+            )
         if self._add_eos and self.eos_id is None:
-            raise TokenizerError("add_eos is set but the tokenizer has no eos token")
+            raise TokenizerError(
+                "add_eos is set but the tokenizer has no eos token; name one with "
+                "tokenizer.specials.eos"
+            )
         specials: list[tuple[str, int]] = []
         single = "$A:0"
         pair_b = "$B:1"
@@ -181,6 +182,46 @@ class Tokenizer:
         self.backend.post_processor = processors.TemplateProcessing(
             single=single, pair=f"{single} {pair_b}", special_tokens=specials
         )
+
+    def set_specials(
+        self,
+        texts: Sequence[str],
+        *,
+        bos_id: int | None,
+        eos_ids: Sequence[int],
+        pad_id: int | None,
+        unk_id: int | None,
+    ) -> None:
+        """Name the special tokens (``texts`` become atomic in text and skipped in decoding) and
+        the ids playing bos / eos / pad / unk; the bos/eos wrapping follows the new ids."""
+        self.backend.add_special_tokens(
+            [AddedToken(t, special=True, normalized=False) for t in texts]
+        )
+        self._special_ids = {
+            i for i, tok in self.backend.get_added_tokens_decoder().items() if tok.special
+        }
+        self.bos_id, self.eos_ids = bos_id, list(dict.fromkeys(eos_ids))
+        self.pad_id, self.unk_id = pad_id, unk_id
+        if self._own_post_processor:
+            self._set_post_processor()
+
+    def set_template(
+        self, single: str, pair: str | None, specials: Sequence[tuple[str, int]]
+    ) -> None:
+        """A post-processing template (``[CLS] $A [SEP]``); add_bos / add_eos then report whether
+        it opens with bos / closes with eos."""
+        try:
+            self.backend.post_processor = processors.TemplateProcessing(
+                single=single, pair=pair, special_tokens=list(specials)
+            )
+        except Exception as e:  # tokenizers raises a bare Exception on a malformed template
+            raise TokenizerError(f"template {single!r}: {e}") from None
+        probe = list(self.backend.encode("", add_special_tokens=True).ids)
+        self._add_bos = self.bos_id is not None and probe[:1] == [self.bos_id]
+        self._add_eos = (
+            bool(probe) and probe[-1] in self.eos_ids[:1] and (len(probe) > int(self._add_bos))
+        )
+        self._own_post_processor = False
 
     def is_special(self, token_id: int) -> bool:
         return token_id in self._special_ids

@@ -1,41 +1,31 @@
-"""Tokenizers from files (``tokenizer.json``, ``vocab.txt``, GGUF) and the ``load_tokenizer`` entry
-point a model spec uses: ``kind`` names an entry of ``TOKENIZER_KINDS``.
+"""The kinds ``tokenizer.from`` names for HF and GGUF files: ``tokenizer.json`` and GGUF metadata
+(the file holds the pipeline), and the ``vocab_txt`` preset (BERT's WordPiece over a vocab.txt).
 """
 
 from __future__ import annotations
 
-import json
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from tokenizers import AddedToken, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as BackendTokenizer
 
+from inferflow.blocks.options import NoOptions
 from inferflow.errors import TokenizerError
 from inferflow.paths import read_json
-from inferflow.registry import Registry, RegistryError
-from inferflow.tokenizer.base import EOG_TOKEN_TEXTS, Tokenizer
+from inferflow.tokenizer.base import EOG_TOKEN_TEXTS, Tokenizer, piece_style_of
+from inferflow.tokenizer.components import (
+    BertNormOptions,
+    WordPieceDecOptions,
+    WordPieceOptions,
+)
+from inferflow.tokenizer.gguf_vocab import tokenizer_from_gguf_metadata
+from inferflow.tokenizer.kinds import KindSettings, register_kind
+from inferflow.tokenizer.pipeline import PipelineSpec, Specials, Step, Template
+from inferflow.tokenizer.sources import VocabSource, read_source
 
 logger = logging.getLogger(__name__)
-
-# (files, metadata) -> Tokenizer; metadata is the GGUF key/values for 'gguf', optional settings
-# (``do_lower_case``) for 'vocab_txt'.
-TokenizerLoader = Callable[[Sequence[Path], dict[str, Any] | None], Tokenizer]
-TOKENIZER_KINDS: Registry[TokenizerLoader] = Registry("tokenizer kind")
-
-# override key -> what it sets (checked strictly: the spec's YAML is the user interface)
-OVERRIDE_KEYS = {
-    "chat_template": "jinja2 chat template source",
-    "add_bos": "prepend bos when encoding with special tokens",
-    "add_eos": "append eos when encoding with special tokens",
-    "bos": "bos token text",
-    "eos": "eos token text, or a list of texts (the first is the eos appended by add_eos)",
-}
-
-# BERT's special tokens in the order transformers' BertTokenizer names them
-_BERT_SPECIALS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
 
 
 def _existing(path: str | Path, what: str) -> Path:
@@ -66,21 +56,6 @@ def _pick_chat_template(value: Any) -> str | None:
             f"chat_template lists named templates {sorted(map(str, named))} but no 'default'"
         )
     raise TokenizerError(f"chat_template must be a string or a list, got {type(value).__name__}")
-
-
-def _piece_style(backend: BackendTokenizer) -> str:
-    """Which spelling the vocabulary uses, read off the decoder the json configures."""
-    if backend.decoder is None:
-        return "plain"
-    state = json.loads(backend.decoder.__getstate__())
-    kinds = {state["type"], *(d.get("type") for d in state.get("decoders", []))}
-    if "ByteLevel" in kinds:
-        return "byte_level"
-    if kinds & {"ByteFallback", "Metaspace"}:
-        return "sentencepiece"
-    if "WordPiece" in kinds:
-        return "wordpiece"
-    return "plain"
 
 
 def tokenizer_from_json(
@@ -132,48 +107,14 @@ def tokenizer_from_json(
         add_bos=add_bos,
         add_eos=add_eos,
         chat_template=template,
-        piece_style=_piece_style(backend),
+        piece_style=piece_style_of(backend),
         keep_post_processor=not explicit,
     )
 
 
-def tokenizer_from_vocab_txt(path: str | Path, lowercase: bool = True) -> Tokenizer:
-    """BERT WordPiece from a ``vocab.txt`` (one token a line, id = line number):
-    ``[CLS] text [SEP]``, the pipeline transformers' ``BertTokenizer`` builds."""
-    path = _existing(path, "vocab.txt")
-    # read as transformers' ``load_vocab`` does: universal newlines, a repeated token keeps its
-    # last line number
-    with path.open(encoding="utf-8") as f:
-        vocab = {line.rstrip("\n"): i for i, line in enumerate(f)}
-    missing = [t for t in ("[UNK]", "[CLS]", "[SEP]") if t not in vocab]
-    if missing:
-        raise TokenizerError(f"{path} lacks the BERT special tokens {missing}")
-    backend = BackendTokenizer(
-        models.WordPiece(vocab, unk_token="[UNK]", max_input_chars_per_word=100)
-    )
-    backend.normalizer = normalizers.BertNormalizer(
-        clean_text=True, handle_chinese_chars=True, strip_accents=None, lowercase=lowercase
-    )
-    backend.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
-    backend.decoder = decoders.WordPiece(prefix="##")
-    backend.add_special_tokens(
-        [AddedToken(t, special=True, normalized=False) for t in _BERT_SPECIALS if t in vocab]
-    )
-    # [CLS] and [SEP] play the parts of bos and eos in the template
-    return Tokenizer(
-        backend,
-        bos_id=vocab["[CLS]"],
-        eos_ids=[vocab["[SEP]"]],
-        pad_id=vocab.get("[PAD]"),
-        unk_id=vocab["[UNK]"],
-        add_bos=True,
-        add_eos=True,
-        piece_style="wordpiece",
-    )
-
-
-@TOKENIZER_KINDS.register("gguf")
-def _load_gguf(files: Sequence[Path], metadata: dict[str, Any] | None) -> Tokenizer:
+@register_kind("gguf")
+def _load_gguf(files: Sequence[Path], settings: KindSettings) -> Tokenizer:
+    metadata = settings.metadata
     if metadata is None:
         if not files:
             raise TokenizerError("tokenizer kind 'gguf' needs the GGUF file or its metadata")
@@ -183,11 +124,11 @@ def _load_gguf(files: Sequence[Path], metadata: dict[str, Any] | None) -> Tokeni
         except ImportError as e:
             raise TokenizerError(f"no GGUF reader available to read {path}: {e}") from e
         metadata = read_gguf_metadata(path)
-    return Tokenizer.from_gguf_metadata(metadata)
+    return tokenizer_from_gguf_metadata(metadata)
 
 
-@TOKENIZER_KINDS.register("tokenizer_json")
-def _load_tokenizer_json(files: Sequence[Path], metadata: dict[str, Any] | None) -> Tokenizer:
+@register_kind("tokenizer_json")
+def _load_tokenizer_json(files: Sequence[Path], settings: KindSettings) -> Tokenizer:
     by_name = {Path(f).name: Path(f) for f in files}
     config_path = by_name.pop("tokenizer_config.json", None)
     main = by_name.get("tokenizer.json") or next(iter(by_name.values()), None)
@@ -199,61 +140,39 @@ def _load_tokenizer_json(files: Sequence[Path], metadata: dict[str, Any] | None)
     return tokenizer_from_json(main, config)
 
 
-@TOKENIZER_KINDS.register("vocab_txt")
-def _load_vocab_txt(files: Sequence[Path], metadata: dict[str, Any] | None) -> Tokenizer:
-    if not files:
-        raise TokenizerError("tokenizer kind 'vocab_txt' needs a vocab.txt in its files")
-    lowercase = bool((metadata or {}).get("do_lower_case", True))
-    return tokenizer_from_vocab_txt(files[0], lowercase=lowercase)
-
-
-def apply_overrides(tok: Tokenizer, overrides: dict[str, Any]) -> Tokenizer:
-    """Set what a spec overrides on a freshly built tokenizer (in place; returned for chaining)."""
-    unknown = sorted(set(overrides) - set(OVERRIDE_KEYS))
-    if unknown:
-        raise TokenizerError(
-            f"unknown tokenizer override(s) {unknown}; allowed: {', '.join(OVERRIDE_KEYS)}"
-        )
-
-    def lookup(key: str, text: Any) -> int:
-        tid = tok.backend.token_to_id(str(text))
-        if tid is None:
-            raise TokenizerError(
-                f"tokenizer override {key}={text!r} is not a token of this vocabulary"
-            )
-        return int(tid)
-
-    if "chat_template" in overrides:
-        tok.chat_template = overrides["chat_template"]
-    if "bos" in overrides:
-        tok.bos_id = lookup("bos", overrides["bos"])
-    if "eos" in overrides:
-        texts = overrides["eos"]
-        texts = [texts] if isinstance(texts, str) else list(texts)
-        tok.eos_ids = [lookup("eos", t) for t in texts]
-    # setting either flag rebuilds the post-processor with the (possibly new) bos/eos
-    if "bos" in overrides or "eos" in overrides or "add_bos" in overrides or "add_eos" in overrides:
-        tok.add_eos = bool(overrides.get("add_eos", tok.add_eos))
-        tok.add_bos = bool(overrides.get("add_bos", tok.add_bos))
-    return tok
-
-
-def load_tokenizer(
-    kind: str,
-    files: Sequence[str | Path],
-    metadata: dict[str, Any] | None = None,
-    overrides: dict[str, Any] | None = None,
-) -> Tokenizer:
-    """Build the tokenizer a spec names: ``kind`` is one of ``TOKENIZER_KINDS``."""
-    try:
-        loader = TOKENIZER_KINDS.get(kind)
-    except RegistryError as e:
-        raise TokenizerError(str(e)) from None
-    paths = [Path(f) for f in files]
-    for p in paths:
-        _existing(p, "tokenizer file")
-    tok = loader(paths, metadata)
-    return apply_overrides(tok, overrides) if overrides else tok
+@register_kind("vocab_txt", preset=True)
+def _vocab_txt(files: Sequence[Path], settings: KindSettings) -> PipelineSpec:
+    """BERT WordPiece over a ``vocab.txt`` (one token a line, id = line number): the pipeline
+    transformers' ``BertTokenizer`` builds, ``[CLS] text [SEP]``; lower-cased unless a
+    ``tokenizer_config.json`` beside it says ``do_lower_case: false`` (or the spec's normalizer
+    says otherwise)."""
+    if len(files) != 1:
+        raise TokenizerError(f"tokenizer kind 'vocab_txt' takes one vocab.txt, got {len(files)}")
+    path = files[0]
+    cfg_path = path.parent / "tokenizer_config.json"
+    cfg = _read_config(cfg_path) if cfg_path.is_file() else {}
+    vocab = VocabSource("file", path, where="tokenizer.files[0]")
+    have = set(read_source(vocab, settings.sources))
+    missing = [t for t in ("[UNK]", "[CLS]", "[SEP]") if t not in have]
+    if missing:
+        raise TokenizerError(f"{path} lacks the BERT special tokens {missing}")
+    return PipelineSpec(
+        normalizers=(
+            Step("bert", BertNormOptions(lowercase=bool(cfg.get("do_lower_case", True)))),
+        ),
+        pre_tokenizers=(Step("bert", NoOptions()),),
+        model=Step("wordpiece", WordPieceOptions(vocab=vocab)),
+        decoders=(Step("wordpiece", WordPieceDecOptions()),),
+        # [CLS] and [SEP] play the parts of bos and eos in the template
+        specials=Specials(
+            bos="[CLS]",
+            eos=("[SEP]",),
+            pad="[PAD]" if "[PAD]" in have else None,
+            unk="[UNK]",
+            extra=tuple(t for t in ("[MASK]",) if t in have),
+        ),
+        template=Template("[CLS] $A [SEP]", "[CLS] $A [SEP] $B:1 [SEP]:1"),
+    )
 
 
 def _read_config(path: Path) -> Any:

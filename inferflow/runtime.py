@@ -47,8 +47,13 @@ class Completion:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-def tokenizer_for(spec: Spec) -> Tokenizer | None:
-    t = spec.tokenizer
+def tokenizer_for(spec: Spec, side: str = "target") -> Tokenizer | None:
+    """The spec's tokenizer; ``side`` "source": an encoder-decoder's source-side one where the
+    spec gives two (``tokenizer: {source, target}``), else the one tokenizer."""
+    two = spec.source_tokenizer is not None
+    t = spec.source_tokenizer if side == "source" and two else spec.tokenizer
+    assert t is not None
+    where = f"tokenizer.{side}" if two else "tokenizer"
     if t.kind == "none":
         return None
     metadata = None
@@ -73,6 +78,7 @@ def tokenizer_for(spec: Spec) -> Tokenizer | None:
         pattern=t.pattern,
         pipeline=t.pipeline,
         sources=SourceContext(spec.source.config),
+        where=where,
     )
 
 
@@ -102,7 +108,13 @@ def encode_prompt(
 class LanguageModel:
     spec: Spec
     model: Network
-    tokenizer: Tokenizer | None
+    tokenizer: Tokenizer | None  # an encoder-decoder's target side, when the sides differ
+    source_tokenizer: Tokenizer | None = None  # the source side, where the spec gives one
+
+    @property
+    def input_tokenizer(self) -> Tokenizer | None:
+        """What encodes input text: the source side's, else the one tokenizer."""
+        return self.source_tokenizer or self.tokenizer
 
     def encode_prompt(
         self, prompt: str, chat: bool = False, system: str | None = None
@@ -115,7 +127,7 @@ class LanguageModel:
         if not text.strip():
             return []
         if not ids:
-            out = self._tok().encode(text, add_special_tokens=True)
+            out = require_tokenizer(self.spec, self.input_tokenizer).encode(text)
         else:
             try:
                 out = [int(t) for t in text.split()]
@@ -280,6 +292,8 @@ def load(
     ``dtype`` "auto" (the CLI's default): act8 where some quantized layer takes 8-bit inputs
     into integer products, else float32 (float checkpoints, no C kernels, partitioned models)."""
     spec = ref if isinstance(ref, Spec) else load_spec(ref)
+    # (a bad source-side tokenizer fails before weights load, too)
+    source_tok = tokenizer_for(spec, "source") if spec.source_tokenizer is not None else None
     auto = dtype == AUTO
     act8 = dtype == ACT8 or auto  # float32, with 8-bit inputs into integer products
     dt = parse_dtype(dtype) if isinstance(dtype, str) else dtype
@@ -297,7 +311,7 @@ def load(
         tokenizer = (
             tokenizer if tokenizer is not None else tokenizer_for(spec)
         )  # (a bad one fails before processes start)
-        return LanguageModel(spec, launch(spec, layout, dt, q), tokenizer)
+        return LanguageModel(spec, launch(spec, layout, dt, q), tokenizer, source_tok)
     tokenizer = (
         tokenizer if tokenizer is not None else tokenizer_for(spec)
     )  # (a bad one fails before weights load)
@@ -329,4 +343,4 @@ def load(
             )
     else:
         log.info("dtype %s", dtype)
-    return LanguageModel(spec, model, tokenizer)
+    return LanguageModel(spec, model, tokenizer, source_tok)

@@ -71,3 +71,29 @@ def test_rxnfp_reaction_classifier_served(tmp_path: Path) -> None:
         assert d["num_classes"] == 50
         assert d["label"] == f"LABEL_{int(p.argmax())}"
         assert d["probs"] == pytest.approx(p.tolist(), rel=1e-4, abs=1e-6)
+
+
+# Tajik words and phrases (lower-case, as the package's convert() hands them to its model)
+TAJIK = ["китоб", "салом", "дунё", "мехонам", "забони тоҷикӣ", "шаҳри душанбе", "модар"]
+
+
+def test_tg2fa_translit_two_vocabularies_served(tmp_path: Path) -> None:
+    """tg2fa-translit's nn.Transformer with its two character vocabularies (read from the
+    package's decode.py): ``/tokenize`` gives the package's source ids, ``/v1/completions`` the
+    text of its greedy ``decode()``, ``/detokenize`` reads target ids."""
+    _package_dir("tg2fa_translit")
+    from tg2fa_translit.decode import decode, fa_voc, tg_voc
+    from tg2fa_translit.transformer import transformer
+
+    want = [decode(transformer, w) for w in TAJIK]
+    with run_server(tmp_path, spec="tg2fa-translit") as (url, _):
+        for w in TAJIK:
+            got = httpx.post(f"{url}/tokenize", json={"prompt": w}).json()
+            assert got["tokens"] == [2, *(tg_voc[c] for c in w), 3], w
+        resp = httpx.post(f"{url}/v1/completions", json={"prompt": TAJIK, "max_tokens": 40})
+        assert resp.status_code == 200, resp.text
+        texts = [c["text"] for c in sorted(resp.json()["choices"], key=lambda c: c["index"])]
+        ids = [4, 5, 7, 44]  # target-side ids: 'ه', ' ', 'آ', ZWNJ
+        back = httpx.post(f"{url}/detokenize", json={"tokens": ids}).json()["prompt"]
+    assert texts == want
+    assert back == "".join(fa_voc[i] for i in ids)

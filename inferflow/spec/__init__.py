@@ -296,7 +296,18 @@ def parse_spec(
     config = resolve_ref(src["config"], base_dir, what="source.config") if "config" in src else None
     source = SourceSpec(src["format"], files, config, tuple(src.get("keys", ())))
 
-    tokenizer = parse_tokenizer(doc.get("tokenizer") or default_tokenizer(source), base_dir)
+    tok_doc = doc.get("tokenizer") or default_tokenizer(source)
+    source_tokenizer = None
+    if "target" in tok_doc:  # an encoder-decoder's two sides
+        if doc["network"]["type"] != "encoder_decoder":
+            raise SpecError(
+                f"{where}: tokenizer.source / tokenizer.target are an encoder_decoder's two "
+                f"sides; network.type is {doc['network']['type']!r}: give one tokenizer"
+            )
+        source_tokenizer = parse_tokenizer(tok_doc["source"], base_dir, "tokenizer.source")
+        tokenizer = parse_tokenizer(tok_doc["target"], base_dir, "tokenizer.target")
+    else:
+        tokenizer = parse_tokenizer(tok_doc, base_dir)
 
     network = _network(doc["network"])
     found = read_checkpoint_hparams(source)
@@ -336,6 +347,7 @@ def parse_spec(
         embedding_normalize=doc.get("embeddings", {}).get("normalize", True),
         partition=partition_spec(doc["partition"]) if "partition" in doc else None,
         enc_hparams=enc_hparams,
+        source_tokenizer=source_tokenizer,
         raw=doc,
     )
 

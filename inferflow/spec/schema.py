@@ -110,6 +110,19 @@ def build_schema() -> dict[str, Any]:
             "ignore": {"type": "array", "items": string},
         }
     )
+    tokenizer = _obj(
+        {
+            "from": _enum([*TOKENIZER_KINDS.names(), "none"]),  # none: token ids only
+            "files": files,
+            "chat_template": string,
+            "add_bos": {"type": "boolean"},
+            "add_eos": {"type": "boolean"},
+            # the regex a kind that takes one (pickle_vocab, tiktoken) cuts text with
+            "pattern": string,
+            # the pipeline's own parts (normalizer, pre_tokenizer, model, ...)
+            **pipeline_schema(),
+        }
+    )
     network = _obj(
         {
             "type": _enum(NETWORKS.names()),
@@ -152,19 +165,13 @@ def build_schema() -> dict[str, Any]:
                 },
                 ("format", "files"),
             ),
-            "tokenizer": _obj(
-                {
-                    "from": _enum([*TOKENIZER_KINDS.names(), "none"]),  # none: token ids only
-                    "files": files,
-                    "chat_template": string,
-                    "add_bos": {"type": "boolean"},
-                    "add_eos": {"type": "boolean"},
-                    # the regex a kind that takes one (pickle_vocab, tiktoken) cuts text with
-                    "pattern": string,
-                    # the pipeline's own parts (normalizer, pre_tokenizer, model, ...)
-                    **pipeline_schema(),
-                }
-            ),
+            # one tokenizer, or an encoder-decoder's two: {source: ..., target: ...}
+            "tokenizer": {
+                "anyOf": [
+                    tokenizer,
+                    _obj({"source": tokenizer, "target": tokenizer}, ("source", "target")),
+                ]
+            },
             # (encoder: an encoder-decoder's encoder, where its numbers differ)
             "hparams": _obj({**_hparam_types(), "encoder": _obj(_hparam_types())}),
             "network": network,

@@ -293,6 +293,9 @@ class Spec:
     # an encoder-decoder's encoder, where its numbers differ (its own vocabulary, layers,
     # heads, widths: config.json's src_vocab_size / encoder_* keys, or hparams.encoder)
     enc_hparams: HParams | None = None
+    # an encoder-decoder's source-side tokenizer where it differs (tokenizer: {source, target});
+    # ``tokenizer`` is then the target side
+    source_tokenizer: TokenizerSpec | None = None
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @property

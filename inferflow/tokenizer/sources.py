@@ -6,7 +6,7 @@ object read) or ``name`` (the variable of a ``.py`` file)::
     vocab: {file: vocab.txt}                     # lines (id = line number) or a .json list / dict
     vocab: {list: ["<pad>", "a", "b"]}           # inline
     vocab: {config: vocab}                       # a key of the checkpoint's config.json
-    vocab: {python: tokens.py, name: VOCAB}      # a literal assigned in a .py file, never executed
+    vocab: {python: tokens.py, name: VOCAB}      # a literal assigned in a .py file, never run
     vocab: {pickle: vocab.pkl, key: itos}        # through our own pickle machine
     ranks: {tiktoken: cl100k.tiktoken}           # tiktoken's base64-token rank lines
 
@@ -160,13 +160,15 @@ def _config(src: VocabSource, ctx: SourceContext) -> Any:
 
 @VOCAB_SOURCES.register("python")
 def _python(src: VocabSource, ctx: SourceContext) -> Any:
-    """The literal assigned to ``name`` at a module's top level, read with ``ast.literal_eval``
-    (the file is parsed, never run)."""
+    """The value assigned to ``name`` at a module's top level. The file is parsed, never run:
+    a value is a literal (``ast.literal_eval``), a name assigned such a value earlier, or a
+    ``+`` of those (``tokens = specials + ['a', 'b']``)."""
     path = Path(src.ref)
     try:
         tree = ast.parse(_text(path, src.where), str(path))
     except SyntaxError as e:
         raise TokenizerError(f"{src.where}: {path} is not Python: {e}") from None
+    known: dict[str, Any] = {}  # names bound to values read so far
     names: list[str] = []
     for node in tree.body:
         if isinstance(node, ast.Assign):
@@ -179,17 +181,40 @@ def _python(src: VocabSource, ctx: SourceContext) -> Any:
             if not isinstance(t, ast.Name):
                 continue
             names.append(t.id)
-            if t.id == src.name:
-                try:
-                    return ast.literal_eval(value)
-                except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
-                    raise TokenizerError(
-                        f"{src.where}: {src.name} in {path} is not a literal "
-                        "(only lists, dicts, strings and numbers are read)"
-                    ) from None
+            folded = _fold(value, known)
+            if folded is not _NOT_DATA:
+                known[t.id] = folded
+            elif t.id == src.name:
+                raise TokenizerError(
+                    f"{src.where}: {src.name} in {path} is not data (read: literals, names "
+                    "assigned literals before, and + of them)"
+                )
+            else:
+                known.pop(t.id, None)
+    if src.name in known:
+        return known[src.name]
     raise TokenizerError(
         f"{src.where}: {path} assigns no {src.name!r} at its top level; it assigns {names[:20]}"
     )
+
+
+_NOT_DATA = object()
+
+
+def _fold(node: ast.expr, known: dict[str, Any]) -> Any:
+    """A literal, a known name, or a + of those; ``_NOT_DATA`` for anything else."""
+    if isinstance(node, ast.Name):
+        return known.get(node.id, _NOT_DATA)
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
+        left, right = _fold(node.left, known), _fold(node.right, known)
+        if left is _NOT_DATA or right is _NOT_DATA:
+            return _NOT_DATA
+        same = type(left) is type(right) and isinstance(left, list | tuple | str)
+        return left + right if same else _NOT_DATA
+    try:
+        return ast.literal_eval(node)
+    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+        return _NOT_DATA
 
 
 @VOCAB_SOURCES.register("pickle")

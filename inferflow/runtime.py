@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from inferflow.engine.beam import Hypothesis
-from inferflow.engine.classify import classify_batch, probabilities
+from inferflow.engine.classify import classify_batch, classify_head, probabilities
 from inferflow.engine.embed import embed_batch, resolve_pooling
 from inferflow.engine.generate import StepOutput, generate_tokens
 from inferflow.engine.sampling import SamplingParams
@@ -264,7 +264,8 @@ class LanguageModel:
             ids.append(i)
             types.append(t or [0] * len(i))
         pairs = any(isinstance(x, tuple) for x in inputs)
-        return probabilities(classify_batch(self.model, ids, types if pairs else None))
+        logits = classify_batch(self.model, ids, types if pairs else None)
+        return probabilities(logits, classify_head(self.model).spans())
 
 
 def quant_for(spec: Spec, quant: str | None) -> QuantSpec | None:

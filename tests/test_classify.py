@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from inferflow.engine.classify import classify_batch, probabilities
-from inferflow.errors import RequestError
+from inferflow.errors import RequestError, SpecError
 from inferflow.model.build import load_model
 from inferflow.spec import load_spec
-from tests.conftest import CHECKPOINTS, save_models, spec_doc
+from tests.conftest import CHECKPOINTS, randomize, save_models, spec_doc
 from tests.test_seq2seq_parity import DISTILBERT, VOCAB
 from tests.test_seq2seq_parity import ENC as ENCODER
 
@@ -281,3 +281,68 @@ def test_pooler_head_gives_berts_pooler_output(hf_models, write_spec) -> None:  
     # not a classifier: classify says so
     with pytest.raises(RequestError, match="has no classification head"):
         classify_batch(model, inputs)
+
+
+def test_head_norm_and_label_groups_match_plain_torch(tmp_path: Path, write_spec) -> None:  # noqa: ANN001
+    """A head that normalises the mean-pooled vector (``LayerNorm(mean(h))``, nanochat / SetFit
+    style) before an output of two independent choices (``groups: [3, 2]``), against the same
+    written with plain torch modules on transformers' BertModel; the groups' sizes must add up
+    to the labels."""
+    from safetensors.torch import save_file
+
+    labels = {0: "a", 1: "b", 2: "c", 3: "yes", 4: "no"}
+    torch.manual_seed(1)
+    body = tf.BertModel(
+        tf.BertConfig(**{**ENC, "num_labels": 5, "id2label": labels}), add_pooling_layer=False
+    ).eval()
+    randomize(body)
+    norm, out = (
+        torch.nn.LayerNorm(ENC["hidden_size"], eps=1e-6),
+        torch.nn.Linear(ENC["hidden_size"], 5),
+    )
+    randomize(norm)
+    body.config.save_pretrained(tmp_path)
+    tensors = {f"body.{k}": v for k, v in body.state_dict().items()}
+    tensors |= {f"norm.{k}": v for k, v in norm.state_dict().items()}
+    tensors |= {f"out.{k}": v for k, v in out.state_dict().items()}
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp_path / "model.safetensors"))
+    doc = {
+        "name": "normed-groups",
+        "base": "arch/bert",
+        "source": {"format": "hf", "files": [str(tmp_path)]},
+        "network": {
+            "head": {
+                "type": "classify",
+                "pooling": "mean",
+                "norm": "layer",
+                "norm_eps": 1e-6,
+                "groups": [3, 2],
+            },
+            "tensors": {
+                "prefix": "body.",
+                "map": {
+                    "norm.weight": "head.norm.weight",
+                    "norm.bias": "head.norm.bias",
+                    "out.weight": "head.out.weight",
+                    "out.bias": "head.out.bias",
+                },
+                "ignore": ["embeddings.position_ids"],
+            },
+        },
+    }
+    model = load_model(load_spec(write_spec(doc)))
+    inputs = [ids(n, n) for n in (9, 2, 17)]
+    got = classify_batch(model, inputs)
+    with torch.no_grad():
+        want = torch.stack(
+            [out(norm(body(torch.tensor([x])).last_hidden_state[0].mean(0))) for x in inputs]
+        )
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    probs = probabilities(got, model.head.spans())
+    torch.testing.assert_close(probs[:, :3], torch.softmax(want[:, :3], -1), rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(probs[:, 3:], torch.softmax(want[:, 3:], -1), rtol=1e-4, atol=1e-6)
+    doc["network"]["head"]["groups"] = [3, 3]
+    with pytest.raises(
+        SpecError, match=r"head.groups: \[3, 3\] add up to 6 outputs, but there are 5 labels"
+    ):
+        load_model(load_spec(write_spec(doc)))

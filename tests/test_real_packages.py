@@ -97,3 +97,63 @@ def test_tg2fa_translit_two_vocabularies_served(tmp_path: Path) -> None:
         back = httpx.post(f"{url}/detokenize", json={"tokens": ids}).json()["prompt"]
     assert texts == want
     assert back == "".join(fa_voc[i] for i in ids)
+
+
+# antibody variable domains (heavy and light chains of therapeutic antibodies, from their
+# published sequences), one with a missing stretch of residues
+ANTIBODIES = [
+    "EVQLVESGGGLVQPGGSLRLSCAASGFNIKDTYIHWVRQAPGKGLEWVARIYPTNGYTRYADSVKGRFTISADTSKNTAYLQMNSLRAEDTAVYYCSRWGGDGFYAMDYWGQGTLVTVSS",
+    "DIQMTQSPSSLSASVGDRVTITCRASQDVNTAVAWYQQKPGKAPKLLIYSASFLYSGVPSRFSGSRSGTDFTLTISSLQPEDFATYYCQQHYTTPPTFGQGTKVEIK",
+    "QVQLQQPGAELVKPGASVKMSCKASGYTFTSYNMHWVKQTPGRGLEWIGAIYPGNGDTSYNQKFKGKATLTADKSSSTAYMQLSSLTSEDSAVYYCARSTYYGGDWYFNVWGAGTTVTVSA",
+    "QIVLSQSPAILSASPGEKVTMTCRASSSVSYIHWFQQKPGSSPKPWIYATSNLASGVPVRFSGSGSGTSYSLTISRVEAEDAATYYCQQWTSNPPTFGGGTKLEIK",
+    "EVQLVESGGGLVQPGGSLRLSCAASGYTFTNYGMNWVRQAPGKGLEWVGWINTYTGEPTYAADFKRRFTFSLDTSKSTAYLQMNSLRAEDTAVYYCAKYPHYYGSSHWYFDVWGQGTLVTVSS",
+    "EVQLVESGGGLVQPGGSLRLSCAASGFTFS[MASK][MASK][MASK]WVRQAPGKGLEWVS",
+]
+
+
+def test_antiberty_species_and_chain_served(tmp_path: Path) -> None:
+    """AntiBERTy's two heads as one classify head of two label groups: ``/v1/classify`` gives the
+    species and the chain that the package's ``AntiBERTyRunner.classify()`` predicts, and the
+    softmax of each head's logits; ``/tokenize`` the ids of the package's tokenizer."""
+    _package_dir("antiberty")
+    import transformers
+    from antiberty import AntiBERTy, AntiBERTyRunner
+    from antiberty.AntiBERTyRunner import VOCAB_FILE
+
+    init = AntiBERTy.__init__
+
+    def init_then_post_init(self: AntiBERTy, config: object) -> None:
+        init(self, config)  # transformers 5 needs post_init() after a model's own init
+        self.post_init()
+
+    AntiBERTy.__init__ = init_then_post_init  # type: ignore[method-assign]
+    try:
+        runner = AntiBERTyRunner()
+    finally:
+        AntiBERTy.__init__ = init  # type: ignore[method-assign]
+    # the package builds BertTokenizer(vocab_file=...), which transformers 5 ignores: the same
+    # tokenizer by the argument transformers 5 reads
+    runner.tokenizer = transformers.BertTokenizer(vocab=VOCAB_FILE, do_lower_case=False)
+    as_package = [s.replace("[MASK]", "_") for s in ANTIBODIES]  # its spelling of a gap
+    species, chains = runner.classify(as_package)
+    want_ids, want_probs = [], []
+    for s in as_package:
+        ids = runner.tokenizer(" ".join("[MASK]" if c == "_" else c for c in s)).input_ids
+        with torch.no_grad():
+            out = runner.model(input_ids=torch.tensor([ids]))
+        want_ids.append(ids)
+        want_probs.append(
+            torch.cat(
+                [torch.softmax(out.species_logits[0], -1), torch.softmax(out.chain_logits[0], -1)]
+            )
+        )
+    with run_server(tmp_path, spec="antiberty") as (url, _):
+        for s, ids in zip(ANTIBODIES, want_ids, strict=True):
+            assert httpx.post(f"{url}/tokenize", json={"prompt": s}).json()["tokens"] == ids
+        resp = httpx.post(f"{url}/v1/classify", json={"input": ANTIBODIES})
+        assert resp.status_code == 200, resp.text
+        data = resp.json()["data"]
+    assert [d["labels"] for d in data] == [[a, b] for a, b in zip(species, chains, strict=True)]
+    assert [d["label"] for d in data] == species
+    for d, p in zip(data, want_probs, strict=True):
+        assert d["probs"] == pytest.approx(p.tolist(), rel=1e-4, abs=1e-6)

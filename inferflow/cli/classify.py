@@ -13,6 +13,7 @@ import argparse
 import json
 
 from inferflow.cli.common import add_dtype, read_lines
+from inferflow.engine.classify import best_labels, classify_head
 from inferflow.errors import RequestError
 from inferflow.runtime import load
 from inferflow.spec import load_spec
@@ -52,12 +53,14 @@ def run(args: argparse.Namespace) -> int:
             f"spec {spec.name!r} declares no classification head (network.head: {{type: classify}})"
         )
     lm = load(spec, args.dtype)
-    labels = lm.spec.hparams.labels
+    labels, spans = lm.spec.hparams.labels, classify_head(lm.model).spans()
     for p in lm.classify(inputs).tolist():
         if args.query is not None and len(p) == 1:
             print(json.dumps({"score": float(f"{p[0]:.9g}")}))
         else:
-            best = max(range(len(p)), key=p.__getitem__)
+            best = best_labels(p, labels, spans)
             probs = {label: float(f"{x:.9g}") for label, x in zip(labels, p, strict=True)}
-            print(json.dumps({"label": labels[best], "probs": probs}))
+            # one label per group (a head of several independent choices: "labels" too)
+            line = {"label": best[0], **({"labels": best} if len(best) > 1 else {})}
+            print(json.dumps({**line, "probs": probs}))
     return 0

@@ -61,6 +61,18 @@ def classify_batch(
     return out
 
 
-def probabilities(logits: torch.Tensor) -> torch.Tensor:
-    """Per-label probabilities (softmax), or for one label its sigmoid (a relevance score)."""
-    return torch.sigmoid(logits) if logits.shape[-1] == 1 else torch.softmax(logits, dim=-1)
+def probabilities(logits: torch.Tensor, spans: list[range] | None = None) -> torch.Tensor:
+    """Per-label probabilities: a softmax over each label group's outputs (``spans``; default:
+    one group of all), or for a group of one label its sigmoid (a relevance score)."""
+    out = torch.empty_like(logits)
+    for r in spans or [range(logits.shape[-1])]:
+        part = logits[..., r.start : r.stop]
+        out[..., r.start : r.stop] = (
+            torch.sigmoid(part) if len(r) == 1 else torch.softmax(part, dim=-1)
+        )
+    return out
+
+
+def best_labels(probs: list[float], labels: tuple[str, ...], spans: list[range]) -> list[str]:
+    """Each group's most probable label."""
+    return [labels[max(r, key=probs.__getitem__)] for r in spans]

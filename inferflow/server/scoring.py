@@ -13,7 +13,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
-from inferflow.engine.classify import classify_batch, classify_head, probabilities
+from inferflow.engine.classify import best_labels, classify_batch, classify_head, probabilities
 from inferflow.errors import RequestError
 from inferflow.model.batch import check_inputs
 from inferflow.runtime import LanguageModel
@@ -39,10 +39,11 @@ def add_scoring_routes(app: FastAPI, state: ServerState, auth: bool) -> None:
         def run(batch: list[list[int]], stop: Callable[[], bool]) -> Any:
             lm = state.lm
             assert lm is not None
+            spans = classify_head(lm.model).spans()
             if not pairs:
-                return probabilities(classify_batch(lm.model, batch)).tolist()
+                return probabilities(classify_batch(lm.model, batch), spans).tolist()
             ids, types = [x[: len(x) // 2] for x in batch], [x[len(x) // 2 :] for x in batch]
-            return probabilities(classify_batch(lm.model, ids, types)).tolist()
+            return probabilities(classify_batch(lm.model, ids, types), spans).tolist()
 
         return run
 
@@ -54,15 +55,13 @@ def add_scoring_routes(app: FastAPI, state: ServerState, auth: bool) -> None:
         check_inputs(inputs, h.vocab_size, h.max_positions, "input")
         job = runner.batch(("classify",), inputs, score(False))
         probs = await until_disconnect(job, request.is_disconnected)
-        data = [
-            {
-                "index": i,
-                "label": labels[max(range(len(p)), key=p.__getitem__)],
-                "probs": p,
-                "num_classes": len(p),
-            }
-            for i, p in enumerate(probs)
-        ]
+        spans = classify_head(lm.model).spans()
+        data = []
+        for i, p in enumerate(probs):
+            best = best_labels(p, labels, spans)
+            # a head of several independent choices: one label per group in "labels" too
+            many = {"labels": best} if len(best) > 1 else {}
+            data.append({"index": i, "label": best[0], **many, "probs": p, "num_classes": len(p)})
         used = sum(map(len, inputs))
         out = {
             "id": f"classify-{uuid.uuid4().hex}",

@@ -21,6 +21,7 @@ from inferflow.engine.embed import embed_batch, resolve_pooling
 from inferflow.engine.generate import StepOutput, generate_tokens
 from inferflow.engine.sampling import SamplingParams
 from inferflow.engine.search import SearchParams, StopCheck, beam_search
+from inferflow.engine.token_ids import final_hidden_states, token_logits
 from inferflow.engine.var_stream import stream_search
 from inferflow.errors import RequestError, SpecError
 from inferflow.model.batch import check_input
@@ -84,8 +85,18 @@ def tokenizer_for(spec: Spec, side: str = "target") -> Tokenizer | None:
 
 def require_tokenizer(spec: Spec, tok: Tokenizer | None) -> Tokenizer:
     if tok is None:
-        raise RequestError(f"spec {spec.name!r} declares no tokenizer: pass token ids")
+        raise RequestError(
+            f"spec {spec.name!r} declares no tokenizer: pass token ids (the CLI's --ids)"
+        )
     return tok
+
+
+def ids_from_text(text: str, where: str = "input") -> list[int]:
+    """Space-separated token ids (``"12 7 431"``); anything else is an error naming ``where``."""
+    try:
+        return [int(t) for t in text.split()]
+    except ValueError:
+        raise RequestError(f"{where}: not space-separated token ids: {text[:60]!r}") from None
 
 
 def encode_prompt(
@@ -129,12 +140,7 @@ class LanguageModel:
         if not ids:
             out = require_tokenizer(self.spec, self.input_tokenizer).encode(text)
         else:
-            try:
-                out = [int(t) for t in text.split()]
-            except ValueError:
-                raise RequestError(
-                    f"{where}: not space-separated token ids: {text[:60]!r}"
-                ) from None
+            out = ids_from_text(text, where)
         h = self.spec.encoder_hparams
         check_input(out, h.vocab_size, h.max_positions, where)
         return out
@@ -251,16 +257,34 @@ class LanguageModel:
         ]
         return embed_batch(self.model, ids, pooling, normalize)
 
-    def classify(self, inputs: Sequence[str | tuple[str, str]]) -> torch.Tensor:
-        """Label probabilities (B, labels) of texts or text pairs (a cross-encoder's (query,
-        document)), in packed batches; a one-label head gives sigmoid relevance scores
+    def logits(self, ids: list[int], source: list[int] | None = None) -> torch.Tensor:
+        """Teacher-forced logits (T, vocab) at each position of token ``ids`` (row t predicts
+        token t + 1); an encoder-decoder's are its decoder's, given the ``source`` ids."""
+        return token_logits(self.model, ids, source)
+
+    def hidden_states(self, ids: list[int]) -> torch.Tensor:
+        """Final hidden states (T, hidden) of token ``ids`` (an encoder-decoder: its encoder's
+        output for source ids)."""
+        return final_hidden_states(self.model, ids)
+
+    def classify_logits(self, inputs: Sequence[list[int]]) -> torch.Tensor:
+        """A classification head's logits (B, labels) of token-id inputs, before any softmax
+        (``classify`` gives the probabilities)."""
+        return classify_batch(self.model, [list(x) for x in inputs])
+
+    def classify(self, inputs: Sequence[str | tuple[str, str] | list[int]]) -> torch.Tensor:
+        """Label probabilities (B, labels) of texts, text pairs (a cross-encoder's (query,
+        document)) or token-id lists, in packed batches; a one-label head gives sigmoid relevance scores
         (``inferflow.engine.classify``). Labels: ``self.spec.hparams.labels``."""
         if isinstance(inputs, str):
             raise RequestError("classify takes a list of texts, got one string")
-        tok = self._tok()
         ids, types = [], []
         for x in inputs:
-            i, t = tok.encode_pair(*x) if isinstance(x, tuple) else (tok.encode(x), None)
+            if isinstance(x, list):  # token ids already
+                i, t = list(x), None
+            else:
+                tok = self._tok()
+                i, t = tok.encode_pair(*x) if isinstance(x, tuple) else (tok.encode(x), None)
             ids.append(i)
             types.append(t or [0] * len(i))
         pairs = any(isinstance(x, tuple) for x in inputs)

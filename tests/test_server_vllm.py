@@ -317,3 +317,30 @@ def test_sdk_conversation_appends_dumped_replies_with_tool_calls(
     got = httpx.post(f"{url}/tokenize", json={"messages": messages, "tools": tools}).json()
     want = _render(hf, plain, add_generation_prompt=True, tools=tools)
     assert got["tokens"] == want
+
+
+def test_return_token_ids_are_transformers_greedy_ids(url: str, hf: Any) -> None:
+    """vLLM's return_token_ids: each choice carries its prompt's ids and its output's ids (the
+    end token included), non-streamed and streamed, on completions and chat."""
+    _, tok = hf
+    prompt = "The three primary colours are"
+    ids = list(tok(prompt)["input_ids"])
+    want = greedy(hf, ids, 12)
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 12, "temperature": 0}
+    r = httpx.post(f"{url}/v1/completions", json={**body, "return_token_ids": True}).json()
+    choice = r["choices"][0]
+    assert choice["prompt_token_ids"] == ids and choice["token_ids"] == want
+    assert choice["text"] == tok.decode(want, skip_special_tokens=True)
+    plain = httpx.post(f"{url}/v1/completions", json=body).json()["choices"][0]
+    assert "token_ids" not in plain and "prompt_token_ids" not in plain
+    with httpx.stream(
+        "POST", f"{url}/v1/completions", json={**body, "return_token_ids": True, "stream": True}
+    ) as s:
+        events = [json.loads(x[6:]) for x in s.iter_lines() if x.startswith("data: {")]
+    assert [t for e in events for c in e["choices"] for t in c.get("token_ids", [])] == want
+    messages = [{"role": "user", "content": "Name an ocean."}]
+    chat_ids = _render(hf, messages, add_generation_prompt=True)
+    chat = {"model": MODEL, "messages": messages, "max_tokens": 8, "temperature": 0}
+    c = httpx.post(f"{url}/v1/chat/completions", json={**chat, "return_token_ids": True}).json()
+    assert c["choices"][0]["prompt_token_ids"] == chat_ids
+    assert c["choices"][0]["token_ids"] == greedy(hf, chat_ids, 8)

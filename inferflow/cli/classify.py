@@ -3,8 +3,9 @@ print label probabilities of a model with a classification head (``network.head`
 
 One JSON object a line, in input order: ``{"label": best, "probs": {label: p, ...}}``. With
 ``--query``, each ``--doc`` (and each line of ``--input``) is scored as the pair (query, doc)
-by a cross-encoder: ``{"score": p}`` (a one-label head's sigmoid). Inputs longer than the
-model's maximum length are an error, never truncated.
+by a cross-encoder: ``{"score": p}`` (a one-label head's sigmoid). A head of several label
+groups adds ``"labels"``, one per group. With ``--ids`` each input is space-separated token ids.
+Inputs longer than the model's maximum length are an error, never truncated.
 """
 
 from __future__ import annotations
@@ -12,10 +13,10 @@ from __future__ import annotations
 import argparse
 import json
 
-from inferflow.cli.common import add_dtype, read_lines
+from inferflow.cli.common import add_dtype, add_ids, read_lines, text_or_ids
 from inferflow.engine.classify import best_labels, classify_head
 from inferflow.errors import RequestError
-from inferflow.runtime import load
+from inferflow.runtime import ids_from_text, load
 from inferflow.spec import load_spec
 
 
@@ -30,6 +31,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--input", default=None, help="a file with one text (or doc) a line; - for stdin"
     )
+    add_ids(p, "each --text and --input line is")
     add_dtype(p)
     p.set_defaults(run=run)
 
@@ -40,7 +42,9 @@ def run(args: argparse.Namespace) -> int:
         raise RequestError("--doc needs --query (the text each document is scored against)")
     if args.query is not None and args.text:
         raise RequestError("--text and --query do not mix: classify texts or score pairs")
-    inputs: list[str | tuple[str, str]]
+    inputs: list[str | tuple[str, str] | list[int]]
+    if args.ids and args.query is not None:
+        raise RequestError("--ids and --query do not mix: a pair needs the tokenizer's template")
     if args.query is not None:
         inputs = [(args.query, d) for d in [*args.doc, *lines]]
     else:
@@ -52,7 +56,10 @@ def run(args: argparse.Namespace) -> int:
         raise RequestError(
             f"spec {spec.name!r} declares no classification head (network.head: {{type: classify}})"
         )
-    lm = load(spec, args.dtype)
+    tok = text_or_ids(spec, args.ids)
+    if args.ids:
+        inputs = [ids_from_text(str(t), f"input {n}") for n, t in enumerate(inputs, 1)]
+    lm = load(spec, args.dtype, tokenizer=tok)
     labels, spans = lm.spec.hparams.labels, classify_head(lm.model).spans()
     for p in lm.classify(inputs).tolist():
         if args.query is not None and len(p) == 1:

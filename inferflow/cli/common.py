@@ -10,6 +10,8 @@ from inferflow.errors import RequestError
 
 if TYPE_CHECKING:
     from inferflow.engine.speculative import SpecConfig
+    from inferflow.spec import Spec
+    from inferflow.tokenizer import Tokenizer
 
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "act8")
 
@@ -24,6 +26,24 @@ def add_dtype(p: argparse.ArgumentParser) -> None:
         "(faster; not exact, as llama.cpp's CPU kernels); float32: the exact mode; auto "
         "(default): act8 where some quantized layer has an integer path, else float32",
     )
+
+
+def add_ids(p: argparse.ArgumentParser, what: str) -> None:
+    p.add_argument(
+        "--ids",
+        action="store_true",
+        help=f"{what} space-separated token ids, not text (a model without a tokenizer takes "
+        "only these)",
+    )
+
+
+def text_or_ids(spec: Spec, ids: bool) -> Tokenizer | None:
+    """The tokenizer a command needs, made before any weight loads: text input needs one (a
+    spec without one fails here, pointing at --ids); ids need none."""
+    from inferflow.runtime import require_tokenizer, tokenizer_for
+
+    tok = tokenizer_for(spec)
+    return tok if ids else require_tokenizer(spec, tok)
 
 
 def read_lines(path: str) -> list[str]:

@@ -1,9 +1,10 @@
-"""``inferflow embed SPEC --text TEXT [--text ...] [--input FILE]``: print embeddings.
+"""``inferflow embed SPEC --text TEXT [--text ...] [--input FILE] [--ids]``: print embeddings.
 
 One JSON array a line, in input order (the --text values first, then the file's lines): the
 pooled vector, or under ``--pooling none`` an array of per-token vectors. Pooling and L2
 normalisation default to the spec's ``embeddings:`` (an encoder-only network without one: mean,
 normalised). Inputs longer than the model's maximum length are an error, never truncated.
+With ``--ids`` each input is space-separated token ids.
 """
 
 from __future__ import annotations
@@ -12,10 +13,10 @@ import argparse
 import json
 from typing import Any
 
-from inferflow.cli.common import add_dtype, read_lines
+from inferflow.cli.common import add_dtype, add_ids, read_lines, text_or_ids
 from inferflow.engine.embed import resolve_pooling
 from inferflow.errors import RequestError
-from inferflow.runtime import load
+from inferflow.runtime import ids_from_text, load
 from inferflow.spec import load_spec
 from inferflow.spec.types import POOLINGS
 
@@ -38,6 +39,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="skip the L2 normalisation the spec declares",
     )
+    add_ids(p, "each --text and --input line is")
     add_dtype(p)
     p.set_defaults(run=run)
 
@@ -56,7 +58,11 @@ def run(args: argparse.Namespace) -> int:
     spec = load_spec(args.spec)
     pooling, normalize = resolve_pooling(spec, args.pooling, args.normalize)
     # after the cheap checks: bad input fails before weights load
-    lm = load(spec, args.dtype)
-    for v in lm.embed(texts, pooling, normalize):
+    tok = text_or_ids(spec, args.ids)
+    inputs: list[str | list[int]] = list(texts)
+    if args.ids:
+        inputs = [ids_from_text(t, f"input {n}") for n, t in enumerate(texts, 1)]
+    lm = load(spec, args.dtype, tokenizer=tok)
+    for v in lm.embed(inputs, pooling, normalize):
         print(json.dumps(_short(v.tolist())))
     return 0

@@ -1,4 +1,8 @@
-"""``inferflow generate SPEC --prompt TEXT``: stream a completion to the terminal."""
+"""``inferflow generate SPEC --prompt TEXT``: stream a completion to the terminal.
+
+``--prompt -`` reads the prompt from stdin. With ``--ids`` the prompt is space-separated token
+ids and the output is printed as ids (a model without a tokenizer takes only these).
+"""
 
 from __future__ import annotations
 
@@ -7,11 +11,11 @@ import json
 import sys
 import time
 
-from inferflow.cli.common import add_dtype, add_speculation, speculation
+from inferflow.cli.common import add_dtype, add_ids, add_speculation, speculation, text_or_ids
 from inferflow.engine.engine import Engine, EngineConfig
 from inferflow.engine.sampling import SamplingParams
-from inferflow.errors import InferflowError
-from inferflow.runtime import encode_prompt, load, quant_for, require_tokenizer, tokenizer_for
+from inferflow.errors import InferflowError, RequestError
+from inferflow.runtime import encode_prompt, ids_from_text, load, quant_for
 from inferflow.spec import Spec, load_spec
 
 # extra sampling flags: (flag, type, help); each maps to the SamplingParams field of its name
@@ -71,7 +75,12 @@ def sampling_params(args: argparse.Namespace, spec: Spec) -> SamplingParams:
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="generate text from a prompt", description=__doc__)
     p.add_argument("spec", help="spec file path or built-in spec name")
-    p.add_argument("--prompt", required=True, help="prompt text (a raw completion unless --chat)")
+    p.add_argument(
+        "--prompt",
+        required=True,
+        help="prompt text (a raw completion unless --chat); - reads it from stdin",
+    )
+    add_ids(p, "--prompt is")
     add_sampling(p)
     add_speculation(p)
     p.add_argument(
@@ -95,8 +104,15 @@ def run(args: argparse.Namespace) -> int:
     # every check that needs no weights first: a bad --quant, a missing chat template, a prompt
     # the tokenizer cannot take fail before anything loads
     quant_for(spec, args.quant)
-    tok = require_tokenizer(spec, tokenizer_for(spec))
-    prompt_ids = encode_prompt(tok, args.prompt, chat=args.chat, system=args.system)
+    if args.ids and args.chat:
+        raise RequestError("--ids and --chat do not mix: the chat template renders text")
+    tok = text_or_ids(spec, args.ids)
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    if args.ids:
+        prompt_ids = ids_from_text(prompt, "--prompt")
+    else:
+        assert tok is not None
+        prompt_ids = encode_prompt(tok, prompt, chat=args.chat, system=args.system)
     if not prompt_ids:
         what = "the chat template renders it as no text" if args.chat else "it has no tokens"
         raise InferflowError(f"--prompt: {what}")
@@ -113,7 +129,8 @@ def run(args: argparse.Namespace) -> int:
         ids += step.token_ids
         text, reason = text + step.text, step.finish_reason
         if not args.json:
-            sys.stdout.write(step.text)
+            shown = "".join(f"{t} " for t in step.token_ids) if args.ids else step.text
+            sys.stdout.write(shown)
             sys.stdout.flush()
     elapsed = time.perf_counter() - t0
     if args.json:

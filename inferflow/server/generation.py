@@ -40,6 +40,7 @@ class Choice:
     finish_reason: str | None = None
     logprobs: list[Any] = field(default_factory=list)  # per output, its OpenAI logprobs part
     error: str | None = None  # finish reason "error" of the request's own making: why
+    ids: list[int] = field(default_factory=list)  # the output's token ids
 
 
 class Generation:
@@ -56,11 +57,16 @@ class Generation:
         generate: bool = True,
         tools: CallParser | None = None,
         request_id: str | None = None,
+        token_ids: bool = False,
     ) -> None:
         """``echo``: per prompt, what its choices start with (completions' echo and
         prompt_logprobs); ``generate`` False (max_tokens 0): no engine request, each choice
         is its echo, finished ("length"); ``tools``: how tool calls are parsed out of chat
-        replies into ``tool_calls``; ``request_id``: the client's, in the response's id."""
+        replies into ``tool_calls``; ``request_id``: the client's, in the response's id;
+        ``token_ids``: each choice carries its prompt's and its output's token ids (vLLM's
+        return_token_ids; always, for a model without a tokenizer)."""
+        self.token_ids = token_ids or tokenizer is None
+        self.prompts = prompts
         self.tools = tools
         self.runner, self.tok, self.model, self.chat = runner, tokenizer, model_name, chat
         self.fingerprint = fingerprint  # OpenAI's system_fingerprint
@@ -96,6 +102,7 @@ class Generation:
                 if out.prompt_token_ids is not None and out.index == 0:
                     self.cached_tokens += out.cached_tokens  # (once per prompt)
                 c.tokens += len(out.token_ids)
+                c.ids += out.token_ids
                 c.text += out.text
                 if out.finished:
                     c.finish_reason, c.error = out.finish_reason, out.error
@@ -205,6 +212,8 @@ class Generation:
         if not self.chat and self.echo and (e := self.echo[c.index // self.n]).prompt_logprobs:
             extra["prompt_logprobs"] = e.prompt_logprobs
         out = {"index": c.index, **body, "logprobs": lp, "finish_reason": reason}
+        if self.token_ids:
+            extra |= {"prompt_token_ids": self.prompts[c.index // self.n], "token_ids": c.ids}
         return {**out, **extra}
 
     async def sse(self, include_usage: bool) -> AsyncIterator[str]:
@@ -264,9 +273,11 @@ class Generation:
                 if self.chat
                 else {"text": text}
             )
+            ids = {"token_ids": list(out.token_ids)} if self.token_ids else {}
             yield sse_event(
                 self._envelope(
-                    [{"index": c.index, **part, "logprobs": lp, "finish_reason": reason}], True
+                    [{"index": c.index, **part, "logprobs": lp, "finish_reason": reason, **ids}],
+                    True,
                 )
             )
         if include_usage:

@@ -113,7 +113,6 @@ NOT_SERVED = {
     "return_tokens_as_token_ids": "not supported",
     "vllm_xargs": "not supported",
     "prompt_embeds": "not supported: send text or token ids",
-    "return_token_ids": "not supported yet: /tokenize gives a prompt's ids",
     "media_io_kwargs": "not supported: text-only models",
     "repetition_detection": "not supported: use repetition_penalty or stop strings",
     "enable_response_messages": "not supported",
@@ -132,7 +131,7 @@ NOT_SERVED = {
 # them): taken as "not set" too
 NOT_SERVED_DEFAULTS: dict[str, Any] = {
     "best_of": 1, "use_beam_search": False, "priority": 0, "return_tokens_as_token_ids": False,
-    "return_token_ids": False, "bad_words": [], "modalities": ["text"], "store": False,
+    "bad_words": [], "modalities": ["text"], "store": False,
 }  # fmt: skip
 
 
@@ -259,6 +258,9 @@ class GenerationBody(Body):
     cache_salt: Name | None = None
     # vLLM's: the response's id is made of it (chat: "chatcmpl-ID", completions: "cmpl-ID")
     request_id: Name | None = None
+    # vLLM's: each choice carries its prompt's and its output's token ids (always on for a
+    # model without a tokenizer: the ids are then its only output)
+    return_token_ids: bool | None = None
     # vLLM's: the text keeps the stop string that ended it; special tokens are dropped from the
     # text, or kept (and then, with spaces_between_special_tokens, set apart by spaces)
     include_stop_str_in_output: bool = False

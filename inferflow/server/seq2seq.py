@@ -102,9 +102,12 @@ async def complete(
         for j, hyp in enumerate(hs):
             generated += len(hyp.tokens)
             text, reason = _text(lm, hyp, stop)
-            choices.append(
-                {"index": i * body.n + j, "text": text, "logprobs": None, "finish_reason": reason}
-            )
+            choice = {"index": i * body.n + j, "text": text, "logprobs": None}
+            choice["finish_reason"] = reason
+            if body.return_token_ids or lm.tokenizer is None:  # (vLLM's return_token_ids)
+                choice["prompt_token_ids"] = sources[i]
+                choice["token_ids"] = hyp.tokens
+            choices.append(choice)
     prompt = sum(map(len, sources))
     usage: dict[str, Any] = {"prompt_tokens": prompt, "completion_tokens": generated}
     usage["total_tokens"] = prompt + generated

@@ -277,6 +277,7 @@ class ServerState:
                 generate=max_tokens != 0,
                 tools=tools.parser if tools is not None else None,
                 request_id=body.request_id,
+                token_ids=bool(body.return_token_ids),
             )
         except RequestError as e:
             if e.param == "prompt":

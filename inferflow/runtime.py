@@ -16,7 +16,12 @@ from typing import Any
 import torch
 
 from inferflow.engine.beam import Hypothesis
-from inferflow.engine.classify import classify_batch, classify_head, probabilities
+from inferflow.engine.classify import (
+    classify_batch,
+    classify_head,
+    probabilities,
+    token_classify_batch,
+)
 from inferflow.engine.embed import embed_batch, resolve_pooling
 from inferflow.engine.generate import StepOutput, generate_tokens
 from inferflow.engine.sampling import SamplingParams
@@ -271,6 +276,13 @@ class LanguageModel:
         """A classification head's logits (B, labels) of token-id inputs, before any softmax
         (``classify`` gives the probabilities)."""
         return classify_batch(self.model, [list(x) for x in inputs])
+
+    def token_classify(self, inputs: Sequence[str | list[int]]) -> list[torch.Tensor]:
+        """A ``token_classify`` head's label probabilities for every token (T_i, labels) of
+        texts or token-id lists (a text's tokens: ``self.tokenizer.encode(text)``)."""
+        ids = [list(x) if isinstance(x, list) else self._tok().encode(x) for x in inputs]
+        spans = classify_head(self.model).spans()
+        return [probabilities(x, spans) for x in token_classify_batch(self.model, ids)]
 
     def classify(self, inputs: Sequence[str | tuple[str, str] | list[int]]) -> torch.Tensor:
         """Label probabilities (B, labels) of texts, text pairs (a cross-encoder's (query,

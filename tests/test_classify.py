@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from inferflow.engine.classify import classify_batch, probabilities
+from inferflow.engine.classify import classify_batch, probabilities, token_classify_batch
 from inferflow.errors import RequestError, SpecError
 from inferflow.model.build import load_model
 from inferflow.spec import load_spec
@@ -346,3 +346,104 @@ def test_head_norm_and_label_groups_match_plain_torch(tmp_path: Path, write_spec
         SpecError, match=r"head.groups: \[3, 3\] add up to 6 outputs, but there are 5 labels"
     ):
         load_model(load_spec(write_spec(doc)))
+
+
+TAGS = {0: "O", 1: "B-PER", 2: "I-PER", 3: "B-LOC"}
+
+
+@pytest.fixture(scope="module")
+def token_classifier(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
+    """A tiny random BertForTokenClassification and a spec of it whose tokenizer is an inline
+    word-level vocabulary: (transformers model, spec path, vocabulary)."""
+    torch.manual_seed(2)
+    ref = tf.BertForTokenClassification(
+        tf.BertConfig(**{**ENC, "num_labels": 4, "id2label": TAGS})
+    ).eval()
+    randomize(ref)
+    d = tmp_path_factory.mktemp("token-classifier")
+    ref.save_pretrained(d)
+    words = ["[UNK]", "[CLS]", "[SEP]", "alice", "lives", "in", "paris", "bob", "smith", "."]
+    spec = d / "spec.yaml"
+    spec.write_text(
+        "name: tiny-tagger\nbase: arch/bert\n"
+        f"source: {{format: hf, files: ['{d}']}}\n"
+        "tokenizer:\n"
+        "  normalizer: {type: lowercase}\n"
+        "  pre_tokenizer: {type: whitespace}\n"
+        f"  model: {{type: wordlevel, vocab: {{list: {words}}}, unk: '[UNK]'}}\n"
+        "  specials: {bos: '[CLS]', eos: '[SEP]'}\n"
+        "  template: '[CLS] $A [SEP]'\n"
+        "network:\n"
+        "  head: {type: token_classify}\n"
+        "  tensors:\n"
+        "    prefix: bert.\n"
+        "    map: {classifier.weight: head.out.weight, classifier.bias: head.out.bias}\n"
+    )
+    return ref, spec, {w: i for i, w in enumerate(words)}
+
+
+def test_token_classify_matches_transformers(token_classifier) -> None:  # noqa: ANN001
+    """``token_classify``: logits for every token equal BertForTokenClassification's, packed
+    batches equal each input alone; a whole-input call says what the head does."""
+    ref, spec, _ = token_classifier
+    model = load_model(load_spec(spec))
+    inputs = [ids(n, n) for n in (7, 1, 30)]
+    got = token_classify_batch(model, inputs)
+    for x, g in zip(inputs, got, strict=True):
+        with torch.no_grad():
+            want = ref(torch.tensor([x])).logits[0]
+        torch.testing.assert_close(g, want, rtol=1e-4, atol=1e-5)
+    for a, b in zip(token_classify_batch(model, inputs, max_batch_tokens=8), got, strict=True):
+        torch.testing.assert_close(a, b)
+    with pytest.raises(RequestError, match="labels every token"):
+        classify_batch(model, inputs)
+
+
+def test_token_classify_served(token_classifier, tmp_path: Path) -> None:  # noqa: ANN001
+    """``/v1/classify`` of a token_classify model: each token's label and probabilities."""
+    import httpx
+
+    from tests.serving import run_server
+
+    ref, spec, vocab = token_classifier
+    texts = ["Alice lives in Paris .", "bob smith lives in paris"]
+    with run_server(tmp_path, spec=str(spec)) as (url, _):
+        r = httpx.post(f"{url}/v1/classify", json={"input": texts})
+    assert r.status_code == 200, r.text
+    for text, d in zip(texts, r.json()["data"], strict=True):
+        x = [1, *(vocab.get(w.lower(), 0) for w in text.split()), 2]
+        with torch.no_grad():
+            want = torch.softmax(ref(torch.tensor([x])).logits[0], -1)
+        assert d["token_ids"] == x
+        assert d["labels"] == [TAGS[int(i)] for i in want.argmax(-1)]
+        torch.testing.assert_close(torch.tensor(d["probs"]), want, rtol=1e-4, atol=1e-6)
+
+
+def test_decoder_score_head_matches_transformers(tmp_path: Path, write_spec) -> None:  # noqa: ANN001
+    """A decoder's sequence classifier (LlamaForSequenceClassification: ``score`` on the last
+    token's state, no bias) as a classify head with pooling last."""
+    torch.manual_seed(3)
+    cfg = tf.LlamaConfig(
+        hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=VOCAB, num_hidden_layers=2, max_position_embeddings=64, num_labels=3,
+        id2label={0: "neg", 1: "neutral", 2: "pos"}, pad_token_id=None,
+    )  # fmt: skip
+    ref = tf.LlamaForSequenceClassification(cfg).eval()
+    randomize(ref)
+    ref.save_pretrained(tmp_path)
+    doc = {
+        "name": "tiny-llama-classifier",
+        "base": "arch/llama",
+        "source": {"format": "hf", "files": [str(tmp_path)]},
+        "network": {
+            "head": {"type": "classify", "pooling": "last", "bias": False},
+            "output": {"tied": True},  # (no lm_head: the logits are the score's)
+            "tensors": {"map": {"score.weight": "head.out.weight"}},
+        },
+    }
+    model = load_model(load_spec(write_spec(doc)))
+    inputs = [ids(n, n) for n in (11, 3, 25)]
+    got = classify_batch(model, inputs)
+    with torch.no_grad():
+        want = torch.cat([ref(torch.tensor([x])).logits for x in inputs])
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)

@@ -13,6 +13,12 @@ outputs are several independent choices (e.g. ``[6, 2]``: a 6-way and a 2-way on
 softmax of its own over its labels (the labels listed group after group); served as one label
 per group.
 
+``token_classify``: the same layers on every token's final state, a label (per group) for each
+token (``*ForTokenClassification``: taggers, NER).
+
+A decoder-only network takes ``classify`` too, pooling ``last`` (``*ForSequenceClassification``
+of decoders: the ``score`` layer on the last token's state).
+
 ``pooler``: the same pooling and dense layer without an output (BERT's ``pooler_output``); a
 model with one serves that vector as its embedding.
 """
@@ -38,11 +44,7 @@ def _dense_choices() -> list[str]:
 
 
 @dataclass(frozen=True)
-class PoolerOptions(Options):
-    pooling: Literal["cls", "mean", "last"] = field(
-        default="cls",
-        metadata={"doc": "cls: the first token's state; mean: over the tokens; last: the last"},
-    )
+class DenseOptions(Options):
     dense: str = field(
         default="tanh",
         metadata={
@@ -53,8 +55,19 @@ class PoolerOptions(Options):
     )
 
 
+_POOLING: Any = field(
+    default="cls",
+    metadata={"doc": "cls: the first token's state; mean: over the tokens; last: the last"},
+)
+
+
 @dataclass(frozen=True)
-class ClassifyOptions(PoolerOptions):
+class PoolerOptions(DenseOptions):
+    pooling: Literal["cls", "mean", "last"] = _POOLING
+
+
+@dataclass(frozen=True)
+class TokenClassifyOptions(DenseOptions):
     dense: str = field(
         default="none",
         metadata={
@@ -67,7 +80,8 @@ class ClassifyOptions(PoolerOptions):
     norm: str = field(
         default="none",
         metadata={
-            "doc": "a norm on the pooled vector, before the dense and output layers (none: no norm)",
+            "doc": "a norm on the pooled vector (token_classify: each token's), before the "
+            "dense and output layers (none: no norm)",
             "choices": lambda: ["none", *NORMS.names()],
         },
     )
@@ -87,6 +101,11 @@ class ClassifyOptions(PoolerOptions):
     )
 
 
+@dataclass(frozen=True)
+class ClassifyOptions(TokenClassifyOptions):
+    pooling: Literal["cls", "mean", "last"] = _POOLING
+
+
 def pool(h: torch.Tensor, pooling: str) -> torch.Tensor:
     """One input's hidden states (T, hidden) -> (hidden,)."""
     if pooling == "mean":
@@ -98,12 +117,14 @@ class PoolerHead(nn.Module):
     """``pooler``: BERT's pooler output (dense + tanh on the [CLS] state), served as the
     model's embedding (``/v1/embeddings``, ``inferflow embed``) in place of plain pooling."""
 
-    Options = PoolerOptions
+    Options: type[DenseOptions] = PoolerOptions
+
+    per_token = False  # token_classify: a result for every token, no pooling
 
     def __init__(self, hidden: int, labels: tuple[str, ...], options: object) -> None:
         super().__init__()
-        assert isinstance(options, PoolerOptions)
-        self.pooling = options.pooling
+        assert isinstance(options, DenseOptions)
+        self.pooling: str = getattr(options, "pooling", "none")
         self.dense = Linear(hidden, hidden, bias=True) if options.dense != "none" else None
         self.act = ACTIVATIONS.get(options.dense) if options.dense != "none" else None
 
@@ -118,11 +139,11 @@ class PoolerHead(nn.Module):
 
 
 class ClassifyHead(PoolerHead):
-    Options = ClassifyOptions
+    Options: type[DenseOptions] = ClassifyOptions
 
     def __init__(self, hidden: int, labels: tuple[str, ...], options: object) -> None:
         super().__init__(hidden, labels, options)
-        assert isinstance(options, ClassifyOptions)
+        assert isinstance(options, TokenClassifyOptions)
         if not labels:
             raise SpecError(
                 "network.head: the checkpoint declares no labels (config.json id2label); set "
@@ -152,6 +173,15 @@ class ClassifyHead(PoolerHead):
         return [range(a, a + n) for a, n in zip(starts, self.groups, strict=True)]
 
 
+class TokenClassifyHead(ClassifyHead):
+    """``token_classify``: a label for every token (taggers, NER: ``*ForTokenClassification``),
+    the same layers on each token's final state."""
+
+    Options = TokenClassifyOptions
+    per_token = True
+
+
 HEADS: Registry[type[PoolerHead]] = Registry("head")
 HEADS.add("classify", ClassifyHead)
+HEADS.add("token_classify", TokenClassifyHead)
 HEADS.add("pooler", PoolerHead)

@@ -60,7 +60,15 @@ def run(args: argparse.Namespace) -> int:
     if args.ids:
         inputs = [ids_from_text(str(t), f"input {n}") for n, t in enumerate(inputs, 1)]
     lm = load(spec, args.dtype, tokenizer=tok)
-    labels, spans = lm.spec.hparams.labels, classify_head(lm.model).spans()
+    labels, head = lm.spec.hparams.labels, classify_head(lm.model)
+    spans = head.spans()
+    if head.per_token:  # a label (per group) for every token
+        if args.query is not None:
+            raise RequestError("--query: this model labels tokens, not (query, doc) pairs")
+        for x in lm.token_classify([x for x in inputs if not isinstance(x, tuple)]):
+            tags = [best_labels(t, labels, spans) for t in x.tolist()]
+            print(json.dumps({"labels": [t[0] if len(t) == 1 else t for t in tags]}))
+        return 0
     for p in lm.classify(inputs).tolist():
         if args.query is not None and len(p) == 1:
             print(json.dumps({"score": float(f"{p[0]:.9g}")}))

@@ -10,18 +10,21 @@ sigmoid of its logit, as sentence-transformers' CrossEncoder and vLLM's score AP
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 
 from inferflow.blocks.head import ClassifyHead, pool
 from inferflow.engine.embed import MAX_BATCH_TOKENS, passes
 from inferflow.errors import RequestError
-from inferflow.model.batch import check_inputs, packed
+from inferflow.model.batch import FlatBatch, check_inputs, packed
+from inferflow.model.decoder import DecoderOnly
 from inferflow.model.encoder import EncoderOnly
 from inferflow.model.network import Network
 
 
 def classify_head(model: Network) -> ClassifyHead:
-    head = model.head if isinstance(model, EncoderOnly) else None
+    head = getattr(model, "head", None) if isinstance(model, EncoderOnly | DecoderOnly) else None
     if not isinstance(head, ClassifyHead):
         raise RequestError(
             f"model {model.spec.name!r} has no classification head: its spec declares no "
@@ -30,16 +33,14 @@ def classify_head(model: Network) -> ClassifyHead:
     return head
 
 
-@torch.inference_mode()
-def classify_batch(
+def _passes(
     model: Network,
     inputs: list[list[int]],
-    types: list[list[int]] | None = None,
-    max_batch_tokens: int = MAX_BATCH_TOKENS,
-) -> torch.Tensor:
-    """Logits (B, labels), float32, of token-id inputs (``types``: each token's segment)."""
-    head, h = classify_head(model), model.spec.hparams
-    assert isinstance(model, EncoderOnly)
+    types: list[list[int]] | None,
+    max_batch_tokens: int,
+) -> Iterator[tuple[list[int], FlatBatch, torch.Tensor]]:
+    """(input indices, their packed batch, its final hidden states) per forward pass."""
+    h = model.spec.hparams
     if not inputs:
         raise RequestError("no inputs: give at least one")
     check_inputs(inputs, h.vocab_size, h.max_positions, "input")
@@ -50,14 +51,49 @@ def classify_batch(
                 f"model {model.spec.name!r} takes token types below {limit}: it cannot tell the "
                 "two texts of a pair apart"
             )
-    out = torch.empty(len(inputs), len(head.labels))
     for idx in passes(inputs, max_batch_tokens):
         batch = packed([inputs[i] for i in idx], None if types is None else [types[i] for i in idx])
-        states = model.hidden_states(batch)
+        yield idx, batch, model.hidden_states(batch)  # type: ignore[attr-defined]
+
+
+@torch.inference_mode()
+def classify_batch(
+    model: Network,
+    inputs: list[list[int]],
+    types: list[list[int]] | None = None,
+    max_batch_tokens: int = MAX_BATCH_TOKENS,
+) -> torch.Tensor:
+    """Logits (B, labels), float32, of token-id inputs (``types``: each token's segment)."""
+    head = classify_head(model)
+    if head.per_token:
+        raise RequestError(
+            f"model {model.spec.name!r} labels every token (network.head: token_classify): "
+            "its results are per token"
+        )
+    out = torch.empty(len(inputs), len(head.labels))
+    for idx, batch, states in _passes(model, inputs, types, max_batch_tokens):
         pooled = torch.stack(
             [pool(states[s.start : s.start + s.length], head.pooling) for s in batch.seqs]
         )
         out[idx] = head(pooled).float()
+    return out
+
+
+@torch.inference_mode()
+def token_classify_batch(
+    model: Network, inputs: list[list[int]], max_batch_tokens: int = MAX_BATCH_TOKENS
+) -> list[torch.Tensor]:
+    """Each input's per-token logits (T_i, labels), float32 (a ``token_classify`` head)."""
+    head = classify_head(model)
+    if not head.per_token:
+        raise RequestError(
+            f"model {model.spec.name!r} labels whole inputs (network.head: classify), not tokens"
+        )
+    out: list[torch.Tensor] = [torch.empty(0)] * len(inputs)
+    for idx, batch, states in _passes(model, inputs, None, max_batch_tokens):
+        logits = head(states).float()
+        for i, s in zip(idx, batch.seqs, strict=True):
+            out[i] = logits[s.start : s.start + s.length]
     return out
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from inferflow.blocks.head import HEADS
 from inferflow.model.batch import FlatBatch
 from inferflow.model.stack import Stack, StackPart
 from inferflow.spec.types import Spec
@@ -23,6 +24,14 @@ class DecoderOnly(nn.Module):
         # (head, embedding) module paths: quantization may give a tied head its own weight
         tied = spec.network.output.tied and (part is None or part.head)
         self.tied_outputs = [("dec.output", "dec.tok_embed")] if tied else []
+        # a task head (network.head: classify on the last token, a decoder's
+        # *ForSequenceClassification): its parameters are head.*
+        net, h = spec.network, spec.hparams
+        self.head = (
+            HEADS.get(net.head)(h.hidden, h.labels, net.head_options)
+            if net.head and part is None
+            else None
+        )
 
     def kv_geometry(self) -> tuple[int, int, int]:
         """(layers, KV heads, head dim) this model keeps K/V for: the KV cache's shape."""

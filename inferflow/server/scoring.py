@@ -13,7 +13,13 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
-from inferflow.engine.classify import best_labels, classify_batch, classify_head, probabilities
+from inferflow.engine.classify import (
+    best_labels,
+    classify_batch,
+    classify_head,
+    probabilities,
+    token_classify_batch,
+)
 from inferflow.errors import RequestError
 from inferflow.model.batch import check_inputs
 from inferflow.runtime import LanguageModel
@@ -39,7 +45,12 @@ def add_scoring_routes(app: FastAPI, state: ServerState, auth: bool) -> None:
         def run(batch: list[list[int]], stop: Callable[[], bool]) -> Any:
             lm = state.lm
             assert lm is not None
-            spans = classify_head(lm.model).spans()
+            head = classify_head(lm.model)
+            spans = head.spans()
+            if head.per_token:  # each input's per-token probabilities
+                return [
+                    probabilities(x, spans).tolist() for x in token_classify_batch(lm.model, batch)
+                ]
             if not pairs:
                 return probabilities(classify_batch(lm.model, batch), spans).tolist()
             ids, types = [x[: len(x) // 2] for x in batch], [x[len(x) // 2 :] for x in batch]
@@ -55,9 +66,16 @@ def add_scoring_routes(app: FastAPI, state: ServerState, auth: bool) -> None:
         check_inputs(inputs, h.vocab_size, h.max_positions, "input")
         job = runner.batch(("classify",), inputs, score(False))
         probs = await until_disconnect(job, request.is_disconnected)
-        spans = classify_head(lm.model).spans()
+        head = classify_head(lm.model)
+        spans = head.spans()
         data = []
         for i, p in enumerate(probs):
+            if head.per_token:  # token_classify: a label (per group) and probabilities per token
+                per = [best_labels(t, labels, spans) for t in p]
+                tags = [b[0] if len(b) == 1 else b for b in per]
+                row = {"token_ids": inputs[i], "labels": tags, "probs": p}
+                data.append({"index": i, **row, "num_classes": len(labels)})
+                continue
             best = best_labels(p, labels, spans)
             # a head of several independent choices: one label per group in "labels" too
             many = {"labels": best} if len(best) > 1 else {}

@@ -90,3 +90,42 @@ def test_each_gate_needs_its_tensors(tmp_path: Path, gates: dict[str, bool]) -> 
 
     with pytest.raises(WeightBindingError, match="gates.0.(attn|mix)"):
         load_model(load_spec(_spec(tmp_path, _llama(), gates)))
+
+
+def test_per_layer_vectors_give_each_layer_its_element(tmp_path: Path) -> None:
+    """Per-layer scalars stored as one [n_layers] vector (and the mixes as [n_layers, 2]):
+    ``per_layer: true`` gives layer i element i, the same logits as one tensor per layer; a
+    vector of the wrong length is an error naming both lengths."""
+    from inferflow.errors import WeightBindingError
+
+    model = _llama()
+    model.config._attn_implementation = "eager"
+    per = _gates()
+    stacked = {
+        f"gates.{k}": torch.stack([per[f"gates.{i}.{k}"] for i in range(LAYERS)])
+        for k in ("mix", "attn", "ffn")
+    }
+    network = {
+        "gates": GATES,
+        "tensors": {
+            "preset": "hf_llama",
+            "map": {
+                "gates.mix": {"to": "dec.{i}.mix", "per_layer": True},
+                "gates.attn": {"to": "dec.{i}.attn_gate", "per_layer": True},
+                "gates.ffn": {"to": "dec.{i}.ffn_gate", "per_layer": True},
+            },
+        },
+    }
+    ids = torch.tensor([3, 1, 4, 1, 5, 9, 2, 6])
+    with torch.no_grad():
+        want = _reference(model, ids, per)
+    ours = load_model(
+        load_spec(_write(tmp_path, model, {**model.state_dict(), **stacked}, network))
+    )
+    got = all_logits(ours, ids)
+    assert (got - want).abs().max() <= 1e-4 * want.abs().max()
+    short = {**stacked, "gates.attn": stacked["gates.attn"][:1]}
+    with pytest.raises(
+        WeightBindingError, match=r"shape \[1\] gives one value per layer .* 2 layers"
+    ):
+        load_model(load_spec(_write(tmp_path, model, {**model.state_dict(), **short}, network)))

@@ -94,6 +94,13 @@ class SinusoidalOptions(_Options):
         default="fairseq",
         metadata={"doc": "fairseq: frequencies 10000^(-i/(d/2-1)); paper: 10000^(-2i/d)"},
     )
+    layout: Literal["halves", "interleaved"] = field(
+        default="halves",
+        metadata={
+            "doc": "halves: [sin | cos] (fairseq, HF); interleaved: sin, cos, sin, cos, ... "
+            "(the PyTorch tutorial's pe[:, 0::2] = sin, pe[:, 1::2] = cos)"
+        },
+    )
 
 
 class PositionBlock(nn.Module):
@@ -349,10 +356,12 @@ SINUSOIDAL_VARIANTS = ("fairseq", "paper")
 
 @POSITIONS.register("sinusoidal")
 class Sinusoidal(PositionBlock):
-    """Fixed [sin | cos] table; ``offset`` shifts positions (fairseq's padding_idx + 1).
+    """Fixed sinusoid table; ``offset`` shifts positions (fairseq's padding_idx + 1).
 
     Frequencies 10000^(-i / (d/2 - 1)) in the ``fairseq`` variant (fairseq, tensor2tensor,
     M2M100), 10000^(-2i / d) in the ``paper`` variant ("Attention is all you need", Marian).
+    ``layout``: the sines then the cosines (``halves``), or each frequency's sine and cosine
+    side by side (``interleaved``: PyTorch's nn.Transformer tutorial and its many copies).
     """
 
     freqs: torch.Tensor
@@ -362,7 +371,7 @@ class Sinusoidal(PositionBlock):
     def __init__(self, args: PositionArgs) -> None:
         super().__init__()
         o = args.options if isinstance(args.options, SinusoidalOptions) else SinusoidalOptions()
-        self.offset, variant = o.offset, o.variant
+        self.offset, variant, self.interleaved = o.offset, o.variant, o.layout == "interleaved"
         if variant not in SINUSOIDAL_VARIANTS:
             raise SpecError(
                 f"network.position.variant: {variant!r} is not one of: {', '.join(SINUSOIDAL_VARIANTS)}"
@@ -375,6 +384,8 @@ class Sinusoidal(PositionBlock):
 
     def embed(self, positions: torch.Tensor) -> torch.Tensor | None:
         ang = (positions + self.offset).float()[:, None] * self.freqs[None, :]
+        if self.interleaved:  # (N, half, 2) -> (N, hidden): sin_0, cos_0, sin_1, cos_1, ...
+            return torch.stack((ang.sin(), ang.cos()), dim=-1).flatten(1)
         return torch.cat((ang.sin(), ang.cos()), dim=-1)
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from inferflow.loaders import detect_format, open_files
+from inferflow.paths import resolve_ref
 from inferflow.spec.types import TensorsSpec
 
 _MAX_LIST = 8  # long arrays (vocabularies) are summarised
@@ -23,7 +24,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "inspect", help="list tensors and metadata of a checkpoint file", description=__doc__
     )
     p.add_argument(
-        "file", type=Path, help="GGUF, safetensors, pickle (.bin/.pt) file or HF model directory"
+        "file",
+        help="GGUF, safetensors, pickle (.bin/.pt) file or HF model directory (package://... too)",
     )
     p.add_argument("--json", action="store_true", help="print JSON")
     p.add_argument("--no-metadata", action="store_true", help="tensors only")
@@ -48,10 +50,12 @@ def run(args: argparse.Namespace) -> int:
 
         spec = load_spec(args.spec)
     where = _placement(spec.network.tensors) if spec else None
-    fmt = detect_format(args.file)
+    # a path as a spec writes one: package://<package>/<path>, ~/..., relative to here
+    path = resolve_ref(args.file, Path.cwd(), what="FILE")
+    fmt = detect_format(path)
     # (the spec's choice of a pickle's state dicts applies to its own format)
     keys = spec.source.keys if spec and fmt == spec.source.format else ()
-    src = open_files(fmt, [args.file], keys)
+    src = open_files(fmt, [path], keys)
     try:
         tensors = [
             {"name": n, "shape": list(src.shape(n)), "type": src.dtype_name(n)}

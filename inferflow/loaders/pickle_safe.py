@@ -111,6 +111,7 @@ class _Checkpoint:
         self.file.close()
 
     def _set_state_dict(self, obj: Any) -> None:
+        self.root = obj  # the whole top-level object (tensors as records): its other entries
         tensors, self.state_dict_key = find_state_dict(obj, self.path, self.keys)
         for name, rec in tensors.items():
             rec.check(name)
@@ -331,6 +332,32 @@ def open_checkpoint(path: str | Path, keys: Sequence[str] = ()) -> _Checkpoint:
         if str(path) in str(e):
             raise
         raise type(e)(f"{path}: {e}") from e  # the interpreter's errors do not know the file
+
+
+def read_config_dict(path: str | Path, key: str) -> dict[str, Any]:
+    """The plain values (numbers, strings, booleans, lists) of the dict at dotted top-level
+    ``key`` of a pickle checkpoint: hyperparameters a training script saved beside the
+    weights (nanoGPT's ``model_args``)."""
+    ck = open_checkpoint(path)
+    try:
+        obj: Any = getattr(ck, "root", None)
+        for part in key.split("."):
+            if not isinstance(obj, dict) or part not in obj:
+                have = (
+                    ", ".join(short_repr(k) for k in list(obj)[:20])
+                    if isinstance(obj, dict)
+                    else type(obj).__name__
+                )
+                raise CheckpointError(f"{path}: source.config key {key!r}: no {part!r} in {have}")
+            obj = obj[part]
+        if not isinstance(obj, dict):
+            raise CheckpointError(
+                f"{path}: source.config key {key!r} holds a {type(obj).__name__}, not a dict"
+            )
+        plain = (bool, int, float, str, list, tuple, type(None))
+        return {str(k): v for k, v in obj.items() if isinstance(v, plain)}
+    finally:
+        ck.close()
 
 
 class PickleSource:

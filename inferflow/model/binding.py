@@ -171,9 +171,10 @@ def _steps(b: Bound, t: torch.Tensor, heads: int = 0) -> torch.Tensor:
     """The map entry's steps, in their documented order (MapEntry)."""
     e, shape = b.entry, list(t.shape)
     if e.pick is not None:
-        if t.dim() < 2 or e.pick >= t.shape[0]:
+        if t.dim() < (1 if e.per_layer else 2) or e.pick >= t.shape[0]:
+            what = "layer" if e.per_layer else "expert"
             raise _Misfit(
-                f"{b.name}: expert {e.pick} of a stacked tensor of shape {shape} (the experts "
+                f"{b.name}: {what} {e.pick} of a stacked tensor of shape {shape} (the {what}s "
                 "along the first axis)"
             )
         t, shape = t[e.pick], shape[1:]
@@ -243,13 +244,24 @@ def _targets(
     layers: dict[str, list[int]],
     params: dict[str, nn.Parameter],
     stored: Sequence[int],
+    per_layer: bool = False,
 ) -> list[tuple[str, int | None]]:
     """(canonical name, pick) pairs: the name itself, every layer's when a shared source left
-    its ``{i}``, and every expert's, each picking its row of the stacked tensor, when a stacked
-    source left its ``{e}``."""
+    its ``{i}`` (``per_layer``: each picking its layer's element of the stored tensor), and
+    every expert's, each picking its row of the stacked tensor, when a stacked source left its
+    ``{e}``."""
     if "{i}" in canon:
         stack = canon.partition(".")[0]
-        names = [canon.replace("{i}", str(i)) for i in layers.get(stack, [])]
+        ids = layers.get(stack, [])
+        if per_layer:
+            total = max(ids, default=-1) + 1
+            if not stored or stored[0] != total:
+                raise _Misfit(
+                    f"per_layer: a tensor of shape {list(stored)} gives one value per layer "
+                    f"along its first axis, but {stack} has {total} layers"
+                )
+            return [(canon.replace("{i}", str(i)), i) for i in ids]
+        names = [canon.replace("{i}", str(i)) for i in ids]
     else:
         names = [canon]
     if "{e}" not in canon:
@@ -302,7 +314,9 @@ def plan_weights(
         used = False
         for use in uses:
             try:
-                targets = _targets(use.target, layers, params, source.shape(name))
+                targets = _targets(
+                    use.target, layers, params, source.shape(name), use.entry.per_layer
+                )
             except _Misfit as e:
                 errors.append(f"{name}: {e} (mapped by {use.origin})")
                 continue
@@ -321,6 +335,13 @@ def plan_weights(
                     errors.append(str(e))
         if used:
             plan.consumed.add(name)
+    for pattern in name_map.unmatched_ignores():  # a typo, or a template's entry this lacks
+        log.warning(
+            "network.tensors.ignore: %r matches no tensor of the checkpoint (names are matched "
+            "after the prefix %r; {i} stands for a layer index, * for any text)",
+            pattern,
+            name_map.prefix,
+        )
     for parts in plan.parts.values():  # row order: how stacked blocks are concatenated
         parts.sort(key=lambda b: 0 if b.target.rows is None else b.target.rows.start)
     _report(params, filled, errors, unused)

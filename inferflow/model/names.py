@@ -115,11 +115,16 @@ class NameMap:
         indexed = {k for k in table if "{i}" in k or "{e}" in k}
         self.exact = {k: v for k, v in table.items() if k not in indexed}
         self.rules = [(self._compile(k), v) for k, v in table.items() if k in indexed]
-        self.ignore = [self._compile(p) for p in tensors.ignore]
+        # ignore entries: {i} / {e} as in the map, and * for any run of characters (a glob)
+        self.ignore_patterns = tensors.ignore
+        self.ignore = [self._compile(p, glob=True) for p in tensors.ignore]
+        self.ignore_hits: set[int] = set()  # which ignore entries matched a tensor
 
     @staticmethod
-    def _compile(pattern: str) -> re.Pattern[str]:
+    def _compile(pattern: str, glob: bool = False) -> re.Pattern[str]:
         regex = re.escape(pattern)
+        if glob:
+            regex = regex.replace(r"\*", ".*")
         for key, placeholder in _INDEX.items():
             if pattern.count("{" + key + "}") > 1:
                 raise SpecError(f"network.tensors: {pattern!r} may hold at most one {{{key}}}")
@@ -142,4 +147,10 @@ class NameMap:
     def ignored(self, name: str) -> bool:
         if self.prefix and name.startswith(self.prefix):
             name = name[len(self.prefix) :]
-        return any(p.match(name) for p in self.ignore)
+        hits = [n for n, p in enumerate(self.ignore) if p.match(name)]
+        self.ignore_hits.update(hits)
+        return bool(hits)
+
+    def unmatched_ignores(self) -> list[str]:
+        """The ignore entries that matched no tensor so far."""
+        return [p for n, p in enumerate(self.ignore_patterns) if n not in self.ignore_hits]

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import fields, replace
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from inferflow.blocks import FFNS, HEADS, POSITIONS
+from inferflow.blocks import ACTIVATIONS, FFNS, HEADS, POSITIONS
 from inferflow.blocks.linear import EmbeddingOptions, OutputOptions
 from inferflow.blocks.options import NoOptions
 from inferflow.blocks.position import LearnedOptions
@@ -84,7 +84,8 @@ def load_spec(ref: str | Path, hparam_overrides: dict[str, Any] | None = None) -
     with open(path, "rb") as f:
         is_gguf = f.read(4) == GGUF_MAGIC
     doc = gguf_spec_doc(path) if is_gguf else read_doc(path)
-    return parse_spec(doc, path.parent, path, hparam_overrides)
+    leaf = {} if is_gguf else _read_yaml(path)
+    return parse_spec(doc, path.parent, path, hparam_overrides, Pinned.of(leaf))
 
 
 def gguf_templates() -> list[str]:
@@ -275,12 +276,34 @@ def read_doc(path: Path) -> Any:
     return doc
 
 
+@dataclass(frozen=True)
+class Pinned:
+    """What a spec file sets itself, as opposed to what its ``base:`` templates give: a
+    template's hyperparameters and activation are the family's defaults, which the checkpoint's
+    own config.json overrides; the spec's own values override both."""
+
+    hparams: frozenset[str]
+    network: frozenset[str]
+
+    @classmethod
+    def of(cls, leaf: Any) -> Pinned:
+        if not isinstance(leaf, dict):
+            return cls(frozenset(), frozenset())
+        hp_doc, net = leaf.get("hparams"), leaf.get("network")
+        return cls(
+            frozenset(hp_doc) if isinstance(hp_doc, dict) else frozenset(),
+            frozenset(net) if isinstance(net, dict) else frozenset(),
+        )
+
+
 def parse_spec(
     doc: Any,
     base_dir: Path,
     path: Path | None = None,
     hparam_overrides: dict[str, Any] | None = None,
+    pinned: Pinned | None = None,
 ) -> Spec:
+    """``pinned``: what the spec file itself sets (None: everything in ``doc``)."""
     where = str(path) if path else "spec"
     if not isinstance(doc, dict):
         raise SpecError(f"{where}: a spec must be a YAML mapping, got {type(doc).__name__}")
@@ -293,8 +316,15 @@ def parse_spec(
     for ref, f in zip(src["files"], files, strict=True):
         if not os.path.exists(f):
             raise SpecError(f"source.files: {ref!r} resolves to {f}, which does not exist")
-    config = resolve_ref(src["config"], base_dir, what="source.config") if "config" in src else None
-    source = SourceSpec(src["format"], files, config, tuple(src.get("keys", ())))
+    cfg = src.get("config")
+    config_key = cfg["key"] if isinstance(cfg, dict) else None
+    if config_key is not None and src["format"] != "pickle":
+        raise SpecError(
+            f"{where}: source.config: {{key: ...}} names a dict inside a pickle checkpoint; "
+            f"source.format is {src['format']!r}"
+        )
+    config = resolve_ref(cfg, base_dir, what="source.config") if isinstance(cfg, str) else None
+    source = SourceSpec(src["format"], files, config, tuple(src.get("keys", ())), config_key)
 
     tok_doc = doc.get("tokenizer") or default_tokenizer(source)
     source_tokenizer = None
@@ -313,10 +343,17 @@ def parse_spec(
     found = read_checkpoint_hparams(source)
     given = dict(doc.get("hparams", {}))
     encoder = {**found.get("encoder", {}), **given.pop("encoder", {})}  # the spec's win
+    if pinned is not None:  # a template's numbers: defaults under the checkpoint's
+        defaults = {k: v for k, v in given.items() if k not in pinned.hparams}
+        given = {k: v for k, v in given.items() if k in pinned.hparams}
+        found = {**defaults, **found}
+    network = _checkpoint_activation(network, found.pop("activation", None), pinned, where)
     found.update(given)
     found.update(hparam_overrides or {})
     found["encoder"] = encoder
-    hparams = _usable_positions(_hparams(found, where), network)
+    if network.head is not None and "labels" not in given:
+        _check_labels(found, where)
+    hparams = _special_ids(_usable_positions(_hparams(found, where), network), where, given)
     enc_hparams = None
     if network.type == "encoder_decoder":
         # the encoder: the common numbers, its own where the checkpoint or the spec gives them
@@ -417,6 +454,7 @@ def _map_entry(source: str, use: str | dict[str, Any]) -> MapEntry:
         rope_rows=None
         if "rope_rows" not in use
         else (use["rope_rows"]["heads"], use["rope_rows"].get("to", "half")),
+        per_layer=bool(use.get("per_layer")),
     )
 
 
@@ -427,6 +465,10 @@ def read_checkpoint_hparams(source: SourceSpec) -> dict[str, Any]:
             from inferflow.loaders.gguf import read_gguf_metadata
 
             return hp.from_gguf_metadata(read_gguf_metadata(source.files[0]))
+        if source.config_key is not None:
+            from inferflow.loaders.pickle_safe import read_config_dict
+
+            return hp.from_hf_config(read_config_dict(source.files[0], source.config_key))
         config = source.config
         if config is None and source.format == "hf":
             config = source.files[0] / "config.json"
@@ -453,6 +495,84 @@ def _usable_positions(h: HParams, net: NetworkSpec) -> HParams:
                 )
             return replace(h, max_positions=h.max_positions - offset)
     return h
+
+
+def _checkpoint_activation(
+    network: NetworkSpec, act: str | None, pinned: Pinned | None, where: str
+) -> NetworkSpec:
+    """The activation the checkpoint's config.json names replaces a template's (the spec's own
+    network.activation is kept, with a warning where they differ)."""
+    if act is None or act == network.activation:
+        return network
+    if act.startswith("unknown:"):
+        log.warning(
+            "%s: config.json's activation %r has no block here (known: %s); keeping "
+            "network.activation %r",
+            where,
+            act.removeprefix("unknown:"),
+            ", ".join(ACTIVATIONS.names()),
+            network.activation,
+        )
+        return network
+    if pinned is None or "activation" in pinned.network:
+        log.warning(
+            "%s: network.activation %r differs from the checkpoint's config.json (%r); the "
+            "spec's is used",
+            where,
+            network.activation,
+            act,
+        )
+        return network
+    log.info(
+        "%s: activation %r from config.json (the template says %r)", where, act, network.activation
+    )
+    return replace(network, activation=act)
+
+
+def _check_labels(found: dict[str, Any], where: str) -> None:
+    """A head's labels: config.json's num_labels and id2label must agree (the spec's
+    hparams.labels settles it); num_labels alone names them as transformers does, LABEL_i."""
+    n, labels = found.get("num_labels"), found.get("labels")
+    if not isinstance(n, int):
+        return
+    if labels is None:
+        found["labels"] = tuple(f"LABEL_{i}" for i in range(n))
+    elif len(labels) != n:
+        raise SpecError(
+            f"{where}: config.json says num_labels {n} but its id2label names {len(labels)} "
+            f"labels {list(labels)[:8]}; set hparams.labels to the {n} labels in output order"
+        )
+
+
+# hyperparameters that name a token: each must be a token of the vocabulary
+TOKEN_HPARAMS = ("bos_id", "eos_id", "pad_id", "decoder_start_id")
+
+
+def _special_ids(h: HParams, where: str, given: dict[str, Any]) -> HParams:
+    """A special token id the checkpoint declares outside the vocabulary (a config copied from
+    another model) is dropped with a warning: it could never be generated or stop anything.
+    One the spec itself gives is an error."""
+    bad = {
+        k: v
+        for k in TOKEN_HPARAMS
+        if (v := getattr(h, k)) is not None and not 0 <= v < h.vocab_size
+    }
+    for k, v in bad.items():
+        if k in given:
+            raise SpecError(
+                f"{where}: hparams.{k} {v} is outside the vocabulary of {h.vocab_size} tokens"
+            )
+        log.warning(
+            "%s: the checkpoint's %s %d is outside the vocabulary of %d tokens: ignored (set "
+            "hparams.%s to a token of the vocabulary)",
+            where,
+            k,
+            v,
+            h.vocab_size,
+            k,
+        )
+    dropped: dict[str, Any] = {k: None for k in bad}
+    return replace(h, **dropped)
 
 
 def _hparams(found: dict[str, Any], where: str) -> HParams:

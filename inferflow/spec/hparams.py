@@ -49,7 +49,7 @@ HF_CONFIG_KEYS: dict[str, tuple[str, ...]] = {
         "rope_parameters.partial_rotary_factor",
         "rotary_pct",
     ),
-    "max_positions": ("max_position_embeddings", "n_positions", "n_ctx"),
+    "max_positions": ("max_position_embeddings", "n_positions", "n_ctx", "block_size"),
     "sliding_window": ("sliding_window",),
     "bos_id": ("bos_token_id",),
     "eos_id": ("eos_token_id",),
@@ -63,6 +63,21 @@ HF_CONFIG_KEYS: dict[str, tuple[str, ...]] = {
     "expert_ffn_hidden": ("moe_intermediate_size",),
     "shared_ffn_hidden": ("shared_expert_intermediate_size",),
     "moe_normalize": ("norm_topk_prob",),
+}
+
+# the activation a config.json names (transformers' ACT2FN names) -> our ACTIVATIONS block
+HF_ACTIVATION_KEYS = ("hidden_act", "activation_function", "hidden_activation", "activation")
+HF_ACTIVATIONS = {
+    "gelu": "gelu",
+    "gelu_new": "gelu_tanh",
+    "gelu_fast": "gelu_tanh",
+    "gelu_pytorch_tanh": "gelu_tanh",
+    "quick_gelu": "gelu_quick",
+    "relu": "relu",
+    "relu2": "relu2",
+    "silu": "silu",
+    "swish": "silu",
+    "tanh": "tanh",
 }
 
 # an encoder-decoder's encoder: our name -> its own config.json keys, where the config has them
@@ -143,6 +158,11 @@ def from_hf_config(config: dict[str, Any]) -> dict[str, Any]:
     """Our hyperparameters from a config.json; ``encoder``: the encoder's own numbers."""
     out = _lookup(config, HF_CONFIG_KEYS)
     out["encoder"] = _lookup(config, HF_ENCODER_KEYS)
+    act = next((config[k] for k in HF_ACTIVATION_KEYS if isinstance(config.get(k), str)), None)
+    if act is not None:  # (not a hyperparameter: it chooses network.activation)
+        out["activation"] = HF_ACTIVATIONS.get(act, f"unknown:{act}")
+    if type(config.get("num_labels")) is int:  # checked against id2label where a head reads it
+        out["num_labels"] = config["num_labels"]
     labels = config.get("id2label")
     if isinstance(labels, dict) and labels and all(str(k).isdigit() for k in labels):
         out["labels"] = tuple(str(labels[k]) for k in sorted(labels, key=int))

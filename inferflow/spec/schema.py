@@ -96,6 +96,9 @@ def build_schema() -> dict[str, Any]:
             ),
             # the result fills these rows of the target (tensors concatenated along axis 0)
             "rows": _obj({"start": index, "stop": index}, ("stop",)),
+            # a source without {i} stacking one value per layer along its first axis: layer i
+            # takes element i (a [n_layers] vector of per-layer scalars)
+            "per_layer": {"type": "boolean"},
         },
         ("to",),
     )
@@ -159,7 +162,9 @@ def build_schema() -> dict[str, Any]:
                 {
                     "format": _enum(LOADERS.names()),
                     "files": files,
-                    "config": string,
+                    # a config.json, or {key: K}: the dict at top-level key K of a pickle
+                    # checkpoint (its own hyperparameters: nanoGPT's model_args)
+                    "config": {"anyOf": [string, _obj({"key": string}, ("key",))]},
                     # a pickle's top-level dict(s) of tensors to read (several: "key." names)
                     "keys": {"type": "array", "items": string, "minItems": 1},
                 },

@@ -21,6 +21,8 @@ class MapEntry:
     ``{i}`` mapped to a target with it feeds every layer (shared weights). ``{e}`` is an
     expert's index (MoE); a source without ``{e}`` mapped to a target with it stacks the
     experts along its first axis: expert e takes ``t[e]`` (``pick``, set by the binding).
+    With ``per_layer``, a source without ``{i}`` stacks the layers along its first axis instead
+    (a ``[n_layers]`` vector of per-layer scalars): layer i takes ``t[i]``.
     Several entries of one source: the stored tensor feeds several targets. The steps apply
     in this order (after ``pick``):
 
@@ -51,6 +53,8 @@ class MapEntry:
     rope_rows: tuple[int | str, str] | None = None  # (heads, to): each head's rows reordered
     rows: tuple[int, int] | None = None  # fills rows [start, stop) of the target
     pick: int | None = None  # index along the first axis (dropped): a stacked expert's
+    # the source stacks one value per layer along its first axis: layer i takes element i
+    per_layer: bool = False
 
     def __post_init__(self) -> None:
         where = f"network.tensors.map[{self.source!r}]"
@@ -68,6 +72,11 @@ class MapEntry:
             raise SpecError(
                 f"{where}: slice start {self.slice[1]} and stop {self.slice[2]}: need "
                 "0 <= start < stop"
+            )
+        if self.per_layer and ("{i}" in self.source or "{i}" not in self.target):
+            raise SpecError(
+                f"{where}: per_layer takes element i of a stored per-layer tensor for layer i: "
+                f"the source must have no {{i}} and the target {self.target!r} must have one"
             )
         for index, what in (("{i}", "layer"), ("{e}", "expert")):
             if index in self.source and index not in self.target:
@@ -106,6 +115,9 @@ class SourceSpec:
     config: Path | None = None  # HF config.json for hyperparameters (safetensors / pickle)
     # a pickle checkpoint's top-level dict(s) of tensors to read (several: names "key.name")
     keys: tuple[str, ...] = ()
+    # the pickle checkpoint's own dict of hyperparameters (a dotted top-level key), in place of
+    # a config.json
+    config_key: str | None = None
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,7 @@ where its package is absent.
 from __future__ import annotations
 
 import importlib.util
+import subprocess
 import sys
 import types
 from pathlib import Path
@@ -97,6 +98,13 @@ def test_tg2fa_translit_two_vocabularies_served(tmp_path: Path) -> None:
         back = httpx.post(f"{url}/detokenize", json={"tokens": ids}).json()["prompt"]
     assert texts == want
     assert back == "".join(fa_voc[i] for i in ids)
+    # the CLI's translate encodes with the source side, decodes with the target side
+    cmd = [sys.executable, "-m", "inferflow.cli.main", "translate", "tg2fa-translit", "--beam", "1"]
+    r = subprocess.run(
+        cmd, input="\n".join(TAJIK) + "\n", capture_output=True, text=True, timeout=300
+    )
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines() == want
 
 
 # antibody variable domains (heavy and light chains of therapeutic antibodies, from their

@@ -300,6 +300,11 @@ def test_tokenizer_json_given_its_specials_and_template(tmp_path: Path) -> None:
     the, cat = len(ref.encode("the").ids), len(ref.encode("cat").ids)
     assert ours.encode_pair("the", "cat")[1] == [0] * (the + 2) + [1] * (cat + 1)
     assert (ours.bos_id, ours.eos_ids, ours.add_bos, ours.add_eos) == (1, [2], True, True)
+    (tmp_path / "other").mkdir()
+    ref.save(str(tmp_path / "other" / "tokenizer.json"))
+    two = {"from": "tokenizer_json", "files": ["tokenizer.json", "other/tokenizer.json"]}
+    with pytest.raises(TokenizerError, match="takes one tokenizer.json .* tokenizer: {source"):
+        tokenizer_for(load_spec(_spec(tmp_path, two)))
 
 
 @pytest.mark.parametrize(

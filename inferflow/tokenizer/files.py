@@ -129,11 +129,15 @@ def _load_gguf(files: Sequence[Path], settings: KindSettings) -> Tokenizer:
 
 @register_kind("tokenizer_json")
 def _load_tokenizer_json(files: Sequence[Path], settings: KindSettings) -> Tokenizer:
-    by_name = {Path(f).name: Path(f) for f in files}
-    config_path = by_name.pop("tokenizer_config.json", None)
-    main = by_name.get("tokenizer.json") or next(iter(by_name.values()), None)
-    if main is None:
-        raise TokenizerError("tokenizer kind 'tokenizer_json' needs a tokenizer.json in its files")
+    configs = [Path(f) for f in files if Path(f).name == "tokenizer_config.json"]
+    mains = [Path(f) for f in files if Path(f).name != "tokenizer_config.json"]
+    if len(mains) != 1 or len(configs) > 1:
+        raise TokenizerError(
+            "tokenizer kind 'tokenizer_json' takes one tokenizer.json (and at most one "
+            f"tokenizer_config.json), got {[str(f) for f in files]}; an encoder-decoder whose "
+            "sides differ: tokenizer: {source: ..., target: ...}"
+        )
+    main, config_path = mains[0], (configs[0] if configs else None)
     config = None
     if config_path is not None:
         config = _read_config(_existing(config_path, "tokenizer_config.json"))

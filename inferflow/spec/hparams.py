@@ -157,6 +157,8 @@ def _lookup(config: dict[str, Any], table: dict[str, tuple[str, ...]]) -> dict[s
 def from_hf_config(config: dict[str, Any]) -> dict[str, Any]:
     """Our hyperparameters from a config.json; ``encoder``: the encoder's own numbers."""
     out = _lookup(config, HF_CONFIG_KEYS)
+    if config.get("multi_query") is True and not config.get("new_decoder_architecture"):
+        out["n_kv_heads"] = 1  # (Falcon-7B, GPTBigCode: one shared K/V head, whatever else)
     out["encoder"] = _lookup(config, HF_ENCODER_KEYS)
     act = next((config[k] for k in HF_ACTIVATION_KEYS if isinstance(config.get(k), str)), None)
     if act is not None:  # (not a hyperparameter: it chooses network.activation)

@@ -324,7 +324,7 @@ def test_every_sampling_field_reaches_sampling_params() -> None:
     by_hand |= {"min_tokens", "stop_token_ids", "n", "response_format", "structured_outputs"}
     by_hand |= {"cache_salt"}  # (with the API key, to SamplingParams.cache_salt: ServerState.start)
     by_hand |= {"guided_json", "guided_regex", "guided_choice", "guided_grammar"}  # (constraint)
-    by_hand |= {"request_id"}  # (the response's id: Generation)
+    by_hand |= {"request_id", "return_token_ids"}  # (the response's id, its token ids: Generation)
     assert set(SamplingBody.model_fields) - by_hand == {*SAME_NAME, *SPEC_DEFAULTED}
     assert {*SAME_NAME, *SPEC_DEFAULTED} <= {f.name for f in dataclasses.fields(SamplingParams)}
 

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import types
 from pathlib import Path
+from unittest import mock
 
 import httpx
 import pytest
@@ -40,12 +41,13 @@ def _package_dir(name: str) -> Path:
 def _rxnfp_regex_tokenizer() -> object:
     """The package's own RegexTokenizer. Its module imports rdkit and pkg_resources at the top
     for other functions (canonicalisation, file paths); empty stand-ins let it import."""
-    for stub in ("rdkit", "rdkit.Chem", "pkg_resources"):
-        sys.modules.setdefault(stub, types.ModuleType(stub))
-    sys.modules["rdkit"].Chem = sys.modules["rdkit.Chem"]  # type: ignore[attr-defined]
-    from rxnfp.tokenization import SMI_REGEX_PATTERN, RegexTokenizer
+    stubs = {name: types.ModuleType(name) for name in ("rdkit", "rdkit.Chem", "pkg_resources")}
+    stubs["rdkit"].Chem = stubs["rdkit.Chem"]  # type: ignore[attr-defined]
+    # (only while importing: left in sys.modules, they would pass for rdkit elsewhere)
+    with mock.patch.dict(sys.modules, stubs):
+        from rxnfp.tokenization import SMI_REGEX_PATTERN, RegexTokenizer
 
-    return RegexTokenizer(SMI_REGEX_PATTERN)
+        return RegexTokenizer(SMI_REGEX_PATTERN)
 
 
 def test_rxnfp_reaction_classifier_served(tmp_path: Path) -> None:

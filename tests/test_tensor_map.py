@@ -299,7 +299,7 @@ def test_spec_errors_for_the_algebra(tmp_path: Path) -> None:
 
     with pytest.raises(
         SpecError,
-        match=r"unknown key 'rotate'; allowed: chunk, pad, reshape, rope_rows, rows, scale, slice, to, transpose",
+        match=r"unknown key 'rotate'; allowed: chunk, pad, per_layer, reshape, rope_rows, rows, scale, slice, to, transpose",
     ):
         load_spec(spec_with({"embed": {"to": "dec.tok_embed.weight", "rotate": 90}}))
     with pytest.raises(SpecError, match=r"chunk index 2 is not in 0..1"):

@@ -11,18 +11,16 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from inferflow.blocks import ACTIVATIONS, FFNS, HEADS, POSITIONS
+from inferflow.blocks import FFNS, HEADS, POSITIONS
 from inferflow.blocks.linear import EmbeddingOptions, OutputOptions
 from inferflow.blocks.options import NoOptions
-from inferflow.blocks.position import LearnedOptions
 from inferflow.blocks.residual import GateOptions
-from inferflow.errors import InferflowError, SpecError
+from inferflow.errors import SpecError
 from inferflow.loaders.gguf import GGUF_MAGIC
 from inferflow.paths import PACKAGE_SCHEME, expand_user, resolve_ref
 from inferflow.spec import hparams as hp
@@ -31,7 +29,6 @@ from inferflow.spec.tokenizer import default_tokenizer, parse_tokenizer
 from inferflow.spec.types import (
     AttentionSpec,
     GenerationDefaults,
-    HParams,
     MapEntry,
     NetworkSpec,
     PartitionSpec,
@@ -83,9 +80,12 @@ def load_spec(ref: str | Path, hparam_overrides: dict[str, Any] | None = None) -
     path = find_spec_file(ref)
     with open(path, "rb") as f:
         is_gguf = f.read(4) == GGUF_MAGIC
-    doc = gguf_spec_doc(path) if is_gguf else read_doc(path)
-    leaf = {} if is_gguf else _read_yaml(path)
-    return parse_spec(doc, path.parent, path, hparam_overrides, Pinned.of(leaf))
+    if is_gguf:
+        return parse_spec(
+            gguf_spec_doc(path), path.parent, path, hparam_overrides, hp.Pinned.of([])
+        )
+    chain = _read_chain(path)
+    return parse_spec(_merged(chain), path.parent, path, hparam_overrides, hp.Pinned.of(chain))
 
 
 def gguf_templates() -> list[str]:
@@ -246,9 +246,21 @@ MAX_BASE_DEPTH = 16  # specs in one base: chain (a template's chain is 2 or 3)
 
 
 def read_doc(path: Path) -> Any:
-    """A spec document with its ``base:`` chain merged in (``_merge``), the chain followed
-    without recursion and at most MAX_BASE_DEPTH long."""
-    chain: list[dict[str, Any]] = []
+    """A spec document with its ``base:`` chain merged in (``_merge``)."""
+    return _merged(_read_chain(path))
+
+
+def _merged(chain: list[Any]) -> Any:
+    doc = chain[-1]
+    for child in reversed(chain[:-1]):
+        doc = _merge(doc, child)
+    return doc
+
+
+def _read_chain(path: Path) -> list[Any]:
+    """The spec at ``path`` and its ``base:`` specs, the spec first (each without its
+    ``base`` key), the chain followed without recursion and at most MAX_BASE_DEPTH long."""
+    chain: list[Any] = []
     seen = [path.resolve()]
     doc = _read_yaml(path)
     while isinstance(doc, dict) and "base" in doc:
@@ -271,29 +283,7 @@ def read_doc(path: Path) -> Any:
         path, doc = base_path, _read_yaml(base_path)
         if not isinstance(doc, dict):
             raise SpecError(f"{base_path}: a spec must be a YAML mapping")
-    for child in reversed(chain):
-        doc = _merge(doc, child)
-    return doc
-
-
-@dataclass(frozen=True)
-class Pinned:
-    """What a spec file sets itself, as opposed to what its ``base:`` templates give: a
-    template's hyperparameters and activation are the family's defaults, which the checkpoint's
-    own config.json overrides; the spec's own values override both."""
-
-    hparams: frozenset[str]
-    network: frozenset[str]
-
-    @classmethod
-    def of(cls, leaf: Any) -> Pinned:
-        if not isinstance(leaf, dict):
-            return cls(frozenset(), frozenset())
-        hp_doc, net = leaf.get("hparams"), leaf.get("network")
-        return cls(
-            frozenset(hp_doc) if isinstance(hp_doc, dict) else frozenset(),
-            frozenset(net) if isinstance(net, dict) else frozenset(),
-        )
+    return [*chain, doc]
 
 
 def parse_spec(
@@ -301,7 +291,7 @@ def parse_spec(
     base_dir: Path,
     path: Path | None = None,
     hparam_overrides: dict[str, Any] | None = None,
-    pinned: Pinned | None = None,
+    pinned: hp.Pinned | None = None,
 ) -> Spec:
     """``pinned``: what the spec file itself sets (None: everything in ``doc``)."""
     where = str(path) if path else "spec"
@@ -340,26 +330,28 @@ def parse_spec(
         tokenizer = parse_tokenizer(tok_doc, base_dir)
 
     network = _network(doc["network"])
-    found = read_checkpoint_hparams(source)
+    found = hp.read_checkpoint_hparams(source)
     given = dict(doc.get("hparams", {}))
     encoder = {**found.get("encoder", {}), **given.pop("encoder", {})}  # the spec's win
     if pinned is not None:  # a template's numbers: defaults under the checkpoint's
         defaults = {k: v for k, v in given.items() if k not in pinned.hparams}
         given = {k: v for k, v in given.items() if k in pinned.hparams}
         found = {**defaults, **found}
-    network = _checkpoint_activation(network, found.pop("activation", None), pinned, where)
+    network = hp.checkpoint_activation(network, found.pop("activation", None), pinned, where)
     found.update(given)
     found.update(hparam_overrides or {})
     found["encoder"] = encoder
     if network.head is not None and "labels" not in given:
-        _check_labels(found, where)
-    hparams = _special_ids(_usable_positions(_hparams(found, where), network), where, given)
+        hp.check_labels(found, where)
+    hparams = hp.special_ids(
+        hp.usable_positions(hp.make_hparams(found, where), network), where, given
+    )
     enc_hparams = None
     if network.type == "encoder_decoder":
         # the encoder: the common numbers, its own where the checkpoint or the spec gives them
         own = {"n_layers": hparams.n_enc_layers, **found.get("encoder", {})}
         enc_found = {k: v for k, v in found.items() if k not in ("n_layers", "encoder")} | own
-        enc_hparams = _usable_positions(_hparams(enc_found, where + " (encoder)"), network)
+        enc_hparams = hp.usable_positions(hp.make_hparams(enc_found, where + " (encoder)"), network)
     gen = GenerationDefaults(**doc.get("generation", {}))
     q = doc.get("quant", {})
     quant = QuantSpec(
@@ -456,133 +448,3 @@ def _map_entry(source: str, use: str | dict[str, Any]) -> MapEntry:
         else (use["rope_rows"]["heads"], use["rope_rows"].get("to", "half")),
         per_layer=bool(use.get("per_layer")),
     )
-
-
-def read_checkpoint_hparams(source: SourceSpec) -> dict[str, Any]:
-    """Hyperparameters the checkpoint declares (GGUF metadata or a config.json)."""
-    try:
-        if source.format == "gguf":
-            from inferflow.loaders.gguf import read_gguf_metadata
-
-            return hp.from_gguf_metadata(read_gguf_metadata(source.files[0]))
-        if source.config_key is not None:
-            from inferflow.loaders.pickle_safe import read_config_dict
-
-            return hp.from_hf_config(read_config_dict(source.files[0], source.config_key))
-        config = source.config
-        if config is None and source.format == "hf":
-            config = source.files[0] / "config.json"
-        if config is None:
-            return {}
-        return hp.from_hf_config(hp.read_hf_config(config))
-    except SpecError:
-        raise
-    except InferflowError as e:  # a broken checkpoint reported in spec terms
-        raise SpecError(f"source.files: cannot read hyperparameters: {e}") from None
-
-
-def _usable_positions(h: HParams, net: NetworkSpec) -> HParams:
-    """A learned table whose declared rows include its offset rows (``offset_in_table``)
-    serves ``max_positions - offset`` positions: ``max_positions`` becomes that length (the
-    block adds the offset rows back to its table)."""
-    for _, p in net.positions:
-        if isinstance(p, LearnedOptions) and p.offset_in_table:
-            offset = p.offset
-            if h.max_positions <= offset:
-                raise SpecError(
-                    f"network.position: offset {offset} leaves no position in a table of "
-                    f"{h.max_positions} rows (hparams.max_positions)"
-                )
-            return replace(h, max_positions=h.max_positions - offset)
-    return h
-
-
-def _checkpoint_activation(
-    network: NetworkSpec, act: str | None, pinned: Pinned | None, where: str
-) -> NetworkSpec:
-    """The activation the checkpoint's config.json names replaces a template's (the spec's own
-    network.activation is kept, with a warning where they differ)."""
-    if act is None or act == network.activation:
-        return network
-    if act.startswith("unknown:"):
-        log.warning(
-            "%s: config.json's activation %r has no block here (known: %s); keeping "
-            "network.activation %r",
-            where,
-            act.removeprefix("unknown:"),
-            ", ".join(ACTIVATIONS.names()),
-            network.activation,
-        )
-        return network
-    if pinned is None or "activation" in pinned.network:
-        log.warning(
-            "%s: network.activation %r differs from the checkpoint's config.json (%r); the "
-            "spec's is used",
-            where,
-            network.activation,
-            act,
-        )
-        return network
-    log.info(
-        "%s: activation %r from config.json (the template says %r)", where, act, network.activation
-    )
-    return replace(network, activation=act)
-
-
-def _check_labels(found: dict[str, Any], where: str) -> None:
-    """A head's labels: config.json's num_labels and id2label must agree (the spec's
-    hparams.labels settles it); num_labels alone names them as transformers does, LABEL_i."""
-    n, labels = found.get("num_labels"), found.get("labels")
-    if not isinstance(n, int):
-        return
-    if labels is None:
-        found["labels"] = tuple(f"LABEL_{i}" for i in range(n))
-    elif len(labels) != n:
-        raise SpecError(
-            f"{where}: config.json says num_labels {n} but its id2label names {len(labels)} "
-            f"labels {list(labels)[:8]}; set hparams.labels to the {n} labels in output order"
-        )
-
-
-# hyperparameters that name a token: each must be a token of the vocabulary
-TOKEN_HPARAMS = ("bos_id", "eos_id", "pad_id", "decoder_start_id")
-
-
-def _special_ids(h: HParams, where: str, given: dict[str, Any]) -> HParams:
-    """A special token id the checkpoint declares outside the vocabulary (a config copied from
-    another model) is dropped with a warning: it could never be generated or stop anything.
-    One the spec itself gives is an error."""
-    bad = {
-        k: v
-        for k in TOKEN_HPARAMS
-        if (v := getattr(h, k)) is not None and not 0 <= v < h.vocab_size
-    }
-    for k, v in bad.items():
-        if k in given:
-            raise SpecError(
-                f"{where}: hparams.{k} {v} is outside the vocabulary of {h.vocab_size} tokens"
-            )
-        log.warning(
-            "%s: the checkpoint's %s %d is outside the vocabulary of %d tokens: ignored (set "
-            "hparams.%s to a token of the vocabulary)",
-            where,
-            k,
-            v,
-            h.vocab_size,
-            k,
-        )
-    dropped: dict[str, Any] = {k: None for k in bad}
-    return replace(h, **dropped)
-
-
-def _hparams(found: dict[str, Any], where: str) -> HParams:
-    known = {f.name for f in fields(HParams)}
-    values = {k: v for k, v in found.items() if k in known}
-    required = ("vocab_size", "hidden", "n_layers", "n_heads")
-    missing = [k for k in required if k not in values]
-    if missing:
-        raise SpecError(
-            f"{where}: the checkpoint does not declare {', '.join(missing)}; set them under hparams: "
-            f"(or give source.config: config.json)"
-        )
-    return HParams(**values)

@@ -1,14 +1,23 @@
 """Hyperparameters read from the checkpoint: data tables from our names to the keys of HF
-``config.json`` and of GGUF metadata (``{arch}`` is ``general.architecture``)."""
+``config.json`` and of GGUF metadata (``{arch}`` is ``general.architecture``); and how a spec's
+numbers are resolved: a template's defaults, then the checkpoint's, then the spec's own
+(``Pinned``), with the checks that need no weights (labels, special ids)."""
 
 from __future__ import annotations
 
 import json
+import logging
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
-from inferflow.errors import SpecError
+from inferflow.blocks import ACTIVATIONS
+from inferflow.blocks.position import LearnedOptions
+from inferflow.errors import InferflowError, SpecError
 from inferflow.paths import read_json
+from inferflow.spec.types import HParams, NetworkSpec, SourceSpec
+
+log = logging.getLogger(__name__)
 
 # our name -> candidate config.json keys (dotted = nested); first present and non-null wins
 HF_CONFIG_KEYS: dict[str, tuple[str, ...]] = {
@@ -215,3 +224,162 @@ def read_hf_config(path: Path) -> dict[str, Any]:
     if not isinstance(config, dict):
         raise SpecError(f"config file {path} must hold a JSON object")
     return config
+
+
+# -- resolving a spec's hyperparameters: templates, the checkpoint, the spec -------------------
+
+
+@dataclass(frozen=True)
+class Pinned:
+    """What the spec sets for its checkpoint, as opposed to what its templates give: a template
+    (a base spec without ``source:``, written for any checkpoint of a family) gives the
+    family's defaults for hyperparameters and the activation, which the checkpoint's own
+    config.json overrides; the spec file itself, and any base spec of a checkpoint (one with
+    ``source:``), override both."""
+
+    hparams: frozenset[str]
+    network: frozenset[str]
+
+    @classmethod
+    def of(cls, chain: list[Any]) -> Pinned:
+        """From a spec's chain, the spec first (``_read_chain``)."""
+        hp_keys: set[str] = set()
+        net_keys: set[str] = set()
+        for n, doc in enumerate(chain):
+            if not isinstance(doc, dict) or (n and "source" not in doc):
+                continue  # a template
+            if isinstance(doc.get("hparams"), dict):
+                hp_keys.update(doc["hparams"])
+            if isinstance(doc.get("network"), dict):
+                net_keys.update(doc["network"])
+        return cls(frozenset(hp_keys), frozenset(net_keys))
+
+
+def read_checkpoint_hparams(source: SourceSpec) -> dict[str, Any]:
+    """Hyperparameters the checkpoint declares (GGUF metadata or a config.json)."""
+    try:
+        if source.format == "gguf":
+            from inferflow.loaders.gguf import read_gguf_metadata
+
+            return from_gguf_metadata(read_gguf_metadata(source.files[0]))
+        if source.config_key is not None:
+            from inferflow.loaders.pickle_safe import read_config_dict
+
+            return from_hf_config(read_config_dict(source.files[0], source.config_key))
+        config = source.config
+        if config is None and source.format == "hf":
+            config = source.files[0] / "config.json"
+        if config is None:
+            return {}
+        return from_hf_config(read_hf_config(config))
+    except SpecError:
+        raise
+    except InferflowError as e:  # a broken checkpoint reported in spec terms
+        raise SpecError(f"source.files: cannot read hyperparameters: {e}") from None
+
+
+def usable_positions(h: HParams, net: NetworkSpec) -> HParams:
+    """A learned table whose declared rows include its offset rows (``offset_in_table``)
+    serves ``max_positions - offset`` positions: ``max_positions`` becomes that length (the
+    block adds the offset rows back to its table)."""
+    for _, p in net.positions:
+        if isinstance(p, LearnedOptions) and p.offset_in_table:
+            offset = p.offset
+            if h.max_positions <= offset:
+                raise SpecError(
+                    f"network.position: offset {offset} leaves no position in a table of "
+                    f"{h.max_positions} rows (hparams.max_positions)"
+                )
+            return replace(h, max_positions=h.max_positions - offset)
+    return h
+
+
+def checkpoint_activation(
+    network: NetworkSpec, act: str | None, pinned: Pinned | None, where: str
+) -> NetworkSpec:
+    """The activation the checkpoint's config.json names replaces a template's (the spec's own
+    network.activation is kept, with a warning where they differ)."""
+    if act is None or act == network.activation:
+        return network
+    if act.startswith("unknown:"):
+        log.warning(
+            "%s: config.json's activation %r has no block here (known: %s); keeping "
+            "network.activation %r",
+            where,
+            act.removeprefix("unknown:"),
+            ", ".join(ACTIVATIONS.names()),
+            network.activation,
+        )
+        return network
+    if pinned is None or "activation" in pinned.network:
+        log.warning(
+            "%s: network.activation %r differs from the checkpoint's config.json (%r); the "
+            "spec's is used",
+            where,
+            network.activation,
+            act,
+        )
+        return network
+    log.info(
+        "%s: activation %r from config.json (the template says %r)", where, act, network.activation
+    )
+    return replace(network, activation=act)
+
+
+def check_labels(found: dict[str, Any], where: str) -> None:
+    """A head's labels: config.json's num_labels and id2label must agree (the spec's
+    hparams.labels settles it); num_labels alone names them as transformers does, LABEL_i."""
+    n, labels = found.get("num_labels"), found.get("labels")
+    if not isinstance(n, int):
+        return
+    if labels is None:
+        found["labels"] = tuple(f"LABEL_{i}" for i in range(n))
+    elif len(labels) != n:
+        raise SpecError(
+            f"{where}: config.json says num_labels {n} but its id2label names {len(labels)} "
+            f"labels {list(labels)[:8]}; set hparams.labels to the {n} labels in output order"
+        )
+
+
+# hyperparameters that name a token: each must be a token of the vocabulary
+TOKEN_HPARAMS = ("bos_id", "eos_id", "pad_id", "decoder_start_id")
+
+
+def special_ids(h: HParams, where: str, given: dict[str, Any]) -> HParams:
+    """A special token id the checkpoint declares outside the vocabulary (a config copied from
+    another model) is dropped with a warning: it could never be generated or stop anything.
+    One the spec itself gives is an error."""
+    bad = {
+        k: v
+        for k in TOKEN_HPARAMS
+        if (v := getattr(h, k)) is not None and not 0 <= v < h.vocab_size
+    }
+    for k, v in bad.items():
+        if k in given:
+            raise SpecError(
+                f"{where}: hparams.{k} {v} is outside the vocabulary of {h.vocab_size} tokens"
+            )
+        log.warning(
+            "%s: the checkpoint's %s %d is outside the vocabulary of %d tokens: ignored (set "
+            "hparams.%s to a token of the vocabulary)",
+            where,
+            k,
+            v,
+            h.vocab_size,
+            k,
+        )
+    dropped: dict[str, Any] = {k: None for k in bad}
+    return replace(h, **dropped)
+
+
+def make_hparams(found: dict[str, Any], where: str) -> HParams:
+    known = {f.name for f in fields(HParams)}
+    values = {k: v for k, v in found.items() if k in known}
+    required = ("vocab_size", "hidden", "n_layers", "n_heads")
+    missing = [k for k in required if k not in values]
+    if missing:
+        raise SpecError(
+            f"{where}: the checkpoint does not declare {', '.join(missing)}; set them under hparams: "
+            f"(or give source.config: config.json)"
+        )
+    return HParams(**values)

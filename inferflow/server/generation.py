@@ -102,7 +102,8 @@ class Generation:
                 if out.prompt_token_ids is not None and out.index == 0:
                     self.cached_tokens += out.cached_tokens  # (once per prompt)
                 c.tokens += len(out.token_ids)
-                c.ids += out.token_ids
+                if self.token_ids:  # (kept only when the response carries them)
+                    c.ids += out.token_ids
                 c.text += out.text
                 if out.finished:
                     c.finish_reason, c.error = out.finish_reason, out.error

@@ -13,7 +13,7 @@ from inferflow.errors import SpecError, TokenizerError
 from inferflow.paths import resolve_ref
 from inferflow.spec.types import SourceSpec, TokenizerSpec
 from inferflow.tokenizer import TOKENIZER_KINDS
-from inferflow.tokenizer.kinds import NONE, PIPELINE
+from inferflow.tokenizer.kinds import NONE, PIPELINE, check_kind
 from inferflow.tokenizer.pipeline import PIPELINE_KEYS, parse_pipeline
 
 
@@ -44,15 +44,10 @@ def parse_tokenizer(doc: dict[str, Any], base_dir: Path, where: str = "tokenizer
         if extra:
             raise SpecError(f"{where}: from: none takes no other keys; got {extra}")
     else:
-        entry = TOKENIZER_KINDS.get(kind)
-        if "model" in doc:
-            raise SpecError(f"{where}.model: from: {kind} gives the model; drop model or from")
-        if "pattern" in doc and not entry.takes_pattern:
-            takes = [n for n, k in TOKENIZER_KINDS.items() if k.takes_pattern]
-            raise SpecError(
-                f"{where}.pattern is read by from: {' / '.join(takes)}, not {kind!r}; cut text "
-                "with pre_tokenizer: {type: split, pattern: ...}"
-            )
+        try:
+            check_kind(kind, "model" in doc, "pattern" in doc, where)
+        except TokenizerError as e:
+            raise SpecError(str(e)) from None
     if kind == PIPELINE and "pattern" in doc:
         raise SpecError(f"{where}.pattern: without from:, use pre_tokenizer: {{type: split}}")
     if "template" in doc and ("add_bos" in doc or "add_eos" in doc):

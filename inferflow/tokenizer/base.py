@@ -63,6 +63,16 @@ BYTE_DECODER: dict[str, int] = _byte_decoder()
 BYTE_ENCODER: dict[int, str] = {b: c for c, b in BYTE_DECODER.items()}
 
 
+def wrapping_of(
+    backend: BackendTokenizer, bos_id: int | None, eos_id: int | None
+) -> tuple[bool, bool]:
+    """(add_bos, add_eos) as the backend's post-processor does them, read off what it makes of
+    empty text."""
+    probe = list(backend.encode("", add_special_tokens=True).ids)
+    add_bos = bos_id is not None and probe[:1] == [bos_id]
+    return add_bos, eos_id is not None and len(probe) > int(add_bos) and probe[-1] == eos_id
+
+
 def piece_style_of(backend: BackendTokenizer) -> str:
     """Which spelling the vocabulary uses, read off the decoder the json configures."""
     if backend.decoder is None:
@@ -216,11 +226,7 @@ class Tokenizer:
             )
         except Exception as e:  # tokenizers raises a bare Exception on a malformed template
             raise TokenizerError(f"template {single!r}: {e}") from None
-        probe = list(self.backend.encode("", add_special_tokens=True).ids)
-        self._add_bos = self.bos_id is not None and probe[:1] == [self.bos_id]
-        self._add_eos = (
-            bool(probe) and probe[-1] in self.eos_ids[:1] and (len(probe) > int(self._add_bos))
-        )
+        self._add_bos, self._add_eos = wrapping_of(self.backend, self.bos_id, self.eos_id)
         self._own_post_processor = False
 
     def is_special(self, token_id: int) -> bool:

@@ -14,7 +14,7 @@ from tokenizers import Tokenizer as BackendTokenizer
 from inferflow.blocks.options import NoOptions
 from inferflow.errors import TokenizerError
 from inferflow.paths import read_json
-from inferflow.tokenizer.base import EOG_TOKEN_TEXTS, Tokenizer, piece_style_of
+from inferflow.tokenizer.base import EOG_TOKEN_TEXTS, Tokenizer, piece_style_of, wrapping_of
 from inferflow.tokenizer.components import (
     BertNormOptions,
     WordPieceDecOptions,
@@ -95,9 +95,7 @@ def tokenizer_from_json(
     if explicit:  # transformers rebuilds the post-processor from these flags when they are given
         add_bos, add_eos = bool(cfg.get("add_bos_token")), bool(cfg.get("add_eos_token"))
     else:  # the json's post-processor decides; read the flags off what it does to empty text
-        probe = list(backend.encode("", add_special_tokens=True).ids)
-        add_bos = bos_id is not None and probe[:1] == [bos_id]
-        add_eos = eos_id is not None and len(probe) > int(add_bos) and probe[-1] == eos_id
+        add_bos, add_eos = wrapping_of(backend, bos_id, eos_id)
     return Tokenizer(
         backend,
         bos_id=bos_id,

@@ -50,6 +50,24 @@ def register_kind(
     return deco
 
 
+def check_kind(kind: str, has_model: bool, has_pattern: bool, where: str = "tokenizer") -> Kind:
+    """The kind ``from:`` names, with what a spec may add to it: no model (the kind gives it),
+    a pattern only where the kind reads one. Needs no file: a spec checks it before loading."""
+    try:
+        entry = TOKENIZER_KINDS.get(kind)
+    except RegistryError as e:
+        raise TokenizerError(f"{where}.from: {e}") from None
+    if has_model:
+        raise TokenizerError(f"{where}.model: from: {kind} gives the model; drop model or from")
+    if has_pattern and not entry.takes_pattern:
+        takes = [n for n, k in TOKENIZER_KINDS.items() if k.takes_pattern]
+        raise TokenizerError(
+            f"{where}.pattern is read by from: {' / '.join(takes)}, not {kind!r}; cut text "
+            "with pre_tokenizer: {type: split, pattern: ...}"
+        )
+    return entry
+
+
 # override key -> what it sets (checked strictly: the spec's YAML is the user interface)
 OVERRIDE_KEYS = {
     "chat_template": "jinja2 chat template source",
@@ -108,22 +126,11 @@ def load_tokenizer(
     if kind == PIPELINE:
         tok = build_pipeline(parts, sources, where)
     else:
-        try:
-            entry = TOKENIZER_KINDS.get(kind)
-        except RegistryError as e:
-            raise TokenizerError(f"{where}.from: {e}") from None
-        if pattern is not None and not entry.takes_pattern:
-            takes = [n for n, k in TOKENIZER_KINDS.items() if k.takes_pattern]
-            raise TokenizerError(
-                f"{where}.pattern is read by from: {' / '.join(takes)}, not {kind!r}; "
-                "cut text with pre_tokenizer: {type: split, pattern: ...}"
-            )
+        entry = check_kind(kind, parts.model is not None, pattern is not None, where)
         paths = [Path(f) for f in files]
         for p in paths:
             if not p.is_file():
                 raise TokenizerError(f"tokenizer file not found: {p}")
-        if entry.preset and parts.model is not None:
-            raise TokenizerError(f"{where}.model: from: {kind} gives the model; drop model or from")
         built = entry.build(paths, KindSettings(metadata, pattern, sources or SourceContext()))
         if isinstance(built, PipelineSpec):
             tok = build_pipeline(parts.over(built), sources, where)

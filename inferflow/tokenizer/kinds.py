@@ -13,7 +13,7 @@ from typing import Any
 from inferflow.errors import TokenizerError
 from inferflow.registry import Registry, RegistryError
 from inferflow.tokenizer.base import Tokenizer
-from inferflow.tokenizer.pipeline import PipelineSpec, apply_pipeline, build_pipeline
+from inferflow.tokenizer.pipeline import PipelineSpec, Specials, apply_pipeline, build_pipeline
 from inferflow.tokenizer.sources import SourceContext
 
 
@@ -86,22 +86,14 @@ def apply_overrides(tok: Tokenizer, overrides: dict[str, Any]) -> Tokenizer:
             f"unknown tokenizer override(s) {unknown}; allowed: {', '.join(OVERRIDE_KEYS)}"
         )
 
-    def lookup(key: str, text: Any) -> int:
-        tid = tok.backend.token_to_id(str(text))
-        if tid is None:
-            raise TokenizerError(
-                f"tokenizer override {key}={text!r} is not a token of this vocabulary"
-            )
-        return int(tid)
-
     if "chat_template" in overrides:
         tok.chat_template = overrides["chat_template"]
-    if "bos" in overrides:
-        tok.bos_id = lookup("bos", overrides["bos"])
-    if "eos" in overrides:
-        texts = overrides["eos"]
-        texts = [texts] if isinstance(texts, str) else list(texts)
-        tok.eos_ids = [lookup("eos", t) for t in texts]
+    if "bos" in overrides or "eos" in overrides:  # (the roles, as tokenizer.specials sets them)
+        eos = overrides.get("eos", ())
+        roles = Specials(
+            bos=overrides.get("bos"), eos=(eos,) if isinstance(eos, str) else tuple(eos)
+        )
+        apply_pipeline(tok, PipelineSpec(specials=roles), "tokenizer override")
     # setting either flag rebuilds the post-processor with the (possibly new) bos/eos
     if "bos" in overrides or "eos" in overrides or "add_bos" in overrides or "add_eos" in overrides:
         tok.add_eos = bool(overrides.get("add_eos", tok.add_eos))

@@ -11,6 +11,7 @@ result does not depend on the other rows of the call (batch invariance).
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache, cached_property
 
@@ -119,16 +120,21 @@ class QPlane:
         return CQMat(*ptrs, self.n, self.k, self.group, self.bits, half, high, self.zero, *two,
                      self.sb)  # fmt: skip
 
-    def group_scales(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every group's scale and min as float32, tiled as ``scale`` (one-level values)."""
-        mins = None if self.min is None else self._level(self.min, self.mn8)
-        scale = self._level(self.scale, self.sc8)
+    def group_scales(
+        self, pick: Callable[[torch.Tensor], torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The scales and mins (float32, one-level values) of the rows ``pick`` takes from the
+        held arrays (groups last): only the rows asked for are computed."""
+        mins = None if self.min is None else self._level(pick(self.min), self.mn8, pick)
+        scale = self._level(pick(self.scale), self.sc8, pick)
         return scale, -self.zero * scale if mins is None else mins
 
-    def _level(self, a: torch.Tensor, a8: torch.Tensor | None) -> torch.Tensor:
+    def _level(
+        self, a: torch.Tensor, a8: torch.Tensor | None, pick: Callable[[torch.Tensor], torch.Tensor]
+    ) -> torch.Tensor:
         if a8 is None:
             return a.float()
-        return a.float().repeat_interleave(self.sb, dim=1) * a8.float()
+        return a.float().repeat_interleave(self.sb, dim=-1) * pick(a8).float()
 
     def factor(
         self, d: torch.Tensor, sc: torch.Tensor, dmin: torch.Tensor | None,
@@ -170,20 +176,21 @@ class QPlane:
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows ``ids`` (N,) of W as float32 (N, k): code * scale + min, the codec's values (an
         embedding lookup from a tied head's plane)."""
-        scales, mins = self.group_scales()
         t, i = ids // 16, ids % 16
-        if self.codes.dim() == 2:  # 8-bit rows
-            codes, scale, mn = self.codes[ids], scales[ids], mins[ids]
+        flat = self.codes.dim() == 2  # 8-bit rows; else tiles: (tiles, groups, 16) scales
+        scale, mn = self.group_scales(lambda a: a[ids] if flat else a[t, :, i])
+        if flat:
+            codes = self.codes[ids]
         elif self.bits == 8 and self.group == 16:  # byte (t, j, s, i, e): column 32j + 4s + e
-            codes, scale, mn = self.codes[t, :, :, i, :], scales[t, :, i], mins[t, :, i]
+            codes = self.codes[t, :, :, i, :]
         elif self.bits == 8:  # byte (t, j, s, i, 2h + e): column 32j + 16h + 2s + e
             b = self.codes[t, :, :, i, :].reshape(len(ids), -1, 8, 2, 2).permute(0, 1, 3, 2, 4)
-            codes, scale, mn = b.reshape(len(ids), self.k), scales[t, :, i], mins[t, :, i]
+            codes = b.reshape(len(ids), self.k)
         elif self.codes.shape[2] == 4 and self.group == 16:  # nibble p of byte (t, j, s2, i, e):
             # column 32j + 8 s2 + 4p + e
             b = self.codes[t, :, :, i, :]  # (N, k / 32, s2, e)
             b = torch.stack([b & 15, b >> 4], dim=-2)  # (N, k / 32, s2, p, e)
-            codes, scale, mn = b.reshape(len(ids), self.k), scales[t, :, i], mins[t, :, i]
+            codes = b.reshape(len(ids), self.k)
         elif self.codes.shape[2] == 4:  # nibble p of byte (t, j, s2, i, 2h + e): column
             # 32j + 16h + 4 s2 + 2p + e
             b = self.codes[t, :, :, i, :]  # (N, k / 32, s2, (h, e))
@@ -194,7 +201,6 @@ class QPlane:
                 hb = (self.high[t, :, i, :, None] >> s) & 1  # (N, k / 32, (h, e), s)
                 hb = hb.reshape(len(ids), -1, 2, 2, 8).permute(0, 1, 2, 4, 3)
                 codes = codes | (hb.reshape(len(ids), self.k) << 4)
-            scale, mn = scales[t, :, i], mins[t, :, i]
         else:  # tile t = id // 16, row i = id % 16; byte (t, j, s, i, e): columns 2s + e, +16
             b = self.codes[t, :, :, i, :].reshape(len(ids), -1, 16)  # (N, k / 32, (s, e))
             codes = torch.cat([b & 15, b >> 4], dim=-1).reshape(len(ids), self.k)
@@ -202,7 +208,6 @@ class QPlane:
                 hb = self.high[t, :, :, i // 8, :] >> (i % 8).reshape(-1, 1, 1, 1).to(torch.uint8)
                 hb = (hb & 1).reshape(len(ids), -1, 8, 2, 2).permute(0, 1, 4, 2, 3)
                 codes = codes | (hb.reshape(len(ids), self.k) << 4)
-            scale, mn = scales[t, :, i], mins[t, :, i]  # (N, G)
         g, scale, mn = self.group, scale.float(), mn.float()
         w = codes.to(torch.float32).reshape(len(ids), -1, g) * scale[..., None] + mn[..., None]
         return w.reshape(len(ids), self.k)

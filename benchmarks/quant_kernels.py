@@ -39,6 +39,8 @@ from torch.nn import functional as F
 
 from inferflow.quant import quantize
 from inferflow.quant.linear import (
+    AFFINE_VIEWS,
+    INT4_GROUPS,
     Int4Pack,
     QuantLinear,
     int4pack_kernel,
@@ -145,7 +147,8 @@ def run_shape(fmt: str, inp: int, out: int, batches: list[int], ws: float, budge
     qt = quantize(torch.randn(out, inp, generator=g) * 0.05, fmt)
     w32 = qt.dequantize()
     fast = QuantLinear(qt)
-    pack = pack_int4(qt) if fast.kernel_name in ("int4pack", "plane") else None
+    takes = fmt in AFFINE_VIEWS and AFFINE_VIEWS.get(fmt).group in INT4_GROUPS  # (Q6_K: no)
+    pack = pack_int4(qt) if takes and fast.kernel_name in ("int4pack", "plane") else None
     for n in batches:
         x = torch.randn(n, inp, generator=g)
         xb = x.to(torch.bfloat16)
@@ -192,9 +195,10 @@ def main(argv: list[str] | None = None) -> None:
     for fmt in args.formats.split(","):
         for inp, out in shapes:
             run_shape(fmt, inp, out, batches, args.working_set * 1e6, args.budget)
-    print("\nresident bits per weight (576x576): format's own blocks vs QuantLinear's kernel")
+    inp, out = shapes[0]
+    print(f"\nresident bits per weight ({inp}x{out}): format's own blocks vs QuantLinear's kernel")
     for fmt in args.formats.split(","):
-        qt = quantize(torch.zeros(576, 576), fmt)
+        qt = quantize(torch.zeros(out, inp), fmt)
         ql = QuantLinear(qt)
         bits = ql.nbytes * 8 / qt.numel()
         print(f"  {fmt:7} raw {qt.bits_per_weight:.2f}  {ql.kernel_name} {bits:.2f}")

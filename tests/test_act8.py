@@ -25,13 +25,14 @@ GGML = {name: getattr(gguf.GGMLQuantizationType, name) for name in (
 
 
 @pytest.fixture(params=[[], ["-mno-avx512f"]], ids=["native", "portable"])
-def build(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch, tmp_path):  # noqa: ANN001, ANN201
+def build(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch, tmp_path_factory):  # noqa: ANN001, ANN201
     """The kernels as this machine builds them (AVX-512 VNNI here), and as a CPU without
-    AVX-512 does (GCC vector types: the integer sums are the same, exact)."""
+    AVX-512 does (GCC vector types: the integer sums are the same, exact). One cache for the
+    session (its builds are keyed by the flags): each build compiles once, not per test."""
     from inferflow import kernels
     from tests.test_fused import _reset
 
-    monkeypatch.setenv("INFERFLOW_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.setenv("INFERFLOW_KERNEL_CACHE", str(tmp_path_factory.getbasetemp() / "kernels"))
     monkeypatch.setattr(kernels, "FLAGS", [*kernels.FLAGS, *request.param])
     _reset()
     yield

@@ -77,16 +77,18 @@ def test_plane_matvec_matches_dequantize(name: str, lib) -> None:  # noqa: ANN00
     symmetric = name in ("Q4_0", "Q5_0", "Q8_0", "Q3_K", "Q6_K")
     assert (plane.min is None) == symmetric
     # 4-bit tiles; 5-bit ones (a tile of the low four bits and a plane of the fifth) where the
-    # groups are multiples of 32; else one byte per code. Groups of 16 go in tiles on AVX-512
-    # builds only.
+    # groups are multiples of 32; 6-bit ones (Q6_K, Q6: a tile of the low four bits and a plane
+    # of the top two) on AVX-512 builds; else one byte per code. Groups of 16 go in tiles on
+    # AVX-512 builds only.
     tiles = view.group % 32 == 0 or quant_decode.tiles16_built()
     five = view.levels in (17, 32) and view.group % 32 == 0  # (no format has 17..31 levels)
-    assert plane.bits == (4 if view.levels <= 16 and tiles else 5 if five else 8)
-    if plane.bits == 5:
+    six = 32 < view.levels <= 64 and quant_decode.tiles16_built()
+    assert plane.bits == (4 if view.levels <= 16 and tiles else 5 if five else 6 if six else 8)
+    if plane.bits in (5, 6):
         assert plane.high is not None
         assert (
             plane.codes.nbytes + plane.high.nbytes
-            == -(-qt.shape[0] // 16) * 16 * qt.shape[1] * 5 // 8
+            == -(-qt.shape[0] // 16) * 16 * qt.shape[1] * plane.bits // 8
         )
     # the writable formats' scales and mins are their blocks' float16 fields: exact in float16,
     # so held so where the build reads them (k-quants' d * sub-scale products stay float32)

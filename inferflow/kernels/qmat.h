@@ -13,9 +13,9 @@ typedef struct {
     const uint8_t *codes;
     const float *scale, *min; /* (n, k / group) */
     int64_t n, k, group;
-    int32_t bits; /* 4 or 8 */
+    int32_t bits; /* 4, 6 (AVX-512 tiles) or 8 (5-bit codes: 4 and high) */
     int32_t half; /* scale and min are float16 (only where qmat_half_built()) */
-    const uint8_t *high; /* 5-bit codes: their fifth bits (else NULL) */
+    const uint8_t *high; /* 5-bit codes: their fifth bits; 6-bit: their top two (else NULL) */
     float zero;          /* min NULL (symmetric formats, SYMMETRIC_BUILT only): min = -zero * scale */
     /* sb > 0 (AVX-512 tiles, k-quants): scales and mins in two levels, as the file holds them:
        scale and min are float16 (tiles, k / group / sb, 16), one per sb groups, and the groups'

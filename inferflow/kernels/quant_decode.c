@@ -11,8 +11,9 @@
      16t + 8h + i's code of column 2s, 16 + 2s, 2s + 1, 17 + 2s (e = 0 .. 3) is >= 16 (the order
      of tile_codes' vectors).
    AVX-512 builds hold other tiles (tiles16.h): 4-bit ones with two sub-blocks per byte, 5-bit
-   ones with their fifth bits as bit s of a byte per (row, column of the sub-block), 8-bit
-   ones; tiles there also take groups of 16 (Q2_K, Q3_K, Q6_K: two scales per chunk).
+   ones with their fifth bits as bit s of a byte per (row, column of the sub-block), 6-bit
+   ones (Q6_K) as 4-bit ones and their top two bits, four sub-blocks per byte, 8-bit ones;
+   tiles there also take groups of 16 (Q2_K, Q3_K, Q6_K: two scales per chunk).
    Scales and mins are float32, or float16 where every one is exact in it (F16C builds);
    symmetric formats (min = -zero * scale, zero a power of two) may leave min NULL.
 
@@ -79,6 +80,7 @@ static inline int path_of(const QMat *w) {
         const int g16 = w->group == 16;
         if (w->bits == 4) return g16 ? 5 : 2;
         if (w->bits == 8) return g16 ? 6 : 3;
+        if (w->bits == 6) return g16 ? 8 : 7;
         if (w->high && !g16) return 4;
     }
 #endif
@@ -86,18 +88,18 @@ static inline int path_of(const QMat *w) {
 }
 
 /* rows of W per block, rows of x per block */
-static const int64_t BLOCK_ROWS[7] = {16, RW, 16, 16, 16, 16, 16};
+static const int64_t BLOCK_ROWS[9] = {16, RW, 16, 16, 16, 16, 16, 16, 16};
 #if defined(__AVX512F__)
-static const int64_t X_ROWS[7] = {MR, MR, MR16, MR16, MR16, MR16, MR16};
+static const int64_t X_ROWS[9] = {MR, MR, MR16, MR16, MR16, MR16, MR16, MR16, MR16};
 #else
-static const int64_t X_ROWS[7] = {MR, MR, MR, MR, MR, MR, MR};
+static const int64_t X_ROWS[9] = {MR, MR, MR, MR, MR, MR, MR, MR, MR};
 #endif
 /* with 8-bit rows of x (q8_path): more rows share each unpacked tile where their accumulators
    fit the registers (groups of 32k; groups of 16 keep two integer sums a row) */
 #if defined(Q8_TILES16)
-static const int64_t XQ_ROWS[7] = {MR, MR, MRQ, MRQ, MRQ, MR16, MR16};
+static const int64_t XQ_ROWS[9] = {MR, MR, MRQ, MRQ, MRQ, MR16, MR16, MRQ, MR16};
 #else
-static const int64_t XQ_ROWS[7] = {MR, MR, MR, MR, MR, MR, MR};
+static const int64_t XQ_ROWS[9] = {MR, MR, MR, MR, MR, MR, MR, MR, MR};
 #endif
 
 /* one body per path and constant row count, so that every body is inlined with constants */
@@ -150,24 +152,32 @@ static void block_dot(const QMat *w, int path, int64_t t, const float *x, const 
     }
 #if defined(__AVX512F__)
     case 2:
-#define C4(n) tile_dot_rows16(w, t, x, xs, y, add, n, 0, 0, 0)
+#define C4(n) tile_dot_rows16(w, t, x, xs, y, add, n, 0, 0, 0, 0)
         CASES(C4);
         break;
     case 3:
-#define C5(n) tile_dot_rows16(w, t, x, xs, y, add, n, 1, 0, 0)
+#define C5(n) tile_dot_rows16(w, t, x, xs, y, add, n, 1, 0, 0, 0)
         CASES(C5);
         break;
     case 4:
-#define C9(n) tile_dot_rows16(w, t, x, xs, y, add, n, 0, 1, 0)
+#define C9(n) tile_dot_rows16(w, t, x, xs, y, add, n, 0, 1, 0, 0)
         CASES(C9);
         break;
     case 5:
-#define C10(n) tile_dot_rows16(w, t, x, xs, y, add, n, 0, 0, 1)
+#define C10(n) tile_dot_rows16(w, t, x, xs, y, add, n, 0, 0, 0, 1)
         CASES(C10);
         break;
     case 6:
-#define C11(n) tile_dot_rows16(w, t, x, xs, y, add, n, 1, 0, 1)
+#define C11(n) tile_dot_rows16(w, t, x, xs, y, add, n, 1, 0, 0, 1)
         CASES(C11);
+        break;
+    case 7:
+#define C15(n) tile_dot_rows16(w, t, x, xs, y, add, n, 0, 0, 1, 0)
+        CASES(C15);
+        break;
+    case 8:
+#define C16(n) tile_dot_rows16(w, t, x, xs, y, add, n, 0, 0, 1, 1)
+        CASES(C16);
         break;
 #endif
     default: break;
@@ -194,24 +204,32 @@ static void block_dot_q8(const QMat *w, int path, int64_t t, const int8_t *xq, c
 #if defined(Q8_TILES16)
     switch (path) {
     case 2:
-#define C6(n) tile_dot_rows16_q8(w, t, xq, dx, xs, y, add, n, 0, 0, 0)
+#define C6(n) tile_dot_rows16_q8(w, t, xq, dx, xs, y, add, n, 0, 0, 0, 0)
         CASES8(C6);
         return;
     case 3:
-#define C8(n) tile_dot_rows16_q8(w, t, xq, dx, xs, y, add, n, 1, 0, 0)
+#define C8(n) tile_dot_rows16_q8(w, t, xq, dx, xs, y, add, n, 1, 0, 0, 0)
         CASES8(C8);
         return;
     case 4:
-#define C12(n) tile_dot_rows16_q8(w, t, xq, dx, xs, y, add, n, 0, 1, 0)
+#define C12(n) tile_dot_rows16_q8(w, t, xq, dx, xs, y, add, n, 0, 1, 0, 0)
         CASES8(C12);
         return;
     case 5:
-#define C13(n) tile_dot_rows16_q8(w, t, xq, dx, xs, y, add, n, 0, 0, 1)
+#define C13(n) tile_dot_rows16_q8(w, t, xq, dx, xs, y, add, n, 0, 0, 0, 1)
         CASES(C13);
         return;
     case 6:
-#define C14(n) tile_dot_rows16_q8(w, t, xq, dx, xs, y, add, n, 1, 0, 1)
+#define C14(n) tile_dot_rows16_q8(w, t, xq, dx, xs, y, add, n, 1, 0, 0, 1)
         CASES(C14);
+        return;
+    case 7:
+#define C17(n) tile_dot_rows16_q8(w, t, xq, dx, xs, y, add, n, 0, 0, 1, 0)
+        CASES8(C17);
+        return;
+    case 8:
+#define C18(n) tile_dot_rows16_q8(w, t, xq, dx, xs, y, add, n, 0, 0, 1, 1)
+        CASES(C18);
         return;
     default: break;
     }

@@ -78,7 +78,9 @@ class QPlane:
     tiles of 16 rows (tiles, k / 32, 8, 16, 2), or (tiles, k / 32, 4, 16, 4) where the build
     walks tiles with AVX-512 (``tiles16_built``: two sub-blocks' nibbles in a byte), with scale
     and min (tiles, k / group, 16); for <= 32 levels in groups of a multiple of 32, the first
-    tiles of the low four bits and ``high``, the fifth bits (tiles, k / 32, 8, 2, 4); else 8-bit
+    tiles of the low four bits and ``high``, the fifth bits (tiles, k / 32, 8, 2, 4); for <= 64
+    levels on AVX-512 builds (Q6_K), 4-bit tiles of the low four bits and ``high``, the top two
+    bits (tiles, k / 32, 2, 16, 4: four sub-blocks' per byte, ``_six``); else 8-bit
     codes, in tiles of 16 rows (tiles, k / 32, 8, 16, 4) with tiled scales and mins where the
     groups are multiples of 32 and ``tiles16_built``, or else (n, k) uint8 with scale and min
     (n, k / group). Scales and mins are float32, or float16 where every one is exact in it
@@ -181,11 +183,16 @@ class QPlane:
         scale, mn = self.group_scales(lambda a: a[ids] if flat else a[t, :, i])
         if flat:
             codes = self.codes[ids]
-        elif self.bits == 8 and self.group == 16:  # byte (t, j, s, i, e): column 32j + 4s + e
-            codes = self.codes[t, :, :, i, :]
-        elif self.bits == 8:  # byte (t, j, s, i, 2h + e): column 32j + 16h + 2s + e
-            b = self.codes[t, :, :, i, :].reshape(len(ids), -1, 8, 2, 2).permute(0, 1, 3, 2, 4)
-            codes = b.reshape(len(ids), self.k)
+        elif self.bits in (6, 8):  # byte (t, j, s, i, e) of 8-bit tiles
+            b = self.codes[t, :, :, i, :]
+            if self.bits == 6:
+                assert self.high is not None
+                b = _unsix(b, self.high[t, :, :, i, :])
+            if self.group == 16:  # column 32j + 4s + e
+                codes = b.reshape(len(ids), self.k)
+            else:  # byte (s, 2h + e): column 32j + 16h + 2s + e
+                b = b.reshape(len(ids), -1, 8, 2, 2).permute(0, 1, 3, 2, 4)
+                codes = b.reshape(len(ids), self.k)
         elif self.codes.shape[2] == 4 and self.group == 16:  # nibble p of byte (t, j, s2, i, e):
             # column 32j + 8 s2 + 4p + e
             b = self.codes[t, :, :, i, :]  # (N, k / 32, s2, e)
@@ -263,13 +270,15 @@ def _tiles(group: int, k: int | None = None) -> bool:
 
 def plane_bits(levels: int, group: int, k: int | None = None) -> int:
     """The bits per code of the plane ``plane_takes``: 4-bit tiles (<= 16 levels), 5-bit ones
-    (<= 32 levels, groups of a multiple of 32), else 8-bit codes (tiles on AVX-512 builds, else
-    rows)."""
-    if _tiles(group, k) and levels <= 32:
+    (<= 32 levels, groups of a multiple of 32), 6-bit ones (<= 64 levels, AVX-512 builds), else
+    8-bit codes (tiles on AVX-512 builds, else rows)."""
+    if _tiles(group, k) and levels <= 64:
         if levels <= 16:
             return 4
-        if group % 32 == 0:
+        if levels <= 32 and group % 32 == 0:
             return 5
+        if tiles16_built():
+            return 6
     return 8
 
 
@@ -304,7 +313,7 @@ def make_plane(
     mins = None if minless else _tiled(mn, n)
     # (the moves below take the byte pairs (e = 0, 1) of adjacent columns as one int16: half
     # the elements for torch's strided copy)
-    if bits == 8:  # column 32j + 16h + 2s + e of row 16t + i -> byte (t, j, s, i, 2h + e),
+    if bits in (6, 8):  # column 32j + 16h + 2s + e of row 16t + i -> byte (t, j, s, i, 2h + e),
         # in the codes' own storage a few tiles at a time (a tile's bytes stay where its rows
         # were): no second copy of a large table (Gemma-3's embedding: 168 MB)
         flat = codes.contiguous().view(tiles, 16 * k)
@@ -318,8 +327,11 @@ def make_plane(
                 pairs = chunk.clone().view(torch.int16).reshape(-1, 16, k // 32, 2, 8)
                 moved = pairs.permute(0, 2, 4, 1, 3)
             chunk.copy_(moved.reshape(len(chunk), -1).view(torch.uint8))
-        return QPlane(flat.view(tiles, k // 32, 8, 16, 4), _tiled(scale, n), mins, n, k, group, 8,
-                      None, z)  # fmt: skip
+        tiled = flat.view(tiles, k // 32, 8, 16, 4)
+        if bits == 6:
+            low, top = _six(tiled)
+            return QPlane(low, _tiled(scale, n), mins, n, k, group, 6, top, z)
+        return QPlane(tiled, _tiled(scale, n), mins, n, k, group, 8, None, z)
     if wide and group == 16:  # column 32j + 8 s2 + 4p + e of row 16t + i -> nibble p of
         # byte (t, j, s2, i, e)
         c = codes.reshape(tiles, 16, k // 32, 4, 2, 4)
@@ -350,6 +362,31 @@ def make_plane(
         high = (hb * lanes).sum(-1, dtype=torch.uint8).reshape(tiles, k // 32, 8, 2, 4)
 
     return QPlane(packed, _tiled(scale, n), mins, n, k, group, bits, high, z)
+
+
+def _six(tiled: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """8-bit tiles (tiles, J, 8, 16, 4) of codes < 64 -> their low four bits as 4-bit tiles
+    (tiles, J, 4, 16, 4: sub-block 2 s2 + p in nibble p) and their top two bits (tiles, J, 2,
+    16, 4: sub-block 4q + r in bits 2r, 2r + 1), a few tiles at a time."""
+    tiles, J = tiled.shape[:2]
+    low = torch.empty(tiles, J, 4, 16, 4, dtype=torch.uint8)
+    top = torch.empty(tiles, J, 2, 16, 4, dtype=torch.uint8)
+    step = max(1, (4 << 20) // (J * 512))
+    for t0 in range(0, tiles, step):
+        b = tiled[t0 : t0 + step]
+        low[t0 : t0 + step] = (b[:, :, 0::2] & 15) | ((b[:, :, 1::2] & 15) << 4)
+        h = (b >> 4).reshape(len(b), J, 2, 4, 16, 4)
+        top[t0 : t0 + step] = (
+            h[:, :, :, 0] | (h[:, :, :, 1] << 2) | (h[:, :, :, 2] << 4) | (h[:, :, :, 3] << 6)
+        )
+    return low, top
+
+
+def _unsix(low: torch.Tensor, top: torch.Tensor) -> torch.Tensor:
+    """``_six``'s inverse for rows of tiles: low (..., 4, 4), top (..., 2, 4) -> (..., 8, 4)."""
+    lo = torch.stack([low & 15, low >> 4], dim=-2).flatten(-3, -2)  # sub-block 2 s2 + p
+    hi = torch.stack([(top >> (2 * r)) & 3 for r in range(4)], dim=-2).flatten(-3, -2)
+    return lo | (hi << 4)
 
 
 def q8_0_rows(x: torch.Tensor) -> torch.Tensor:

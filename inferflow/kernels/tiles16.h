@@ -50,7 +50,7 @@ static inline __attribute__((always_inline)) void store_tile16(const QMat *w, in
     }
 }
 
-/* Tile t of 16 rows, 4-bit (eight = 0) or 8-bit codes, a 32-column chunk at a time: per
+/* Tile t of 16 rows, 4-bit (eight = 0; six: with top16's two bits more) or 8-bit codes, a 32-column chunk at a time: per
    sub-block s, dword i of a vector holds row i's codes of columns (2s, 2s + 1, 16 + 2s, 17 + 2s)
    [e] as byte e (8-bit: the chunk's 512 bytes (s, i, e)), or 4-bit ones as byte e's low nibble
    for an even s and high nibble for the odd s after it (the chunk's 256 bytes (s / 2, i, e)):
@@ -78,14 +78,32 @@ static inline __attribute__((always_inline)) __m512i high16_bytes(__m512i h, int
     return _mm512_and_si512(b, _mm512_set1_epi8(0x10));
 }
 
+/* 6-bit tiles (AVX-512 builds, Q6_K): the 4-bit tiles of the codes' low four bits, and per
+   chunk 128 bytes of their top two bits: byte (q, i, e) holds bits 2r, 2r + 1 for sub-block
+   4q + r's column of byte e of dword i (the codes' own order, either layout) */
+static inline const uint8_t *top16(const QMat *w, int64_t t, int64_t jj) {
+    return w->high + (t * (w->k / 32) + jj) * 128;
+}
+
+/* sub-block s's 16 dwords of 6-bit codes as bytes (c: the chunk's 4-bit tile, h: the top bits
+   of sub-blocks 4 (s / 4) .. 4 (s / 4) + 3) */
+static inline __attribute__((always_inline)) __m512i six16_dwords(const uint8_t *c, __m512i h,
+                                                                  int s) {
+    const int r = s & 3;
+    const __m512i b = r <= 2 ? _mm512_slli_epi32(h, 4 - 2 * r) : _mm512_srli_epi32(h, 2);
+    return _mm512_or_si512(tile16_dwords(c, s, 0), _mm512_and_si512(b, _mm512_set1_epi8(0x30)));
+}
+
 /* sub-block s's codes as floats, q[e]: column (2s, 2s + 1, 16 + 2s, 17 + 2s)[e] of the 16 rows
    (4-bit: vpermps reads the low 4 bits of each index, one nibble per lookup; five: plus 16
    where the fifth bit is set, h the chunk's bits) */
 static inline __attribute__((always_inline)) void tile16_codes(const uint8_t *c, int s,
                                                                const int eight, const int five,
-                                                               __m512i h, __m512 q[4]) {
-    if (eight) {
-        const __m512i d = tile16_dwords(c, s, 1), byte = _mm512_set1_epi32(0xFF);
+                                                               const int six, __m512i h,
+                                                               __m512 q[4]) {
+    if (eight || six) { /* (six: h, the top bits of sub-blocks 4 (s / 4) ..) */
+        const __m512i d = six ? six16_dwords(c, h, s) : tile16_dwords(c, s, 1);
+        const __m512i byte = _mm512_set1_epi32(0xFF);
         for (int e = 0; e < 3; e++)
             q[e] = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(d, 8 * e), byte));
         q[3] = _mm512_cvtepi32_ps(_mm512_srli_epi32(d, 24));
@@ -110,7 +128,7 @@ static inline __attribute__((always_inline)) void tile_dot_rows16(const QMat *w,
                                                                   const float *x, const float *xs,
                                                                   float *out, int add, const int mr,
                                                                   const int eight, const int five,
-                                                                  const int g16) {
+                                                                  const int six, const int g16) {
     const int64_t k = w->k, G = k / w->group, chunks = g16 ? 1 : w->group / 32;
     const int64_t steps = g16 ? k / 32 : G; /* a group, or (g16) a chunk of two */
     const uint8_t *c = w->codes + t * (k / 32) * TILE_CHUNK(eight);
@@ -121,12 +139,16 @@ static inline __attribute__((always_inline)) void tile_dot_rows16(const QMat *w,
         for (int m = 0; m < mr; m++) a0[m] = a1[m] = _mm512_setzero_ps();
         for (int64_t j = 0; j < chunks; j++) {
             const int64_t col = (g * chunks + j) * 32;
-            const __m512i h = five ? _mm512_loadu_si512((const void *)high16(w, t, g * chunks + j))
+            const int64_t jj = g * chunks + j;
+            const __m512i h = five ? _mm512_loadu_si512((const void *)high16(w, t, jj))
+                            : six  ? _mm512_loadu_si512((const void *)top16(w, t, jj))
+                                   : _mm512_setzero_si512();
+            const __m512i h2 = six ? _mm512_loadu_si512((const void *)(top16(w, t, jj) + 64))
                                    : _mm512_setzero_si512();
 #pragma GCC unroll 8
             for (int s = 0; s < 8; s++) {
                 __m512 q[4];
-                tile16_codes(c, s, eight, five, h, q);
+                tile16_codes(c, s, eight, five, six, six && s >= 4 ? h2 : h, q);
                 for (int m = 0; m < mr; m++) {
                     const float *xc = x + m * k + col;
                     if (g16) { /* columns 4s + e: group 0 for s < 4, group 1 after */
@@ -177,6 +199,7 @@ static inline __attribute__((always_inline)) void tile_dot_rows16_q8(const QMat 
                                                                      int add, const int mr,
                                                                      const int eight,
                                                                      const int five,
+                                                                     const int six,
                                                                      const int g16) {
     const int64_t k = w->k, G = k / w->group, chunks = g16 ? 1 : w->group / 32, J = k / 32;
     const int64_t steps = g16 ? J : G;
@@ -190,12 +213,15 @@ static inline __attribute__((always_inline)) void tile_dot_rows16_q8(const QMat 
         for (int64_t j = 0; j < chunks; j++) {
             const int64_t jj = g * chunks + j;
             const __m512i h = five ? _mm512_loadu_si512((const void *)high16(w, t, jj))
+                            : six  ? _mm512_loadu_si512((const void *)top16(w, t, jj))
+                                   : _mm512_setzero_si512();
+            const __m512i h2 = six ? _mm512_loadu_si512((const void *)(top16(w, t, jj) + 64))
                                    : _mm512_setzero_si512();
             __m512i a[MRQ], b[MRQ];
             for (int m = 0; m < mr; m++) a[m] = b[m] = _mm512_setzero_si512();
 #pragma GCC unroll 8
             for (int s = 0; s < 8; s++) {
-                __m512i q = tile16_dwords(c, s, eight);
+                __m512i q = six ? six16_dwords(c, s < 4 ? h : h2, s) : tile16_dwords(c, s, eight);
                 if (five) q = _mm512_or_si512(q, high16_bytes(h, s));
                 for (int m = 0; m < mr; m++) {
                     uint32_t xv;

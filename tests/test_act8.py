@@ -1,6 +1,6 @@
-"""``--dtype act8``: float32, with the inputs of 4-bit quantized products (and 8-bit ones on
-AVX-512 VNNI builds) rounded to 8 bits per 32 values and multiplied by integer dot products
-(quant_decode.c's q8 path), as llama.cpp's CPU kernels do. Checked against gguf-py's decoding of the weights, for batch invariance, and for
+"""``--dtype act8``: float32, with the inputs of quantized products rounded to 8 bits per 32
+values and multiplied by integer dot products (quant_decode.c's q8 path: every plane on AVX-512
+VNNI and on portable builds), as llama.cpp's CPU kernels do. Checked against gguf-py's decoding of the weights, for batch invariance, and for
 its quality cost on a real model against the float32 run."""
 
 from __future__ import annotations
@@ -24,10 +24,14 @@ GGML = {name: getattr(gguf.GGMLQuantizationType, name) for name in (
     "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")}  # fmt: skip
 
 
-@pytest.fixture(params=[[], ["-mno-avx512f"]], ids=["native", "portable"])
+@pytest.fixture(
+    params=[[], ["-mno-avx512f"], ["-mno-avx512f", "-mno-avx2"]],
+    ids=["native", "portable", "no-avx2"],
+)
 def build(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch, tmp_path_factory):  # noqa: ANN001, ANN201
-    """The kernels as this machine builds them (AVX-512 VNNI here), and as a CPU without
-    AVX-512 does (GCC vector types: the integer sums are the same, exact). One cache for the
+    """The kernels as this machine builds them (AVX-512 VNNI here), as a CPU without AVX-512
+    does (GCC vector types, AVX2's 16-bit pair sums) and one without AVX2 (plain integer sums):
+    the integer sums are the same, exact. One cache for the
     session (its builds are keyed by the flags): each build compiles once, not per test."""
     from inferflow import kernels
     from tests.test_fused import _reset
@@ -86,7 +90,7 @@ def test_general_inputs_within_the_rounding_of_x(fmt: str, build) -> None:  # no
     k = _width(fmt)
     layer, w = _layer(fmt, 63, k, 2)
     if not layer.plane.has_q8():  # type: ignore[union-attr]
-        pytest.skip(f"this build has no integer path for {fmt} (no VNNI, or portable 8-bit rows)")
+        pytest.skip(f"this build has no integer path for {fmt} (AVX-512 without VNNI)")
     x = torch.randn(5, k, generator=torch.Generator().manual_seed(3))
     x[1] *= 1e-4
     x[2, :64] = 0.0
@@ -124,7 +128,7 @@ def test_the_product_is_that_of_the_rounded_row(fmt: str, build) -> None:  # noq
     k = _width(fmt)
     layer, w = _layer(fmt, 65, k, 4)
     if not layer.plane.has_q8():  # type: ignore[union-attr]
-        pytest.skip(f"this build has no integer path for {fmt} (no VNNI, or portable 8-bit rows)")
+        pytest.skip(f"this build has no integer path for {fmt} (AVX-512 without VNNI)")
     x = torch.randn(5, k, generator=torch.Generator().manual_seed(5)) + 0.5
     got = layer.plane.matmul_f32(x, q8=True).double()  # type: ignore[union-attr]
     want = _rounded(x) @ w.T
@@ -176,9 +180,9 @@ def test_which_planes_take_8_bit_inputs(
     monkeypatch: pytest.MonkeyPatch,
     tmp_path,  # noqa: ANN001
 ) -> None:
-    """Every tile does on AVX-512 VNNI builds (4-, 5- and 8-bit codes, groups of 16 too);
-    portable builds' 4-bit tiles do; portable builds' 5-bit tiles and 8-bit rows, and AVX-512
-    builds without VNNI, keep float32 inputs, bit for bit the float32 product."""
+    """Every plane does on AVX-512 VNNI builds (4-, 5-, 6- and 8-bit tiles, groups of 16 too)
+    and on portable builds (4- and 5-bit tiles, 8-bit rows: AVX2's or plain integer sums);
+    AVX-512 builds without VNNI keep float32 inputs, bit for bit the float32 product."""
     from inferflow import kernels
     from tests.test_fused import _reset
 
@@ -189,7 +193,7 @@ def test_which_planes_take_8_bit_inputs(
     cpu = _cpu_key().split()
     avx512 = "avx512f" in cpu and "-mno-avx512f" not in flags
     vnni = "avx512_vnni" in cpu and "-mno-avx512vnni" not in flags
-    tiles = not avx512 or vnni  # (the vector-type tiles always have the integer path)
+    tiles = not avx512 or vnni  # (vector-type tiles and rows always have the integer path)
     monkeypatch.setenv("INFERFLOW_KERNEL_CACHE", str(tmp_path))
     monkeypatch.setattr(kernels, "FLAGS", [*kernels.FLAGS, *flags])
     _reset()
@@ -200,8 +204,7 @@ def test_which_planes_take_8_bit_inputs(
             qt = random_blocks(fmt, 32, 256) if fmt.endswith("_K") else quantize(w, fmt)
             plane = QuantLinear(qt, None).plane
             assert plane is not None
-            four = fmt.startswith("Q4")
-            assert plane.has_q8() is ((four and tiles) or (avx512 and vnni)), fmt
+            assert plane.has_q8() is tiles, fmt
             same = torch.equal(plane.matmul_f32(x, q8=True), plane.matmul_f32(x))
             assert same is not plane.has_q8(), fmt
     finally:

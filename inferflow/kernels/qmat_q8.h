@@ -1,5 +1,5 @@
 /* The q8 products' pieces on vector types (--dtype act8): rows of x as 8-bit codes, their
-   group sums, and 4-bit tiles times them. Part of quant_decode.c (after qmat.h). */
+   group sums, and 4- and 5-bit tiles and 8-bit rows times them. Part of quant_decode.c (after qmat.h). */
 #ifndef INFERFLOW_QMAT_Q8_H
 #define INFERFLOW_QMAT_Q8_H
 
@@ -74,11 +74,13 @@ static void q8_group_sums(const QMat *w, const int8_t *xq, const float *dx, floa
     }
 }
 
-/* tile_dot_rows with 8-bit rows of x (xq, dx: their codes and scales, k / 32 per row) */
+/* tile_dot_rows with 8-bit rows of x (xq, dx: their codes and scales, k / 32 per row); five:
+   5-bit tiles, their fifth bits (tile_high's order) adding 16 to a code */
 static inline __attribute__((always_inline)) void tile_dot_rows_q8(const QMat *w, int64_t t,
                                                                    const int8_t *xq, const float *dx,
                                                                    const float *xs, float *out,
-                                                                   int add, const int mr) {
+                                                                   int add, const int mr,
+                                                                   const int five) {
     const int64_t k = w->k, G = k / w->group, chunks = w->group / 32, J = k / 32;
     const uint8_t *c = w->codes + t * J * 256;
     v8f acc[MR][2];
@@ -98,7 +100,14 @@ static inline __attribute__((always_inline)) void tile_dot_rows_q8(const QMat *w
                     v8u16 u;
                     memcpy(&u, c + 16 * h, sizeof u);
                     const v8i d = __builtin_convertvector(u, v8i);
-                    const v8i q0 = d & 15, q1 = (d >> 8) & 15, q2 = (d >> 4) & 15, q3 = d >> 12;
+                    v8i q0 = d & 15, q1 = (d >> 8) & 15, q2 = (d >> 4) & 15, q3 = d >> 12;
+                    if (five) { /* (byte e of the bits is tile_codes' q[e]: columns 2s, 16 + 2s,
+                                   2s + 1, 17 + 2s) */
+                        const uint8_t *hb = high_bits(w, t, jj, s, h);
+                        const v8i lane = {1, 2, 4, 8, 16, 32, 64, 128};
+                        q0 += ((hb[0] & lane) != 0) & 16, q2 += ((hb[1] & lane) != 0) & 16;
+                        q1 += ((hb[2] & lane) != 0) & 16, q3 += ((hb[3] & lane) != 0) & 16;
+                    }
                     for (int m = 0; m < mr; m++) {
                         const int8_t *xc = xq + m * k + jj * 32 + 4 * s;
                         a[m][h] += q0 * xc[0] + q1 * xc[1] + q2 * xc[2] + q3 * xc[3];
@@ -113,6 +122,56 @@ static inline __attribute__((always_inline)) void tile_dot_rows_q8(const QMat *w
             for (int m = 0; m < mr; m++) acc[m][h] = fma8(mn[h], (v8f){0} + xs[m * G + g], acc[m][h]);
     }
     store_tile(w, t, acc, out, add, mr);
+}
+
+/* 16 codes times 16 8-bit x as 8 lanes of pair sums (exact: |255 * 127 * 2| < 2^31) */
+static inline v8i dot16_q8(const uint8_t *c, const int8_t *x) {
+#if defined(__AVX2__)
+    const __m256i cw = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)c));
+    const __m256i xw = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)x));
+    v8i r;
+    const __m256i p = _mm256_madd_epi16(cw, xw);
+    memcpy(&r, &p, sizeof r);
+    return r;
+#else
+    v8i r;
+    for (int l = 0; l < 8; l++) r[l] = c[2 * l] * x[2 * l] + c[2 * l + 1] * x[2 * l + 1];
+    return r;
+#endif
+}
+
+/* row_dot_rows with 8-bit rows of x in column order (k a multiple of 32): per 16 columns an
+   integer dot product (dot16_q8), acc += that * (scale * dx); the mins' term from xs, the
+   rounded row's group sums (q8_group_sums) */
+static inline __attribute__((always_inline)) void row_dot_rows_q8(const QMat *w, int64_t r0,
+                                                                  const int rw, const int8_t *xq,
+                                                                  const float *dx, const float *xs,
+                                                                  float *out, int add,
+                                                                  const int mr) {
+    const int64_t k = w->k, G = k / w->group, J = k / 32;
+    v8f acc[RW][MR];
+    float mins[RW][MR];
+    for (int r = 0; r < rw; r++)
+        for (int m = 0; m < mr; m++) acc[r][m] = (v8f){0}, mins[r][m] = 0.f;
+    for (int64_t g = 0; g < G; g++)
+        for (int r = 0; r < rw; r++) {
+            const uint8_t *c = w->codes + (r0 + r) * k;
+            const float sc = ld1(w, w->scale, (r0 + r) * G + g), mn = min1(w, (r0 + r) * G + g);
+            for (int64_t c0 = g * w->group; c0 < (g + 1) * w->group; c0 += 16)
+                for (int m = 0; m < mr; m++) {
+                    const v8i a = dot16_q8(c + c0, xq + m * k + c0);
+                    acc[r][m] = fma8(__builtin_convertvector(a, v8f),
+                                     (v8f){0} + sc * dx[m * J + c0 / 32], acc[r][m]);
+                }
+            for (int m = 0; m < mr; m++) mins[r][m] += mn * xs[m * G + g];
+        }
+    for (int r = 0; r < rw; r++)
+        for (int m = 0; m < mr; m++) {
+            const v8f v = acc[r][m];
+            const float s = ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7]));
+            float *y = out + m * w->n + r0 + r;
+            *y = (add ? *y : 0.f) + (s + mins[r][m]);
+        }
 }
 
 #endif /* INFERFLOW_QMAT_Q8_H */

@@ -194,7 +194,7 @@ static inline int q8_path(const QMat *w, int path) {
     (void)w, (void)path;
     return 0;
 #else
-    return path == 0 && !w->high;
+    return path == 0 || (path == 1 && w->k % 32 == 0); /* (x's scales are per 32 columns) */
 #endif
 }
 
@@ -234,11 +234,26 @@ static void block_dot_q8(const QMat *w, int path, int64_t t, const int8_t *xq, c
     default: break;
     }
 #endif
-    (void)path;
 #if !defined(__AVX512F__) /* (q8_path: on AVX-512 builds only the tiles take 8-bit x) */
-#define C7(n) tile_dot_rows_q8(w, t, xq, dx, xs, y, add, (n) < MR ? (n) : MR)
-    CASES(C7);
+    if (path == 1) {
+        const int64_t r0 = t * RW, rw = w->n - r0 < RW ? w->n - r0 : RW;
+        if (rw == RW) {
+#define C19(n) row_dot_rows_q8(w, r0, RW, xq, dx, xs, y, add, (n) < MR ? (n) : MR)
+            CASES(C19);
+        } else
+            for (int64_t r = r0; r < r0 + rw; r++) {
+#define C20(n) row_dot_rows_q8(w, r, 1, xq, dx, xs, y, add, (n) < MR ? (n) : MR)
+                CASES(C20);
+            }
+    } else if (w->high) {
+#define C21(n) tile_dot_rows_q8(w, t, xq, dx, xs, y, add, (n) < MR ? (n) : MR, 1)
+        CASES(C21);
+    } else {
+#define C7(n) tile_dot_rows_q8(w, t, xq, dx, xs, y, add, (n) < MR ? (n) : MR, 0)
+        CASES(C7);
+    }
 #else
+    (void)path;
     (void)w, (void)t, (void)xq, (void)dx, (void)xs, (void)y, (void)add, (void)mr;
 #endif
 }
@@ -261,7 +276,7 @@ static void gemm_in_team(const QMat *w, const float *x, int64_t M, float *xs, fl
 #pragma omp for schedule(static)
     for (int64_t m = 0; m < M; m++) {
         if (q8) {
-            quantize_row_q8(x + m * k, k, xq + m * k, dx + m * J, w->group == 16);
+            quantize_row_q8(x + m * k, k, xq + m * k, dx + m * J, w->group == 16 || path == 1);
             q8_group_sums(w, xq + m * k, dx + m * J, xs + m * G);
         } else
             group_sums(w, x + m * k, xs + m * G);

@@ -39,11 +39,10 @@ from torch.nn import functional as F
 
 from inferflow.quant import quantize
 from inferflow.quant.linear import (
-    AFFINE_VIEWS,
-    INT4_GROUPS,
     Int4Pack,
     QuantLinear,
     int4pack_kernel,
+    int4pack_takes,
     pack_int4,
     plane_kernel,
 )
@@ -147,7 +146,7 @@ def run_shape(fmt: str, inp: int, out: int, batches: list[int], ws: float, budge
     qt = quantize(torch.randn(out, inp, generator=g) * 0.05, fmt)
     w32 = qt.dequantize()
     fast = QuantLinear(qt)
-    takes = fmt in AFFINE_VIEWS and AFFINE_VIEWS.get(fmt).group in INT4_GROUPS  # (Q6_K: no)
+    takes = int4pack_takes(qt.qformat)  # (Q6_K's groups of 16: no)
     pack = pack_int4(qt) if takes and fast.kernel_name in ("int4pack", "plane") else None
     for n in batches:
         x = torch.randn(n, inp, generator=g)

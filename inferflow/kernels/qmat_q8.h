@@ -124,25 +124,41 @@ static inline __attribute__((always_inline)) void tile_dot_rows_q8(const QMat *w
     store_tile(w, t, acc, out, add, mr);
 }
 
-/* 16 codes times 16 8-bit x as 8 lanes of pair sums (exact: |255 * 127 * 2| < 2^31) */
-static inline v8i dot16_q8(const uint8_t *c, const int8_t *x) {
+/* 16 bytes as 16-bit lanes: codes (0 .. 255) and 8-bit x (-127 .. 127) */
+typedef int16_t v16s __attribute__((vector_size(32)));
+typedef uint8_t v16u8 __attribute__((vector_size(16)));
+typedef int8_t v16s8 __attribute__((vector_size(16)));
+
+static inline v16s widen_u8(const uint8_t *p) {
+    v16u8 b;
+    memcpy(&b, p, sizeof b);
+    return __builtin_convertvector(b, v16s);
+}
+
+static inline v16s widen_s8(const int8_t *p) {
+    v16s8 b;
+    memcpy(&b, p, sizeof b);
+    return __builtin_convertvector(b, v16s);
+}
+
+/* 8 lanes of pair sums a[2l] b[2l] + a[2l + 1] b[2l + 1] (exact: |255 * 127 * 2| < 2^31) */
+static inline v8i pair_sums(v16s a, v16s b) {
 #if defined(__AVX2__)
-    const __m256i cw = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)c));
-    const __m256i xw = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)x));
+    const __m256i p = _mm256_madd_epi16((__m256i)a, (__m256i)b);
     v8i r;
-    const __m256i p = _mm256_madd_epi16(cw, xw);
     memcpy(&r, &p, sizeof r);
     return r;
 #else
     v8i r;
-    for (int l = 0; l < 8; l++) r[l] = c[2 * l] * x[2 * l] + c[2 * l + 1] * x[2 * l + 1];
+    for (int l = 0; l < 8; l++) r[l] = a[2 * l] * b[2 * l] + a[2 * l + 1] * b[2 * l + 1];
     return r;
 #endif
 }
 
 /* row_dot_rows with 8-bit rows of x in column order (k a multiple of 32): per 16 columns an
-   integer dot product (dot16_q8), acc += that * (scale * dx); the mins' term from xs, the
-   rounded row's group sums (q8_group_sums) */
+   integer dot product (pair_sums of the widened codes and x, each widened once), acc += that *
+   (scale * dx); the mins' term from xs, the rounded row's group sums (q8_group_sums). A row's
+   operations are in column order whatever rw and mr are. */
 static inline __attribute__((always_inline)) void row_dot_rows_q8(const QMat *w, int64_t r0,
                                                                   const int rw, const int8_t *xq,
                                                                   const float *dx, const float *xs,
@@ -153,18 +169,24 @@ static inline __attribute__((always_inline)) void row_dot_rows_q8(const QMat *w,
     float mins[RW][MR];
     for (int r = 0; r < rw; r++)
         for (int m = 0; m < mr; m++) acc[r][m] = (v8f){0}, mins[r][m] = 0.f;
-    for (int64_t g = 0; g < G; g++)
+    for (int64_t g = 0; g < G; g++) {
+        float sc[RW];
         for (int r = 0; r < rw; r++) {
-            const uint8_t *c = w->codes + (r0 + r) * k;
-            const float sc = ld1(w, w->scale, (r0 + r) * G + g), mn = min1(w, (r0 + r) * G + g);
-            for (int64_t c0 = g * w->group; c0 < (g + 1) * w->group; c0 += 16)
-                for (int m = 0; m < mr; m++) {
-                    const v8i a = dot16_q8(c + c0, xq + m * k + c0);
-                    acc[r][m] = fma8(__builtin_convertvector(a, v8f),
-                                     (v8f){0} + sc * dx[m * J + c0 / 32], acc[r][m]);
-                }
+            sc[r] = ld1(w, w->scale, (r0 + r) * G + g);
+            const float mn = min1(w, (r0 + r) * G + g);
             for (int m = 0; m < mr; m++) mins[r][m] += mn * xs[m * G + g];
         }
+        for (int64_t c0 = g * w->group; c0 < (g + 1) * w->group; c0 += 16) {
+            v16s xw[MR];
+            for (int m = 0; m < mr; m++) xw[m] = widen_s8(xq + m * k + c0);
+            for (int r = 0; r < rw; r++) {
+                const v16s cw = widen_u8(w->codes + (r0 + r) * k + c0);
+                for (int m = 0; m < mr; m++)
+                    acc[r][m] = fma8(__builtin_convertvector(pair_sums(cw, xw[m]), v8f),
+                                     (v8f){0} + sc[r] * dx[m * J + c0 / 32], acc[r][m]);
+            }
+        }
+    }
     for (int r = 0; r < rw; r++)
         for (int m = 0; m < mr; m++) {
             const v8f v = acc[r][m];

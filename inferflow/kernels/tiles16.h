@@ -50,11 +50,12 @@ static inline __attribute__((always_inline)) void store_tile16(const QMat *w, in
     }
 }
 
-/* Tile t of 16 rows, 4-bit (eight = 0; six: with top16's two bits more) or 8-bit codes, a 32-column chunk at a time: per
-   sub-block s, dword i of a vector holds row i's codes of columns (2s, 2s + 1, 16 + 2s, 17 + 2s)
-   [e] as byte e (8-bit: the chunk's 512 bytes (s, i, e)), or 4-bit ones as byte e's low nibble
-   for an even s and high nibble for the odd s after it (the chunk's 256 bytes (s / 2, i, e)):
-   one mask, or a shift and a mask, gives the VNNI operand of a sub-block. */
+/* Tile t of 16 rows, 4-bit (eight = 0; six: plus top16's two bits) or 8-bit codes, a 32-column
+   chunk at a time: per sub-block s, dword i of a vector holds row i's codes of columns (2s,
+   2s + 1, 16 + 2s, 17 + 2s)[e] as byte e (8-bit: the chunk's 512 bytes (s, i, e)), or 4-bit
+   ones as byte e's low nibble for an even s and high nibble for the odd s after it (the
+   chunk's 256 bytes (s / 2, i, e)): one mask, or a shift and a mask, gives the VNNI operand of
+   a sub-block. */
 #define TILE_CHUNK(eight) ((eight) ? 512 : 256)
 
 /* sub-block s's 16 dwords of codes as bytes (c: the chunk) */

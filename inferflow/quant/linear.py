@@ -294,7 +294,7 @@ def _has_int4pack() -> bool:
     )
 
 
-def _int4pack_takes(fmt: QuantFormat) -> bool:
+def int4pack_takes(fmt: QuantFormat) -> bool:
     """int4pack: an affine view of <= 8-bit codes in groups it accepts, and torch has the op."""
     view = AFFINE_VIEWS.get(fmt.name) if fmt.name in AFFINE_VIEWS else None
     return view is not None and view.bits <= 8 and view.group in INT4_GROUPS and _has_int4pack()
@@ -308,7 +308,7 @@ def select_kernel(fmt: QuantFormat) -> str:
         view = AFFINE_VIEWS.get(fmt.name)
         if plane_takes(view.levels, view.group) and quant_decode.library() is not None:
             return "plane"
-        if _int4pack_takes(fmt):
+        if int4pack_takes(fmt):
             return "int4pack"
     return "dequant"
 
@@ -505,7 +505,7 @@ class QuantLinear(nn.Module):
             raise QuantError(f"QuantLinear needs a 2-D weight, got shape {list(weight.shape)}")
         self._shape(*weight.shape, weight.format, bias)
         name = kernel or select_kernel(weight.qformat)
-        if kernel == "int4pack" and not _int4pack_takes(weight.qformat):
+        if kernel == "int4pack" and not int4pack_takes(weight.qformat):
             raise QuantError(f"{self.format} cannot use the int4pack kernel; use dequant")
         if name in ("plane", "int4pack"):
             view = AFFINE_VIEWS.get(weight.format)

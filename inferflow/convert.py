@@ -35,6 +35,7 @@ from inferflow.loaders.quantized import (
 from inferflow.loaders.safetensors import DTYPE_BITS
 from inferflow.quant import quantize
 from inferflow.quant.formats import FORMATS, QuantFormat
+from inferflow.quant.targets import is_float, is_quant
 from inferflow.quant.tensor import QuantTensor
 
 logger = logging.getLogger(__name__)
@@ -132,15 +133,6 @@ def weight_progress(source: WeightSource, desc: str, enabled: bool) -> tqdm[Any]
     )  # fmt: skip
 
 
-def _is_quant(dtype: str) -> bool:
-    """A packed format name (GGML Q4_1, Inferflow Q3H, ...), as opposed to a plain dtype."""
-    return dtype in FORMATS and FORMATS.get(dtype).block_size > 1
-
-
-def _is_float(dtype: str) -> bool:
-    return _is_quant(dtype) or dtype in ("F32", "F16", "BF16", "F64") or dtype.startswith("F8")
-
-
 def as_float(w: Weight) -> torch.Tensor:
     """A dense float tensor: packed data dequantized to float32, plain data as stored."""
     return w.dequantize(torch.float32) if isinstance(w, QuantTensor) else w
@@ -204,7 +196,7 @@ def parse_per_tensor(items: Sequence[str]) -> list[tuple[str, QuantFormat | None
 
 
 def _kept_dtype(dtype: str) -> str:
-    return "F32" if _is_quant(dtype) or dtype not in DTYPE_BITS else dtype
+    return "F32" if is_quant(dtype) or dtype not in DTYPE_BITS else dtype
 
 
 # --- convert --------------------------------------------------------------------------------
@@ -264,7 +256,7 @@ def convert_checkpoint(
     if to == "gguf":
         src_format, source = gguf_view(src_format, Path(src), source)
     try:
-        packed = Counter(d for n in source.names() if _is_quant(d := source.dtype_name(n)))
+        packed = Counter(d for n in source.names() if is_quant(d := source.dtype_name(n)))
         if to != "gguf" and packed and not dequantize:
             kinds = ", ".join(f"{c} {t}" for t, c in packed.most_common())
             raise CheckpointError(
@@ -310,7 +302,7 @@ def _to_safetensors(
     plans = []
     for name in source.names():
         stored = _kept_dtype(source.dtype_name(name))
-        if target and _is_float(stored):
+        if target and is_float(stored):
             stored = target
         plans.append(StoredTensor(name, stored, source.shape(name)))
     bar = weight_progress(source, "convert", progress)
@@ -340,14 +332,14 @@ def gguf_tensor_type(name: str, shape: Sequence[int], dtype: str, target: str | 
     """The GGML type a tensor is written as, following convert_hf_to_gguf.py's rules."""
     if dtype in _GGUF_WIDEN:
         return _GGUF_WIDEN[dtype]
-    if not _is_float(dtype):
+    if not is_float(dtype):
         if dtype not in _PLAIN_GGUF:
             raise CheckpointError(f"tensor {name!r}: GGUF has no type for {dtype} data")
         return dtype
     if target is None:
         # keep what GGUF can hold (GGML types and Inferflow's own, copied raw); F8 -> F32
         keep = dtype in _PLAIN_GGUF or (
-            _is_quant(dtype) and FORMATS.get(dtype).gguf_type is not None
+            is_quant(dtype) and FORMATS.get(dtype).gguf_type is not None
         )
         return dtype if keep else "F32"
     if len(shape) <= 1 or name.endswith("_norm.weight"):

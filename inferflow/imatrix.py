@@ -84,7 +84,12 @@ class ImportanceMatrix:
             "imatrix.chunk_count": self.chunks,
             "imatrix.chunk_size": self.chunk_size,
         }
-        types = {"imatrix.chunk_count": (4,), "imatrix.chunk_size": (4,)}  # UINT32
+        # UINT32 counts; an array of strings even when no dataset is named
+        types = {
+            "imatrix.chunk_count": (4,),
+            "imatrix.chunk_size": (4,),
+            "imatrix.datasets": (9, 8),
+        }
         plans, data = [], {}
         for n in sorted(self.sums):
             plans.append(GGUFTensorPlan(f"{n}.in_sum2", (1, self.sums[n].numel()), "F32"))

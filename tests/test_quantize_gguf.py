@@ -86,7 +86,7 @@ def _kl_against_source(spec: str, quantized: Path, tmp: Path) -> tuple[float, fl
 
 @pytest.mark.parametrize("ffn", [128, 96])
 def test_default_mix_of_the_four_bit_formats(tmp_path: Path, ffn: int) -> None:
-    """Q4_B32's default mix (quantize.MIXES): the head Q6, attention V Q6, the FFN's down
+    """Q4_B32's default mix (quant.targets.MIXES): the head Q6, attention V Q6, the FFN's down
     projection Q5 (rows of 96 cannot take Q5's blocks of 64: the main format), the rest Q4_B32;
     a --per-tensor rule overrides the mix; tensors stored quantized keep the main format. On an
     HF directory, as llama.cpp names the GGUF."""

@@ -15,9 +15,10 @@ import json
 import sys
 from typing import Any
 
+from inferflow.cli.common import with_quant
 from inferflow.cli.generate import add_sampling, sampling_params
 from inferflow.engine.engine import Engine
-from inferflow.runtime import load, quant_for, require_tokenizer, tokenizer_for
+from inferflow.runtime import load, require_tokenizer, tokenizer_for
 from inferflow.spec import load_spec
 
 
@@ -31,9 +32,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    spec = load_spec(args.spec)
+    spec = with_quant(load_spec(args.spec), args)
     params = sampling_params(args, spec)
-    quant_for(spec, args.quant)
     tok = require_tokenizer(spec, tokenizer_for(spec))
     history: list[dict[str, Any]] = []
     system = [{"role": "system", "content": args.system}] if args.system else []

@@ -28,6 +28,57 @@ def add_dtype(p: argparse.ArgumentParser) -> None:
     )
 
 
+def add_quant(p: argparse.ArgumentParser) -> None:
+    from inferflow.quant import METHODS
+
+    p.add_argument(
+        "--quant",
+        default=None,
+        help="quantize weights at load time: a format name (the tensors, mix and codes "
+        "`inferflow quantize` writes for it), or none (float, the checkpoint's own blocks too)",
+    )
+    p.add_argument(
+        "--quant-method",
+        default=None,
+        choices=METHODS,
+        help="how --quant chooses codes: search (default: each block's grid for the least "
+        "squared error) or minmax (the format's own rule)",
+    )
+    p.add_argument(
+        "--imatrix",
+        default=None,
+        metavar="FILE",
+        help="importance matrix of this checkpoint (`inferflow imatrix`, llama-imatrix) "
+        "weighting --quant's search",
+    )
+
+
+def with_quant(spec: Spec, args: argparse.Namespace) -> Spec:
+    """``spec`` with --quant-method / --imatrix in its quant section (load passes --quant);
+    a bad --quant, or those flags without a format to quantize to, fail here."""
+    from dataclasses import replace
+    from pathlib import Path
+
+    from inferflow.errors import InferflowError
+    from inferflow.runtime import quant_for
+
+    imatrix = Path(args.imatrix) if args.imatrix else spec.quant.imatrix
+    if args.imatrix and not Path(args.imatrix).is_file():
+        raise InferflowError(f"--imatrix {args.imatrix}: no such file")
+    quant = replace(spec.quant, method=args.quant_method or spec.quant.method, imatrix=imatrix)
+    spec = replace(spec, quant=quant)
+    runs = quant_for(spec, args.quant) or spec.quant
+    if (args.quant_method or args.imatrix) and not (runs.weights or runs.overrides):
+        flags = " / ".join(
+            f for f, v in (("--quant-method", args.quant_method), ("--imatrix", args.imatrix)) if v
+        )
+        raise InferflowError(
+            f"{flags}: choose how weights are quantized at load time; give --quant FORMAT "
+            "too (or a spec with quant.weights)"
+        )
+    return spec
+
+
 def add_ids(p: argparse.ArgumentParser, what: str) -> None:
     p.add_argument(
         "--ids",

@@ -11,11 +11,19 @@ import json
 import sys
 import time
 
-from inferflow.cli.common import add_dtype, add_ids, add_speculation, speculation, text_or_ids
+from inferflow.cli.common import (
+    add_dtype,
+    add_ids,
+    add_quant,
+    add_speculation,
+    speculation,
+    text_or_ids,
+    with_quant,
+)
 from inferflow.engine.engine import Engine, EngineConfig
 from inferflow.engine.sampling import SamplingParams
 from inferflow.errors import InferflowError, RequestError
-from inferflow.runtime import encode_prompt, ids_from_text, load, quant_for
+from inferflow.runtime import encode_prompt, ids_from_text, load
 from inferflow.spec import Spec, load_spec
 
 # extra sampling flags: (flag, type, help); each maps to the SamplingParams field of its name
@@ -52,9 +60,7 @@ def add_sampling(p: argparse.ArgumentParser) -> None:
     for flag, kind, what in EXTRA_SAMPLING:
         p.add_argument(flag, type=kind, default=None, help=what)
     add_dtype(p)
-    p.add_argument(
-        "--quant", default=None, help="quantize weights at load time: a format name, or none"
-    )
+    add_quant(p)
 
 
 def sampling_params(args: argparse.Namespace, spec: Spec) -> SamplingParams:
@@ -98,12 +104,11 @@ def _dest(flag: str) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    spec = load_spec(args.spec)
-    params = sampling_params(args, spec)
-    spec_cfg = speculation(args)
     # every check that needs no weights first: a bad --quant, a missing chat template, a prompt
     # the tokenizer cannot take fail before anything loads
-    quant_for(spec, args.quant)
+    spec = with_quant(load_spec(args.spec), args)
+    params = sampling_params(args, spec)
+    spec_cfg = speculation(args)
     if args.ids and args.chat:
         raise RequestError("--ids and --chat do not mix: the chat template renders text")
     tok = text_or_ids(spec, args.ids)

@@ -12,10 +12,10 @@ import argparse
 import json
 from pathlib import Path
 
-from inferflow.cli.common import add_dtype
+from inferflow.cli.common import add_dtype, add_quant, with_quant
 from inferflow.errors import InferflowError
 from inferflow.evaluate import perplexity, text_ids, windows
-from inferflow.runtime import load, quant_for, require_tokenizer, tokenizer_for
+from inferflow.runtime import load, require_tokenizer, tokenizer_for
 from inferflow.spec import load_spec
 
 
@@ -35,9 +35,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--ctx", type=int, default=512, help="window length in tokens (default 512)")
     p.add_argument("--chunks", type=int, default=None, help="score at most this many windows")
-    p.add_argument(
-        "--quant", default=None, help="quantize weights at load time (format name or none)"
-    )
+    add_quant(p)
     add_dtype(p)
     p.add_argument(
         "--kl-divergence-base",
@@ -66,8 +64,7 @@ def run(args: argparse.Namespace) -> int:
         raise InferflowError("--kl-divergence needs --kl-divergence-base FILE")
     text = read_text(args.text)
     # the text's windows counted before the weights load: too short a text fails at once
-    spec = load_spec(args.spec)
-    quant_for(spec, args.quant)
+    spec = with_quant(load_spec(args.spec), args)
     tok = require_tokenizer(spec, tokenizer_for(spec))
     ids, bos = text_ids(tok, text)
     windows(ids, args.ctx, args.chunks)
@@ -84,6 +81,7 @@ def run(args: argparse.Namespace) -> int:
     out = {
         "spec": lm.spec.name,
         "quant": args.quant or lm.spec.quant.weights,
+        "quant_method": lm.spec.quant.method,
         "text": str(args.text),
         "ctx": res.ctx,
         "chunks": res.chunks,

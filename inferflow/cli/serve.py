@@ -9,7 +9,7 @@ import logging
 import os
 import re
 
-from inferflow.cli.common import add_dtype, add_speculation, speculation
+from inferflow.cli.common import add_dtype, add_quant, add_speculation, speculation, with_quant
 from inferflow.engine.engine import EngineConfig
 from inferflow.engine.grammar_bounds import GrammarLimits
 from inferflow.engine.kv_cache import KV_DTYPES
@@ -71,9 +71,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "report, and /v1/models lists them all (as vLLM's flag of that name)",
     )
     add_dtype(p)
-    p.add_argument(
-        "--quant", default=None, help="re-quantize weights at load: a format name, or none (float)"
-    )
+    add_quant(p)
     p.add_argument(
         "--dense-batch",
         type=int,
@@ -221,7 +219,8 @@ def run(args: argparse.Namespace) -> int:
         spec = dataclasses.replace(
             spec, quant=dataclasses.replace(spec.quant, dense_batch=args.dense_batch)
         )
-    quant = quant_for(spec, args.quant)  # what load will use; an unknown format fails here
+    spec = with_quant(spec, args)  # (an unknown format fails here)
+    quant = quant_for(spec, args.quant)  # what load will use
     if args.devices is not None:
         spec = dataclasses.replace(spec, partition=partition_spec({"devices": args.devices}))
     if spec.partition is not None:  # a layout the model cannot take fails before loading

@@ -13,6 +13,7 @@ from torch import nn
 from inferflow.blocks import POSITIONS
 from inferflow.errors import SpecError
 from inferflow.loaders import open_files
+from inferflow.loaders.base import WeightSource
 from inferflow.model.binding import WeightPlan, plan_weights
 from inferflow.model.decoder import DecoderOnly
 from inferflow.model.encoder import EncoderDecoder, EncoderOnly
@@ -137,24 +138,22 @@ def load_model(
     model = build_network(spec, dtype, part)
     elsewhere = None if part is None else held_elsewhere(part, spec)
     q = spec.quant if quant is None else quant
-    # a runtime format replaces the checkpoint's own quantization everywhere
-    keep = q.weights is None and q.checkpoint == "keep"
     ties = tuple(getattr(model, "tied_outputs", ()))
+    # a runtime format: the checkpoint read as `inferflow quantize` would write it, whose
+    # blocks are kept as a quantized file's are (inferflow.quant.source)
+    runtime = q.weights is not None or bool(q.overrides)
+    keep = runtime or q.checkpoint == "keep"
     policy = None
-    if q.weights or q.overrides:
-        from inferflow.quant.apply import QuantPolicy
-
-        policy = QuantPolicy(q.weights, list(q.overrides), ties, q.kernel)
-    source = open_files(spec.source.format, spec.source.files, spec.source.keys)
+    source: WeightSource = open_files(spec.source.format, spec.source.files, spec.source.keys)
     try:
         plan = plan_weights(model, source, NameMap(spec.network.tensors), elsewhere)
+        if runtime:
+            from inferflow.quant.source import quantize_on_load
+
+            source, policy = quantize_on_load(source, plan, q, ties)
         materialise(model, source, plan, keep, q.kernel, ties, policy)
     finally:
         source.close()
-    if policy is not None:  # (each layer was quantized as it was read: the tied heads now)
-        from inferflow.quant.apply import quantize_model
-
-        quantize_model(model, policy)
     if q.dense_batch is not None:
         from inferflow.quant.linear import QuantLinear
 

@@ -41,8 +41,8 @@ class QuantPolicy:
     # None: each layer's fastest kernel; "dequant": float32 matmuls over dequantized tiles (the
     # reference: int4pack rounds activations to bf16)
     kernel: str | None = None
-    # how codes are chosen (inferflow.quant.METHODS): load-time quantization keeps the fast
-    # min-max rule; "search" is `inferflow quantize`'s default
+    # how codes are chosen (inferflow.quant.METHODS); loading with a runtime format passes
+    # the spec's (quant.method: "search" by default, as `inferflow quantize`)
     method: str = "minmax"
 
     def __post_init__(self) -> None:

@@ -361,6 +361,8 @@ def parse_spec(
         "dequantize" if q.get("weights") == "none" else q.get("checkpoint", "keep"),
         None if q.get("kernel", "auto") == "auto" else q["kernel"],
         q.get("dense_batch"),
+        q.get("method", "search"),
+        resolve_ref(q["imatrix"], base_dir, what="quant.imatrix") if "imatrix" in q else None,
     )
     return Spec(
         name=doc["name"],

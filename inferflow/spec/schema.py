@@ -58,7 +58,7 @@ def build_schema() -> dict[str, Any]:
     from inferflow.loaders import LOADERS
     from inferflow.model.build import NETWORKS
     from inferflow.model.names import PRESETS
-    from inferflow.quant import FORMATS
+    from inferflow.quant import FORMATS, METHODS
     from inferflow.tokenizer import TOKENIZER_KINDS
     from inferflow.tokenizer.pipeline import pipeline_schema
 
@@ -186,6 +186,8 @@ def build_schema() -> dict[str, Any]:
                     "checkpoint": _enum(["keep", "dequantize"]),
                     "kernel": _enum(["auto", "dequant", "int4pack"]),
                     "dense_batch": {"type": ["integer", "null"], "minimum": 1},
+                    "method": _enum(list(METHODS)),
+                    "imatrix": {"type": "string", "minLength": 1},
                     "overrides": {
                         "type": "object",
                         "additionalProperties": _enum([*FORMATS.names(), "none"]),

@@ -257,6 +257,11 @@ class QuantSpec:
     # int4pack layers also keep a dense bf16 copy, used by calls of at least this many rows
     # (batched decode, prefill): faster from ~16 rows, 2 more bytes per weight. None: off
     dense_batch: int | None = None
+    # how a runtime format's codes are chosen (inferflow.quant.METHODS), as `inferflow quantize`
+    # chooses them: "search" (least squared error), "minmax" (the format's own rule)
+    method: str = "search"
+    # an importance matrix of this checkpoint (inferflow.imatrix) weighting the search's error
+    imatrix: Path | None = None
 
 
 PARTITION_STRATEGIES = ("layer", "tensor", "hybrid")

@@ -1,0 +1,164 @@
+"""Quantization at load time (``--quant``) against ``inferflow quantize``: for the same format,
+method and importance matrix, the blocks read at load time are the bytes ``quantize`` writes
+(every tensor, the same set packed: linear weights, the default mix, the head, the embeddings),
+and the model loaded with ``--quant`` computes what the model loaded from the written file
+computes, exactly."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from inferflow.cli.main import main
+from inferflow.errors import QuantError
+from inferflow.imatrix import collect
+from inferflow.loaders import open_files
+from inferflow.model.binding import plan_weights
+from inferflow.model.build import build_network, load_model
+from inferflow.model.names import NameMap
+from inferflow.quant.linear import QuantLinear
+from inferflow.quant.source import quantize_on_load
+from inferflow.quant.tensor import QuantTensor
+from inferflow.quantize import quantize_checkpoint
+from inferflow.runtime import LanguageModel
+from inferflow.spec import Spec, load_spec
+from tests.conftest import all_logits, spec_doc
+
+IDS = torch.tensor([1, 17, 200, 5, 99, 3, 64, 128, 7, 250])
+
+
+def _spec(write_spec, d: Path, tied: bool, name: str = "spec.yaml", files=None) -> Spec:
+    doc = spec_doc("llama", d, "safetensors")
+    if files is not None:  # the quantized container, with the float checkpoint's config
+        doc["source"] = {"format": "safetensors", "files": [str(files)]}
+        doc["source"]["config"] = str(d / "config.json")
+    if tied:
+        doc["network"] = {"output": {"tied": True}}
+    return load_spec(write_spec(doc, name))
+
+
+@pytest.fixture(scope="module")
+def imatrix(quant_llamas, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """An importance matrix of each tiny llama, from random ids (``inferflow imatrix``'s
+    collection, itself checked against transformers in test_quant_search)."""
+    out = {}
+    for kind, d in quant_llamas.items():
+        path = tmp_path_factory.mktemp("imatrix") / f"{kind}.gguf"
+        doc = spec_doc("llama", d, "safetensors")
+        if kind == "tied":
+            doc["network"] = {"output": {"tied": True}}
+        spec_path = path.with_suffix(".yaml")
+        spec_path.write_text(yaml.safe_dump(doc))
+        spec = load_spec(spec_path)
+        ids = torch.randint(3, 256, (256,), generator=torch.Generator().manual_seed(5)).tolist()
+        collect(LanguageModel(spec, load_model(spec), None), ids, 64, None, bos=1).write(path)
+        out[kind] = path
+    return out
+
+
+CASES = [  # (format, tied head, method, with an importance matrix, the table's, the head's)
+    ("Q4_B32", False, "search", True, "Q4_B32", "Q6"),  # the 4-bit mix: V Q6, down Q5
+    ("Q3H", True, "search", False, "Q6", "Q6"),  # a tied head: the table in the head's Q6
+    ("Q4_B64", True, "search", True, "Q6", "Q6"),
+    ("Q4_K", False, "minmax", False, "Q5_0", "Q8_0"),  # rows of 128 / 192: the fallback Q5_0
+    ("Q8_0", True, "search", True, "Q8_0", "Q8_0"),
+]
+
+
+@pytest.mark.parametrize(("fmt", "tied", "method", "with_imatrix", "table", "head"), CASES)
+def test_runtime_quantization_is_the_quantize_output(
+    quant_llamas, imatrix, write_spec, tmp_path: Path, fmt, tied, method, with_imatrix, table, head
+) -> None:
+    d = quant_llamas["tied" if tied else "untied"]
+    matrix = imatrix["tied" if tied else "untied"] if with_imatrix else None
+    out = tmp_path / "q.safetensors"
+    res = quantize_checkpoint(d, out, fmt, method=method, imatrix=matrix)
+    spec = _spec(write_spec, d, tied)
+    quant = replace(spec.quant, weights=fmt, method=method, imatrix=matrix)
+
+    # the bytes: every tensor as the view reads it is the file's, packed in the same format
+    model = build_network(spec)
+    source = open_files("hf", [d])
+    written = open_files("safetensors", [out])
+    try:
+        plan = plan_weights(model, source, NameMap(spec.network.tensors))
+        view, after = quantize_on_load(source, plan, quant, getattr(model, "tied_outputs", ()))
+        assert after is None  # (every tensor lands as stored)
+        packed = {n for n, f in res.formats.items() if f == view.dtype_name(n)}
+        assert packed == set(res.formats)
+        assert view.dtype_name("model.embed_tokens.weight") == table
+        for name in written.names():
+            a, b = view.get(name), written.get(name)
+            if isinstance(b, QuantTensor):
+                assert isinstance(a, QuantTensor) and a.format == b.format, name
+                assert torch.equal(a.data.reshape(-1), b.data.reshape(-1)), name
+            else:
+                assert torch.equal(a, b), name
+    finally:
+        source.close()
+        written.close()
+
+    # the models: the same layers in the same formats, the same logits bit for bit
+    at_load = load_model(spec, quant=quant)
+    from_file = load_model(_spec(write_spec, d, tied, "q.yaml", out))
+    formats = [(p, m.format) for p, m in at_load.named_modules() if isinstance(m, QuantLinear)]
+    assert formats == [
+        (p, m.format) for p, m in from_file.named_modules() if isinstance(m, QuantLinear)
+    ]
+    assert ("dec.output", head) in formats
+    table = at_load.get_submodule("dec.tok_embed")  # its lookups read packed rows
+    assert table.blocks is not None or table.plane is not None
+    assert torch.equal(all_logits(at_load, IDS), all_logits(from_file, IDS))
+
+
+def test_method_and_imatrix_change_the_codes(quant_llamas, imatrix, write_spec) -> None:
+    """The default is the search: min-max (``--quant-method minmax``) and an importance matrix
+    each give other blocks (so the test above compares something)."""
+    d = quant_llamas["untied"]
+    spec = _spec(write_spec, d, False)
+    logits = {}
+    for method, matrix in (("search", None), ("minmax", None), ("search", imatrix["untied"])):
+        quant = replace(spec.quant, weights="Q4_B32", method=method, imatrix=matrix)
+        logits[method, matrix] = all_logits(load_model(spec, quant=quant), IDS)
+    assert spec.quant.method == "search"
+    values = list(logits.values())
+    assert not torch.equal(values[0], values[1]) and not torch.equal(values[0], values[2])
+
+
+def test_quant_flags_and_matrices_checked(
+    quant_llamas, imatrix, write_spec, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--quant-method / --imatrix without a format, a missing matrix file, another model's
+    matrix: refused, naming the problem, before any weight is read."""
+    spec = write_spec(spec_doc("llama", quant_llamas["untied"], "safetensors"))
+    rc = main(["ppl", str(spec), "--text", str(spec), "--imatrix", str(imatrix["untied"])])
+    assert rc == 2 and "give --quant FORMAT" in capsys.readouterr().err
+    rc = main(["ppl", str(spec), "--text", str(spec), "--quant", "Q4_B32", "--imatrix", "/nope"])
+    assert rc == 2 and "--imatrix /nope: no such file" in capsys.readouterr().err
+    tied = _spec(write_spec, quant_llamas["tied"], True, "tied.yaml")
+    quant = replace(tied.quant, weights="Q4_B32", imatrix=imatrix["untied"])  # has lm_head
+    with pytest.raises(QuantError, match="another model.*lm_head.weight"):
+        load_model(tied, quant=quant)
+
+
+def test_weights_that_do_not_land_as_stored_are_quantized_after_reading(
+    tmp_path: Path, write_spec
+) -> None:
+    """GPT-2 stores its projections transposed (Conv1D): no block of the stored tensor is a
+    block of the layer, so they are quantized once read, in the format quantize gives them;
+    the model stays within Q8_0's error of the float one."""
+    tf = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = tf.GPT2Config(n_embd=128, n_layer=2, n_head=4, vocab_size=256, n_positions=64)
+    tf.GPT2LMHeadModel(cfg).eval().save_pretrained(tmp_path)
+    spec = load_spec(write_spec({"name": "g", "base": "arch/gpt2", "source": {
+        "format": "hf", "files": [str(tmp_path)]}}))  # fmt: skip
+    at_load = load_model(spec, quant=replace(spec.quant, weights="Q8_0"))
+    linear = [p for p, m in at_load.named_modules() if isinstance(m, QuantLinear)]
+    assert len(linear) == 2 * 4 + 1  # qkv, out, fc, proj per layer; the tied head
+    diff = all_logits(at_load, IDS) - all_logits(load_model(spec), IDS)
+    assert 0 < float(diff.abs().max()) < 0.05

@@ -4,17 +4,22 @@ perplexity run (llama.cpp's protocol: Hamlet, windows of --ctx tokens starting w
 the model adds one, the second half of each scored; KL divergence and top-1 agreement against
 the same engine's F32 run).
 
-    python benchmarks/quant_quality.py [--models smollm2-135m-instruct,gemma-3-270m]
+    python benchmarks/quant_quality.py [--models smollm2-135m-instruct,gemma-3-270m,...]
         [--formats Q8,Q6,...] [--methods minmax,search,imatrix] [--llama-cpp DIR]
-        [--llama-types Q2_K,...] [--ctx 512] [--chunks 4] [--calib-chunks 16] [--write-readme]
+        [--llama-types Q2_K,...] [--ctx 512] [--chunks 4] [--calib-chunks 16] [--at-load]
+        [--write-readme]
 
 Inferflow rows: ``inferflow quantize F32.gguf --format FMT`` (its default mix: the tied
 embedding / output head at Q6 below 6 bits) with ``--method minmax`` (the seed paper's rule),
 ``--method search``, and search with ``--imatrix`` from ``inferflow imatrix`` over the
 --calib-chunks windows after the scored ones (disjoint text); then ``inferflow ppl`` on the file
-with its default kernels. llama.cpp rows (with --llama-cpp, a directory with llama-quantize and
-llama-perplexity, e.g. from ``python tools/build_llama_cpp.py``): ``llama-quantize F32.gguf TYPE``
-(no imatrix), ``llama-perplexity --kl-divergence``. Bits per weight: bytes over weights of the
+with its default kernels. With --at-load, each row also loads the F32 file with ``--quant FMT``
+(the same method and imatrix: quantization at load time) and reports that run's PPL beside the
+file's (they must be equal). llama.cpp rows (with --llama-cpp, a directory with llama-quantize,
+llama-imatrix and llama-perplexity, e.g. from ``python tools/build_llama_cpp.py``):
+``llama-quantize F32.gguf TYPE`` without an imatrix, and with one from ``llama-imatrix`` over the
+same calibration windows (``--chunk`` skips the scored ones, ``--process-output`` records the
+head); ``llama-perplexity --kl-divergence``. Bits per weight: bytes over weights of the
 transformer blocks' matrices (``blk.*``), scales and minimums included, as the file stores them.
 """
 
@@ -28,6 +33,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -39,14 +45,14 @@ from inferflow.convert import convert_checkpoint  # noqa: E402
 from inferflow.evaluate import perplexity, text_ids  # noqa: E402
 from inferflow.imatrix import collect  # noqa: E402
 from inferflow.loaders.gguf import open_gguf  # noqa: E402
-from inferflow.quant import MINMAX_FORMATS, get_format  # noqa: E402
+from inferflow.quant import LOGSCALE_FORMATS, MINMAX_FORMATS, get_format  # noqa: E402
 from inferflow.quantize import quantize_checkpoint  # noqa: E402
 from inferflow.runtime import load  # noqa: E402
 from inferflow.spec import load_spec  # noqa: E402
 
 TEXT = Path.home() / ".cache" / "inferflow" / "texts" / "hamlet.txt"
-MODELS = "smollm2-135m-instruct,gemma-3-270m"
-FORMATS = ",".join(MINMAX_FORMATS)
+MODELS = "smollm2-135m-instruct,gemma-3-270m,qwen2.5-coder-0.5b-instruct"
+FORMATS = ",".join((*MINMAX_FORMATS, *LOGSCALE_FORMATS))
 LLAMA_TYPES = "Q2_K,Q3_K_S,Q3_K_M,Q4_0,Q4_K_S,Q5_K_S,Q6_K,Q8_0"
 START, END = "<!-- quant-quality:start -->", "<!-- quant-quality:end -->"
 
@@ -80,7 +86,9 @@ def ours(f32: Path, ids: list[int], bos: int | None, args, tmp: Path, imatrix: P
     del ref
     rows = [_row("inferflow", "F32", "", 32.0, r0.ppl, 1.0, 0.0, 1.0, 0.0)]
     print(rows[-1], flush=True)
-    for fmt in args.formats.split(","):
+    for given in args.formats.split(","):
+        fmt, _, rules = given.partition(":")  # FMT:PATTERN=FMT;... (--per-tensor rules)
+        per_tensor = rules.split(";") if rules else []
         for method in args.methods.split(","):
             out = tmp / f"{fmt}-{method}.gguf"
             t = time.perf_counter()
@@ -88,6 +96,7 @@ def ours(f32: Path, ids: list[int], bos: int | None, args, tmp: Path, imatrix: P
                 f32,
                 out,
                 fmt,
+                per_tensor,
                 method="minmax" if method == "minmax" else "search",
                 imatrix=imatrix if method == "imatrix" else None,
                 force=True,
@@ -97,10 +106,21 @@ def ours(f32: Path, ids: list[int], bos: int | None, args, tmp: Path, imatrix: P
             r = perplexity(q.model, ids, args.ctx, args.chunks, kl_base=base, bos=bos)
             del q
             assert r.kl is not None
+            at_load = None
+            if args.at_load and not per_tensor:  # the F32 file quantized as it loads: --quant
+                spec = load_spec(str(f32))
+                how = replace(
+                    spec.quant,
+                    method="minmax" if method == "minmax" else "search",
+                    imatrix=imatrix if method == "imatrix" else None,
+                )
+                q = load(replace(spec, quant=how), "float32", fmt)
+                at_load = perplexity(q.model, ids, args.ctx, args.chunks, bos=bos).ppl
+                del q
             label = {"minmax": "min-max", "search": "search", "imatrix": "search + imatrix"}
             rows.append(
-                _row("inferflow", fmt, label[method], block_bpw(out), r.ppl, r.ppl / r0.ppl,
-                     r.kl.mean, r.kl.top1_agreement, secs)
+                _row("inferflow", given, label[method], block_bpw(out), r.ppl, r.ppl / r0.ppl,
+                     r.kl.mean, r.kl.top1_agreement, secs, at_load)
             )  # fmt: skip
             print(rows[-1], flush=True)
             out.unlink()
@@ -121,35 +141,46 @@ def llama_cpp(f32: Path, args, tmp: Path) -> list[str]:
     base_ppl = float(re.findall(r"Final estimate: PPL = " + _NUM, run.stdout + run.stderr)[-1])
     rows = [_row("llama.cpp", "F32", "", 32.0, base_ppl, 1.0, 0.0, 1.0, 0.0)]
     print(rows[-1], flush=True)
-    for typ in args.llama_types.split(","):
-        out = tmp / f"llama-{typ}.gguf"
-        t = time.perf_counter()
+    imatrix = tmp / "llama-imatrix.gguf"
+    if "imatrix" in args.methods:  # the same calibration windows as ours: those after the scored
         subprocess.run(
-            [str(bin_dir / "llama-quantize"), str(f32), str(out), typ, "2"],
+            [str(bin_dir / "llama-imatrix"), "-m", str(f32), "-f", str(TEXT), "-c",
+             str(args.ctx), "--chunk", str(args.chunks), "--chunks", str(args.calib_chunks),
+             "--process-output", "--no-ppl", "-o", str(imatrix), "-t", "2"],
             capture_output=True, check=True,
         )  # fmt: skip
-        secs = time.perf_counter() - t
-        run = subprocess.run(
-            [str(bin_dir / "llama-perplexity"), "-m", str(out), *text, "--kl-divergence-base",
-             str(logits), "--kl-divergence"], capture_output=True, text=True, check=True,
-        )  # fmt: skip
-        log = run.stdout + run.stderr
-        ppl = float(re.findall(r"Mean PPL\(Q\)\s*:\s*" + _NUM, log)[-1])
-        kld = float(re.findall(r"Mean\s+KLD:\s*" + _NUM, log)[-1])
-        top1 = float(re.findall(r"Same top p:\s*" + _NUM, log)[-1]) / 100
-        rows.append(
-            _row("llama.cpp", typ, "llama-quantize", block_bpw(out), ppl, ppl / base_ppl, kld,
-                 top1, secs)
-        )  # fmt: skip
-        print(rows[-1], flush=True)
-        out.unlink()
+    for typ in args.llama_types.split(","):
+        for with_imatrix in (False, True) if "imatrix" in args.methods else (False,):
+            out = tmp / f"llama-{typ}.gguf"
+            given = ["--imatrix", str(imatrix)] if with_imatrix else []
+            t = time.perf_counter()
+            subprocess.run(
+                [str(bin_dir / "llama-quantize"), *given, str(f32), str(out), typ, "2"],
+                capture_output=True, check=True,
+            )  # fmt: skip
+            secs = time.perf_counter() - t
+            run = subprocess.run(
+                [str(bin_dir / "llama-perplexity"), "-m", str(out), *text,
+                 "--kl-divergence-base", str(logits), "--kl-divergence"],
+                capture_output=True, text=True, check=True,
+            )  # fmt: skip
+            log = run.stdout + run.stderr
+            ppl = float(re.findall(r"Mean PPL\(Q\)\s*:\s*" + _NUM, log)[-1])
+            kld = float(re.findall(r"Mean\s+KLD:\s*" + _NUM, log)[-1])
+            top1 = float(re.findall(r"Same top p:\s*" + _NUM, log)[-1]) / 100
+            how = "llama-quantize" + (" + imatrix" if with_imatrix else "")
+            rows.append(
+                _row("llama.cpp", typ, how, block_bpw(out), ppl, ppl / base_ppl, kld, top1, secs)
+            )
+            print(rows[-1], flush=True)
+            out.unlink()
     return rows
 
 
-def _row(engine, fmt, method, bpw, ppl, ratio, kl, top1, secs) -> str:  # noqa: ANN001
+def _row(engine, fmt, method, bpw, ppl, ratio, kl, top1, secs, at_load=None) -> str:  # noqa: ANN001
     return (
         f"| {engine} | {fmt} | {method} | {bpw:.2f} | {ppl:.3f} | {ratio:.3f}x | {kl:.4f} | "
-        f"{100 * top1:.1f}% | {secs:.1f} |"
+        f"{100 * top1:.1f}% | {secs:.1f} | {'' if at_load is None else f'{at_load:.3f}'} |"
     )
 
 
@@ -158,7 +189,7 @@ def run_model(name: str, args) -> list[str]:  # noqa: ANN001
     lm = load(spec, "float32", "none")
     tok = lm._tok()
     ids, bos = text_ids(tok, TEXT.read_text(encoding="utf-8"))
-    rows = [f"| **{name}** | | | | | | | | |"]
+    rows = [f"| **{name}** | | | | | | | | | |"]
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         f32 = tmp / "f32.gguf"
@@ -186,6 +217,7 @@ def main() -> int:
     ap.add_argument("--chunks", type=int, default=4)
     ap.add_argument("--calib-chunks", type=int, default=16)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--at-load", action="store_true", help="also quantize at load (--quant)")
     ap.add_argument("--write-readme", action="store_true")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -197,10 +229,12 @@ def main() -> int:
         f"`{command}` — Hamlet, ctx {args.ctx}, {args.chunks} windows (BOS first where the "
         "model adds one, second half scored); PPL ratio, KL and top-1 against the same engine's "
         f"F32 run; imatrix from the {args.calib_chunks} windows after the scored ones; bits per "
-        "weight of the blocks' matrices as stored; seconds to quantize.",
+        "weight of the blocks' matrices as stored; seconds to quantize; PPL at load: the F32 "
+        "file loaded with --quant FMT (same method and imatrix).",
         "",
-        "| engine | format | method | bits/weight | PPL | PPL ratio | KL mean | top-1 | s |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| engine | format | method | bits/weight | PPL | PPL ratio | KL mean | top-1 | s "
+        "| PPL at load |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     print("command: " + command)
     print("\n".join(header[2:]), flush=True)

@@ -14,7 +14,7 @@ import yaml
 
 from inferflow.blocks.linear import Linear
 from inferflow.model.build import load_model
-from inferflow.quant import MINMAX_FORMATS, get_format, quantize
+from inferflow.quant import LOGSCALE_FORMATS, MINMAX_FORMATS, get_format, quantize
 from inferflow.quant.apply import QuantPolicy
 from inferflow.quant.tensor import QuantTensor
 from inferflow.spec import load_spec
@@ -132,8 +132,9 @@ def dequantized_copy(model: torch.nn.Module, policy: QuantPolicy) -> torch.nn.Mo
     return ref
 
 
-# GGML's writable affine formats and Inferflow's min-max ones (every format QuantLinear packs)
-AFFINE_WRITABLE = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", *MINMAX_FORMATS]
+# GGML's writable affine formats and Inferflow's min-max and quantized-scale ones (every
+# format QuantLinear packs)
+AFFINE_WRITABLE = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", *MINMAX_FORMATS, *LOGSCALE_FORMATS]
 # raw blocks for read-only formats: (format, byte offsets of fp16 scale fields)
 RANDOM_BLOCKS = {
     "Q4_K": [0, 2],

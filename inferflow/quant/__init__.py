@@ -9,8 +9,10 @@ import torch
 
 from inferflow.errors import QuantError
 from inferflow.quant import ggml as _ggml  # noqa: F401  (registers the GGML formats)
+from inferflow.quant import logscale as _logscale  # noqa: F401  (and its quantized-scale ones)
 from inferflow.quant import minmax as _minmax  # noqa: F401  (registers Inferflow's min-max formats)
 from inferflow.quant.formats import FORMATS, METHODS, QuantFormat, get_format
+from inferflow.quant.logscale import LOGSCALE_FORMATS
 from inferflow.quant.minmax import MINMAX_FORMATS
 from inferflow.quant.tensor import QuantTensor
 
@@ -101,6 +103,7 @@ def quantize(
 
 __all__ = [
     "FORMATS",
+    "LOGSCALE_FORMATS",
     "METHODS",
     "MINMAX_FORMATS",
     "FormatRow",

@@ -44,6 +44,7 @@ worst cases are ~0.11 * 2**-8 * (|x| @ A^T). Symmetric formats (Q4_0, Q5_0, Q8_0
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -61,7 +62,8 @@ from inferflow.kernels.quant_decode import (
 )
 from inferflow.quant import ggml
 from inferflow.quant.formats import QuantFormat
-from inferflow.quant.minmax import _MIN_BYTES, MINMAX_LAYOUTS, MinMaxLayout, _unpack_bits
+from inferflow.quant.logscale import BLOCK, LOGSCALE_LAYOUTS, unpack
+from inferflow.quant.minmax import _MIN_BYTES, MINMAX_LAYOUTS, MinMaxLayout, unpack_bits
 from inferflow.quant.tensor import QuantTensor
 from inferflow.registry import Registry
 
@@ -209,7 +211,7 @@ def _minmax_view(lay: MinMaxLayout) -> AffineView:
 
     def unpack(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         head = b[:, :_MIN_BYTES].contiguous().view(torch.float16).to(torch.float32)
-        q = _unpack_bits(b[:, _MIN_BYTES:], lay.code_bits, n_codes)
+        q = unpack_bits(b[:, _MIN_BYTES:], lay.code_bits, n_codes)
         if lay.pairs:
             q = torch.stack([q // lay.levels, q % lay.levels], dim=-1).reshape(q.shape[0], -1)
         return _u8(q), head[:, 1:], head[:, :1]
@@ -232,6 +234,8 @@ for _name, _levels, _group, _fn, _zero, _factors in [
     AFFINE_VIEWS.add(_name, AffineView(_levels, _group, _fn, _zero, _factors))
 for _lay in MINMAX_LAYOUTS:
     AFFINE_VIEWS.add(_lay.name, _minmax_view(_lay))
+for _log in LOGSCALE_LAYOUTS:  # quant.logscale: the codec's own unpacking is the view
+    AFFINE_VIEWS.add(_log.name, AffineView(_log.levels, BLOCK, functools.partial(unpack, lay=_log)))
 
 
 def affine_parts(w: QuantTensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -148,7 +148,7 @@ def _f16_round(x: torch.Tensor, up: bool) -> torch.Tensor:
 # --- bit streams -------------------------------------------------------------------------------
 
 
-def _pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
+def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """(n, m) codes < 2**bits -> (n, m * bits / 8) uint8: LSB-first stream, code 0 lowest (m a
     multiple of 8: every 8 codes fill ``bits`` bytes, one little-endian int64 word)."""
     n, m = codes.shape
@@ -159,8 +159,8 @@ def _pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
     return _le_bytes(words)[..., :bits].reshape(n, m * bits // 8)
 
 
-def _unpack_bits(packed: torch.Tensor, bits: int, m: int) -> torch.Tensor:
-    """Inverse of _pack_bits: (n, m * bits / 8) uint8 -> (n, m) int32 codes."""
+def unpack_bits(packed: torch.Tensor, bits: int, m: int) -> torch.Tensor:
+    """Inverse of pack_bits: (n, m * bits / 8) uint8 -> (n, m) int32 codes."""
     n = packed.shape[0]
     if bits == 8:
         return packed.to(torch.int32)
@@ -181,10 +181,12 @@ def _le_bytes(words: torch.Tensor) -> torch.Tensor:
 # --- codecs ------------------------------------------------------------------------------------
 
 
-def _check_floats(x: torch.Tensor, lay: MinMaxLayout) -> torch.Tensor:
-    if x.dim() != 2 or x.shape[1] != lay.block_size or not x.is_floating_point():
+def check_floats(x: torch.Tensor, name: str, block_size: int) -> torch.Tensor:
+    """Float blocks (n, ``block_size``) of format ``name`` as float32 within fp16's range;
+    non-finite values are refused, naming the first."""
+    if x.dim() != 2 or x.shape[1] != block_size or not x.is_floating_point():
         raise QuantError(
-            f"{lay.name}: expected float blocks of shape (n, {lay.block_size}), "
+            f"{name}: expected float blocks of shape (n, {block_size}), "
             f"got {x.dtype} {list(x.shape)}"
         )
     x = x.to(torch.float32)
@@ -193,7 +195,7 @@ def _check_floats(x: torch.Tensor, lay: MinMaxLayout) -> torch.Tensor:
         # name the first offender: silently quantizing NaN/inf would poison the whole block
         blk, col = (int(i) for i in bad.nonzero()[0])
         raise QuantError(
-            f"{lay.name}: cannot quantize non-finite values ({int(bad.sum())} NaN/inf; first "
+            f"{name}: cannot quantize non-finite values ({int(bad.sum())} NaN/inf; first "
             f"is {float(x[blk, col])} at block {blk}, weight {col})"
         )
     return x.clamp(-F16_MAX, F16_MAX)  # saturate: fp16 cannot store a wider min or scale
@@ -208,7 +210,7 @@ def _minmax_grid(x: torch.Tensor, top: int) -> tuple[torch.Tensor, torch.Tensor]
 
 
 def _quantize(x: torch.Tensor, lay: MinMaxLayout) -> torch.Tensor:
-    x = _check_floats(x, lay)  # (n, block)
+    x = check_floats(x, lay.name, lay.block_size)  # (n, block)
     top = lay.levels - 1  # L
     min16, scale16 = _minmax_grid(x, top)
     # (the clamp in _codes only absorbs float32 noise here)
@@ -237,11 +239,32 @@ def _search_grid(
     (no second pass over the block); only the winner and the min-max grid are re-coded on their
     fp16 grids and compared exactly."""
     top = lay.levels - 1
+    v = search_weights(x, importance)
+    best_lo, best_sc = best_fit(x, top, v)
+
+    def exact(lo16: torch.Tensor, sc16: torch.Tensor) -> torch.Tensor:
+        lo, sc = lo16.to(torch.float32), sc16.to(torch.float32)
+        return (v * (_codes(x, lo, sc, top) * sc + lo - x).square()).sum(1, keepdim=True)
+
+    lo16 = best_lo.clamp(-F16_MAX, F16_MAX).to(torch.float16)
+    sc16 = best_sc.clamp(max=F16_MAX).to(torch.float16)
+    mm_lo, mm_sc = _minmax_grid(x, top)  # the min-max grid, kept where it is no worse
+    keep = exact(mm_lo, mm_sc) <= exact(lo16, sc16)
+    return torch.where(keep, mm_lo, lo16), torch.where(keep, mm_sc, sc16)
+
+
+def search_weights(x: torch.Tensor, importance: torch.Tensor | None) -> torch.Tensor:
+    """Each weight's weight in the search's squared error (module docstring), (n, block)."""
     sq = x.square()
     if importance is None:
-        v = sq.mean(1, keepdim=True).sqrt() + x.abs()
-    else:
-        v = importance * (2 * sq.mean(1, keepdim=True) + sq).sqrt()
+        return sq.mean(1, keepdim=True).sqrt() + x.abs()
+    return importance * (2 * sq.mean(1, keepdim=True) + sq).sqrt()
+
+
+def best_fit(x: torch.Tensor, top: int, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(lo, scale) float32 (n, 1) each of the candidate grid with codes 0..``top`` of least
+    ``v``-weighted squared error, before any rounding of the two (module docstring)."""
+    sq = x.square()
     mn, mx = x.amin(1, keepdim=True), x.amax(1, keepdim=True)
     rng = mx - mn
     sw, sx, sxx = (
@@ -283,22 +306,13 @@ def _search_grid(
         fit(torch.round(t * (top - 1 + k / 10)).clamp_(0, top))
     for _ in range(_REFITS):  # re-code on the best grid and fit again (never worse)
         fit(_codes(x, best_lo, best_sc, top))
-
-    def exact(lo16: torch.Tensor, sc16: torch.Tensor) -> torch.Tensor:
-        lo, sc = lo16.to(torch.float32), sc16.to(torch.float32)
-        return (v * (_codes(x, lo, sc, top) * sc + lo - x).square()).sum(1, keepdim=True)
-
-    lo16 = best_lo.clamp(-F16_MAX, F16_MAX).to(torch.float16)
-    sc16 = best_sc.clamp(max=F16_MAX).to(torch.float16)
-    mm_lo, mm_sc = _minmax_grid(x, top)  # the min-max grid, kept where it is no worse
-    keep = exact(mm_lo, mm_sc) <= exact(lo16, sc16)
-    return torch.where(keep, mm_lo, lo16), torch.where(keep, mm_sc, sc16)
+    return best_lo, best_sc
 
 
 def _quantize_search(
     x: torch.Tensor, lay: MinMaxLayout, importance: torch.Tensor | None = None
 ) -> torch.Tensor:
-    x = _check_floats(x, lay)
+    x = check_floats(x, lay.name, lay.block_size)
     if importance is not None and importance.shape != x.shape:
         raise QuantError(
             f"{lay.name}: importance of shape {list(importance.shape)} for blocks of shape "
@@ -320,7 +334,7 @@ def _pack(
     if lay.pairs:
         q = q[:, 0::2] * _Q3H_BASE + q[:, 1::2]  # (n, block/2) pair codes 0..120
     head = torch.cat([min16, scale16], dim=-1).contiguous().view(torch.uint8)  # (n, 4)
-    return torch.cat([head, _pack_bits(q, lay.code_bits)], dim=-1)
+    return torch.cat([head, pack_bits(q, lay.code_bits)], dim=-1)
 
 
 def _dequantize(blocks: torch.Tensor, lay: MinMaxLayout) -> torch.Tensor:
@@ -332,7 +346,7 @@ def _dequantize(blocks: torch.Tensor, lay: MinMaxLayout) -> torch.Tensor:
     head = blocks[:, :_MIN_BYTES].contiguous().view(torch.float16).to(torch.float32)  # (n, 2)
     lo, scale = head[:, :1], head[:, 1:]
     n_codes = lay.block_size // 2 if lay.pairs else lay.block_size
-    q = _unpack_bits(blocks[:, _MIN_BYTES:], lay.code_bits, n_codes)
+    q = unpack_bits(blocks[:, _MIN_BYTES:], lay.code_bits, n_codes)
     if lay.pairs:
         if bool((q >= _Q3H_BASE * _Q3H_BASE).any()):
             blk = int((q >= _Q3H_BASE * _Q3H_BASE).any(dim=-1).nonzero()[0])

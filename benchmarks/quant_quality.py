@@ -33,6 +33,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import zlib
 from dataclasses import replace
 from pathlib import Path
 
@@ -41,7 +42,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from inferflow.convert import convert_checkpoint  # noqa: E402
+from inferflow.convert import convert_checkpoint, write_gguf_from  # noqa: E402
 from inferflow.evaluate import perplexity, text_ids  # noqa: E402
 from inferflow.imatrix import collect  # noqa: E402
 from inferflow.loaders.gguf import open_gguf  # noqa: E402
@@ -177,6 +178,27 @@ def llama_cpp(f32: Path, args, tmp: Path) -> list[str]:
     return rows
 
 
+def dither(f32: Path, out: Path, h: float) -> Path:
+    """The F32 file with uniform noise in [-h, h] * RMS of each row added to every matrix: the
+    models here come from quantized files, so their float weights lie on the grids of the
+    source's types, which a quantizer writing the same types reproduces almost exactly (a
+    fidelity no real float checkpoint offers); the noise takes the weights off those grids."""
+    src = open_gguf([f32])
+
+    def encode(plan, w: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
+        if w.dim() < 2:
+            return w
+        g = torch.Generator().manual_seed(zlib.crc32(plan.name.encode()))
+        rms = w.square().mean(-1, keepdim=True).sqrt()
+        return w + (torch.rand(w.shape, generator=g) * 2 - 1) * h * rms
+
+    try:
+        write_gguf_from(src, "gguf", f32, out, lambda *_: "F32", True, False, encode=encode)
+    finally:
+        src.close()
+    return out
+
+
 def _row(engine, fmt, method, bpw, ppl, ratio, kl, top1, secs, at_load=None) -> str:  # noqa: ANN001
     return (
         f"| {engine} | {fmt} | {method} | {bpw:.2f} | {ppl:.3f} | {ratio:.3f}x | {kl:.4f} | "
@@ -194,6 +216,9 @@ def run_model(name: str, args) -> list[str]:  # noqa: ANN001
         tmp = Path(d)
         f32 = tmp / "f32.gguf"
         convert_checkpoint(spec.source.files[0], f32, type_name="F32")
+        if args.dither:
+            f32 = dither(f32, tmp / "f32-dithered.gguf", args.dither)
+            lm = load(str(f32), "float32", "none")  # (the imatrix of the dithered weights)
         imatrix = tmp / "imatrix.gguf"
         if "imatrix" in args.methods:
             collect(lm, ids, args.ctx, args.calib_chunks, bos, TEXT.name, False, args.chunks).write(
@@ -218,6 +243,9 @@ def main() -> int:
     ap.add_argument("--calib-chunks", type=int, default=16)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--at-load", action="store_true", help="also quantize at load (--quant)")
+    ap.add_argument(
+        "--dither", type=float, default=0.0, help="noise in [-H, H] * row RMS on the F32 weights"
+    )
     ap.add_argument("--write-readme", action="store_true")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -230,7 +258,13 @@ def main() -> int:
         "model adds one, second half scored); PPL ratio, KL and top-1 against the same engine's "
         f"F32 run; imatrix from the {args.calib_chunks} windows after the scored ones; bits per "
         "weight of the blocks' matrices as stored; seconds to quantize; PPL at load: the F32 "
-        "file loaded with --quant FMT (same method and imatrix).",
+        "file loaded with --quant FMT (same method and imatrix)."
+        + (
+            f" F32 weights dithered: uniform noise in ±{args.dither} × each row's RMS added "
+            "(the sources are quantized files: off their grids)."
+            if args.dither
+            else ""
+        ),
         "",
         "| engine | format | method | bits/weight | PPL | PPL ratio | KL mean | top-1 | s "
         "| PPL at load |",

@@ -33,6 +33,7 @@ from inferflow.model.binding import plan_weights
 from inferflow.model.names import NameMap
 from inferflow.model.stack import Stack
 from inferflow.runtime import LanguageModel
+from inferflow.spec.types import Spec
 
 log = logging.getLogger(__name__)
 
@@ -228,4 +229,50 @@ def collect(
             lm.model(batch)
             out.chunks += 1
     log.info("importance matrix: %d tensors over %d windows of %d", len(out.sums), out.chunks, ctx)
+    return out
+
+
+# --imatrix builtin: one importance matrix per model, computed once from Hamlet (the text `make
+# models` fetches; the perplexity corpus of `inferflow ppl` and the benchmarks) and cached. Its
+# windows are those after the first CALIBRATION_FIRST, which perplexity runs score.
+BUILTIN = "builtin"
+CALIBRATION_TEXT = Path.home() / ".cache" / "inferflow" / "texts" / "hamlet.txt"
+CALIBRATION_CTX, CALIBRATION_FIRST, CALIBRATION_CHUNKS = 512, 4, 16
+IMATRIX_CACHE = Path.home() / ".cache" / "inferflow" / "imatrix"
+
+
+def builtin_imatrix(ref: str | Path | Spec) -> Path:
+    """The cached importance matrix of the model ``ref`` is or names (a spec name or file, a GGUF),
+    computed on first use (a float32 pass over CALIBRATION_CHUNKS windows of Hamlet). The cache
+    key is the spec's name and its checkpoint files' paths, sizes and modification times."""
+    import hashlib
+
+    from inferflow.evaluate import text_ids
+    from inferflow.runtime import load, require_tokenizer, tokenizer_for
+    from inferflow.spec import load_spec
+
+    spec = ref if isinstance(ref, Spec) else load_spec(ref)
+    key = hashlib.sha256()
+    for f in spec.source.files:
+        st = Path(f).stat()
+        key.update(f"{Path(f).resolve()}:{st.st_size}:{st.st_mtime_ns}".encode())
+    out = IMATRIX_CACHE / f"{spec.name}-{key.hexdigest()[:16]}.gguf"
+    if out.exists():
+        return out
+    if not CALIBRATION_TEXT.exists():
+        raise CheckpointError(
+            f"--imatrix {BUILTIN}: the calibration text {CALIBRATION_TEXT} is missing; `make "
+            "models` fetches it (python tools/fetch_models.py hamlet)"
+        )
+    tok = require_tokenizer(spec, tokenizer_for(spec))
+    ids, bos = text_ids(tok, CALIBRATION_TEXT.read_text(encoding="utf-8"))
+    log.info("--imatrix %s: computing %s's importance matrix (once; cached)", BUILTIN, spec.name)
+    lm = load(spec, "float32", "none", tok)
+    m = collect(
+        lm, ids, CALIBRATION_CTX, CALIBRATION_CHUNKS, bos, CALIBRATION_TEXT.name,
+        first=CALIBRATION_FIRST,
+    )  # fmt: skip
+    out.parent.mkdir(parents=True, exist_ok=True)
+    m.write(out, force=True)
+    log.info("--imatrix %s: wrote %s", BUILTIN, out)
     return out

@@ -162,3 +162,44 @@ def test_weights_that_do_not_land_as_stored_are_quantized_after_reading(
     assert len(linear) == 2 * 4 + 1  # qkv, out, fc, proj per layer; the tied head
     diff = all_logits(at_load, IDS) - all_logits(load_model(spec), IDS)
     assert 0 < float(diff.abs().max()) < 0.05
+
+
+def test_builtin_imatrix_is_computed_once_from_hamlet(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--imatrix builtin``: the importance matrix of the calibration windows (those after the
+    ones perplexity runs score) of the text ``make models`` fetches, computed once and cached;
+    ``inferflow imatrix`` over the same windows writes the same statistics."""
+    from argparse import Namespace
+
+    from inferflow import imatrix as im
+    from inferflow.cli.common import with_quant
+    from inferflow.imatrix import ImportanceMatrix
+    from tests.conftest import smollm2_path
+
+    smollm2_path()
+    text = tmp_path / "calibration.txt"
+    text.write_text("To be, or not to be, that is the question. " * 40)
+    monkeypatch.setattr(im, "CALIBRATION_TEXT", text)
+    monkeypatch.setattr(im, "CALIBRATION_CTX", 32)
+    monkeypatch.setattr(im, "CALIBRATION_FIRST", 1)
+    monkeypatch.setattr(im, "CALIBRATION_CHUNKS", 2)
+    monkeypatch.setattr(im, "IMATRIX_CACHE", tmp_path / "cache")
+    path = im.builtin_imatrix("smollm2-135m-instruct")
+    assert path.parent == tmp_path / "cache"
+    own = tmp_path / "own.gguf"
+    rc = main(["imatrix", "smollm2-135m-instruct", "--text", str(text), "-o", str(own),
+               "--ctx", "32", "--chunk", "1", "--chunks", "2"])  # fmt: skip
+    assert rc == 0
+    got, want = ImportanceMatrix.read(path), ImportanceMatrix.read(own)
+    assert got.chunks == want.chunks == 2 and set(got.sums) == set(want.sums)
+    for name in want.sums:
+        assert torch.equal(got.sums[name], want.sums[name]), name
+
+    def no_second_pass(*_a, **_k):  # noqa: ANN002, ANN003, ANN202
+        raise AssertionError("computed twice")
+
+    monkeypatch.setattr(im, "collect", no_second_pass)
+    spec = load_spec("smollm2-135m-instruct")
+    args = Namespace(quant="Q4_B32", quant_method=None, imatrix="builtin")
+    assert with_quant(spec, args).quant.imatrix == path

@@ -49,7 +49,8 @@ def add_quant(p: argparse.ArgumentParser) -> None:
         default=None,
         metavar="FILE",
         help="importance matrix of this checkpoint (`inferflow imatrix`, llama-imatrix) "
-        "weighting --quant's search",
+        "weighting --quant's search, or builtin: computed once from Hamlet (make models "
+        "fetches it) and cached in ~/.cache/inferflow/imatrix",
     )
 
 
@@ -62,9 +63,11 @@ def with_quant(spec: Spec, args: argparse.Namespace) -> Spec:
     from inferflow.errors import InferflowError
     from inferflow.runtime import quant_for
 
+    builtin = "builtin"  # (inferflow.imatrix.BUILTIN, imported only when asked for: it is heavy)
+
     imatrix = Path(args.imatrix) if args.imatrix else spec.quant.imatrix
-    if args.imatrix and not Path(args.imatrix).is_file():
-        raise InferflowError(f"--imatrix {args.imatrix}: no such file")
+    if args.imatrix and args.imatrix != builtin and not Path(args.imatrix).is_file():
+        raise InferflowError(f"--imatrix {args.imatrix}: no such file, nor {builtin!r}")
     quant = replace(spec.quant, method=args.quant_method or spec.quant.method, imatrix=imatrix)
     spec = replace(spec, quant=quant)
     runs = quant_for(spec, args.quant) or spec.quant
@@ -76,6 +79,10 @@ def with_quant(spec: Spec, args: argparse.Namespace) -> Spec:
             f"{flags}: choose how weights are quantized at load time; give --quant FORMAT "
             "too (or a spec with quant.weights)"
         )
+    if args.imatrix == builtin:  # (computed once, before the weights load)
+        from inferflow.imatrix import builtin_imatrix
+
+        spec = replace(spec, quant=replace(spec.quant, imatrix=builtin_imatrix(spec)))
     return spec
 
 

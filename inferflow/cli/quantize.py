@@ -50,9 +50,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--imatrix",
-        type=Path,
         default=None,
-        help="importance matrix of this model (inferflow imatrix, or llama-imatrix's GGUF)",
+        help="importance matrix of this model (inferflow imatrix, or llama-imatrix's GGUF), or "
+        "builtin: computed once from Hamlet (make models fetches it) and cached",
     )
     p.add_argument("--force", action="store_true", help="overwrite an existing output file")
     p.set_defaults(run=run)

@@ -203,3 +203,18 @@ def test_builtin_imatrix_is_computed_once_from_hamlet(
     spec = load_spec("smollm2-135m-instruct")
     args = Namespace(quant="Q4_B32", quant_method=None, imatrix="builtin")
     assert with_quant(spec, args).quant.imatrix == path
+
+
+def test_spec_quant_method_and_imatrix(quant_llamas, imatrix, write_spec) -> None:
+    """``quant: {method, imatrix}`` in a spec: the imatrix path resolved against the spec's
+    folder, a method outside METHODS refused naming the allowed ones."""
+    from inferflow.errors import SpecError
+
+    doc = spec_doc("llama", quant_llamas["untied"], "safetensors")
+    name = imatrix["untied"].name
+    doc["quant"] = {"weights": "Q4_B32", "method": "minmax", "imatrix": name}
+    spec = load_spec(write_spec(doc, str(imatrix["untied"].parent / "s.yaml")))
+    assert spec.quant.method == "minmax" and spec.quant.imatrix == imatrix["untied"]
+    doc["quant"]["method"] = "best"
+    with pytest.raises(SpecError, match="best.*minmax.*search|minmax.*search.*best"):
+        load_spec(write_spec(doc, str(imatrix["untied"].parent / "t.yaml")))

@@ -218,3 +218,26 @@ def test_spec_quant_method_and_imatrix(quant_llamas, imatrix, write_spec) -> Non
     doc["quant"]["method"] = "best"
     with pytest.raises(SpecError, match="best.*minmax.*search|minmax.*search.*best"):
         load_spec(write_spec(doc, str(imatrix["untied"].parent / "t.yaml")))
+
+
+@pytest.mark.parametrize("checkpoint", ["keep", "dequantize"])
+def test_overrides_alone_keep_or_dequantize_the_rest(
+    quant_llamas, tmp_path: Path, checkpoint: str
+) -> None:
+    """``quant.overrides`` without a default format re-quantize only the layers they name; the
+    checkpoint's other blocks stay as stored (``checkpoint: keep``) or become float
+    (``dequantize``), as without overrides."""
+    from inferflow.blocks.linear import Linear
+    from inferflow.spec.types import QuantSpec
+
+    q4 = tmp_path / "q4.gguf"
+    quantize_checkpoint(quant_llamas["untied"], q4, "Q4_0")
+    spec = load_spec(str(q4))
+    quant = QuantSpec(overrides=(("dec.0.*", "Q8_0"),), checkpoint=checkpoint)
+    model = load_model(spec, quant=quant)
+    wo0, wo1 = model.get_submodule("dec.0.self_attn.wo"), model.get_submodule("dec.1.self_attn.wo")
+    assert isinstance(wo0, QuantLinear) and wo0.format == "Q8_0"
+    if checkpoint == "keep":
+        assert isinstance(wo1, QuantLinear) and wo1.format == "Q4_0"
+    else:
+        assert type(wo1) is Linear

@@ -63,11 +63,11 @@ def with_quant(spec: Spec, args: argparse.Namespace) -> Spec:
     from inferflow.errors import InferflowError
     from inferflow.runtime import quant_for
 
-    builtin = "builtin"  # (inferflow.imatrix.BUILTIN, imported only when asked for: it is heavy)
-
-    imatrix = Path(args.imatrix) if args.imatrix else spec.quant.imatrix
-    if args.imatrix and args.imatrix != builtin and not Path(args.imatrix).is_file():
-        raise InferflowError(f"--imatrix {args.imatrix}: no such file, nor {builtin!r}")
+    # (inferflow.imatrix.BUILTIN, imported only when asked for: it is heavy)
+    builtin = args.imatrix == "builtin"
+    if args.imatrix and not builtin and not Path(args.imatrix).is_file():
+        raise InferflowError(f"--imatrix {args.imatrix}: no such file, nor 'builtin'")
+    imatrix = Path(args.imatrix) if args.imatrix and not builtin else spec.quant.imatrix
     quant = replace(spec.quant, method=args.quant_method or spec.quant.method, imatrix=imatrix)
     spec = replace(spec, quant=quant)
     runs = quant_for(spec, args.quant) or spec.quant
@@ -79,7 +79,7 @@ def with_quant(spec: Spec, args: argparse.Namespace) -> Spec:
             f"{flags}: choose how weights are quantized at load time; give --quant FORMAT "
             "too (or a spec with quant.weights)"
         )
-    if args.imatrix == builtin:  # (computed once, before the weights load)
+    if builtin:  # (computed once, before the weights load)
         from inferflow.imatrix import builtin_imatrix
 
         spec = replace(spec, quant=replace(spec.quant, imatrix=builtin_imatrix(spec)))

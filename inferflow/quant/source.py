@@ -25,10 +25,9 @@ from collections.abc import Iterator, Mapping, Sequence
 from fnmatch import fnmatchcase
 from typing import TYPE_CHECKING, Any
 
-from inferflow.errors import QuantError
 from inferflow.loaders.base import Weight, WeightSource
 from inferflow.quant.apply import QuantPolicy
-from inferflow.quant.formats import METHODS, QuantFormat, get_format
+from inferflow.quant.formats import QuantFormat, get_format
 from inferflow.quant.targets import is_quant, tensor_formats
 from inferflow.quant.tensor import QuantTensor
 
@@ -83,7 +82,7 @@ class QuantizingSource:
             return w
         target = self.targets[name]
         if target is None:
-            return as_float(w) if isinstance(w, QuantTensor) else w
+            return as_float(w)
         imp = self.imatrix.importance(name) if self.imatrix is not None else None
         data = quantize_rows(w, target, self.method, imp)
         packed = QuantTensor(data, target.name, tuple(w.shape))
@@ -114,8 +113,6 @@ def quantize_on_load(
 ) -> tuple[QuantizingSource, QuantPolicy | None]:
     """The view ``load_model`` reads ``source`` through for ``quant`` (module docstring), and
     the policy for linear weights quantized after they are read (None: there are none)."""
-    if quant.method not in METHODS:
-        raise QuantError(f"unknown quant method {quant.method!r}; allowed: {', '.join(METHODS)}")
     matrix = None
     if quant.imatrix is not None:
         from inferflow.imatrix import ImportanceMatrix
@@ -139,7 +136,7 @@ def quantize_on_load(
         if chosen:  # (the last matching override wins)
             rules.append((name, get_format(chosen[-1]) if chosen[-1] else None))
     targets = tensor_formats(source, default, rules, "quant.overrides")
-    if default is None:  # only the overrides: the checkpoint's own blocks stay elsewhere
+    if default is None and quant.checkpoint == "keep":  # overrides alone: the rest as stored
         targets = {name: fmt for name, fmt in rules if name in targets}
     after: list[tuple[str, str | None]] = []
     for pname, parts in plan.parts.items():

@@ -79,7 +79,7 @@ def test_c_search_chooses_the_grids_of_the_torch_search(fmt: str) -> None:
         head, codes = kernels.search_blocks()(w, v, lay.levels - 1)
         same = (head[:, :1] == lo) & (head[:, 1:] == sc)
         assert float(same.float().mean()) >= 0.98
-        q = minmax._codes(w, lo.float(), sc.float(), lay.levels - 1)
+        q = minmax.codes_on_grid(w, lo.float(), sc.float(), lay.levels - 1)
         assert torch.equal(codes[same[:, 0]].float(), q[same[:, 0]])
 
 

@@ -45,9 +45,16 @@ from dataclasses import dataclass
 import torch
 
 from inferflow import kernels
-from inferflow.errors import QuantError
 from inferflow.quant.formats import QuantFormat, register_format
-from inferflow.quant.minmax import best_fit, check_floats, pack_bits, search_weights, unpack_bits
+from inferflow.quant.minmax import (
+    best_fit,
+    check_blocks,
+    check_floats,
+    codes_on_grid,
+    pack_bits,
+    search_weights,
+    unpack_bits,
+)
 
 BLOCK = 32
 E_BIAS, E_STEPS = 240, 16  # scale = 2 ** ((e - E_BIAS) / E_STEPS)
@@ -106,16 +113,12 @@ def _grid(e: torch.Tensor, z: torch.Tensor, top: int) -> tuple[torch.Tensor, tor
     return scale, lo.half().float()
 
 
-def _codes(x: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor, top: int) -> torch.Tensor:
-    return torch.round((x - lo) / scale).clamp(0, top)
-
-
 def _error(
     x: torch.Tensor, v: torch.Tensor, e: torch.Tensor, z: torch.Tensor, top: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(weighted squared error (n, 1), codes) of ``x`` on the stored grid (e, z)."""
     scale, lo = _grid(e, z, top)
-    q = _codes(x, scale, lo, top)
+    q = codes_on_grid(x, lo, scale, top)
     return (v * (q * scale + lo - x).square()).sum(1, keepdim=True), q
 
 
@@ -141,18 +144,13 @@ def _quantize(x: torch.Tensor, *, lay: LogScaleLayout) -> torch.Tensor:
     top = lay.levels - 1
     e, z = _minmax_codes(x, top)
     scale, lo = _grid(e, z, top)
-    return _pack(e, z, _codes(x, scale, lo, top), lay)
+    return _pack(e, z, codes_on_grid(x, lo, scale, top), lay)
 
 
 def _quantize_search(
     x: torch.Tensor, importance: torch.Tensor | None = None, *, lay: LogScaleLayout
 ) -> torch.Tensor:
-    x = check_floats(x, lay.name, BLOCK)
-    if importance is not None and importance.shape != x.shape:
-        raise QuantError(
-            f"{lay.name}: importance of shape {list(importance.shape)} for blocks of shape "
-            f"{list(x.shape)}"
-        )
+    x = check_floats(x, lay.name, BLOCK, importance)
     top = lay.levels - 1
     v = search_weights(x, importance)
     kernel = kernels.search_blocks()
@@ -163,36 +161,33 @@ def _quantize_search(
         lo, sc = best_fit(x, top, v)
     e, z = _minmax_codes(x, top)
     best, q = _error(x, v, e, z, top)
+
+    def consider(ec: torch.Tensor, zc: torch.Tensor) -> torch.Tensor:
+        """Keep grid (ec, zc) per block where it has the least error so far; its codes."""
+        nonlocal best, e, z, q
+        err, qc = _error(x, v, ec, zc, top)
+        better = err < best
+        best, q = torch.where(better, err, best), torch.where(better, qc, q)
+        e, z = torch.where(better, ec, e), torch.where(better, zc, z)
+        return qc
+
     sw = v.sum(1, keepdim=True)
     base = _scale_code(sc, up=False)
     for step in (-1, 0, 1, 2):
         ec = (base + step).clamp(0, 255)
         scale = SCALES[ec]
-        zc = _min_code(lo, scale, top, None)
-        for _ in range(2):  # codes on the rounded grid, the min refitted to them, rounded again
-            err, qc = _error(x, v, ec, zc, top)
-            better = err < best
-            best = torch.where(better, err, best)
-            e, z = torch.where(better, ec, e), torch.where(better, zc, z)
-            q = torch.where(better, qc, q)
-            fitted = (v * (x - qc * scale)).sum(1, keepdim=True) / sw
-            zc = _min_code(fitted, scale, top, None)
+        qc = consider(ec, _min_code(lo, scale, top, None))
+        # the min refitted to those codes (weighted least squares), rounded again
+        fitted = (v * (x - qc * scale)).sum(1, keepdim=True) / sw
+        consider(ec, _min_code(fitted, scale, top, None))
     return _pack(e, z, q, lay)
-
-
-def _check_blocks(blocks: torch.Tensor, lay: LogScaleLayout) -> None:
-    if blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape[1] != lay.bytes_per_block:
-        raise QuantError(
-            f"{lay.name}: expected uint8 blocks of shape (n, {lay.bytes_per_block}), "
-            f"got {blocks.dtype} {list(blocks.shape)}"
-        )
 
 
 def unpack(
     blocks: torch.Tensor, lay: LogScaleLayout
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(codes uint8 (n, 32), scale float32 (n, 1), min float32 (n, 1)) of raw blocks."""
-    _check_blocks(blocks, lay)
+    check_blocks(blocks, lay.name, lay.bytes_per_block)
     e, z = blocks[:, :1].to(torch.int64), blocks[:, 1:2].to(torch.int64)
     scale, lo = _grid(e, z, lay.levels - 1)
     return unpack_bits(blocks[:, HEAD:], lay.bits, BLOCK).to(torch.uint8), scale, lo

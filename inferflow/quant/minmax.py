@@ -181,9 +181,16 @@ def _le_bytes(words: torch.Tensor) -> torch.Tensor:
 # --- codecs ------------------------------------------------------------------------------------
 
 
-def check_floats(x: torch.Tensor, name: str, block_size: int) -> torch.Tensor:
+def check_floats(
+    x: torch.Tensor, name: str, block_size: int, importance: torch.Tensor | None = None
+) -> torch.Tensor:
     """Float blocks (n, ``block_size``) of format ``name`` as float32 within fp16's range;
-    non-finite values are refused, naming the first."""
+    non-finite values are refused, naming the first, and ``importance`` of another shape."""
+    if importance is not None and importance.shape != x.shape:
+        raise QuantError(
+            f"{name}: importance of shape {list(importance.shape)} for blocks of shape "
+            f"{list(x.shape)}"
+        )
     if x.dim() != 2 or x.shape[1] != block_size or not x.is_floating_point():
         raise QuantError(
             f"{name}: expected float blocks of shape (n, {block_size}), "
@@ -214,7 +221,7 @@ def _quantize(x: torch.Tensor, lay: MinMaxLayout) -> torch.Tensor:
     top = lay.levels - 1  # L
     min16, scale16 = _minmax_grid(x, top)
     # (the clamp in _codes only absorbs float32 noise here)
-    q = _codes(x, min16.to(torch.float32), scale16.to(torch.float32), top)
+    q = codes_on_grid(x, min16.to(torch.float32), scale16.to(torch.float32), top)
     return _pack(q.to(torch.int32), min16, scale16, lay)
 
 
@@ -224,7 +231,7 @@ _SEARCH_STEPS = 20  # candidate grids: L - 1 ... L + 1 steps across [min, max], 
 _REFITS = 3
 
 
-def _codes(x: torch.Tensor, lo: torch.Tensor, scale: torch.Tensor, top: int) -> torch.Tensor:
+def codes_on_grid(x: torch.Tensor, lo: torch.Tensor, scale: torch.Tensor, top: int) -> torch.Tensor:
     """Nearest codes of ``x`` on the grid ``lo + q * scale`` (scale 0: all codes 0), as float."""
     safe = torch.where(scale > 0, scale, 1.0)
     return torch.where(scale > 0, torch.round((x - lo) / safe), 0.0).clamp(0, top)
@@ -244,7 +251,7 @@ def _search_grid(
 
     def exact(lo16: torch.Tensor, sc16: torch.Tensor) -> torch.Tensor:
         lo, sc = lo16.to(torch.float32), sc16.to(torch.float32)
-        return (v * (_codes(x, lo, sc, top) * sc + lo - x).square()).sum(1, keepdim=True)
+        return (v * (codes_on_grid(x, lo, sc, top) * sc + lo - x).square()).sum(1, keepdim=True)
 
     lo16 = best_lo.clamp(-F16_MAX, F16_MAX).to(torch.float16)
     sc16 = best_sc.clamp(max=F16_MAX).to(torch.float16)
@@ -305,25 +312,20 @@ def best_fit(x: torch.Tensor, top: int, v: torch.Tensor) -> tuple[torch.Tensor, 
     for k in range(_SEARCH_STEPS + 1):
         fit(torch.round(t * (top - 1 + k / 10)).clamp_(0, top))
     for _ in range(_REFITS):  # re-code on the best grid and fit again (never worse)
-        fit(_codes(x, best_lo, best_sc, top))
+        fit(codes_on_grid(x, best_lo, best_sc, top))
     return best_lo, best_sc
 
 
 def _quantize_search(
     x: torch.Tensor, lay: MinMaxLayout, importance: torch.Tensor | None = None
 ) -> torch.Tensor:
-    x = check_floats(x, lay.name, lay.block_size)
-    if importance is not None and importance.shape != x.shape:
-        raise QuantError(
-            f"{lay.name}: importance of shape {list(importance.shape)} for blocks of shape "
-            f"{list(x.shape)}"
-        )
+    x = check_floats(x, lay.name, lay.block_size, importance)
     kernel = kernels.search_blocks()
     if kernel is not None and lay.block_size <= 256:
         head, codes = kernel(x, importance, lay.levels - 1)
         return _pack(codes.to(torch.int32), head[:, :1], head[:, 1:], lay)
     min16, scale16 = _search_grid(x, lay, importance)
-    q = _codes(x, min16.to(torch.float32), scale16.to(torch.float32), lay.levels - 1)
+    q = codes_on_grid(x, min16.to(torch.float32), scale16.to(torch.float32), lay.levels - 1)
     return _pack(q.to(torch.int32), min16, scale16, lay)
 
 
@@ -337,12 +339,17 @@ def _pack(
     return torch.cat([head, pack_bits(q, lay.code_bits)], dim=-1)
 
 
-def _dequantize(blocks: torch.Tensor, lay: MinMaxLayout) -> torch.Tensor:
-    if blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape[1] != lay.bytes_per_block:
+def check_blocks(blocks: torch.Tensor, name: str, bytes_per_block: int) -> None:
+    """Refuse anything but uint8 blocks (n, ``bytes_per_block``) of format ``name``."""
+    if blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape[1] != bytes_per_block:
         raise QuantError(
-            f"{lay.name}: expected uint8 blocks of shape (n, {lay.bytes_per_block}), "
+            f"{name}: expected uint8 blocks of shape (n, {bytes_per_block}), "
             f"got {blocks.dtype} {list(blocks.shape)}"
         )
+
+
+def _dequantize(blocks: torch.Tensor, lay: MinMaxLayout) -> torch.Tensor:
+    check_blocks(blocks, lay.name, lay.bytes_per_block)
     head = blocks[:, :_MIN_BYTES].contiguous().view(torch.float16).to(torch.float32)  # (n, 2)
     lo, scale = head[:, :1], head[:, 1:]
     n_codes = lay.block_size // 2 if lay.pairs else lay.block_size

@@ -44,14 +44,21 @@ sys.path.insert(0, str(ROOT))
 
 from inferflow.convert import convert_checkpoint, write_gguf_from  # noqa: E402
 from inferflow.evaluate import perplexity, text_ids  # noqa: E402
-from inferflow.imatrix import collect  # noqa: E402
+from inferflow.imatrix import (  # noqa: E402
+    CALIBRATION_CHUNKS,
+    CALIBRATION_CTX,
+    CALIBRATION_FIRST,
+    collect,
+)
+from inferflow.imatrix import CALIBRATION_TEXT as TEXT  # noqa: E402
+from inferflow.loaders.base import Weight  # noqa: E402
 from inferflow.loaders.gguf import open_gguf  # noqa: E402
+from inferflow.loaders.gguf_writer import GGUFTensorPlan  # noqa: E402
 from inferflow.quant import LOGSCALE_FORMATS, MINMAX_FORMATS, get_format  # noqa: E402
 from inferflow.quantize import quantize_checkpoint  # noqa: E402
 from inferflow.runtime import load  # noqa: E402
 from inferflow.spec import load_spec  # noqa: E402
 
-TEXT = Path.home() / ".cache" / "inferflow" / "texts" / "hamlet.txt"
 MODELS = "smollm2-135m-instruct,gemma-3-270m,qwen2.5-coder-0.5b-instruct"
 FORMATS = ",".join((*MINMAX_FORMATS, *LOGSCALE_FORMATS))
 LLAMA_TYPES = "Q2_K,Q3_K_S,Q3_K_M,Q4_0,Q4_K_S,Q5_K_S,Q6_K,Q8_0"
@@ -61,7 +68,7 @@ START, END = "<!-- quant-quality:start -->", "<!-- quant-quality:end -->"
 def block_bpw(path: Path) -> float:
     """Bits per weight of the transformer blocks' matrices as stored (scales included)."""
     src = open_gguf([path])
-    bits = weights = 0
+    bits, weights = 0.0, 0
     try:
         for n in src.names():
             shape = src.shape(n)
@@ -178,6 +185,13 @@ def llama_cpp(f32: Path, args, tmp: Path) -> list[str]:
     return rows
 
 
+def dither_rows(name: str, w: torch.Tensor, h: float) -> torch.Tensor:
+    """``w`` plus uniform noise in [-h, h] * each row's RMS, seeded by the tensor's name."""
+    g = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+    rms = w.square().mean(-1, keepdim=True).sqrt()
+    return w + (torch.rand(w.shape, generator=g) * 2 - 1) * h * rms
+
+
 def dither(f32: Path, out: Path, h: float) -> Path:
     """The F32 file with uniform noise in [-h, h] * RMS of each row added to every matrix: the
     models here come from quantized files, so their float weights lie on the grids of the
@@ -185,12 +199,9 @@ def dither(f32: Path, out: Path, h: float) -> Path:
     fidelity no real float checkpoint offers); the noise takes the weights off those grids."""
     src = open_gguf([f32])
 
-    def encode(plan, w: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
-        if w.dim() < 2:
-            return w
-        g = torch.Generator().manual_seed(zlib.crc32(plan.name.encode()))
-        rms = w.square().mean(-1, keepdim=True).sqrt()
-        return w + (torch.rand(w.shape, generator=g) * 2 - 1) * h * rms
+    def encode(plan: GGUFTensorPlan, w: Weight) -> torch.Tensor:
+        assert isinstance(w, torch.Tensor)  # (an F32 file)
+        return w if w.dim() < 2 else dither_rows(plan.name, w, h)
 
     try:
         write_gguf_from(src, "gguf", f32, out, lambda *_: "F32", True, False, encode=encode)
@@ -238,9 +249,10 @@ def main() -> int:
     ap.add_argument("--methods", default="minmax,search,imatrix")
     ap.add_argument("--llama-cpp", default=None, help="directory with llama.cpp's tools")
     ap.add_argument("--llama-types", default=LLAMA_TYPES)
-    ap.add_argument("--ctx", type=int, default=512)
-    ap.add_argument("--chunks", type=int, default=4)
-    ap.add_argument("--calib-chunks", type=int, default=16)
+    # (the windows --imatrix builtin calibrates on are the same: those after the scored ones)
+    ap.add_argument("--ctx", type=int, default=CALIBRATION_CTX)
+    ap.add_argument("--chunks", type=int, default=CALIBRATION_FIRST)
+    ap.add_argument("--calib-chunks", type=int, default=CALIBRATION_CHUNKS)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--at-load", action="store_true", help="also quantize at load (--quant)")
     ap.add_argument(

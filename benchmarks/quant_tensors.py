@@ -16,7 +16,6 @@ import argparse
 import re
 import shlex
 import sys
-import zlib
 from collections import defaultdict
 from pathlib import Path
 
@@ -24,6 +23,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+from quant_quality import dither_rows  # noqa: E402
 
 from inferflow.loaders import open_files  # noqa: E402
 from inferflow.quant import get_format, quantize  # noqa: E402
@@ -58,9 +59,7 @@ def main() -> int:
             stored[kind].add(src.dtype_name(name))
             x = (w.dequantize() if isinstance(w, QuantTensor) else w).float()
             if args.dither:
-                g = torch.Generator().manual_seed(zlib.crc32(name.encode()))
-                rms = x.square().mean(-1, keepdim=True).sqrt()
-                x = x + (torch.rand(x.shape, generator=g) * 2 - 1) * args.dither * rms
+                x = dither_rows(name, x, args.dither)
             norms[kind] += float(x.double().square().sum())
             count[kind] += x.numel()
             for fmt in formats:

@@ -241,3 +241,22 @@ def test_overrides_alone_keep_or_dequantize_the_rest(
         assert isinstance(wo1, QuantLinear) and wo1.format == "Q4_0"
     else:
         assert type(wo1) is Linear
+
+
+def test_draft_model_quantized_with_the_main_method(quant_llamas, imatrix, write_spec) -> None:
+    """--quant-method reaches a --draft model too; the main model's imatrix does not (it is
+    another checkpoint's)."""
+    from argparse import Namespace
+
+    from inferflow.cli.common import draft_spec, with_quant
+
+    main_spec = write_spec(spec_doc("llama", quant_llamas["untied"], "safetensors"), "m.yaml")
+    draft = write_spec(spec_doc("llama", quant_llamas["tied"], "safetensors"), "d.yaml")
+    args = Namespace(
+        quant="Q4_B32", quant_method="minmax", imatrix=str(imatrix["untied"]), draft=str(draft)
+    )
+    spec = with_quant(load_spec(main_spec), args)
+    got = draft_spec(args, spec)
+    assert got is not None and got.quant.method == "minmax" and got.quant.imatrix is None
+    assert spec.quant.imatrix == imatrix["untied"]
+    assert draft_spec(Namespace(draft=None), spec) is None

@@ -86,6 +86,19 @@ def with_quant(spec: Spec, args: argparse.Namespace) -> Spec:
     return spec
 
 
+def draft_spec(args: argparse.Namespace, spec: Spec) -> Spec | None:
+    """The --draft model's spec, quantized (--quant) with the main model's method; not with
+    its importance matrix, which is the main checkpoint's."""
+    if not args.draft:
+        return None
+    from dataclasses import replace
+
+    from inferflow.spec import load_spec
+
+    draft = load_spec(args.draft)
+    return replace(draft, quant=replace(draft.quant, method=spec.quant.method))
+
+
 def add_ids(p: argparse.ArgumentParser, what: str) -> None:
     p.add_argument(
         "--ids",

@@ -16,6 +16,7 @@ from inferflow.cli.common import (
     add_ids,
     add_quant,
     add_speculation,
+    draft_spec,
     speculation,
     text_or_ids,
     with_quant,
@@ -122,7 +123,8 @@ def run(args: argparse.Namespace) -> int:
         what = "the chat template renders it as no text" if args.chat else "it has no tokens"
         raise InferflowError(f"--prompt: {what}")
     lm = load(spec, args.dtype, args.quant, tok)
-    draft = load(args.draft, args.dtype, args.quant) if args.draft else None
+    draft_model = draft_spec(args, spec)
+    draft = load(draft_model, args.dtype, args.quant) if draft_model else None
     ids: list[int] = []
     text, reason = "", None
     t0 = time.perf_counter()

@@ -9,7 +9,14 @@ import logging
 import os
 import re
 
-from inferflow.cli.common import add_dtype, add_quant, add_speculation, speculation, with_quant
+from inferflow.cli.common import (
+    add_dtype,
+    add_quant,
+    add_speculation,
+    draft_spec,
+    speculation,
+    with_quant,
+)
 from inferflow.engine.engine import EngineConfig
 from inferflow.engine.grammar_bounds import GrammarLimits
 from inferflow.engine.kv_cache import KV_DTYPES
@@ -252,7 +259,7 @@ def run(args: argparse.Namespace) -> int:
     )
     if args.tool_call_parser is not None:
         CALL_FORMATS.get(args.tool_call_parser)  # (an unknown name: the error lists them)
-    draft = load_spec(args.draft) if args.draft else None
+    draft = draft_spec(args, spec)
     sock = listen(args.host, args.port)  # (a port in use fails here, before the model loads)
     cfg = ServerConfig(
         spec,

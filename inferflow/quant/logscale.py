@@ -23,7 +23,7 @@ per weight)::
 
 The scale table is ``2 ** ((e - 240) / 16)`` computed in float64 and rounded to float16; the min
 is the product rounded to float16 (both exact in float32 and float16, so the kernels' planes hold
-them in float16: 5 bits per weight resident for Q4_E32, as Q4_B32 does). A
+them in float16: 5 bits per weight resident for Q4_E32, as for Q4_B32; 6 for Q5_E32). A
 scale off the ideal by at most half a step (2.2%) and a min off by 1/16 of a step cost little
 next to the codes' own rounding, and the search below chooses codes against the stored grid.
 

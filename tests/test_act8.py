@@ -210,3 +210,55 @@ def test_which_planes_take_8_bit_inputs(
     finally:
         monkeypatch.undo()
         _reset()
+
+
+@pytest.fixture
+def amx():  # noqa: ANN201
+    """The AMX products (TDPBSUD on 16 rows of x at once), where this build has them and Linux
+    grants the process AMX's tile state; off again afterwards as the session had it."""
+    lib = quant_decode.library()
+    if lib is None or not lib.qmat_amx_built():
+        pytest.skip("this build has no AMX-INT8 products (CPU without AMX, or no compiler)")
+    was = bool(lib.qmat_amx_enable(1))
+    if not was:
+        pytest.skip("Linux refused this process AMX's tile state (arch_prctl)")
+    yield lib
+    quant_decode.set_amx(lib, was)
+
+
+AMX_FORMATS = [*GGML, "Q4_B32", "Q4_B64", "Q3H", "Q4_E32", "Q8"]
+
+
+@pytest.mark.parametrize("fmt", AMX_FORMATS)
+def test_amx_products_are_the_rounded_rows_times_w_and_the_vnni_bits(fmt: str, amx) -> None:  # noqa: ANN001
+    """Calls of 16 rows or more take AMX tiles for whole blocks of 16 rows (up to 8 blocks per
+    pass over W, two of W's tiles and two blocks of x per chunk) and the VNNI path for the rest:
+    with 16, 37 and 290 rows over widths that are not multiples of 256, W's last tile partly
+    filled and an odd tile count, the product is W (gguf-py's decoding where it has the
+    format) times x rounded to 8 bits, bit for bit the VNNI path's, and a row alone (VNNI)
+    equals it within a call (AMX)."""
+    k = 768 if fmt.endswith("_K") else 576
+    layer, w = _layer(fmt, 71, k, 6) if fmt in GGML else _own_layer(fmt, 71, k, 6)
+    g = torch.Generator().manual_seed(7)
+    for rows in (16, 37, 290):
+        x = torch.randn(rows, k, generator=g) + 0.25
+        x[3] *= 1e-3
+        on = layer.plane.matmul_f32(x, q8=True)  # type: ignore[union-attr]
+        quant_decode.set_amx(amx, False)
+        off = layer.plane.matmul_f32(x, q8=True)  # type: ignore[union-attr]
+        quant_decode.set_amx(amx, True)
+        assert torch.equal(on, off), (fmt, rows)
+        want = _rounded(x) @ w.T
+        assert float((on.double() - want).abs().max() / want.abs().max()) < 2e-6, (fmt, rows)
+        for r in (0, 3, rows - 1):
+            assert torch.equal(layer.plane.matmul_f32(x[r : r + 1], q8=True), on[r : r + 1])  # type: ignore[union-attr]
+
+
+def _own_layer(fmt: str, n: int, k: int, seed: int) -> tuple[QuantLinear, torch.Tensor]:
+    """A QuantLinear of an Inferflow format, and its weights as the codec decodes them."""
+    if quant_decode.library() is None:
+        pytest.skip("no C compiler here: the plane kernel cannot be built")
+    qt = quantize(torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * 0.05, fmt)
+    layer = QuantLinear(qt, None)
+    assert layer.plane is not None
+    return layer, qt.dequantize().double()

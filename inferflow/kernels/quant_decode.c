@@ -53,6 +53,7 @@
 #include "qmat.h"
 #include "qmat_q8.h"
 #include "tiles16.h"
+#include "amx16.h"
 
 typedef struct {
     const float *attn_norm, *ffn_norm; /* (hidden,) */
@@ -272,7 +273,7 @@ static void gemm_in_team(const QMat *w, const float *x, int64_t M, float *xs, fl
     const int path = path_of(w), q8 = xq != NULL && q8_path(w, path);
     const int64_t k = w->k, G = k / w->group, T = blocks_of(w, path);
     const int64_t R = q8 ? XQ_ROWS[path] : X_ROWS[path];
-    const int64_t B = (M + R - 1) / R, J = k / 32;
+    const int64_t J = k / 32;
 #pragma omp for schedule(static)
     for (int64_t m = 0; m < M; m++) {
         if (q8) {
@@ -281,10 +282,18 @@ static void gemm_in_team(const QMat *w, const float *x, int64_t M, float *xs, fl
         } else
             group_sums(w, x + m * k, xs + m * G);
     }
+    int64_t m1 = 0; /* rows before m1 are done */
+#if AMX_BUILT
+    if (q8 && amx_on && M >= 16) { /* (q8 on AVX-512 builds: the tile paths) */
+        m1 = M / 16 * 16;
+        amx_gemm_in_team(w, path, M / 16, xq, dx, xs, y, add);
+    }
+#endif
+    const int64_t B = (M - m1 + R - 1) / R;
 #pragma omp for collapse(2) schedule(static)
     for (int64_t t = 0; t < T; t++)
         for (int64_t b = 0; b < B; b++) {
-            const int64_t m0 = b * R, mr = M - m0 < R ? M - m0 : R;
+            const int64_t m0 = m1 + b * R, mr = M - m0 < R ? M - m0 : R;
             if (q8)
                 block_dot_q8(w, path, t, xq + m0 * k, dx + m0 * J, xs + m0 * G, y + m0 * w->n,
                              add, mr);
@@ -312,6 +321,9 @@ void qmat_gemm_f32(const QMat *w, const float *x, int64_t M, float *xs, float *y
 
 /* whether products over W take 8-bit rows of X where asked (this build's path for W has one) */
 int qmat_has_q8(const QMat *w) { return q8_path(w, path_of(w)); }
+
+/* whether this build has the AMX products (qmat_amx_enable turns them on) */
+int qmat_amx_built(void) { return AMX_BUILT; }
 
 /* whether this build walks tiles with AVX-512 (paths 2 and 3): 8-bit codes in groups of a
    multiple of 32 as 16-row tiles (codes (tiles, k / 32, 8, 16, 4), scale and min (tiles, k /

@@ -11,6 +11,8 @@ result does not depend on the other rows of the call (batch invariance).
 from __future__ import annotations
 
 import ctypes
+import logging
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache, cached_property
@@ -18,6 +20,8 @@ from functools import cache, cached_property
 import torch
 
 from inferflow.kernels import _library
+
+log = logging.getLogger(__name__)
 
 _P, _I64, _I32, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_float
 
@@ -55,7 +59,20 @@ def library() -> ctypes.CDLL | None:
     lib.decode_stack.argtypes += [_P, _P, _P, _P, _I64, _P, _I64, _P, _P, ctypes.c_int]
     lib.decode_stack.restype = None
     lib.q8_0_rows.argtypes, lib.q8_0_rows.restype = [_P, _I64, _I64, _P], None
+    lib.qmat_amx_built.argtypes, lib.qmat_amx_built.restype = [], ctypes.c_int
+    lib.qmat_amx_enable.argtypes, lib.qmat_amx_enable.restype = [ctypes.c_int], ctypes.c_int
+    if lib.qmat_amx_built():
+        set_amx(lib, os.environ.get("INFERFLOW_AMX", "1") != "0")
     return lib
+
+
+def set_amx(lib: ctypes.CDLL, on: bool) -> bool:
+    """Turn the AMX products of 8-bit rows (``--dtype act8``, 16 rows of x or more) on or off;
+    whether they are on. The same bits as the VNNI products either way; on needs a build with
+    AMX-INT8 and Linux granting the process the tile state (``INFERFLOW_AMX=0``: off)."""
+    on = bool(lib.qmat_amx_enable(int(on)))
+    log.debug("AMX products of 8-bit rows: %s", "on" if on else "off")
+    return on
 
 
 def half_built() -> bool:

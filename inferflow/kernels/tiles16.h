@@ -189,6 +189,25 @@ static inline __attribute__((always_inline)) void tile_dot_rows16(const QMat *w,
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) /* (inside __AVX512F__) */
 #define Q8_TILES16 1
+/* chunk jj's fifth bits (h[0]) or top bits (h[0], h[1]) of tile t, where the codes have them */
+static inline __attribute__((always_inline)) void chunk_bits16(const QMat *w, int64_t t,
+                                                               int64_t jj, const int five,
+                                                               const int six, __m512i h[2]) {
+    h[0] = five ? _mm512_loadu_si512((const void *)high16(w, t, jj))
+         : six  ? _mm512_loadu_si512((const void *)top16(w, t, jj))
+                : _mm512_setzero_si512();
+    h[1] = six ? _mm512_loadu_si512((const void *)(top16(w, t, jj) + 64)) : _mm512_setzero_si512();
+}
+
+/* sub-block s's 16 dwords of codes as bytes, the integer products' operand (c: the chunk's
+   tile, h: chunk_bits16's) */
+static inline __attribute__((always_inline)) __m512i operand16(const uint8_t *c, int s,
+                                                               const int eight, const int five,
+                                                               const int six, const __m512i h[2]) {
+    const __m512i q = six ? six16_dwords(c, h[s >= 4], s) : tile16_dwords(c, s, eight);
+    return five ? _mm512_or_si512(q, high16_bytes(h[0], s)) : q;
+}
+
 /* tile_dot_rows16 with 8-bit rows of x: sub-block s's 16 dwords of codes (as bytes, in the x
    codes' column order) times the chunk's four x codes (one broadcast dword), by VNNI. Groups of
    16 (g16): x in column order too (quantize_row_q8's plain), sub-blocks 0 .. 3 summed for the
@@ -213,17 +232,13 @@ static inline __attribute__((always_inline)) void tile_dot_rows16_q8(const QMat 
         const __m512 s1 = g16 ? scale16(w, i + 16) : sc, n1 = g16 ? min16(w, i + 16) : mn;
         for (int64_t j = 0; j < chunks; j++) {
             const int64_t jj = g * chunks + j;
-            const __m512i h = five ? _mm512_loadu_si512((const void *)high16(w, t, jj))
-                            : six  ? _mm512_loadu_si512((const void *)top16(w, t, jj))
-                                   : _mm512_setzero_si512();
-            const __m512i h2 = six ? _mm512_loadu_si512((const void *)(top16(w, t, jj) + 64))
-                                   : _mm512_setzero_si512();
+            __m512i h[2];
+            chunk_bits16(w, t, jj, five, six, h);
             __m512i a[MRQ], b[MRQ];
             for (int m = 0; m < mr; m++) a[m] = b[m] = _mm512_setzero_si512();
 #pragma GCC unroll 8
             for (int s = 0; s < 8; s++) {
-                __m512i q = six ? six16_dwords(c, s < 4 ? h : h2, s) : tile16_dwords(c, s, eight);
-                if (five) q = _mm512_or_si512(q, high16_bytes(h, s));
+                const __m512i q = operand16(c, s, eight, five, six, h);
                 for (int m = 0; m < mr; m++) {
                     uint32_t xv;
                     memcpy(&xv, xq + m * k + jj * 32 + 4 * s, sizeof xv);

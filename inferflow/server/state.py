@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import gc
 import hashlib
 import json
 import logging
@@ -131,9 +130,6 @@ class ServerState:
                 draft = None if cfg.draft is None else load(cfg.draft, cfg.dtype, cfg.quant).model
                 engine = Engine(lm.model, lm.tokenizer, cfg.engine, draft)
             runner = EngineRunner(engine, self.metrics, self.cfg.engine.scheduler.max_waiting)
-            # what the load built (vocabularies, modules) leaves the cyclic collector's
-            # generations: its full collections no longer walk it between engine steps
-            gc.freeze()
             runner.start(loop)
             self.lm, self.runner = lm, runner
             peak = peak_rss() / 2**20

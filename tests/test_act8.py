@@ -5,6 +5,8 @@ its quality cost on a real model against the float32 run."""
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -45,7 +47,8 @@ def build(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch, tmp_p
 
 
 def _layer(fmt: str, n: int, k: int, seed: int) -> tuple[QuantLinear, torch.Tensor]:
-    """A QuantLinear on its C plane, and its weights as gguf-py decodes the blocks."""
+    """A QuantLinear on its C plane, and its weights as gguf-py decodes the blocks (Inferflow's
+    own formats: as their codec does)."""
     if quant_decode.library() is None:
         pytest.skip("no C compiler here: the plane kernel cannot be built")
     if fmt.endswith("_K"):
@@ -54,6 +57,8 @@ def _layer(fmt: str, n: int, k: int, seed: int) -> tuple[QuantLinear, torch.Tens
         qt = quantize(torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * 0.05, fmt)
     layer = QuantLinear(qt, None)
     assert layer.plane is not None
+    if fmt not in GGML:
+        return layer, qt.dequantize().double()
     blocks = qt.data.numpy().reshape(n, -1)
     ref = gguf.quants.dequantize(blocks, GGML[fmt]).reshape(n, k)
     return layer, torch.from_numpy(np.ascontiguousarray(ref)).double()
@@ -215,15 +220,14 @@ def test_which_planes_take_8_bit_inputs(
 @pytest.fixture
 def amx():  # noqa: ANN201
     """The AMX products (TDPBSUD on 16 rows of x at once), where this build has them and Linux
-    grants the process AMX's tile state; off again afterwards as the session had it."""
+    grants the process AMX's tile state; afterwards as INFERFLOW_AMX has them."""
     lib = quant_decode.library()
     if lib is None or not lib.qmat_amx_built():
         pytest.skip("this build has no AMX-INT8 products (CPU without AMX, or no compiler)")
-    was = bool(lib.qmat_amx_enable(1))
-    if not was:
+    if not quant_decode.set_amx(lib, True):
         pytest.skip("Linux refused this process AMX's tile state (arch_prctl)")
     yield lib
-    quant_decode.set_amx(lib, was)
+    quant_decode.set_amx(lib, os.environ.get("INFERFLOW_AMX", "1") != "0")
 
 
 AMX_FORMATS = [*GGML, "Q4_B32", "Q4_B64", "Q3H", "Q4_E32", "Q8"]
@@ -238,12 +242,14 @@ def test_amx_products_are_the_rounded_rows_times_w_and_the_vnni_bits(fmt: str, a
     format) times x rounded to 8 bits, bit for bit the VNNI path's, and a row alone (VNNI)
     equals it within a call (AMX)."""
     k = 768 if fmt.endswith("_K") else 576
-    layer, w = _layer(fmt, 71, k, 6) if fmt in GGML else _own_layer(fmt, 71, k, 6)
+    layer, w = _layer(fmt, 71, k, 6)
     g = torch.Generator().manual_seed(7)
     for rows in (16, 37, 290):
         x = torch.randn(rows, k, generator=g) + 0.25
         x[3] *= 1e-3
+        before = amx.qmat_amx_rows()
         on = layer.plane.matmul_f32(x, q8=True)  # type: ignore[union-attr]
+        assert amx.qmat_amx_rows() - before == rows // 16 * 16  # (the tiles took them)
         quant_decode.set_amx(amx, False)
         off = layer.plane.matmul_f32(x, q8=True)  # type: ignore[union-attr]
         quant_decode.set_amx(amx, True)
@@ -252,13 +258,3 @@ def test_amx_products_are_the_rounded_rows_times_w_and_the_vnni_bits(fmt: str, a
         assert float((on.double() - want).abs().max() / want.abs().max()) < 2e-6, (fmt, rows)
         for r in (0, 3, rows - 1):
             assert torch.equal(layer.plane.matmul_f32(x[r : r + 1], q8=True), on[r : r + 1])  # type: ignore[union-attr]
-
-
-def _own_layer(fmt: str, n: int, k: int, seed: int) -> tuple[QuantLinear, torch.Tensor]:
-    """A QuantLinear of an Inferflow format, and its weights as the codec decodes them."""
-    if quant_decode.library() is None:
-        pytest.skip("no C compiler here: the plane kernel cannot be built")
-    qt = quantize(torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * 0.05, fmt)
-    layer = QuantLinear(qt, None)
-    assert layer.plane is not None
-    return layer, qt.dequantize().double()

@@ -20,6 +20,10 @@ static void block_dot_q8(const QMat *w, int path, int64_t t, const int8_t *xq, c
 #define AMX_BLOCKS 8 /* 16-row blocks of x per pass over W's tiles (x's codes stay in L2) */
 
 static int amx_on = 0;
+static int64_t amx_rows = 0; /* rows of x the AMX products have taken (thread 0 counts) */
+
+/* rows of x the AMX products have taken in this process (tests: that they ran) */
+int64_t qmat_amx_rows(void) { return amx_rows; }
 
 /* Turn the AMX products on (where Linux grants this process the tile data state: the
    permission request is once per process) or off; whether they are on */
@@ -59,23 +63,17 @@ static uint8_t *amx_scratch(int64_t bytes) {
     return buf;
 }
 
-/* tile t's codes as TDPBSUD's second operand: per chunk its 8 sub-blocks' 16 dwords of bytes
-   (tile16_dwords' operands, the fifth or top bits added), into b; 8-bit tiles are that already */
-static inline __attribute__((always_inline)) const uint8_t *amx_codes(const QMat *w, int64_t t,
-                                                                      uint8_t *b, const int eight,
-                                                                      const int five,
-                                                                      const int six) {
+/* tile t's 4-, 5- or 6-bit codes as TDPBSUD's second operand, into b: per chunk its 8
+   sub-blocks' 16 dwords of bytes (operand16's; 8-bit tiles are that already) */
+static void amx_codes(const QMat *w, int64_t t, uint8_t *b, const int five, const int six) {
     const int64_t J = w->k / 32;
-    const uint8_t *c = w->codes + t * J * TILE_CHUNK(eight);
-    if (eight) return c;
+    const uint8_t *c = w->codes + t * J * TILE_CHUNK(0);
     for (int64_t jj = 0; jj < J; jj++, c += TILE_CHUNK(0)) {
         __m512i h[2];
         chunk_bits16(w, t, jj, five, six, h);
-#pragma GCC unroll 8
         for (int s = 0; s < 8; s++)
             _mm512_storeu_si512((void *)(b + jj * 512 + 64 * s), operand16(c, s, 0, five, six, h));
     }
-    return b;
 }
 
 /* sums tile c = x's tile a (16 rows' codes at xa, a row every k bytes) times W's tile b (at
@@ -166,6 +164,7 @@ static void amx_gemm_in_team(const QMat *w, int path, int64_t nb, const int8_t *
     uint8_t *buf = eight ? NULL : amx_scratch(2 * J * 512);
     const int ok = eight || buf != NULL;
     amx_config(g16);
+    if (omp_get_thread_num() == 0) amx_rows += 16 * nb;
 #pragma omp for collapse(2) schedule(static)
     for (int64_t p = 0; p < P; p++)
         for (int64_t t2 = 0; t2 < T2; t2++) {
@@ -180,12 +179,7 @@ static void amx_gemm_in_team(const QMat *w, int path, int64_t nb, const int8_t *
             }
             const uint8_t *b = eight ? w->codes + t * J * 512 : buf;
             if (!eight)
-                for (int u = 0; u < nt; u++) {
-                    uint8_t *o = buf + u * J * 512;
-                    if (five) amx_codes(w, t + u, o, 0, 1, 0);
-                    else if (six) amx_codes(w, t + u, o, 0, 0, 1);
-                    else amx_codes(w, t + u, o, 0, 0, 0);
-                }
+                for (int u = 0; u < nt; u++) amx_codes(w, t + u, buf + u * J * 512, five, six);
             for (int64_t r = p * AMX_BLOCKS; r < r1; r += 2) {
                 const int nr = r1 - r < 2 ? 1 : 2;
                 const int64_t m = r * 16;
@@ -203,6 +197,7 @@ int qmat_amx_enable(int on) {
     (void)on;
     return 0;
 }
+int64_t qmat_amx_rows(void) { return 0; }
 #endif
 
 #endif /* INFERFLOW_AMX16_H */

@@ -61,6 +61,7 @@ def library() -> ctypes.CDLL | None:
     lib.q8_0_rows.argtypes, lib.q8_0_rows.restype = [_P, _I64, _I64, _P], None
     lib.qmat_amx_built.argtypes, lib.qmat_amx_built.restype = [], ctypes.c_int
     lib.qmat_amx_enable.argtypes, lib.qmat_amx_enable.restype = [ctypes.c_int], ctypes.c_int
+    lib.qmat_amx_rows.argtypes, lib.qmat_amx_rows.restype = [], _I64
     if lib.qmat_amx_built():
         set_amx(lib, os.environ.get("INFERFLOW_AMX", "1") != "0")
     return lib

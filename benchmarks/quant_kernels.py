@@ -10,6 +10,8 @@ Per format, (in -> out) shape and batch N, the median time of one call of each p
                operations per row whatever the batch
     plane/act8 the same under ``--dtype act8``: x rounded to 8 bits per 32 values, integer
                dot products where the plane has them (QPlane.has_q8)
+    act8/vnni  plane/act8 with the AMX products off (their VNNI path: the same bits), where the
+               build has AMX and Linux grants it; plane/act8 then takes AMX tiles from 16 rows
     int4pack   QuantLinear's int4pack kernel, bf16 activations (the chosen path for other affine
                formats)
     int4p/f32  the same with float32 activations: includes the casts in and out
@@ -29,6 +31,7 @@ from __future__ import annotations
 import argparse
 import copy
 import itertools
+import os
 import statistics
 import sys
 import time
@@ -37,6 +40,7 @@ from collections.abc import Callable
 import torch
 from torch.nn import functional as F
 
+from inferflow.kernels import quant_decode
 from inferflow.quant import quantize
 from inferflow.quant.linear import (
     Int4Pack,
@@ -56,6 +60,7 @@ PATHS = [
     "bf16",
     "plane",
     "plane/act8",
+    "act8/vnni",
     "int4pack",
     "int4p/f32",
     "tiled",
@@ -161,6 +166,11 @@ def run_shape(fmt: str, inp: int, out: int, batches: list[int], ws: float, budge
         if fast.kernel_name == "plane":
             us["plane"] = bench(_plane(qt, x), fast.nbytes, ws, budget)
             us["plane/act8"] = bench(_plane(qt, x, act8=True), fast.nbytes, ws, budget)
+            lib = quant_decode.library()
+            if lib is not None and quant_decode.set_amx(lib, True):  # (where AMX runs at all)
+                quant_decode.set_amx(lib, False)
+                us["act8/vnni"] = bench(_plane(qt, x, act8=True), fast.nbytes, ws, budget)
+                quant_decode.set_amx(lib, os.environ.get("INFERFLOW_AMX", "1") != "0")
         if pack is not None:
             us["int4pack"] = bench(_int4(fast, pack, xb), pack.nbytes, ws, budget)
             us["int4p/f32"] = bench(_int4(fast, pack, x), pack.nbytes, ws, budget)

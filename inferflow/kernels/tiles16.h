@@ -13,7 +13,8 @@
 #define MR16 4 /* rows of x per unpacked tile: 4 accumulators each */
 #define MRQ 8  /* rows of 8-bit x per unpacked tile (groups of 32k: 3 accumulators each) */
 
-static inline __m512 ld16(const QMat *w, const float *a, int64_t i) {
+static inline __attribute__((always_inline)) __m512 ld16(const QMat *w, const float *a,
+                                                       int64_t i) {
 #if HALF_BUILT
     if (w->half) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)a + i)));
 #endif
@@ -23,16 +24,19 @@ static inline __m512 ld16(const QMat *w, const float *a, int64_t i) {
 /* the 16 scales (or mins, from a and a8) of the group at i = 16 (t * G + g): where they are in
    two levels (sb), the super-block's float16 value times the group's int8 one (exact: <= 19
    significant bits), the float32 a one-level plane would hold */
-static inline __m512 two16(const QMat *w, const float *a, const int8_t *a8, int64_t i) {
+static inline __attribute__((always_inline)) __m512 two16(const QMat *w, const float *a,
+                                                        const int8_t *a8, int64_t i) {
     if (!w->sb) return ld16(w, a, i);
     const __m512 d = ld16(w, a, (i >> 4 >> __builtin_ctzll((uint64_t)w->sb)) << 4); /* (sb: 2^n) */
     const __m128i s = _mm_loadu_si128((const __m128i *)(a8 + i));
     return _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(s)));
 }
 
-static inline __m512 scale16(const QMat *w, int64_t i) { return two16(w, w->scale, w->sc8, i); }
+static inline __attribute__((always_inline)) __m512 scale16(const QMat *w, int64_t i) {
+    return two16(w, w->scale, w->sc8, i);
+}
 
-static inline __m512 min16(const QMat *w, int64_t i) {
+static inline __attribute__((always_inline)) __m512 min16(const QMat *w, int64_t i) {
     return w->min ? two16(w, w->min, w->mn8, i) : _mm512_mul_ps(_mm512_set1_ps(-w->zero), scale16(w, i));
 }
 
@@ -69,7 +73,8 @@ static inline __attribute__((always_inline)) __m512i tile16_dwords(const uint8_t
 /* 5-bit tiles (AVX-512 builds): the 4-bit tiles of the codes' low four bits, and per chunk 64
    bytes of their fifth bits: byte (i, e) of the chunk's bits holds bit s for sub-block s's
    column (2s, 2s + 1, 16 + 2s, 17 + 2s)[e] of row i (dword i of a vector, as the codes) */
-static inline const uint8_t *high16(const QMat *w, int64_t t, int64_t jj) {
+static inline __attribute__((always_inline)) const uint8_t *high16(const QMat *w, int64_t t,
+                                                                int64_t jj) {
     return w->high + (t * (w->k / 32) + jj) * 64;
 }
 
@@ -82,7 +87,8 @@ static inline __attribute__((always_inline)) __m512i high16_bytes(__m512i h, int
 /* 6-bit tiles (AVX-512 builds, Q6_K): the 4-bit tiles of the codes' low four bits, and per
    chunk 128 bytes of their top two bits: byte (q, i, e) holds bits 2r, 2r + 1 for sub-block
    4q + r's column of byte e of dword i (the codes' own order, either layout) */
-static inline const uint8_t *top16(const QMat *w, int64_t t, int64_t jj) {
+static inline __attribute__((always_inline)) const uint8_t *top16(const QMat *w, int64_t t,
+                                                               int64_t jj) {
     return w->high + (t * (w->k / 32) + jj) * 128;
 }
 
@@ -222,43 +228,44 @@ static inline __attribute__((always_inline)) void tile_dot_rows16_q8(const QMat 
                                                                      const int six,
                                                                      const int g16) {
     const int64_t k = w->k, G = k / w->group, chunks = g16 ? 1 : w->group / 32, J = k / 32;
-    const int64_t steps = g16 ? J : G;
     const uint8_t *c = w->codes + t * J * TILE_CHUNK(eight);
+    const int8_t *xr = xq;
     __m512 acc[MRQ], mins[MRQ];
     for (int m = 0; m < mr; m++) acc[m] = mins[m] = _mm512_setzero_ps();
-    for (int64_t g = 0; g < steps; g++) {
-        const int64_t i = (t * G + (g16 ? 2 * g : g)) * 16;
-        const __m512 sc = scale16(w, i), mn = min16(w, i);
-        const __m512 s1 = g16 ? scale16(w, i + 16) : sc, n1 = g16 ? min16(w, i + 16) : mn;
-        for (int64_t j = 0; j < chunks; j++) {
-            const int64_t jj = g * chunks + j;
-            __m512i h[2];
-            chunk_bits16(w, t, jj, five, six, h);
-            __m512i a[MRQ], b[MRQ];
-            for (int m = 0; m < mr; m++) a[m] = b[m] = _mm512_setzero_si512();
+    int64_t g = 0, left = chunks; /* the chunk's (first) group; chunks of it left */
+    for (int64_t jj = 0; jj < J; jj++, c += TILE_CHUNK(eight), xr += 32) {
+        const int64_t i = (t * G + g) * 16;
+        const __m512 sc = scale16(w, i);
+        const __m512 s1 = g16 ? scale16(w, i + 16) : sc;
+        __m512i h[2];
+        chunk_bits16(w, t, jj, five, six, h);
+        __m512i a[MRQ], b[MRQ];
+        for (int m = 0; m < mr; m++) a[m] = b[m] = _mm512_setzero_si512();
 #pragma GCC unroll 8
-            for (int s = 0; s < 8; s++) {
-                const __m512i q = operand16(c, s, eight, five, six, h);
-                for (int m = 0; m < mr; m++) {
-                    uint32_t xv;
-                    memcpy(&xv, xq + m * k + jj * 32 + 4 * s, sizeof xv);
-                    if (g16 && s >= 4)
-                        b[m] = _mm512_dpbusd_epi32(b[m], q, _mm512_set1_epi32((int)xv));
-                    else
-                        a[m] = _mm512_dpbusd_epi32(a[m], q, _mm512_set1_epi32((int)xv));
-                }
-            }
-            c += TILE_CHUNK(eight);
+        for (int s = 0; s < 8; s++) {
+            const __m512i q = operand16(c, s, eight, five, six, h);
             for (int m = 0; m < mr; m++) {
-                const __m512 d = _mm512_set1_ps(dx[m * J + jj]);
-                acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[m]), _mm512_mul_ps(sc, d), acc[m]);
-                if (g16)
-                    acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(b[m]), _mm512_mul_ps(s1, d), acc[m]);
+                uint32_t xv;
+                memcpy(&xv, xr + m * k + 4 * s, sizeof xv);
+                if (g16 && s >= 4)
+                    b[m] = _mm512_dpbusd_epi32(b[m], q, _mm512_set1_epi32((int)xv));
+                else
+                    a[m] = _mm512_dpbusd_epi32(a[m], q, _mm512_set1_epi32((int)xv));
             }
         }
         for (int m = 0; m < mr; m++) {
-            mins[m] = _mm512_fmadd_ps(mn, _mm512_set1_ps(xs[m * G + (g16 ? 2 * g : g)]), mins[m]);
-            if (g16) mins[m] = _mm512_fmadd_ps(n1, _mm512_set1_ps(xs[m * G + 2 * g + 1]), mins[m]);
+            const __m512 d = _mm512_set1_ps(dx[m * J + jj]);
+            acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[m]), _mm512_mul_ps(sc, d), acc[m]);
+            if (g16)
+                acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(b[m]), _mm512_mul_ps(s1, d), acc[m]);
+        }
+        if (--left == 0) { /* the group's last chunk: its mins' term */
+            const __m512 mn = min16(w, i), n1 = g16 ? min16(w, i + 16) : mn;
+            for (int m = 0; m < mr; m++) {
+                mins[m] = _mm512_fmadd_ps(mn, _mm512_set1_ps(xs[m * G + g]), mins[m]);
+                if (g16) mins[m] = _mm512_fmadd_ps(n1, _mm512_set1_ps(xs[m * G + g + 1]), mins[m]);
+            }
+            g += g16 ? 2 : 1, left = chunks;
         }
     }
     store_tile16(w, t, acc, mins, out, add, mr);

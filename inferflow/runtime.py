@@ -29,6 +29,7 @@ from inferflow.engine.search import SearchParams, StopCheck, beam_search
 from inferflow.engine.token_ids import final_hidden_states, token_logits
 from inferflow.engine.var_stream import stream_search
 from inferflow.errors import RequestError, SpecError
+from inferflow.heap import keep_freed_memory
 from inferflow.model.batch import check_input
 from inferflow.model.build import load_model, parse_dtype
 from inferflow.model.network import Network
@@ -329,6 +330,7 @@ def load(
     ``dtype`` "auto" (the CLI's default): act8 where some quantized layer takes 8-bit inputs
     into integer products, else float32 (float checkpoints, no C kernels, partitioned models)."""
     spec = ref if isinstance(ref, Spec) else load_spec(ref)
+    keep_freed_memory()  # (the process runs a model: its step buffers stay with it)
     # (a bad source-side tokenizer fails before weights load, too)
     source_tok = tokenizer_for(spec, "source") if spec.source_tokenizer is not None else None
     auto = dtype == AUTO

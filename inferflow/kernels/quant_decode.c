@@ -204,32 +204,35 @@ static void block_dot_q8(const QMat *w, int path, int64_t t, const int8_t *xq, c
                          const float *xs, float *y, int add, int64_t mr) {
 #if defined(Q8_TILES16)
     switch (path) {
-    case 2:
-#define C6(n) tile_dot_rows16_q8(w, t, xq, dx, xs, y, add, n, 0, 0, 0, 0)
-        CASES8(C6);
+    case 2: /* (plain16 planes: a body of their own, per path that takes them) */
+#define C6(n) tile_dot_rows16_q8(w, t, xq, dx, xs, y, add, n, 0, 0, 0, 0, 0)
+#define C6P(n) tile_dot_rows16_q8(w, t, xq, dx, xs, y, add, n, 0, 0, 0, 0, 1)
+        if (plain16(w)) CASES8(C6P) else CASES8(C6);
         return;
     case 3:
-#define C8(n) tile_dot_rows16_q8(w, t, xq, dx, xs, y, add, n, 1, 0, 0, 0)
-        CASES8(C8);
+#define C8(n) tile_dot_rows16_q8(w, t, xq, dx, xs, y, add, n, 1, 0, 0, 0, 0)
+#define C8P(n) tile_dot_rows16_q8(w, t, xq, dx, xs, y, add, n, 1, 0, 0, 0, 1)
+        if (plain16(w)) CASES8(C8P) else CASES8(C8);
         return;
     case 4:
-#define C12(n) tile_dot_rows16_q8(w, t, xq, dx, xs, y, add, n, 0, 1, 0, 0)
-        CASES8(C12);
+#define C12(n) tile_dot_rows16_q8(w, t, xq, dx, xs, y, add, n, 0, 1, 0, 0, 0)
+#define C12P(n) tile_dot_rows16_q8(w, t, xq, dx, xs, y, add, n, 0, 1, 0, 0, 1)
+        if (plain16(w)) CASES8(C12P) else CASES8(C12);
         return;
     case 5:
-#define C13(n) tile_dot_rows16_q8(w, t, xq, dx, xs, y, add, n, 0, 0, 0, 1)
+#define C13(n) tile_dot_rows16_q8(w, t, xq, dx, xs, y, add, n, 0, 0, 0, 1, 0)
         CASES(C13);
         return;
     case 6:
-#define C14(n) tile_dot_rows16_q8(w, t, xq, dx, xs, y, add, n, 1, 0, 0, 1)
+#define C14(n) tile_dot_rows16_q8(w, t, xq, dx, xs, y, add, n, 1, 0, 0, 1, 0)
         CASES(C14);
         return;
     case 7:
-#define C17(n) tile_dot_rows16_q8(w, t, xq, dx, xs, y, add, n, 0, 0, 1, 0)
+#define C17(n) tile_dot_rows16_q8(w, t, xq, dx, xs, y, add, n, 0, 0, 1, 0, 0)
         CASES8(C17);
         return;
     case 8:
-#define C18(n) tile_dot_rows16_q8(w, t, xq, dx, xs, y, add, n, 0, 0, 1, 1)
+#define C18(n) tile_dot_rows16_q8(w, t, xq, dx, xs, y, add, n, 0, 0, 1, 1, 0)
         CASES(C18);
         return;
     default: break;

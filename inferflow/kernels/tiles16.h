@@ -32,6 +32,22 @@ static inline __attribute__((always_inline)) __m512 two16(const QMat *w, const f
     return _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(s)));
 }
 
+/* 16 float16 values at a + i (where HALF_BUILT: plain16's planes) */
+static inline __attribute__((always_inline)) __m512 half16(const float *a, int64_t i) {
+#if HALF_BUILT
+    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)a + i)));
+#else
+    return _mm512_loadu_ps(a + i); /* (never reached: plain16 is 0 without HALF_BUILT) */
+#endif
+}
+
+/* whether W's scales (and mins) are one level of float16 per 32 columns (Q4_0, Q4_1, Q5_0,
+   Q5_1, Q8_0 as the files hold them): the q8 tile products then take a body whose loads of
+   them are plain (the same values as scale16's and min16's, fewer branches and registers) */
+static inline int plain16(const QMat *w) {
+    return HALF_BUILT && w->half && !w->sb && w->group == 32;
+}
+
 static inline __attribute__((always_inline)) __m512 scale16(const QMat *w, int64_t i) {
     return two16(w, w->scale, w->sc8, i);
 }
@@ -217,7 +233,7 @@ static inline __attribute__((always_inline)) __m512i operand16(const uint8_t *c,
 /* tile_dot_rows16 with 8-bit rows of x: sub-block s's 16 dwords of codes (as bytes, in the x
    codes' column order) times the chunk's four x codes (one broadcast dword), by VNNI. Groups of
    16 (g16): x in column order too (quantize_row_q8's plain), sub-blocks 0 .. 3 summed for the
-   chunk's first group, 4 .. 7 for its second. */
+   chunk's first group, 4 .. 7 for its second. plain: W is plain16 (a body of its own). */
 static inline __attribute__((always_inline)) void tile_dot_rows16_q8(const QMat *w, int64_t t,
                                                                      const int8_t *xq,
                                                                      const float *dx,
@@ -226,8 +242,10 @@ static inline __attribute__((always_inline)) void tile_dot_rows16_q8(const QMat 
                                                                      const int eight,
                                                                      const int five,
                                                                      const int six,
-                                                                     const int g16) {
-    const int64_t k = w->k, G = k / w->group, chunks = g16 ? 1 : w->group / 32, J = k / 32;
+                                                                     const int g16,
+                                                                     const int plain) {
+    const int64_t k = w->k, G = k / w->group, chunks = g16 || plain ? 1 : w->group / 32;
+    const int64_t J = k / 32;
     const uint8_t *c = w->codes + t * J * TILE_CHUNK(eight);
     const int8_t *xr = xq;
     __m512 acc[MRQ], mins[MRQ];
@@ -235,7 +253,7 @@ static inline __attribute__((always_inline)) void tile_dot_rows16_q8(const QMat 
     int64_t g = 0, left = chunks; /* the chunk's (first) group; chunks of it left */
     for (int64_t jj = 0; jj < J; jj++, c += TILE_CHUNK(eight), xr += 32) {
         const int64_t i = (t * G + g) * 16;
-        const __m512 sc = scale16(w, i);
+        const __m512 sc = plain ? half16(w->scale, i) : scale16(w, i);
         const __m512 s1 = g16 ? scale16(w, i + 16) : sc;
         __m512i h[2];
         chunk_bits16(w, t, jj, five, six, h);
@@ -260,7 +278,10 @@ static inline __attribute__((always_inline)) void tile_dot_rows16_q8(const QMat 
                 acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(b[m]), _mm512_mul_ps(s1, d), acc[m]);
         }
         if (--left == 0) { /* the group's last chunk: its mins' term */
-            const __m512 mn = min16(w, i), n1 = g16 ? min16(w, i + 16) : mn;
+            const __m512 mn = !plain ? min16(w, i)
+                              : w->min ? half16(w->min, i)
+                                       : _mm512_mul_ps(_mm512_set1_ps(-w->zero), sc);
+            const __m512 n1 = g16 ? min16(w, i + 16) : mn;
             for (int m = 0; m < mr; m++) {
                 mins[m] = _mm512_fmadd_ps(mn, _mm512_set1_ps(xs[m * G + g]), mins[m]);
                 if (g16) mins[m] = _mm512_fmadd_ps(n1, _mm512_set1_ps(xs[m * G + g + 1]), mins[m]);

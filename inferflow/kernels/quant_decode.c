@@ -204,20 +204,35 @@ static void block_dot_q8(const QMat *w, int path, int64_t t, const int8_t *xq, c
                          const float *xs, float *y, int add, int64_t mr) {
 #if defined(Q8_TILES16)
     switch (path) {
-    case 2: /* (plain16 planes: a body of their own, per path that takes them) */
+    case 2: /* (plain16 planes: bodies of their own, per path that takes them) */
 #define C6(n) tile_dot_rows16_q8(w, t, xq, dx, xs, y, add, n, 0, 0, 0, 0, 0)
 #define C6P(n) tile_dot_rows16_q8(w, t, xq, dx, xs, y, add, n, 0, 0, 0, 0, 1)
-        if (plain16(w)) CASES8(C6P) else CASES8(C6);
+#define C6K(n) tile_dot_rows16_q8(w, t, xq, dx, xs, y, add, n, 0, 0, 0, 0, 2)
+        if (plain16(w) == 1)
+            CASES8(C6P)
+        else if (plain16(w) == 2)
+            CASES8(C6K)
+        else
+            CASES8(C6);
         return;
     case 3:
 #define C8(n) tile_dot_rows16_q8(w, t, xq, dx, xs, y, add, n, 1, 0, 0, 0, 0)
 #define C8P(n) tile_dot_rows16_q8(w, t, xq, dx, xs, y, add, n, 1, 0, 0, 0, 1)
-        if (plain16(w)) CASES8(C8P) else CASES8(C8);
+        if (plain16(w) == 1) /* (two-level 8-bit planes: the general body) */
+            CASES8(C8P)
+        else
+            CASES8(C8);
         return;
     case 4:
 #define C12(n) tile_dot_rows16_q8(w, t, xq, dx, xs, y, add, n, 0, 1, 0, 0, 0)
 #define C12P(n) tile_dot_rows16_q8(w, t, xq, dx, xs, y, add, n, 0, 1, 0, 0, 1)
-        if (plain16(w)) CASES8(C12P) else CASES8(C12);
+#define C12K(n) tile_dot_rows16_q8(w, t, xq, dx, xs, y, add, n, 0, 1, 0, 0, 2)
+        if (plain16(w) == 1)
+            CASES8(C12P)
+        else if (plain16(w) == 2)
+            CASES8(C12K)
+        else
+            CASES8(C12);
         return;
     case 5:
 #define C13(n) tile_dot_rows16_q8(w, t, xq, dx, xs, y, add, n, 0, 0, 0, 1, 0)

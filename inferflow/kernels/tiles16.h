@@ -41,11 +41,21 @@ static inline __attribute__((always_inline)) __m512 half16(const float *a, int64
 #endif
 }
 
-/* whether W's scales (and mins) are one level of float16 per 32 columns (Q4_0, Q4_1, Q5_0,
-   Q5_1, Q8_0 as the files hold them): the q8 tile products then take a body whose loads of
-   them are plain (the same values as scale16's and min16's, fewer branches and registers) */
+/* How the q8 tile products load W's scales (and mins), each way a body of its own with the same
+   values as scale16's and min16's (fewer branches and registers): 1 = one level of float16 per
+   32 columns (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 as the files hold them), 2 = two levels (sb) of
+   float16 super-block values times int8 ones, per 32 columns (Q4_K, Q5_K), 0 = any other */
 static inline int plain16(const QMat *w) {
-    return HALF_BUILT && w->half && !w->sb && w->group == 32;
+    if (!HALF_BUILT || !w->half || w->group != 32) return 0;
+    return w->sb ? 2 : 1;
+}
+
+/* two16 of a two-level plane (plain16 2), sbs = log2(sb) */
+static inline __attribute__((always_inline)) __m512 kq16(const float *a, const int8_t *a8,
+                                                       int sbs, int64_t i) {
+    const __m512 d = half16(a, (i >> 4 >> sbs) << 4);
+    const __m128i s = _mm_loadu_si128((const __m128i *)(a8 + i));
+    return _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(s)));
 }
 
 static inline __attribute__((always_inline)) __m512 scale16(const QMat *w, int64_t i) {
@@ -233,7 +243,7 @@ static inline __attribute__((always_inline)) __m512i operand16(const uint8_t *c,
 /* tile_dot_rows16 with 8-bit rows of x: sub-block s's 16 dwords of codes (as bytes, in the x
    codes' column order) times the chunk's four x codes (one broadcast dword), by VNNI. Groups of
    16 (g16): x in column order too (quantize_row_q8's plain), sub-blocks 0 .. 3 summed for the
-   chunk's first group, 4 .. 7 for its second. plain: W is plain16 (a body of its own). */
+   chunk's first group, 4 .. 7 for its second. plain: plain16(w), a body per value. */
 static inline __attribute__((always_inline)) void tile_dot_rows16_q8(const QMat *w, int64_t t,
                                                                      const int8_t *xq,
                                                                      const float *dx,
@@ -246,6 +256,7 @@ static inline __attribute__((always_inline)) void tile_dot_rows16_q8(const QMat 
                                                                      const int plain) {
     const int64_t k = w->k, G = k / w->group, chunks = g16 || plain ? 1 : w->group / 32;
     const int64_t J = k / 32;
+    const int sbs = plain == 2 ? __builtin_ctzll((uint64_t)w->sb) : 0;
     const uint8_t *c = w->codes + t * J * TILE_CHUNK(eight);
     const int8_t *xr = xq;
     __m512 acc[MRQ], mins[MRQ];
@@ -253,7 +264,9 @@ static inline __attribute__((always_inline)) void tile_dot_rows16_q8(const QMat 
     int64_t g = 0, left = chunks; /* the chunk's (first) group; chunks of it left */
     for (int64_t jj = 0; jj < J; jj++, c += TILE_CHUNK(eight), xr += 32) {
         const int64_t i = (t * G + g) * 16;
-        const __m512 sc = plain ? half16(w->scale, i) : scale16(w, i);
+        const __m512 sc = plain == 1 ? half16(w->scale, i)
+                        : plain == 2 ? kq16(w->scale, w->sc8, sbs, i)
+                                     : scale16(w, i);
         const __m512 s1 = g16 ? scale16(w, i + 16) : sc;
         __m512i h[2];
         chunk_bits16(w, t, jj, five, six, h);
@@ -278,9 +291,10 @@ static inline __attribute__((always_inline)) void tile_dot_rows16_q8(const QMat 
                 acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(b[m]), _mm512_mul_ps(s1, d), acc[m]);
         }
         if (--left == 0) { /* the group's last chunk: its mins' term */
-            const __m512 mn = !plain ? min16(w, i)
-                              : w->min ? half16(w->min, i)
-                                       : _mm512_mul_ps(_mm512_set1_ps(-w->zero), sc);
+            const __m512 mn = !plain           ? min16(w, i)
+                              : !w->min          ? _mm512_mul_ps(_mm512_set1_ps(-w->zero), sc)
+                              : plain == 2       ? kq16(w->min, w->mn8, sbs, i)
+                                                 : half16(w->min, i);
             const __m512 n1 = g16 ? min16(w, i + 16) : mn;
             for (int m = 0; m < mr; m++) {
                 mins[m] = _mm512_fmadd_ps(mn, _mm512_set1_ps(xs[m * G + g]), mins[m]);

@@ -199,6 +199,13 @@ static inline int q8_path(const QMat *w, int path) {
 #endif
 }
 
+/* the body for W's scales (plain16: general, one level, two levels) */
+#define BY_SCALES(general, one, two)                                                               \
+    do {                                                                                            \
+        const int how = plain16(w);                                                                 \
+        if (how == 1) CASES8(one) else if (how == 2) CASES8(two) else CASES8(general)               \
+    } while (0)
+
 /* block_dot for 8-bit rows of x (q8_path) */
 static void block_dot_q8(const QMat *w, int path, int64_t t, const int8_t *xq, const float *dx,
                          const float *xs, float *y, int add, int64_t mr) {
@@ -208,12 +215,7 @@ static void block_dot_q8(const QMat *w, int path, int64_t t, const int8_t *xq, c
 #define C6(n) tile_dot_rows16_q8(w, t, xq, dx, xs, y, add, n, 0, 0, 0, 0, 0)
 #define C6P(n) tile_dot_rows16_q8(w, t, xq, dx, xs, y, add, n, 0, 0, 0, 0, 1)
 #define C6K(n) tile_dot_rows16_q8(w, t, xq, dx, xs, y, add, n, 0, 0, 0, 0, 2)
-        if (plain16(w) == 1)
-            CASES8(C6P)
-        else if (plain16(w) == 2)
-            CASES8(C6K)
-        else
-            CASES8(C6);
+        BY_SCALES(C6, C6P, C6K);
         return;
     case 3:
 #define C8(n) tile_dot_rows16_q8(w, t, xq, dx, xs, y, add, n, 1, 0, 0, 0, 0)
@@ -227,12 +229,7 @@ static void block_dot_q8(const QMat *w, int path, int64_t t, const int8_t *xq, c
 #define C12(n) tile_dot_rows16_q8(w, t, xq, dx, xs, y, add, n, 0, 1, 0, 0, 0)
 #define C12P(n) tile_dot_rows16_q8(w, t, xq, dx, xs, y, add, n, 0, 1, 0, 0, 1)
 #define C12K(n) tile_dot_rows16_q8(w, t, xq, dx, xs, y, add, n, 0, 1, 0, 0, 2)
-        if (plain16(w) == 1)
-            CASES8(C12P)
-        else if (plain16(w) == 2)
-            CASES8(C12K)
-        else
-            CASES8(C12);
+        BY_SCALES(C12, C12P, C12K);
         return;
     case 5:
 #define C13(n) tile_dot_rows16_q8(w, t, xq, dx, xs, y, add, n, 0, 0, 0, 1, 0)

@@ -10,8 +10,8 @@
 #if defined(__AVX512F__)
 #include <immintrin.h>
 
-/* exp of 16 floats (Cephes' expf polynomial on x - n ln 2, then times 2^n): within 2 ulp of
-   expf; below -87.3 it returns about 1e-38 instead of a denormal or 0, above 88.7 +inf */
+/* exp of 16 floats <= 0 (Cephes' expf polynomial on x - n ln 2, then times 2^n): within 2 ulp
+   of expf; below -87.3 it returns about 1e-38 instead of a denormal or 0 */
 static inline __m512 exp16(__m512 x) {
     x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
     const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),

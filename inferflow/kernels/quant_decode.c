@@ -352,32 +352,6 @@ int qmat_tiles16_built(void) {
 #endif
 }
 
-/* inside a parallel region: act (B, F) = silu(gate) * up for rows gu (B, 2F) = [gate; up],
-   element by element (the same operations for an element wherever it is: batch invariant);
-   AVX-512 builds take exp16, 16 at a time (a row's tail masked), others libm's expf */
-static void silu_gate(const float *gu, int64_t B, int64_t F, float *act) {
-#if defined(__AVX512F__)
-    const int64_t C = (F + 15) / 16;
-#pragma omp for collapse(2) schedule(static)
-    for (int64_t b = 0; b < B; b++)
-        for (int64_t c = 0; c < C; c++) {
-            const int64_t f = 16 * c;
-            const __mmask16 m = F - f >= 16 ? 0xFFFF : (__mmask16)((1u << (F - f)) - 1);
-            const float *g = gu + b * 2 * F + f;
-            const __m512 x = _mm512_maskz_loadu_ps(m, g), up = _mm512_maskz_loadu_ps(m, g + F);
-            const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), x));
-            const __m512 s = _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.f), e));
-            _mm512_mask_storeu_ps(act + b * F + f, m, _mm512_mul_ps(s, up));
-        }
-#else
-#pragma omp for schedule(static)
-    for (int64_t i = 0; i < B * F; i++) {
-        const float *g = gu + (i / F) * 2 * F + i % F;
-        act[i] = g[0] / (1.f + expf(-g[0])) * g[F];
-    }
-#endif
-}
-
 /* B new tokens, one per sequence, through every layer: x (B, hidden) in place. cos / sin: (B,
    rotary_dim / 2), row b's angles. kc / vc: layer 0 of the cache, layer l at l * layer_stride
    floats, slot s of KV head g at (s * KV heads + g) * head_dim. slots (B, S): row b's keys are
@@ -439,7 +413,11 @@ void decode_stack(const Layer *layers, int64_t L, const Dims *d, int64_t B, floa
         for (int64_t b = 0; b < B; b++)
             rms_norm_row(x + b * E, ly->ffn_norm, E, d->eps, d->norm_offset, h + b * E);
         gemm_in_team(&ly->gate_up, h, B, xs, gu, 0, xq, dx);
-        silu_gate(gu, B, F, act);
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < B * F; i++) {
+            const float *g = gu + (i / F) * 2 * F + i % F;
+            act[i] = g[0] / (1.f + expf(-g[0])) * g[F];
+        }
         gemm_in_team(&ly->down, act, B, xs, x, 1, xq, dx);
     }
 }

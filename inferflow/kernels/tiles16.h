@@ -13,13 +13,30 @@
 #define MR16 4 /* rows of x per unpacked tile: 4 accumulators each */
 #define MRQ 8  /* rows of 8-bit x per unpacked tile (groups of 32k: 3 accumulators each) */
 
+/* 16 float16 values at a + i (HALF_BUILT builds; plain16's planes) */
+static inline __attribute__((always_inline)) __m512 half16(const float *a, int64_t i) {
+#if HALF_BUILT
+    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)a + i)));
+#else
+    return _mm512_loadu_ps(a + i); /* (never reached: w->half and plain16 need HALF_BUILT) */
+#endif
+}
+
 static inline __attribute__((always_inline)) __m512 ld16(const QMat *w, const float *a,
                                                        int64_t i) {
-#if HALF_BUILT
-    if (w->half) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)a + i)));
-#endif
-    return _mm512_loadu_ps(a + i);
+    return HALF_BUILT && w->half ? half16(a, i) : _mm512_loadu_ps(a + i);
 }
+
+/* a two-level plane's 16 values of the group at i: its super-block's float16 values d (at
+   SB16(i, log2 sb)) times the group's int8 ones a8[i ..] (exact) */
+static inline __attribute__((always_inline)) __m512 times8(__m512 d, const int8_t *a8,
+                                                         int64_t i) {
+    const __m128i s = _mm_loadu_si128((const __m128i *)(a8 + i));
+    return _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(s)));
+}
+
+/* index of the super-block value of the group at i = 16 (t * G + g) */
+#define SB16(i, sbs) ((((i) >> 4) >> (sbs)) << 4)
 
 /* the 16 scales (or mins, from a and a8) of the group at i = 16 (t * G + g): where they are in
    two levels (sb), the super-block's float16 value times the group's int8 one (exact: <= 19
@@ -27,18 +44,7 @@ static inline __attribute__((always_inline)) __m512 ld16(const QMat *w, const fl
 static inline __attribute__((always_inline)) __m512 two16(const QMat *w, const float *a,
                                                         const int8_t *a8, int64_t i) {
     if (!w->sb) return ld16(w, a, i);
-    const __m512 d = ld16(w, a, (i >> 4 >> __builtin_ctzll((uint64_t)w->sb)) << 4); /* (sb: 2^n) */
-    const __m128i s = _mm_loadu_si128((const __m128i *)(a8 + i));
-    return _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(s)));
-}
-
-/* 16 float16 values at a + i (where HALF_BUILT: plain16's planes) */
-static inline __attribute__((always_inline)) __m512 half16(const float *a, int64_t i) {
-#if HALF_BUILT
-    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)a + i)));
-#else
-    return _mm512_loadu_ps(a + i); /* (never reached: plain16 is 0 without HALF_BUILT) */
-#endif
+    return times8(ld16(w, a, SB16(i, __builtin_ctzll((uint64_t)w->sb))), a8, i); /* (sb: 2^n) */
 }
 
 /* How the q8 tile products load W's scales (and mins), each way a body of its own with the same
@@ -48,14 +54,6 @@ static inline __attribute__((always_inline)) __m512 half16(const float *a, int64
 static inline int plain16(const QMat *w) {
     if (!HALF_BUILT || !w->half || w->group != 32) return 0;
     return w->sb ? 2 : 1;
-}
-
-/* two16 of a two-level plane (plain16 2), sbs = log2(sb) */
-static inline __attribute__((always_inline)) __m512 kq16(const float *a, const int8_t *a8,
-                                                       int sbs, int64_t i) {
-    const __m512 d = half16(a, (i >> 4 >> sbs) << 4);
-    const __m128i s = _mm_loadu_si128((const __m128i *)(a8 + i));
-    return _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(s)));
 }
 
 static inline __attribute__((always_inline)) __m512 scale16(const QMat *w, int64_t i) {
@@ -265,7 +263,7 @@ static inline __attribute__((always_inline)) void tile_dot_rows16_q8(const QMat 
     for (int64_t jj = 0; jj < J; jj++, c += TILE_CHUNK(eight), xr += 32) {
         const int64_t i = (t * G + g) * 16;
         const __m512 sc = plain == 1 ? half16(w->scale, i)
-                        : plain == 2 ? kq16(w->scale, w->sc8, sbs, i)
+                        : plain == 2 ? times8(half16(w->scale, SB16(i, sbs)), w->sc8, i)
                                      : scale16(w, i);
         const __m512 s1 = g16 ? scale16(w, i + 16) : sc;
         __m512i h[2];
@@ -293,7 +291,7 @@ static inline __attribute__((always_inline)) void tile_dot_rows16_q8(const QMat 
         if (--left == 0) { /* the group's last chunk: its mins' term */
             const __m512 mn = !plain           ? min16(w, i)
                               : !w->min          ? _mm512_mul_ps(_mm512_set1_ps(-w->zero), sc)
-                              : plain == 2       ? kq16(w->min, w->mn8, sbs, i)
+                              : plain == 2       ? times8(half16(w->min, SB16(i, sbs)), w->mn8, i)
                                                  : half16(w->min, i);
             const __m512 n1 = g16 ? min16(w, i + 16) : mn;
             for (int m = 0; m < mr; m++) {

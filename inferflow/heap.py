@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import logging
 
 log = logging.getLogger(__name__)
@@ -20,26 +21,20 @@ M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters (mallo
 MMAP_THRESHOLD = 32 << 20  # glibc's largest: blocks past it are always mapped apart
 TRIM_THRESHOLD = 512 << 20  # freed memory at the heap's top kept up to this much
 
-_done = False
 
-
+@functools.cache
 def keep_freed_memory() -> bool:
-    """Raise glibc's mmap and trim thresholds (once); False where the C library is not glibc
-    (nothing changes there)."""
-    global _done
-    if _done:
-        return True
+    """Raise glibc's mmap and trim thresholds (once per process); False where the C library has
+    no mallopt or refuses them (nothing changes there)."""
     name = ctypes.util.find_library("c")
     try:
-        libc = ctypes.CDLL(name)
-        mallopt = libc.mallopt
+        mallopt = ctypes.CDLL(name).mallopt
     except (OSError, AttributeError, TypeError):
         log.debug("no mallopt in the C library (%s): heap settings unchanged", name)
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     ok = mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1
     ok = mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD) == 1 and ok
-    _done = ok
     log.debug("glibc heap: mmap threshold %d MiB, trim threshold %d MiB (%s)",
               MMAP_THRESHOLD >> 20, TRIM_THRESHOLD >> 20, "set" if ok else "refused")  # fmt: skip
     return ok

@@ -1,7 +1,8 @@
 """KV-cache dtypes (EngineConfig.kv_cache_dtype, ``inferflow serve --kv-cache-dtype``): q8 keeps
 gguf-py's Q8_0 blocks bit for bit, the cache holds 3.76x the tokens of float32 in the same
-bytes, copy-on-write keeps the blocks, and SmolLM2 read through q8 / bfloat16 K/V stays close
-to float32 K/V (KL and top-1 over a real text)."""
+bytes (float16 and bfloat16 2x), copy-on-write keeps the blocks, the C kernels read and write
+q8 and float16 caches as gguf-py and torch round them, and SmolLM2 read through q8 / float16 /
+bfloat16 K/V stays close to float32 K/V (KL and top-1 over a real text)."""
 
 from __future__ import annotations
 
@@ -42,14 +43,17 @@ def test_capacity_per_dtype() -> None:
     geometry = (30, 3, 64)  # SmolLM2-135M
     tokens = {
         kd: plan_cache(geometry, 16, 1 << 30, torch.float32, 1 << 20, kd).num_blocks * 16
-        for kd in ("float32", "bfloat16", "q8")
+        for kd in ("float32", "float16", "bfloat16", "q8")
     }
     assert tokens["bfloat16"] / tokens["float32"] == pytest.approx(2, rel=1e-3)
+    assert tokens["float16"] / tokens["float32"] == pytest.approx(2, rel=1e-3)
     assert tokens["q8"] / tokens["float32"] == pytest.approx(4 / (34 / 32), rel=1e-3)
 
 
 def test_errors_name_the_allowed_values() -> None:
-    with pytest.raises(InferflowError, match="'q4' is unknown; known: float32, bfloat16, q8"):
+    with pytest.raises(
+        InferflowError, match="'q4' is unknown; known: float32, float16, bfloat16, q8"
+    ):
         KVFormat("q4", torch.float32, 64)
     with pytest.raises(InferflowError, match="multiple of 32, this model's is 40"):
         PagedKVCache(2, 2, 40, 16, 4, torch.float32, "q8")
@@ -109,7 +113,7 @@ def test_q8_attention_kernel_reads_q8_0_blocks(
     dequantized blocks, and the same bits alone as among the others."""
     gguf = pytest.importorskip("gguf")
     with _built_with(flags, monkeypatch, tmp_path):
-        kernel = kernels.paged_decode_attention(q8=True)
+        kernel = kernels.paged_decode_attention(torch.uint8)
         if kernel is None:
             pytest.skip("no C compiler here")
         g = torch.Generator().manual_seed(D)
@@ -128,6 +132,40 @@ def test_q8_attention_kernel_reads_q8_0_blocks(
         for b, n in enumerate(lens.tolist()):
             rows = read[b, :n]
             want = _attention(q[b], deq[0][rows], deq[1][rows], scale)
+            assert (out[b].double() - want).abs().max() < 2e-5 * want.abs().max()
+            alone = kernel(q[b : b + 1], kc, vc, read[b : b + 1], lens[b : b + 1], scale)
+            assert torch.equal(alone[0], out[b])
+
+
+@pytest.mark.parametrize("flags", [[], ["-mno-avx512f", "-mno-f16c"]], ids=["native", "portable"])
+@pytest.mark.parametrize("D", [32, 64, 96, 256])
+def test_float16_attention_kernel_reads_the_halves(
+    D: int, flags: list[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Scattered slots of a float16 cache (subnormal and infinite-free values of every
+    magnitude): each sequence's rows equal float64 attention over the halves' exact values, and
+    the same bits alone as among the others."""
+    with _built_with(flags, monkeypatch, tmp_path):
+        kernel = kernels.paged_decode_attention(torch.float16)
+        if kernel is None:
+            pytest.skip("no C compiler here")
+        g = torch.Generator().manual_seed(D)
+        slots, H, KVH, scale = 64, 6, 2, D**-0.5
+        fmt = KVFormat("float16", torch.float32, D)
+        mag = 10.0 ** torch.randint(-6, 3, (slots, KVH, 1), generator=g).float()
+        k, v = (
+            torch.randn(slots, KVH, D, generator=g) * mag,
+            torch.randn(slots, KVH, D, generator=g) * mag,
+        )
+        kc, vc = fmt.encode(k), fmt.encode(v)
+        assert kc.dtype == torch.float16 and torch.equal(kc, k.half())
+        lens = torch.tensor([1, 17, 40, 9])
+        read = torch.stack([torch.randperm(slots, generator=g)[:40] for _ in lens])
+        q = torch.randn(len(lens), H, D, generator=g)
+        out = kernel(q, kc, vc, read, lens, scale)
+        for b, n in enumerate(lens.tolist()):
+            rows = read[b, :n]
+            want = _attention(q[b], kc[rows].double(), vc[rows].double(), scale)
             assert (out[b].double() - want).abs().max() < 2e-5 * want.abs().max()
             alone = kernel(q[b : b + 1], kc, vc, read[b : b + 1], lens[b : b + 1], scale)
             assert torch.equal(alone[0], out[b])
@@ -182,7 +220,8 @@ def _logits(lm, ids: list[int], kv_dtype: str) -> torch.Tensor:  # noqa: ANN001
 
 
 @pytest.mark.parametrize(
-    ("kv_dtype", "mean_kl", "agree"), [("bfloat16", 2e-4, 0.995), ("q8", 4e-3, 0.97)]
+    ("kv_dtype", "mean_kl", "agree"),
+    [("float16", 2e-5, 0.995), ("bfloat16", 2e-4, 0.995), ("q8", 4e-3, 0.97)],
 )
 def test_smollm2_through_quantized_kv_stays_close(
     smollm2, kv_dtype: str, mean_kl: float, agree: float
@@ -203,6 +242,37 @@ def test_smollm2_through_quantized_kv_stays_close(
     assert float(kl.mean()) < mean_kl  # (measured: 9.8e-5 bfloat16, 1.4e-3 q8; top-1 all)
     assert float((ref.argmax(-1) == got.argmax(-1)).double().mean()) >= agree
     assert float(kl.mean()) > 0  # (the K/V did go through the dtype)
+
+
+@pytest.mark.parametrize("flags", [[], ["-mno-avx512f", "-mno-f16c"]], ids=["native", "portable"])
+def test_decode_stack_writes_float16_as_torch_rounds(
+    flags: list[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Decode rows (the C decode, kvq8.h's float_to_half where the CPU has no F16C) write the
+    halves torch's .half() gives of the float32 K/V a float32 cache receives: layer 0's entries
+    of 8 sequences' first tokens (their K/V do not depend on the cache's dtype yet)."""
+    from inferflow.runtime import load
+
+    smollm2_path()
+    with _built_with(flags, monkeypatch, tmp_path):
+        if quant_decode.library() is None:
+            pytest.skip("no C compiler here")
+        smollm2 = load("smollm2-135m-instruct")  # (its planes for this build)
+        assert smollm2.model.dec.fused_decode() is not None
+        got = {}
+        for kd in ("float32", "float16"):
+            cache = PagedKVCache(*smollm2.model.kv_geometry(), 16, 8, torch.float32, kd)
+            seqs = [SeqBlocks() for _ in range(8)]
+            for s in seqs:
+                cache.reserve(s, 1)
+            with torch.inference_mode():
+                rows = [Rows(s, 0, [1000 + 37 * i], True) for i, s in enumerate(seqs)]
+                forward_rows(smollm2.model, cache, rows)
+            slots = torch.tensor([s.blocks[0] * 16 for s in seqs])
+            got[kd] = cache.k[0][slots], cache.v[0][slots]
+        assert got["float16"][0].dtype == torch.float16
+        assert torch.equal(got["float16"][0], got["float32"][0].half())
+        assert torch.equal(got["float16"][1], got["float32"][1].half())
 
 
 def test_engine_samples_share_q8_prompt_blocks(smollm2) -> None:  # noqa: ANN001

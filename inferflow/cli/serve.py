@@ -113,7 +113,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         default=None,
         choices=KV_DTYPES,
         help="how K/V are kept: q8 (GGML Q8_0 blocks) holds 3.76x the tokens of "
-        "float32 in the same memory, bfloat16 2x (default: the --dtype)",
+        "float32 in the same memory, float16 (llama.cpp's default) and bfloat16 2x "
+        "(default: the --dtype)",
     )
     p.add_argument(
         "--no-prefix-caching", action="store_true", help="do not share identical prompt prefixes"

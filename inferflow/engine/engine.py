@@ -41,7 +41,7 @@ class EngineConfig:
     deterministic: bool = False
     # speculative decoding (inferflow.engine.speculative); None: off
     speculative: SpecConfig | None = None
-    # how K/V are kept (kv_cache.KVFormat: float32, bfloat16, q8); None: the model's dtype
+    # how K/V are kept (kv_cache.KVFormat: float32, float16, bfloat16, q8); None: the model's dtype
     kv_cache_dtype: str | None = None
 
 

@@ -25,7 +25,7 @@ from inferflow.quant.formats import get_format
 
 log = logging.getLogger(__name__)
 
-KV_DTYPES = ("float32", "bfloat16", "q8")
+KV_DTYPES = ("float32", "float16", "bfloat16", "q8")
 
 
 class KVCacheFull(InferflowError):
@@ -99,7 +99,8 @@ def copy_block(k: torch.Tensor, v: torch.Tensor, block_size: int, src: int, dst:
 
 
 class KVFormat:
-    """How the paged cache keeps K and V: ``float32`` / ``bfloat16`` as such; ``q8`` as GGML
+    """How the paged cache keeps K and V: ``float32`` / ``float16`` / ``bfloat16`` as such
+    (float16 rounded to nearest even, llama.cpp's default cache type); ``q8`` as GGML
     Q8_0 blocks (32 values of a head, int8 codes and a float16 scale: 34 bytes), the codec of
     inferflow.quant.ggml, as llama.cpp keeps a ``--cache-type-k q8_0`` cache. Reads give the
     activations' dtype."""
@@ -121,7 +122,8 @@ class KVFormat:
                 )
             self.codec = get_format("Q8_0")
             self.width = head_dim // 32 * self.codec.bytes_per_block
-        stores = {"q8": torch.uint8, "bfloat16": torch.bfloat16, "float32": torch.float32}
+        stores = {"q8": torch.uint8, "bfloat16": torch.bfloat16, "float16": torch.float16}
+        stores["float32"] = torch.float32
         self.store = stores[name] if name is not None else compute
 
     def bytes_per_value(self) -> float:

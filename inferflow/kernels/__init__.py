@@ -67,17 +67,23 @@ PagedDecode = Callable[
 ]
 
 
+# the paged attention kernel for each cache dtype: float32, float16, uint8 (GGML Q8_0 blocks)
+_PAGED = {torch.float32: "paged_decode_f32", torch.float16: "paged_decode_f16"}
+_PAGED[torch.uint8] = "paged_decode_q8"
+
+
 @cache
-def paged_decode_attention(q8: bool = False) -> PagedDecode | None:
+def paged_decode_attention(cache: torch.dtype = torch.float32) -> PagedDecode | None:
     """``f(q (B, H, D), k_cache, v_cache (slots, KVH, D), slots (B, S) int64, lens (B,) int64,
-    scale) -> (B, H, D)``, all float32 on the CPU (``q8``: the caches are uint8 (slots, KVH,
-    D / 32 * 34), GGML Q8_0 blocks): sequence b attends over the keys in its first lens[b]
-    slots (every one visible); slots (S,): every row reads that one list. Each row's result is
-    the same bits whatever else is in the call. None where the kernel cannot be built."""
+    scale) -> (B, H, D)``, q and the result float32 on the CPU, the caches of dtype ``cache``:
+    float32, float16 (each value read exactly), or uint8 (slots, KVH, D / 32 * 34), GGML Q8_0
+    blocks: sequence b attends over the keys in its first lens[b] slots (every one visible);
+    slots (S,): every row reads that one list. Each row's result is the same bits whatever
+    else is in the call. None where the kernel cannot be built."""
     lib = _library("paged_attention")
     if lib is None:
         return None
-    fn = lib.paged_decode_q8 if q8 else lib.paged_decode_f32
+    fn = getattr(lib, _PAGED[cache])
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64
     fn.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, ctypes.c_float, ptr]
     fn.argtypes += [ctypes.c_int]
@@ -222,8 +228,8 @@ def causal_rows(
 
 
 def decode_attention_for(cache: torch.Tensor) -> PagedDecode | None:
-    """``paged_decode_attention`` where it can read this KV cache (float32, or uint8: Q8_0
-    blocks, inferflow.engine.kv_cache.KVFormat "q8"; on the CPU), else None."""
-    if cache.device.type != "cpu" or cache.dtype not in (torch.float32, torch.uint8):
+    """``paged_decode_attention`` where it can read this KV cache (float32, float16, or uint8:
+    Q8_0 blocks, inferflow.engine.kv_cache.KVFormat "q8"; on the CPU), else None."""
+    if cache.device.type != "cpu" or cache.dtype not in _PAGED:
         return None
-    return paged_decode_attention(cache.dtype == torch.uint8)
+    return paged_decode_attention(cache.dtype)

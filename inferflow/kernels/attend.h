@@ -1,5 +1,5 @@
-/* One query head's attention over keys and values listed by slot (float32, or GGML Q8_0
-   blocks: attend_head_q8), shared by
+/* One query head's attention over keys and values listed by slot (float32 or float16:
+   attend_head, GGML Q8_0 blocks: attend_head_q8), shared by
    paged_attention.c (a decode step of many sequences) and quant_decode.c (one token through a
    whole decoder): scores, softmax (max subtracted) and the weighted sum of the values. */
 #ifndef INFERFLOW_ATTEND_H
@@ -72,27 +72,48 @@ static inline float exp_sum(float *p, int64_t n, float mx) {
     return sum;
 }
 
+/* element i of a float32 cache, or of a float16 one (half) */
+static inline __attribute__((always_inline)) const void *kv_at(const void *c, int64_t i,
+                                                               const int half) {
+    return half ? (const void *)((const uint16_t *)c + i) : (const void *)((const float *)c + i);
+}
+
+static inline __attribute__((always_inline)) float kv1(const void *e, int64_t i, const int half) {
+    return half ? half_to_float(((const uint16_t *)e)[i]) : ((const float *)e)[i];
+}
+
+#if defined(__AVX512F__)
+/* 16 values of a key or value from i (float16 ones exactly as float32) */
+static inline __attribute__((always_inline)) __m512 kv16(const void *e, int64_t i, const int half) {
+    return half ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)e + i)))
+                : _mm512_loadu_ps((const float *)e + i);
+}
+#endif
+
 /* fetch the key (or value) 8 places ahead of t in sl: keys are scattered over blocks */
-static inline __attribute__((always_inline)) void fetch_ahead(const float *c, const int64_t *sl,
+static inline __attribute__((always_inline)) void fetch_ahead(const void *c, const int64_t *sl,
                                                               int64_t t, int64_t n, int64_t stride,
-                                                              int64_t off, int64_t D) {
+                                                              int64_t off, int64_t D,
+                                                              const int half) {
     if (t + 8 < n) {
-        const char *ahead = (const char *)(c + sl[t + 8] * stride + off);
-        for (int64_t b = 0; b < D * 4; b += 64) __builtin_prefetch(ahead + b);
+        const char *ahead = (const char *)kv_at(c, sl[t + 8] * stride + off, half);
+        for (int64_t b = 0; b < D * (half ? 2 : 4); b += 64) __builtin_prefetch(ahead + b);
     }
 }
 
-/* One query head q (D floats) over the n keys listed in sl: key t at kc + sl[t] * stride + off,
-   its value likewise in vc (stride: floats between slots; off: the KV head's first float). p
-   holds the n scores, out gets the head's D outputs. With AVX-512 and D a multiple of 16 (at
+/* One query head q (D floats) over the n keys listed in sl: key t at element sl[t] * stride +
+   off of kc (stride: elements between slots; off: the KV head's first), its value likewise in
+   vc; elements are float32, or float16 where half (each read exactly as a float32: the same
+   operations after it). p holds the n scores, out gets the head's D outputs. With AVX-512 and D a multiple of 16 (at
    most 256) the query and the output stay in registers and each score is one vector dot
    product (inlined with D a constant where the caller's is, so that the loops over D unroll);
    otherwise plain loops. */
-static inline __attribute__((always_inline)) void attend_head(const float *q, const float *kc,
-                                                              const float *vc, const int64_t *sl,
+static inline __attribute__((always_inline)) void attend_head(const float *q, const void *kc,
+                                                              const void *vc, const int64_t *sl,
                                                               int64_t n, int64_t stride,
                                                               int64_t off, const int64_t D,
-                                                              float scale, float *p, float *out) {
+                                                              float scale, float *p, float *out,
+                                                              const int half) {
     float mx = -INFINITY;
 #if defined(__AVX512F__)
     if (D % 16 == 0 && D <= 256) {
@@ -105,11 +126,11 @@ static inline __attribute__((always_inline)) void attend_head(const float *q, co
             for (; t + 16 <= n; t += 16) {
                 __m512 s[16];
                 for (int u = 0; u < 16; u++) {
-                    const float *k = kc + sl[t + u] * stride + off;
-                    fetch_ahead(kc, sl, t + u, n, stride, off, D);
-                    s[u] = _mm512_mul_ps(qv[0], _mm512_loadu_ps(k));
+                    const void *k = kv_at(kc, sl[t + u] * stride + off, half);
+                    fetch_ahead(kc, sl, t + u, n, stride, off, D, half);
+                    s[u] = _mm512_mul_ps(qv[0], kv16(k, 0, half));
                     for (int64_t i = 1; i < nv; i++)
-                        s[u] = _mm512_fmadd_ps(qv[i], _mm512_loadu_ps(k + 16 * i), s[u]);
+                        s[u] = _mm512_fmadd_ps(qv[i], kv16(k, 16 * i, half), s[u]);
                 }
                 const __m512 x = _mm512_mul_ps(sum16x16(s), _mm512_set1_ps(scale));
                 _mm512_storeu_ps(p + t, x);
@@ -118,10 +139,10 @@ static inline __attribute__((always_inline)) void attend_head(const float *q, co
             mx = _mm512_reduce_max_ps(top);
         }
         for (; t < n; t++) {
-            const float *k = kc + sl[t] * stride + off;
-            fetch_ahead(kc, sl, t, n, stride, off, D);
-            __m512 s = _mm512_mul_ps(qv[0], _mm512_loadu_ps(k));
-            for (int64_t i = 1; i < nv; i++) s = _mm512_fmadd_ps(qv[i], _mm512_loadu_ps(k + 16 * i), s);
+            const void *k = kv_at(kc, sl[t] * stride + off, half);
+            fetch_ahead(kc, sl, t, n, stride, off, D, half);
+            __m512 s = _mm512_mul_ps(qv[0], kv16(k, 0, half));
+            for (int64_t i = 1; i < nv; i++) s = _mm512_fmadd_ps(qv[i], kv16(k, 16 * i, half), s);
             const float x = _mm512_reduce_add_ps(s) * scale;
             p[t] = x;
             if (x > mx) mx = x;
@@ -129,30 +150,31 @@ static inline __attribute__((always_inline)) void attend_head(const float *q, co
         const float inv = 1.f / exp_sum(p, n, mx);
         for (int64_t i = 0; i < nv; i++) acc[i] = _mm512_setzero_ps();
         for (int64_t t = 0; t < n; t++) {
-            const float *v = vc + sl[t] * stride + off;
-            fetch_ahead(vc, sl, t, n, stride, off, D);
+            const void *v = kv_at(vc, sl[t] * stride + off, half);
+            fetch_ahead(vc, sl, t, n, stride, off, D, half);
             const __m512 w = _mm512_set1_ps(p[t] * inv);
             for (int64_t i = 0; i < nv; i++)
-                acc[i] = _mm512_fmadd_ps(w, _mm512_loadu_ps(v + 16 * i), acc[i]);
+                acc[i] = _mm512_fmadd_ps(w, kv16(v, 16 * i, half), acc[i]);
         }
         for (int64_t i = 0; i < nv; i++) _mm512_storeu_ps(out + 16 * i, acc[i]);
         return;
     }
 #endif
     for (int64_t t = 0; t < n; t++) {
-        const float *k = kc + sl[t] * stride + off;
-        fetch_ahead(kc, sl, t, n, stride, off, D);
+        const void *k = kv_at(kc, sl[t] * stride + off, half);
+        fetch_ahead(kc, sl, t, n, stride, off, D, half);
         float s = 0.f;
-        for (int64_t i = 0; i < D; i++) s += q[i] * k[i];
+        for (int64_t i = 0; i < D; i++) s += q[i] * kv1(k, i, half);
         p[t] = s * scale;
         if (p[t] > mx) mx = p[t];
     }
     const float inv = 1.f / exp_sum(p, n, mx);
     for (int64_t i = 0; i < D; i++) out[i] = 0.f;
     for (int64_t t = 0; t < n; t++) {
-        const float *v = vc + sl[t] * stride + off, w = p[t] * inv;
-        fetch_ahead(vc, sl, t, n, stride, off, D);
-        for (int64_t i = 0; i < D; i++) out[i] += w * v[i];
+        const void *v = kv_at(vc, sl[t] * stride + off, half);
+        const float w = p[t] * inv;
+        fetch_ahead(vc, sl, t, n, stride, off, D, half);
+        for (int64_t i = 0; i < D; i++) out[i] += w * kv1(v, i, half);
     }
 }
 
@@ -277,15 +299,22 @@ static inline void attend_head_q8_any(const float *q, const uint8_t *kc, const u
     }
 }
 
-/* attend_head with D a constant for the common head sizes */
-static inline void attend_head_any(const float *q, const float *kc, const float *vc,
+/* attend_head with D a constant for the common head sizes, per element type */
+#define ATTEND_BY_D(half)                                                                           \
+    switch (D) {                                                                                    \
+    case 32: attend_head(q, kc, vc, sl, n, stride, off, 32, scale, p, out, half); break;           \
+    case 64: attend_head(q, kc, vc, sl, n, stride, off, 64, scale, p, out, half); break;           \
+    case 128: attend_head(q, kc, vc, sl, n, stride, off, 128, scale, p, out, half); break;         \
+    default: attend_head(q, kc, vc, sl, n, stride, off, D, scale, p, out, half);                   \
+    }
+
+static inline void attend_head_any(const float *q, const void *kc, const void *vc,
                                    const int64_t *sl, int64_t n, int64_t stride, int64_t off,
-                                   int64_t D, float scale, float *p, float *out) {
-    switch (D) {
-    case 32: attend_head(q, kc, vc, sl, n, stride, off, 32, scale, p, out); break;
-    case 64: attend_head(q, kc, vc, sl, n, stride, off, 64, scale, p, out); break;
-    case 128: attend_head(q, kc, vc, sl, n, stride, off, 128, scale, p, out); break;
-    default: attend_head(q, kc, vc, sl, n, stride, off, D, scale, p, out);
+                                   int64_t D, float scale, float *p, float *out, int half) {
+    if (half) {
+        ATTEND_BY_D(1)
+    } else {
+        ATTEND_BY_D(0)
     }
 }
 #endif

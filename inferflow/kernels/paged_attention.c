@@ -1,5 +1,5 @@
 /* Paged attention of one decode step (one new query per sequence), float32 queries over a
-   float32 or Q8_0 cache.
+   float32, float16 or Q8_0 cache.
 
    For sequence b and KV head g, the r = H / KVH query heads of g attend over the keys in the
    first lens[b] cache slots listed in slots[b * S ...]; every listed key is visible (a plain
@@ -14,10 +14,11 @@
 
 #include "attend.h"
 
-/* kc, vc: float32 (q8 = 0) or Q8_0 blocks, D / 32 * 34 bytes per KV head (q8 = 1) */
+/* kc, vc: float32 (kind 0), Q8_0 blocks, D / 32 * 34 bytes per KV head (kind 1), or float16
+   (kind 2) */
 static int paged_decode(const float *q, const void *kc, const void *vc, const int64_t *slots,
                         const int64_t *lens, int64_t B, int64_t S, int64_t H, int64_t KVH,
-                        int64_t D, float scale, float *out, int nthreads, int q8) {
+                        int64_t D, float scale, float *out, int nthreads, int kind) {
     const int64_t r = H / KVH, W = D / 32 * 34; /* (W: a Q8_0 KV head's bytes) */
     /* a task is one sequence and a run of its KV heads: all of them when there are sequences
        enough to keep the threads busy (fewer, larger tasks), one per task otherwise (a lone
@@ -33,12 +34,12 @@ static int paged_decode(const float *q, const void *kc, const void *vc, const in
             continue;
         }
         for (int64_t h = g0 * r; h < (g0 + per) * r; h++) {
-            if (q8)
+            if (kind == 1)
                 attend_head_q8_any(q + (b * H + h) * D, kc, vc, slots + b * S, n, KVH * W,
                                    h / r * W, D, scale, p, out + (b * H + h) * D);
             else
                 attend_head_any(q + (b * H + h) * D, kc, vc, slots + b * S, n, KVH * D,
-                                h / r * D, D, scale, p, out + (b * H + h) * D);
+                                h / r * D, D, scale, p, out + (b * H + h) * D, kind == 2);
         }
         free(p);
     }
@@ -57,3 +58,9 @@ int paged_decode_q8(const float *q, const uint8_t *kc, const uint8_t *vc, const 
     return paged_decode(q, kc, vc, slots, lens, B, S, H, KVH, D, scale, out, nthreads, 1);
 }
 
+
+int paged_decode_f16(const float *q, const uint16_t *kc, const uint16_t *vc, const int64_t *slots,
+                     const int64_t *lens, int64_t B, int64_t S, int64_t H, int64_t KVH,
+                     int64_t D, float scale, float *out, int nthreads) {
+    return paged_decode(q, kc, vc, slots, lens, B, S, H, KVH, D, scale, out, nthreads, 2);
+}

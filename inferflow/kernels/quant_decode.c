@@ -65,7 +65,7 @@ typedef struct {
     int64_t hidden, heads, kv_heads, head_dim, inner, rotary_dim;
     int32_t adjacent; /* rotary pairs (2i, 2i + 1); else (i, i + rotary_dim / 2) */
     float eps, norm_offset, scale;
-    int32_t kv_q8;  /* the cache holds Q8_0 blocks (kvq8.h), else float32 */
+    int32_t kv_format; /* the cache holds 0: float32, 1: Q8_0 blocks (kvq8.h), 2: float16 */
     int32_t act_q8; /* 8-bit rows of x into the products that have a q8 path (gemm_in_team) */
 } Dims;
 
@@ -366,7 +366,8 @@ void decode_stack(const Layer *layers, int64_t L, const Dims *d, int64_t B, floa
                   int nthreads) {
     const int64_t H = d->heads, KVH = d->kv_heads, D = d->head_dim, F = d->inner, E = d->hidden;
     const int64_t QKV = (H + 2 * KVH) * D, R2 = d->rotary_dim / 2, NC = (F + 15) / 16;
-    const int64_t W = d->kv_q8 ? D / 32 * 34 : D * 4; /* bytes of a KV head in the cache */
+    /* bytes of a KV head in the cache */
+    const int64_t W = d->kv_format == 1 ? D / 32 * 34 : D * (d->kv_format == 2 ? 2 : 4);
     float *h = scratch, *qkv = h + B * E, *att = qkv + B * QKV;
     float *gu = att + B * H * D, *act = gu + B * 2 * F, *p = act + B * F, *xs = p + B * H * S;
     const int64_t K = E > F ? (E > H * D ? E : H * D) : (F > H * D ? F : H * D);
@@ -388,9 +389,15 @@ void decode_stack(const Layer *layers, int64_t L, const Dims *d, int64_t B, floa
                 for (int64_t i = 0; i < QKV; i++) row[i] += ly->qkv_bias[i];
             for (int64_t j = 0; j < H + KVH; j++)
                 rope_head(row + j * D, cos + b * R2, sin + b * R2, d->rotary_dim, d->adjacent);
-            if (d->kv_q8) {
+            if (d->kv_format == 1) {
                 q8_0_row(row + H * D, KVH * D, k + w * KVH * W);
                 q8_0_row(row + (H + KVH) * D, KVH * D, v + w * KVH * W);
+            } else if (d->kv_format == 2) { /* (rounded to nearest even, as torch's .half()) */
+                uint16_t *kh = (uint16_t *)(k + w * KVH * W), *vh = (uint16_t *)(v + w * KVH * W);
+                for (int64_t i = 0; i < KVH * D; i++) {
+                    kh[i] = float_to_half(row[H * D + i]);
+                    vh[i] = float_to_half(row[(H + KVH) * D + i]);
+                }
             } else {
                 memcpy(k + w * KVH * W, row + H * D, sizeof(float) * KVH * D);
                 memcpy(v + w * KVH * W, row + (H + KVH) * D, sizeof(float) * KVH * D);
@@ -400,13 +407,12 @@ void decode_stack(const Layer *layers, int64_t L, const Dims *d, int64_t B, floa
         for (int64_t b = 0; b < B; b++)
             for (int64_t j = 0; j < H; j++) { /* (the last slot is this token's) */
                 float *pj = p + (b * H + j) * S, *out = att + (b * H + j) * D;
-                if (d->kv_q8)
+                if (d->kv_format == 1)
                     attend_head_q8_any(qkv + b * QKV + j * D, k, v, slots + b * S, lens[b],
                                        KVH * W, j / (H / KVH) * W, D, d->scale, pj, out);
-                else
-                    attend_head_any(qkv + b * QKV + j * D, (const float *)k, (const float *)v,
-                                    slots + b * S, lens[b], KVH * D, j / (H / KVH) * D, D,
-                                    d->scale, pj, out);
+                else /* (stride and offset in elements) */
+                    attend_head_any(qkv + b * QKV + j * D, k, v, slots + b * S, lens[b], KVH * D,
+                                    j / (H / KVH) * D, D, d->scale, pj, out, d->kv_format == 2);
             }
         gemm_in_team(&ly->o, att, B, xs, x, 1, xq, dx);
 #pragma omp for schedule(static)

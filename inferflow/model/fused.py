@@ -34,7 +34,7 @@ from inferflow.blocks import RESIDUALS
 from inferflow.blocks.ffn import GatedFFN
 from inferflow.blocks.norm import RMSNorm
 from inferflow.blocks.position import Rotary
-from inferflow.kernels.quant_decode import CDims, CLayer, QPlane, library
+from inferflow.kernels.quant_decode import KV_FORMATS, CDims, CLayer, QPlane, library
 from inferflow.model.batch import FlatBatch
 
 if TYPE_CHECKING:
@@ -142,7 +142,7 @@ class FusedDecode:
         if kv is None:
             return None
         k, v, slots, lens = kv
-        self.dims.kv_q8 = int(k.dtype == torch.uint8)  # (KVFormat "q8": Q8_0 blocks)
+        self.dims.kv_format = KV_FORMATS[k.dtype]
         self.dims.act_q8 = int(getattr(self.qkv, "act8", False))
         B, S = slots.shape
         cos, sin = self.rope.cos_sin(batch.positions, torch.float32)
@@ -169,7 +169,7 @@ def decode_slots(
     batch: FlatBatch,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """For a batch of one new token per sequence: every layer's K and V (layers, slots, KV
-    heads, D) float32 or Q8_0 blocks, each row's slots (B, S) int64 (its first lens[b] are positions 0 ..
+    heads, D) float32, float16 or Q8_0 blocks, each row's slots (B, S) int64 (its first lens[b] are positions 0 ..
     its own, the last where its K/V go) and lens (B,); None where a view cannot say
     (a group view's ``slot_table()``; ``decode_slots(position)`` of ContiguousKVCache and the
     engine's paged views)."""
@@ -192,6 +192,6 @@ def decode_slots(
         slots = torch.zeros((len(got), int(lens.max())), dtype=torch.long)
         for i, g in enumerate(got):
             slots[i, : g[2].numel()] = g[2]
-    if k.dtype not in (torch.float32, torch.uint8):  # (uint8: Q8_0 blocks, KVFormat "q8")
+    if k.dtype not in KV_FORMATS:
         return None
     return k, v, slots.contiguous(), lens

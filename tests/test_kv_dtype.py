@@ -104,68 +104,43 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) 
     return torch.einsum("hn,nhd->hd", w, v)
 
 
-@pytest.mark.parametrize("flags", [[], ["-mno-avx512f"]], ids=["native", "portable"])
-@pytest.mark.parametrize("D", [32, 64, 96, 256])
-def test_q8_attention_kernel_reads_q8_0_blocks(
-    D: int, flags: list[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
-) -> None:
-    """Scattered slots of a Q8_0 cache: each sequence's rows equal attention over gguf-py's
-    dequantized blocks, and the same bits alone as among the others."""
+def _stored_values(kv_dtype: str, c: torch.Tensor) -> torch.Tensor:
+    """The float32 values a cache of ``kv_dtype`` holds, by an independent reader: gguf-py's
+    Q8_0 decoder, or the halves' exact values."""
+    if kv_dtype == "float16":
+        return c.float()
     gguf = pytest.importorskip("gguf")
-    with _built_with(flags, monkeypatch, tmp_path):
-        kernel = kernels.paged_decode_attention(torch.uint8)
-        if kernel is None:
-            pytest.skip("no C compiler here")
-        g = torch.Generator().manual_seed(D)
-        slots, H, KVH, scale = 64, 6, 2, D**-0.5
-        fmt = KVFormat("q8", torch.float32, D)
-        k, v = torch.randn(slots, KVH, D, generator=g) * 3, torch.randn(slots, KVH, D, generator=g)
-        kc, vc = fmt.encode(k), fmt.encode(v)
-        lens = torch.tensor([1, 17, 40, 9])
-        read = torch.stack([torch.randperm(slots, generator=g)[:40] for _ in lens])
-        q = torch.randn(len(lens), H, D, generator=g)
-        out = kernel(q, kc, vc, read, lens, scale)
-        deq = [
-            torch.from_numpy(gguf.quants.dequantize(c.numpy(), gguf.GGMLQuantizationType.Q8_0))
-            for c in (kc, vc)
-        ]
-        for b, n in enumerate(lens.tolist()):
-            rows = read[b, :n]
-            want = _attention(q[b], deq[0][rows], deq[1][rows], scale)
-            assert (out[b].double() - want).abs().max() < 2e-5 * want.abs().max()
-            alone = kernel(q[b : b + 1], kc, vc, read[b : b + 1], lens[b : b + 1], scale)
-            assert torch.equal(alone[0], out[b])
+    return torch.from_numpy(gguf.quants.dequantize(c.numpy(), gguf.GGMLQuantizationType.Q8_0))
 
 
 @pytest.mark.parametrize("flags", [[], ["-mno-avx512f", "-mno-f16c"]], ids=["native", "portable"])
 @pytest.mark.parametrize("D", [32, 64, 96, 256])
-def test_float16_attention_kernel_reads_the_halves(
-    D: int, flags: list[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+@pytest.mark.parametrize("kv_dtype", ["q8", "float16"])
+def test_attention_kernel_reads_the_cache(
+    kv_dtype: str, D: int, flags: list[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    """Scattered slots of a float16 cache (subnormal and infinite-free values of every
-    magnitude): each sequence's rows equal float64 attention over the halves' exact values, and
-    the same bits alone as among the others."""
+    """Scattered slots of a Q8_0 or float16 cache (values of magnitudes 1e-6 .. 1e2): each
+    sequence's rows equal float64 attention over the stored values, and the same bits alone as
+    among the others."""
     with _built_with(flags, monkeypatch, tmp_path):
-        kernel = kernels.paged_decode_attention(torch.float16)
+        fmt = KVFormat(kv_dtype, torch.float32, D)
+        kernel = kernels.paged_decode_attention(fmt.store)
         if kernel is None:
             pytest.skip("no C compiler here")
         g = torch.Generator().manual_seed(D)
         slots, H, KVH, scale = 64, 6, 2, D**-0.5
-        fmt = KVFormat("float16", torch.float32, D)
         mag = 10.0 ** torch.randint(-6, 3, (slots, KVH, 1), generator=g).float()
-        k, v = (
-            torch.randn(slots, KVH, D, generator=g) * mag,
-            torch.randn(slots, KVH, D, generator=g) * mag,
-        )
+        k = torch.randn(slots, KVH, D, generator=g) * mag
+        v = torch.randn(slots, KVH, D, generator=g) * mag
         kc, vc = fmt.encode(k), fmt.encode(v)
-        assert kc.dtype == torch.float16 and torch.equal(kc, k.half())
         lens = torch.tensor([1, 17, 40, 9])
         read = torch.stack([torch.randperm(slots, generator=g)[:40] for _ in lens])
         q = torch.randn(len(lens), H, D, generator=g)
         out = kernel(q, kc, vc, read, lens, scale)
+        ks, vs = _stored_values(kv_dtype, kc), _stored_values(kv_dtype, vc)
         for b, n in enumerate(lens.tolist()):
             rows = read[b, :n]
-            want = _attention(q[b], kc[rows].double(), vc[rows].double(), scale)
+            want = _attention(q[b], ks[rows], vs[rows], scale)
             assert (out[b].double() - want).abs().max() < 2e-5 * want.abs().max()
             alone = kernel(q[b : b + 1], kc, vc, read[b : b + 1], lens[b : b + 1], scale)
             assert torch.equal(alone[0], out[b])

@@ -12,7 +12,7 @@ cost in quality, and in speed.
 - **keys**: the float32 cache's key magnitudes (what q8 blocks have to span).
 - **speed**: ``--speed-requests`` greedy requests of 128 tokens at once through the engine,
   generated tok/s (median of 3 rounds;
-  bfloat16 K/V are read in torch, q8 and float32 by the C kernels).
+  bfloat16 K/V are read in torch, float32, float16 and q8 by the C kernels).
 """
 
 from __future__ import annotations

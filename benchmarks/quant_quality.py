@@ -5,14 +5,16 @@ the model adds one, the second half of each scored; KL divergence and top-1 agre
 the same engine's F32 run).
 
     python benchmarks/quant_quality.py [--models smollm2-135m-instruct,gemma-3-270m,...]
-        [--formats Q8,Q6,...] [--methods minmax,search,imatrix] [--llama-cpp DIR]
+        [--formats Q8,Q6,...] [--methods minmax,search,imatrix,generated] [--llama-cpp DIR]
         [--llama-types Q2_K,...] [--ctx 512] [--chunks 4] [--calib-chunks 16] [--at-load]
         [--write-readme]
 
 Inferflow rows: ``inferflow quantize F32.gguf --format FMT`` (its default mix: the tied
 embedding / output head at Q6 below 6 bits) with ``--method minmax`` (the seed paper's rule),
-``--method search``, and search with ``--imatrix`` from ``inferflow imatrix`` over the
---calib-chunks windows after the scored ones (disjoint text); then ``inferflow ppl`` on the file
+``--method search``, search with ``--imatrix`` from ``inferflow imatrix`` over the
+--calib-chunks windows after the scored ones (disjoint text), and (method ``generated``) with
+``--imatrix generated``: no text, the model's own samples (inferflow.imatrix.named_imatrix, of
+the checkpoint the F32 file comes from); then ``inferflow ppl`` on the file
 with its default kernels. With --at-load, each row also loads the F32 file with ``--quant FMT``
 (the same method and imatrix: quantization at load time) and reports that run's PPL beside the
 file's (they must be equal). llama.cpp rows (with --llama-cpp, a directory with llama-quantize,
@@ -48,7 +50,9 @@ from inferflow.imatrix import (  # noqa: E402
     CALIBRATION_CHUNKS,
     CALIBRATION_CTX,
     CALIBRATION_FIRST,
+    GENERATED,
     collect,
+    named_imatrix,
 )
 from inferflow.imatrix import CALIBRATION_TEXT as TEXT  # noqa: E402
 from inferflow.loaders.base import Weight  # noqa: E402
@@ -87,7 +91,10 @@ def _plain_bytes(name: str) -> int:
     return {"F32": 4, "F16": 2, "BF16": 2}[name]
 
 
-def ours(f32: Path, ids: list[int], bos: int | None, args, tmp: Path, imatrix: Path) -> list[str]:
+def ours(
+    f32: Path, ids: list[int], bos: int | None, args, tmp: Path, matrices: dict[str, Path]
+) -> list[str]:
+    """``matrices``: the importance matrix of each method that takes one."""
     ref = load(str(f32), "float32", "none")
     base = tmp / "base.st"
     r0 = perplexity(ref.model, ids, args.ctx, args.chunks, save_base=base, bos=bos)
@@ -106,7 +113,7 @@ def ours(f32: Path, ids: list[int], bos: int | None, args, tmp: Path, imatrix: P
                 fmt,
                 per_tensor,
                 method="minmax" if method == "minmax" else "search",
-                imatrix=imatrix if method == "imatrix" else None,
+                imatrix=matrices.get(method),
                 force=True,
             )
             secs = time.perf_counter() - t
@@ -120,12 +127,13 @@ def ours(f32: Path, ids: list[int], bos: int | None, args, tmp: Path, imatrix: P
                 how = replace(
                     spec.quant,
                     method="minmax" if method == "minmax" else "search",
-                    imatrix=imatrix if method == "imatrix" else None,
+                    imatrix=matrices.get(method),
                 )
                 q = load(replace(spec, quant=how), "float32", fmt)
                 at_load = perplexity(q.model, ids, args.ctx, args.chunks, bos=bos).ppl
                 del q
             label = {"minmax": "min-max", "search": "search", "imatrix": "search + imatrix"}
+            label[GENERATED] = "search + generated imatrix"
             rows.append(
                 _row("inferflow", given, label[method], block_bpw(out), r.ppl, r.ppl / r0.ppl,
                      r.kl.mean, r.kl.top1_agreement, secs, at_load)
@@ -230,13 +238,15 @@ def run_model(name: str, args) -> list[str]:  # noqa: ANN001
         if args.dither:
             f32 = dither(f32, tmp / "f32-dithered.gguf", args.dither)
             lm = load(str(f32), "float32", "none")  # (the imatrix of the dithered weights)
-        imatrix = tmp / "imatrix.gguf"
+        matrices = {"imatrix": tmp / "imatrix.gguf"}
         if "imatrix" in args.methods:
             collect(lm, ids, args.ctx, args.calib_chunks, bos, TEXT.name, False, args.chunks).write(
-                imatrix
+                matrices["imatrix"]
             )
         del lm
-        rows += ours(f32, ids, bos, args, tmp, imatrix)
+        if GENERATED in args.methods:  # (no text: cached per checkpoint, as a user gets it)
+            matrices[GENERATED] = named_imatrix(GENERATED, spec)
+        rows += ours(f32, ids, bos, args, tmp, matrices)
         if args.llama_cpp:
             rows += llama_cpp(f32, args, tmp)
     return rows

@@ -232,47 +232,84 @@ def collect(
     return out
 
 
-# --imatrix builtin: one importance matrix per model, computed once from Hamlet (the text `make
-# models` fetches; the perplexity corpus of `inferflow ppl` and the benchmarks) and cached. Its
-# windows are those after the first CALIBRATION_FIRST, which perplexity runs score.
-BUILTIN = "builtin"
+# Named importance matrices, computed once per model and cached (keyed by the checkpoint files'
+# paths, sizes and modification times): "builtin" from Hamlet (the text `make models` fetches;
+# the perplexity corpus of `inferflow ppl` and the benchmarks), its windows those after the
+# first CALIBRATION_FIRST, which perplexity runs score; "generated" from no text at all: the
+# model's own samples (temperature 1 from its first token, GENERATED_SEQS sequences of
+# CALIBRATION_CTX tokens), a calibration-free proxy of the activations text would give.
+BUILTIN, GENERATED = "builtin", "generated"
+NAMED = (BUILTIN, GENERATED)
 CALIBRATION_TEXT = Path.home() / ".cache" / "inferflow" / "texts" / "hamlet.txt"
 CALIBRATION_CTX, CALIBRATION_FIRST, CALIBRATION_CHUNKS = 512, 4, 16
+GENERATED_SEQS = 16
 IMATRIX_CACHE = Path.home() / ".cache" / "inferflow" / "imatrix"
 
 
 def builtin_imatrix(ref: str | Path | Spec) -> Path:
-    """The cached importance matrix of the model ``ref`` is or names (a spec name or file, a GGUF),
-    computed on first use (a float32 pass over CALIBRATION_CHUNKS windows of Hamlet). The cache
-    key is the spec's name and its checkpoint files' paths, sizes and modification times."""
+    """``named_imatrix(BUILTIN, ref)``."""
+    return named_imatrix(BUILTIN, ref)
+
+
+def named_imatrix(name: str, ref: str | Path | Spec) -> Path:
+    """The cached importance matrix ``name`` (NAMED) of the model ``ref`` is or names (a spec
+    name or file, a GGUF), computed on first use by a float32 pass over CALIBRATION_CHUNKS
+    windows of Hamlet (builtin) or over the model's own samples (generated)."""
     import hashlib
 
     from inferflow.evaluate import text_ids
     from inferflow.runtime import load, require_tokenizer, tokenizer_for
     from inferflow.spec import load_spec
 
+    if name not in NAMED:
+        raise QuantError(f"--imatrix {name!r}: not a file nor one of {', '.join(NAMED)}")
     spec = ref if isinstance(ref, Spec) else load_spec(ref)
     key = hashlib.sha256()
     for f in spec.source.files:
         st = Path(f).stat()
         key.update(f"{Path(f).resolve()}:{st.st_size}:{st.st_mtime_ns}".encode())
-    out = IMATRIX_CACHE / f"{spec.name}-{key.hexdigest()[:16]}.gguf"
+    tag = "" if name == BUILTIN else f"-{name}"
+    out = IMATRIX_CACHE / f"{spec.name}{tag}-{key.hexdigest()[:16]}.gguf"
     if out.exists():
         return out
-    if not CALIBRATION_TEXT.exists():
-        raise CheckpointError(
-            f"--imatrix {BUILTIN}: the calibration text {CALIBRATION_TEXT} is missing; `make "
-            "models` fetches it (python tools/fetch_models.py hamlet)"
-        )
     tok = require_tokenizer(spec, tokenizer_for(spec))
-    ids, bos = text_ids(tok, CALIBRATION_TEXT.read_text(encoding="utf-8"))
-    log.info("--imatrix %s: computing %s's importance matrix (once; cached)", BUILTIN, spec.name)
+    log.info("--imatrix %s: computing %s's importance matrix (once; cached)", name, spec.name)
+    if name == BUILTIN:
+        if not CALIBRATION_TEXT.exists():
+            raise CheckpointError(
+                f"--imatrix {BUILTIN}: the calibration text {CALIBRATION_TEXT} is missing; `make "
+                "models` fetches it (python tools/fetch_models.py hamlet)"
+            )
+        ids, bos = text_ids(tok, CALIBRATION_TEXT.read_text(encoding="utf-8"))
+        first, dataset = CALIBRATION_FIRST, CALIBRATION_TEXT.name
+    else:
+        ids, bos = own_samples(load(spec, "auto", None, tok), GENERATED_SEQS, CALIBRATION_CTX), None
+        first, dataset = 0, f"{GENERATED_SEQS} samples of the model's own"
     lm = load(spec, "float32", "none", tok)
-    m = collect(
-        lm, ids, CALIBRATION_CTX, CALIBRATION_CHUNKS, bos, CALIBRATION_TEXT.name,
-        first=CALIBRATION_FIRST,
-    )  # fmt: skip
+    m = collect(lm, ids, CALIBRATION_CTX, CALIBRATION_CHUNKS, bos, dataset, first=first)
     out.parent.mkdir(parents=True, exist_ok=True)
     m.write(out, force=True)
-    log.info("--imatrix %s: wrote %s", BUILTIN, out)
+    log.info("--imatrix %s: wrote %s", name, out)
     return out
+
+
+def own_samples(lm: LanguageModel, seqs: int, ctx: int) -> list[int]:
+    """``seqs`` sequences of ``ctx`` tokens the model writes itself (seeded sampling at
+    temperature 1, EOS ignored), each from its first token (BOS, else the end-of-text one)."""
+    from inferflow.engine.engine import Engine, EngineConfig
+    from inferflow.engine.sampling import SamplingParams
+
+    h = lm.model.spec.hparams
+    first = h.bos_id if h.bos_id is not None else h.eos_id
+    start = [first if first is not None else 0]
+    eng = Engine(lm.model, lm.tokenizer, EngineConfig(kv_cache_bytes=1 << 30))
+    params = [
+        SamplingParams(max_new_tokens=ctx - 1, temperature=1.0, seed=i, ignore_eos=True)
+        for i in range(seqs)
+    ]
+    rids = [eng.add_request(start, p) for p in params]
+    got: dict[str, list[int]] = {r: [] for r in rids}
+    while eng.has_unfinished():
+        for o in eng.step():
+            got[o.request_id].extend(o.token_ids)
+    return [t for r in rids for t in start + got[r]]

@@ -39,7 +39,7 @@ from inferflow.convert import (
 )
 from inferflow.errors import CheckpointError, QuantError
 from inferflow.hf_gguf import HFAsGGUF
-from inferflow.imatrix import BUILTIN, ImportanceMatrix, builtin_imatrix
+from inferflow.imatrix import NAMED, ImportanceMatrix, named_imatrix
 from inferflow.loaders import detect_format, open_files
 from inferflow.loaders.base import Weight, WeightSource
 from inferflow.loaders.quantized import (
@@ -92,15 +92,16 @@ def quantize_checkpoint(
 ) -> QuantizeResult:
     """Write the model ``src`` names to ``out`` with its weights in ``fmt`` (module docstring).
     ``method``: how Inferflow formats choose their codes (``inferflow.quant.quantize``);
-    ``imatrix``: an importance-matrix GGUF of this model (``inferflow.imatrix``), or "builtin"
-    (``imatrix.builtin_imatrix``: computed once from Hamlet and cached)."""
+    ``imatrix``: an importance-matrix GGUF of this model (``inferflow.imatrix``), or a name
+    (``imatrix.named_imatrix``, computed once and cached): "builtin" from Hamlet, "generated"
+    from the model's own samples (no text)."""
     default, rules = parse_quant_format(fmt), parse_per_tensor(per_tensor)
     if method not in METHODS:
         raise QuantError(f"unknown --method {method!r}; allowed: {', '.join(METHODS)}")
     if Path(out).exists() and not force:
         raise CheckpointError(f"output {out} already exists; pass --force to overwrite it")
-    if str(imatrix) == BUILTIN:
-        imatrix = builtin_imatrix(src)
+    if str(imatrix) in NAMED:
+        imatrix = named_imatrix(str(imatrix), src)
     matrix = ImportanceMatrix.read(Path(imatrix)) if imatrix is not None else None
     src_format, src_path, source = open_model(src)
     if matrix is not None:

@@ -205,6 +205,74 @@ def test_builtin_imatrix_is_computed_once_from_hamlet(
     assert with_quant(spec, args).quant.imatrix == path
 
 
+def test_generated_imatrix_needs_no_text_and_weights_what_text_does(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--imatrix generated``: SmolLM2's importance matrix from its own samples, with no
+    calibration text on the machine, computed once and cached. Against what real text's
+    activations weigh (an imatrix of an English passage, the independent reference), Q4_B64
+    blocks searched with it have less error than without one, tensor by tensor."""
+    from argparse import Namespace
+
+    from inferflow import imatrix as im
+    from inferflow.cli.common import with_quant
+    from inferflow.evaluate import text_ids
+    from inferflow.imatrix import ImportanceMatrix
+    from inferflow.loaders import open_files
+    from inferflow.quant import quantize
+    from inferflow.runtime import load
+    from tests.conftest import smollm2_path
+
+    smollm2_path()
+    monkeypatch.setattr(im, "CALIBRATION_TEXT", tmp_path / "absent.txt")
+    monkeypatch.setattr(im, "CALIBRATION_CTX", 64)
+    monkeypatch.setattr(im, "CALIBRATION_CHUNKS", 8)
+    monkeypatch.setattr(im, "GENERATED_SEQS", 8)
+    monkeypatch.setattr(im, "IMATRIX_CACHE", tmp_path / "cache")
+    path = im.named_imatrix("generated", "smollm2-135m-instruct")
+    got = ImportanceMatrix.read(path)
+    assert path.parent == tmp_path / "cache" and got.chunks == 8 and got.chunk_size == 64
+
+    def no_second_pass(*_a, **_k):  # noqa: ANN002, ANN003, ANN202
+        raise AssertionError("computed twice")
+
+    monkeypatch.setattr(im, "collect", no_second_pass)
+    spec = load_spec("smollm2-135m-instruct")
+    args = Namespace(quant="Q4_B32", quant_method=None, imatrix="generated")
+    assert with_quant(spec, args).quant.imatrix == path
+    monkeypatch.undo()
+
+    lm = load(spec, "float32", "none")
+    passage = (
+        "In the beginning God created the heaven and the earth. And the earth was without "
+        "form, and void; and darkness was upon the face of the deep. And the Spirit of God "
+        "moved upon the face of the waters. And God said, Let there be light: and there was "
+        "light. And God saw the light, that it was good: and God divided the light from the "
+        "darkness. And God called the light Day, and the darkness he called Night. "
+    )
+    ids, bos = text_ids(lm._tok(), passage * 4)
+    text = im.collect(lm, ids, 64, 4, bos)
+    src = open_files(spec.source.format, spec.source.files, spec.source.keys)
+    names = ["blk.0.attn_q.weight", "blk.7.ffn_gate.weight", "blk.15.attn_v.weight"]
+    names += ["blk.22.ffn_up.weight", "blk.29.ffn_down.weight", "token_embd.weight"]
+    try:
+        for name in names:
+            stored = src.get(name)
+            w = stored.dequantize() if isinstance(stored, QuantTensor) else stored.float()
+            truth = text.importance(name)
+            assert truth is not None and got.importance(name) is not None
+
+            def error(
+                imp: torch.Tensor | None, w: torch.Tensor = w, t: torch.Tensor = truth
+            ) -> float:
+                q = quantize(w, "Q4_B64", "search", imp).dequantize()
+                return float((((w - q) ** 2) * t).sum())
+
+            assert error(got.importance(name)) < error(None), name
+    finally:
+        src.close()
+
+
 def test_spec_quant_method_and_imatrix(quant_llamas, imatrix, write_spec) -> None:
     """``quant: {method, imatrix}`` in a spec: the imatrix path resolved against the spec's
     folder, a method outside METHODS refused naming the allowed ones."""

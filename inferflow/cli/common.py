@@ -49,8 +49,9 @@ def add_quant(p: argparse.ArgumentParser) -> None:
         default=None,
         metavar="FILE",
         help="importance matrix of this checkpoint (`inferflow imatrix`, llama-imatrix) "
-        "weighting --quant's search, or builtin: computed once from Hamlet (make models "
-        "fetches it) and cached in ~/.cache/inferflow/imatrix",
+        "weighting --quant's search; or builtin: computed once from Hamlet (make models "
+        "fetches it), or generated: from the model's own samples (no text), each cached in "
+        "~/.cache/inferflow/imatrix",
     )
 
 
@@ -63,11 +64,13 @@ def with_quant(spec: Spec, args: argparse.Namespace) -> Spec:
     from inferflow.errors import InferflowError
     from inferflow.runtime import quant_for
 
-    # (inferflow.imatrix.BUILTIN, imported only when asked for: it is heavy)
-    builtin = args.imatrix == "builtin"
-    if args.imatrix and not builtin and not Path(args.imatrix).is_file():
-        raise InferflowError(f"--imatrix {args.imatrix}: no such file, nor 'builtin'")
-    imatrix = Path(args.imatrix) if args.imatrix and not builtin else spec.quant.imatrix
+    # (inferflow.imatrix.NAMED, imported only when asked for: it is heavy)
+    named = args.imatrix in ("builtin", "generated")
+    if args.imatrix and not named and not Path(args.imatrix).is_file():
+        raise InferflowError(
+            f"--imatrix {args.imatrix}: no such file, nor one of builtin, generated"
+        )
+    imatrix = Path(args.imatrix) if args.imatrix and not named else spec.quant.imatrix
     quant = replace(spec.quant, method=args.quant_method or spec.quant.method, imatrix=imatrix)
     spec = replace(spec, quant=quant)
     runs = quant_for(spec, args.quant) or spec.quant
@@ -79,10 +82,11 @@ def with_quant(spec: Spec, args: argparse.Namespace) -> Spec:
             f"{flags}: choose how weights are quantized at load time; give --quant FORMAT "
             "too (or a spec with quant.weights)"
         )
-    if builtin:  # (computed once, before the weights load)
-        from inferflow.imatrix import builtin_imatrix
+    if named:  # (computed once, before the weights load)
+        from inferflow.imatrix import named_imatrix
 
-        spec = replace(spec, quant=replace(spec.quant, imatrix=builtin_imatrix(spec)))
+        matrix = named_imatrix(args.imatrix, spec)
+        spec = replace(spec, quant=replace(spec.quant, imatrix=matrix))
     return spec
 
 

@@ -52,7 +52,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--imatrix",
         default=None,
         help="importance matrix of this model (inferflow imatrix, or llama-imatrix's GGUF), or "
-        "builtin: computed once from Hamlet (make models fetches it) and cached",
+        "builtin: computed once from Hamlet (make models fetches it), or generated: from the "
+        "model's own samples (no text), each cached",
     )
     p.add_argument("--force", action="store_true", help="overwrite an existing output file")
     p.set_defaults(run=run)

@@ -164,16 +164,29 @@ def test_weights_that_do_not_land_as_stored_are_quantized_after_reading(
     assert 0 < float(diff.abs().max()) < 0.05
 
 
+def _loads_cached(monkeypatch: pytest.MonkeyPatch, name: str, path: Path) -> None:
+    """``--quant ... --imatrix name`` on SmolLM2 takes the cached ``path``, computing nothing."""
+    from argparse import Namespace
+
+    from inferflow import imatrix as im
+    from inferflow.cli.common import with_quant
+
+    def no_second_pass(*_a, **_k):  # noqa: ANN002, ANN003, ANN202
+        raise AssertionError("computed twice")
+
+    monkeypatch.setattr(im, "collect", no_second_pass)
+    args = Namespace(quant="Q4_B32", quant_method=None, imatrix=name)
+    assert with_quant(load_spec("smollm2-135m-instruct"), args).quant.imatrix == path
+
+
 def test_builtin_imatrix_is_computed_once_from_hamlet(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """``--imatrix builtin``: the importance matrix of the calibration windows (those after the
     ones perplexity runs score) of the text ``make models`` fetches, computed once and cached;
     ``inferflow imatrix`` over the same windows writes the same statistics."""
-    from argparse import Namespace
 
     from inferflow import imatrix as im
-    from inferflow.cli.common import with_quant
     from inferflow.imatrix import ImportanceMatrix
     from tests.conftest import smollm2_path
 
@@ -196,13 +209,7 @@ def test_builtin_imatrix_is_computed_once_from_hamlet(
     for name in want.sums:
         assert torch.equal(got.sums[name], want.sums[name]), name
 
-    def no_second_pass(*_a, **_k):  # noqa: ANN002, ANN003, ANN202
-        raise AssertionError("computed twice")
-
-    monkeypatch.setattr(im, "collect", no_second_pass)
-    spec = load_spec("smollm2-135m-instruct")
-    args = Namespace(quant="Q4_B32", quant_method=None, imatrix="builtin")
-    assert with_quant(spec, args).quant.imatrix == path
+    _loads_cached(monkeypatch, "builtin", path)
 
 
 def test_generated_imatrix_needs_no_text_and_weights_what_text_does(
@@ -212,10 +219,8 @@ def test_generated_imatrix_needs_no_text_and_weights_what_text_does(
     calibration text on the machine, computed once and cached. Against what real text's
     activations weigh (an imatrix of an English passage, the independent reference), Q4_B64
     blocks searched with it have less error than without one, tensor by tensor."""
-    from argparse import Namespace
 
     from inferflow import imatrix as im
-    from inferflow.cli.common import with_quant
     from inferflow.evaluate import text_ids
     from inferflow.imatrix import ImportanceMatrix
     from inferflow.loaders import open_files
@@ -233,14 +238,9 @@ def test_generated_imatrix_needs_no_text_and_weights_what_text_does(
     got = ImportanceMatrix.read(path)
     assert path.parent == tmp_path / "cache" and got.chunks == 8 and got.chunk_size == 64
 
-    def no_second_pass(*_a, **_k):  # noqa: ANN002, ANN003, ANN202
-        raise AssertionError("computed twice")
-
-    monkeypatch.setattr(im, "collect", no_second_pass)
-    spec = load_spec("smollm2-135m-instruct")
-    args = Namespace(quant="Q4_B32", quant_method=None, imatrix="generated")
-    assert with_quant(spec, args).quant.imatrix == path
+    _loads_cached(monkeypatch, "generated", path)
     monkeypatch.undo()
+    spec = load_spec("smollm2-135m-instruct")
 
     lm = load(spec, "float32", "none")
     passage = (

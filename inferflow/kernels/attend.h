@@ -104,10 +104,10 @@ static inline __attribute__((always_inline)) void fetch_ahead(const void *c, con
 /* One query head q (D floats) over the n keys listed in sl: key t at element sl[t] * stride +
    off of kc (stride: elements between slots; off: the KV head's first), its value likewise in
    vc; elements are float32, or float16 where half (each read exactly as a float32: the same
-   operations after it). p holds the n scores, out gets the head's D outputs. With AVX-512 and D a multiple of 16 (at
-   most 256) the query and the output stay in registers and each score is one vector dot
-   product (inlined with D a constant where the caller's is, so that the loops over D unroll);
-   otherwise plain loops. */
+   operations after it). p holds the n scores, out gets the head's D outputs. With AVX-512 and
+   D a multiple of 16 (at most 256) the query and the output stay in registers and each score
+   is one vector dot product (inlined with D a constant where the caller's is, so that the
+   loops over D unroll); otherwise plain loops. */
 static inline __attribute__((always_inline)) void attend_head(const float *q, const void *kc,
                                                               const void *vc, const int64_t *sl,
                                                               int64_t n, int64_t stride,

@@ -58,7 +58,6 @@ int paged_decode_q8(const float *q, const uint8_t *kc, const uint8_t *vc, const 
     return paged_decode(q, kc, vc, slots, lens, B, S, H, KVH, D, scale, out, nthreads, 1);
 }
 
-
 int paged_decode_f16(const float *q, const uint16_t *kc, const uint16_t *vc, const int64_t *slots,
                      const int64_t *lens, int64_t B, int64_t S, int64_t H, int64_t KVH,
                      int64_t D, float scale, float *out, int nthreads) {

@@ -278,6 +278,35 @@ def test_qkv_bias_is_read_by_the_fused_decoder(
     assert err < 1e-5, f"relative error {err:.2e}"
 
 
+@pytest.mark.parametrize("dtype", ["act8", "float32"])
+def test_a_token_decoded_in_one_call_equals_it_prefilled(dtype: str, lib) -> None:  # noqa: ANN001
+    """SmolLM2's logits for a prompt's last token are the same bits whether the token is the
+    last row of the prompt's prefill (the modules: the batched RMS norm, the products, the C
+    SiLU gate) or one one-call decode step after the rest (quant_decode.c's decode_stack), and
+    so are its K and V in every layer: what a model drafting for itself needs for every draft
+    to be accepted. (Under act8 one flipped 8-bit code moves a logit by up to ~0.5.)"""
+    from inferflow.model.batch import ContiguousKVCache
+    from inferflow.runtime import load
+    from tests.conftest import smollm2_path
+
+    smollm2_path()
+    lm = load("smollm2-135m-instruct", dtype)
+    m, h = lm.model, lm.model.spec.hparams
+    ids = lm.tokenizer.encode("Copy the code: def add(a, b):\n    return a + b\n\ndef sub(a, b):\n")
+    n = len(ids)
+    caches = [
+        ContiguousKVCache(h.n_layers, h.n_kv_heads, h.head_dim, n, torch.float32) for _ in "ab"
+    ]
+    with torch.no_grad():
+        whole = m(FlatBatch.single(torch.tensor(ids), 0, caches[0]))
+        m(FlatBatch.single(torch.tensor(ids[:-1]), 0, caches[1]))
+        assert m.dec.fused_decode() is not None
+        last = m(FlatBatch.single(torch.tensor(ids[-1:]), n - 1, caches[1]))
+    assert torch.equal(whole[-1], last[-1])
+    assert torch.equal(caches[0].k[:, n - 1], caches[1].k[:, n - 1])
+    assert torch.equal(caches[0].v[:, n - 1], caches[1].v[:, n - 1])
+
+
 def test_engine_single_sequence_decode_is_fused(
     quant_llamas: dict[str, Path], write_spec, lib
 ) -> None:  # noqa: ANN001

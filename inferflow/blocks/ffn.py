@@ -11,7 +11,9 @@ from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
+from inferflow import kernels
 from inferflow.blocks.activation import Activation
 from inferflow.blocks.linear import Linear
 from inferflow.blocks.options import NoOptions, Options
@@ -60,7 +62,19 @@ class GatedFFN(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.w13(x)
+        if self.act is F.silu and _kernel_takes(h):  # (the one-call decode's gate: same bits)
+            fn = kernels.silu_gate()
+            if fn is not None:
+                return self.w2(fn(h))
         return self.w2(self.act(h[:, : self.inner]) * h[:, self.inner :])
+
+
+def _kernel_takes(h: torch.Tensor) -> bool:
+    """The C gate's case: 2-D contiguous float32 rows on the CPU, no autograd."""
+    return (
+        h.dim() == 2 and h.dtype == torch.float32 and h.is_contiguous() and h.device.type == "cpu"
+        and not (torch.is_grad_enabled() and h.requires_grad)
+    )  # fmt: skip
 
 
 class PlainFFN(nn.Module):

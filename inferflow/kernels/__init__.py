@@ -170,6 +170,32 @@ def rms_norm() -> RmsNorm | None:
     return run
 
 
+SiluGate = Callable[[torch.Tensor], torch.Tensor]
+
+
+@cache
+def silu_gate() -> SiluGate | None:
+    """``f(h (N, 2F)) -> (N, F)``: SiLU(h[:, :F]) * h[:, F:] (the gated FFN's [gate | up] rows;
+    float32 on the CPU, contiguous), each value the scalar expression with a correctly rounded
+    expf: the one-call decode's gate is the same code (rows.h). None where the kernel cannot be
+    built."""
+    lib = _library("rows")
+    if lib is None:
+        return None
+    fn = lib.silu_gate_f32
+    ptr, i64 = ctypes.c_void_p, ctypes.c_int64
+    fn.argtypes = [ptr, i64, i64, ptr, ctypes.c_int]
+    fn.restype = None
+
+    def run(h: torch.Tensor) -> torch.Tensor:
+        N, F2 = h.shape
+        out = torch.empty((N, F2 // 2), dtype=h.dtype)
+        fn(h.data_ptr(), N, F2 // 2, out.data_ptr(), torch.get_num_threads())
+        return out
+
+    return run
+
+
 SearchBlocks = Callable[[torch.Tensor, torch.Tensor | None, int], tuple[torch.Tensor, torch.Tensor]]
 
 

@@ -20,3 +20,9 @@ void rms_norm_f32(const float *x, int64_t N, int64_t D, const float *w, float ep
 #pragma omp parallel for num_threads(nthreads) schedule(static) if (N * D >= 65536)
     for (int64_t i = 0; i < N; i++) rms_norm_row(x + i * D, w, D, eps, 0.f, out + i * D);
 }
+
+/* out (N, F) = SiLU(h[:, :F]) * h[:, F:] for h (N, 2F), the gated FFN's [gate | up] rows */
+void silu_gate_f32(const float *h, int64_t N, int64_t F, float *out, int nthreads) {
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (N * F >= 65536)
+    for (int64_t i = 0; i < N; i++) silu_gate_row(h + i * 2 * F, h + i * 2 * F + F, F, out + i * F);
+}

@@ -7,8 +7,10 @@
 #define INFERFLOW_ROWS_H
 #include <math.h>
 #include <stdint.h>
-#if defined(__AVX512F__) && defined(__AVX512DQ__)
+#if defined(__AVX512F__)
 #include <immintrin.h>
+#endif
+#if defined(__AVX512F__) && defined(__AVX512DQ__)
 
 /* expf of 16 floats, each correctly rounded but where the exact value lies within ~1e-14 of a
    rounding boundary (libm's expf is correctly rounded too, torch's vectorized one within an
@@ -65,15 +67,26 @@ __attribute__((optimize("fp-contract=off"))) static void silu_gate_row(const flo
     for (; i < n; i++) out[i] = g[i] / (1.f + expf(-g[i])) * u[i];
 }
 
-/* out[i] = (x[i] * r) * (offset + w[i]), r = 1 / sqrt(mean(x^2) + eps) */
-__attribute__((optimize("fp-contract=off"))) static void rms_norm_row(const float *x,
-                                                                      const float *w, int64_t D,
-                                                                      float eps, float offset,
-                                                                      float *out) {
+/* out[i] = (x[i] * r) * (offset + w[i]), r = 1 / sqrt(mean(x^2) + eps). The sum of squares
+   in one fixed order (16 lanes, then _mm512_reduce_add_ps's tree; else one by one) and no
+   reassociation: every library that includes this (rows.c's batched norm, the one-call
+   decode) gives the same bits, whatever the compiler makes of its other loops. */
+__attribute__((optimize("no-associative-math", "fp-contract=off"))) static void rms_norm_row(
+    const float *x, const float *w, int64_t D, float eps, float offset, float *out) {
     float ss = 0.f;
-    for (int64_t i = 0; i < D; i++) ss += x[i] * x[i];
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    __m512 acc = _mm512_setzero_ps();
+    for (; i < D; i += 16) {
+        const __mmask16 m = D - i >= 16 ? 0xFFFF : (__mmask16)((1u << (D - i)) - 1);
+        const __m512 v = _mm512_maskz_loadu_ps(m, x + i);
+        acc = _mm512_add_ps(acc, _mm512_mul_ps(v, v));
+    }
+    ss = _mm512_reduce_add_ps(acc);
+#endif
+    for (; i < D; i++) ss += x[i] * x[i];
     const float r = 1.f / sqrtf(ss / (float)D + eps);
-    for (int64_t i = 0; i < D; i++) out[i] = (x[i] * r) * (offset + w[i]);
+    for (i = 0; i < D; i++) out[i] = (x[i] * r) * (offset + w[i]);
 }
 
 /* the first rd dims of one head v in place, by angles cos / sin (rd / 2): pairs (j, j + rd / 2),

@@ -1,8 +1,9 @@
-/* One row's RMS norm and one head's rotary embedding, float32, shared by rows.c (the batched
-   forward's row-wise ops) and quant_decode.c (one token through a whole decoder; also its
-   SiLU gate, silu_gate_row). Products are
-   rounded one by one (no fused multiply-add), as torch computes them: rotation is bit for bit
-   the torch path; the norm differs only in the order its sum of squares is added up. */
+/* One row's RMS norm, one head's rotary embedding and one row's SiLU gate, float32, shared by
+   rows.c (the batched forward's row-wise ops) and quant_decode.c (one token through a whole
+   decoder): both libraries give the same bits, so a token prefilled and the same token decoded
+   agree. Products are rounded one by one (no fused multiply-add), as torch computes them:
+   rotation is bit for bit the torch path; the norm differs from torch's only in the order its
+   sum of squares is added up, the gate by torch's exp (within an ulp; ours correctly rounded). */
 #ifndef INFERFLOW_ROWS_H
 #define INFERFLOW_ROWS_H
 #include <math.h>

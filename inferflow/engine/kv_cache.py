@@ -122,8 +122,10 @@ class KVFormat:
                 )
             self.codec = get_format("Q8_0")
             self.width = head_dim // 32 * self.codec.bytes_per_block
-        stores = {"q8": torch.uint8, "bfloat16": torch.bfloat16, "float16": torch.float16}
-        stores["float32"] = torch.float32
+        stores = {
+            "q8": torch.uint8, "float16": torch.float16, "bfloat16": torch.bfloat16,
+            "float32": torch.float32,
+        }  # fmt: skip
         self.store = stores[name] if name is not None else compute
 
     def bytes_per_value(self) -> float:

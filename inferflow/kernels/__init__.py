@@ -67,9 +67,9 @@ PagedDecode = Callable[
 ]
 
 
-# the paged attention kernel for each cache dtype: float32, float16, uint8 (GGML Q8_0 blocks)
-_PAGED = {torch.float32: "paged_decode_f32", torch.float16: "paged_decode_f16"}
-_PAGED[torch.uint8] = "paged_decode_q8"
+# The KV caches the C kernels read (paged_decode, decode_stack), by the cache tensor's dtype:
+# the kind number both take. uint8: GGML Q8_0 blocks (inferflow.engine.kv_cache.KVFormat "q8").
+KV_FORMATS = {torch.float32: 0, torch.uint8: 1, torch.float16: 2}
 
 
 @cache
@@ -83,10 +83,10 @@ def paged_decode_attention(cache: torch.dtype = torch.float32) -> PagedDecode | 
     lib = _library("paged_attention")
     if lib is None:
         return None
-    fn = getattr(lib, _PAGED[cache])
+    fn, kind = lib.paged_decode, KV_FORMATS[cache]
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64
     fn.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, ctypes.c_float, ptr]
-    fn.argtypes += [ctypes.c_int]
+    fn.argtypes += [ctypes.c_int, ctypes.c_int]
     fn.restype = ctypes.c_int
 
     def run(
@@ -106,7 +106,7 @@ def paged_decode_attention(cache: torch.dtype = torch.float32) -> PagedDecode | 
         stride = 0 if slots.dim() == 1 else slots.shape[1]  # (S,): one list every row reads
         failed = fn(
             q.data_ptr(), kc.data_ptr(), vc.data_ptr(), slots.data_ptr(), lens.data_ptr(),
-            B, stride, H, KVH, D, scale, out.data_ptr(), torch.get_num_threads(),
+            B, stride, H, KVH, D, scale, out.data_ptr(), torch.get_num_threads(), kind,
         )  # fmt: skip
         if failed:
             raise MemoryError("paged_decode_attention: out of memory for the scores")
@@ -256,6 +256,6 @@ def causal_rows(
 def decode_attention_for(cache: torch.Tensor) -> PagedDecode | None:
     """``paged_decode_attention`` where it can read this KV cache (float32, float16, or uint8:
     Q8_0 blocks, inferflow.engine.kv_cache.KVFormat "q8"; on the CPU), else None."""
-    if cache.device.type != "cpu" or cache.dtype not in _PAGED:
+    if cache.device.type != "cpu" or cache.dtype not in KV_FORMATS:
         return None
     return paged_decode_attention(cache.dtype)

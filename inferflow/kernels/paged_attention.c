@@ -15,10 +15,10 @@
 #include "attend.h"
 
 /* kc, vc: float32 (kind 0), Q8_0 blocks, D / 32 * 34 bytes per KV head (kind 1), or float16
-   (kind 2) */
-static int paged_decode(const float *q, const void *kc, const void *vc, const int64_t *slots,
-                        const int64_t *lens, int64_t B, int64_t S, int64_t H, int64_t KVH,
-                        int64_t D, float scale, float *out, int nthreads, int kind) {
+   (kind 2): inferflow.kernels.KV_FORMATS. Nonzero where a task found no memory for its scores. */
+int paged_decode(const float *q, const void *kc, const void *vc, const int64_t *slots,
+                 const int64_t *lens, int64_t B, int64_t S, int64_t H, int64_t KVH, int64_t D,
+                 float scale, float *out, int nthreads, int kind) {
     const int64_t r = H / KVH, W = D / 32 * 34; /* (W: a Q8_0 KV head's bytes) */
     /* a task is one sequence and a run of its KV heads: all of them when there are sequences
        enough to keep the threads busy (fewer, larger tasks), one per task otherwise (a lone
@@ -44,22 +44,4 @@ static int paged_decode(const float *q, const void *kc, const void *vc, const in
         free(p);
     }
     return failed;
-}
-
-int paged_decode_f32(const float *q, const float *kc, const float *vc, const int64_t *slots,
-                     const int64_t *lens, int64_t B, int64_t S, int64_t H, int64_t KVH,
-                     int64_t D, float scale, float *out, int nthreads) {
-    return paged_decode(q, kc, vc, slots, lens, B, S, H, KVH, D, scale, out, nthreads, 0);
-}
-
-int paged_decode_q8(const float *q, const uint8_t *kc, const uint8_t *vc, const int64_t *slots,
-                    const int64_t *lens, int64_t B, int64_t S, int64_t H, int64_t KVH,
-                    int64_t D, float scale, float *out, int nthreads) {
-    return paged_decode(q, kc, vc, slots, lens, B, S, H, KVH, D, scale, out, nthreads, 1);
-}
-
-int paged_decode_f16(const float *q, const uint16_t *kc, const uint16_t *vc, const int64_t *slots,
-                     const int64_t *lens, int64_t B, int64_t S, int64_t H, int64_t KVH,
-                     int64_t D, float scale, float *out, int nthreads) {
-    return paged_decode(q, kc, vc, slots, lens, B, S, H, KVH, D, scale, out, nthreads, 2);
 }

@@ -65,7 +65,7 @@ typedef struct {
     int64_t hidden, heads, kv_heads, head_dim, inner, rotary_dim;
     int32_t adjacent; /* rotary pairs (2i, 2i + 1); else (i, i + rotary_dim / 2) */
     float eps, norm_offset, scale;
-    int32_t kv_format; /* the cache holds 0: float32, 1: Q8_0 blocks (kvq8.h), 2: float16 */
+    int32_t kv_format; /* the cache: 0 float32, 1 Q8_0 blocks (kvq8.h), 2 float16 (KV_FORMATS) */
     int32_t act_q8; /* 8-bit rows of x into the products that have a q8 path (gemm_in_team) */
 } Dims;
 

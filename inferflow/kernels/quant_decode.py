@@ -40,11 +40,7 @@ class CLayer(ctypes.Structure):
 class CDims(ctypes.Structure):
     _fields_ = [(name, _I64) for name in ("hidden", "heads", "kv_heads", "head_dim", "inner")]
     _fields_ += [("rotary_dim", _I64), ("adjacent", _I32), ("eps", _F), ("norm_offset", _F)]
-    _fields_ += [("scale", _F), ("kv_format", _I32), ("act_q8", _I32)]
-
-
-# CDims.kv_format by the cache's dtype: float32, Q8_0 blocks (KVFormat "q8"), float16
-KV_FORMATS = {torch.float32: 0, torch.uint8: 1, torch.float16: 2}
+    _fields_ += [("scale", _F), ("kv_format", _I32), ("act_q8", _I32)]  # (kernels.KV_FORMATS)
 
 
 @cache

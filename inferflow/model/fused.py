@@ -34,7 +34,8 @@ from inferflow.blocks import RESIDUALS
 from inferflow.blocks.ffn import GatedFFN
 from inferflow.blocks.norm import RMSNorm
 from inferflow.blocks.position import Rotary
-from inferflow.kernels.quant_decode import KV_FORMATS, CDims, CLayer, QPlane, library
+from inferflow.kernels import KV_FORMATS
+from inferflow.kernels.quant_decode import CDims, CLayer, QPlane, library
 from inferflow.model.batch import FlatBatch
 
 if TYPE_CHECKING:

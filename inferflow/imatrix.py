@@ -246,11 +246,6 @@ GENERATED_SEQS = 16
 IMATRIX_CACHE = Path.home() / ".cache" / "inferflow" / "imatrix"
 
 
-def builtin_imatrix(ref: str | Path | Spec) -> Path:
-    """``named_imatrix(BUILTIN, ref)``."""
-    return named_imatrix(BUILTIN, ref)
-
-
 def named_imatrix(name: str, ref: str | Path | Spec) -> Path:
     """The cached importance matrix ``name`` (NAMED) of the model ``ref`` is or names (a spec
     name or file, a GGUF), computed on first use by a float32 pass over CALIBRATION_CHUNKS
@@ -282,7 +277,7 @@ def named_imatrix(name: str, ref: str | Path | Spec) -> Path:
             )
         ids, bos = text_ids(tok, CALIBRATION_TEXT.read_text(encoding="utf-8"))
         first, dataset = CALIBRATION_FIRST, CALIBRATION_TEXT.name
-    else:
+    else:  # (sampled by the model as served: its integer products write faster than float32)
         ids, bos = own_samples(load(spec, "auto", None, tok), GENERATED_SEQS, CALIBRATION_CTX), None
         first, dataset = 0, f"{GENERATED_SEQS} samples of the model's own"
     lm = load(spec, "float32", "none", tok)

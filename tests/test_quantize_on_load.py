@@ -198,7 +198,7 @@ def test_builtin_imatrix_is_computed_once_from_hamlet(
     monkeypatch.setattr(im, "CALIBRATION_FIRST", 1)
     monkeypatch.setattr(im, "CALIBRATION_CHUNKS", 2)
     monkeypatch.setattr(im, "IMATRIX_CACHE", tmp_path / "cache")
-    path = im.builtin_imatrix("smollm2-135m-instruct")
+    path = im.named_imatrix(im.BUILTIN, "smollm2-135m-instruct")
     assert path.parent == tmp_path / "cache"
     own = tmp_path / "own.gguf"
     rc = main(["imatrix", "smollm2-135m-instruct", "--text", str(text), "-o", str(own),

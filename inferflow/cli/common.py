@@ -62,13 +62,13 @@ def with_quant(spec: Spec, args: argparse.Namespace) -> Spec:
     from pathlib import Path
 
     from inferflow.errors import InferflowError
+    from inferflow.imatrix import NAMED, named_imatrix
     from inferflow.runtime import quant_for
 
-    # (inferflow.imatrix.NAMED, imported only when asked for: it is heavy)
-    named = args.imatrix in ("builtin", "generated")
+    named = args.imatrix in NAMED
     if args.imatrix and not named and not Path(args.imatrix).is_file():
         raise InferflowError(
-            f"--imatrix {args.imatrix}: no such file, nor one of builtin, generated"
+            f"--imatrix {args.imatrix}: no such file, nor one of {', '.join(NAMED)}"
         )
     imatrix = Path(args.imatrix) if args.imatrix and not named else spec.quant.imatrix
     quant = replace(spec.quant, method=args.quant_method or spec.quant.method, imatrix=imatrix)
@@ -83,8 +83,6 @@ def with_quant(spec: Spec, args: argparse.Namespace) -> Spec:
             "too (or a spec with quant.weights)"
         )
     if named:  # (computed once, before the weights load)
-        from inferflow.imatrix import named_imatrix
-
         matrix = named_imatrix(args.imatrix, spec)
         spec = replace(spec, quant=replace(spec.quant, imatrix=matrix))
     return spec

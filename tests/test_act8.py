@@ -41,9 +41,19 @@ def build(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch, tmp_p
     monkeypatch.setenv("INFERFLOW_KERNEL_CACHE", str(tmp_path_factory.getbasetemp() / "kernels"))
     monkeypatch.setattr(kernels, "FLAGS", [*kernels.FLAGS, *request.param])
     _reset()
-    yield
+    yield request.param
     monkeypatch.undo()
     _reset()
+
+
+def _x_per(fmt: str, flags: list[str]) -> int:
+    """Columns of x sharing one 8-bit scale: a k-quant's super-block of 256 weights where the
+    build walks AVX-512 VNNI tiles (its sub-scales are then integers inside the super-block:
+    llama.cpp's Q8_K for the same types), else 32 (Q8_0 / Q8_1's blocks)."""
+    from inferflow.kernel_build import _cpu_key
+
+    vnni = not flags and "avx512_vnni" in _cpu_key().split()
+    return 256 if fmt.endswith("_K") and vnni else 32
 
 
 def _layer(fmt: str, n: int, k: int, seed: int) -> tuple[QuantLinear, torch.Tensor]:
@@ -72,15 +82,17 @@ def _width(fmt: str) -> int:
 
 @pytest.mark.parametrize("fmt", list(GGML))
 def test_inputs_on_the_8_bit_grid_give_the_exact_product(fmt: str, build) -> None:  # noqa: ANN001
-    """x whose every 32 values are integers times a power of two, one of them +-127: the
-    rounding keeps x exactly, so the integer dot products must give W x as gguf-py's weights
-    say (a code paired with the wrong column, or a wrong scale, would not)."""
+    """x whose every 32 values (256 where x_per says so) are integers times a power of two, one
+    of them +-127: the rounding keeps x exactly, so the integer dot products must give W x as
+    gguf-py's weights say (a code paired with the wrong column, or a wrong scale, would not)."""
     k = _width(fmt)
     layer, w = _layer(fmt, 71, k, 0)  # (4 full tiles of 16 rows and 7 rows)
+    per = _x_per(fmt, build)
+    assert layer.plane.x_per() == per  # type: ignore[union-attr]
     g = torch.Generator().manual_seed(1)
-    xi = torch.randint(-127, 128, (6, k // 32, 32), generator=g)
-    xi[:, :, 5] = 127 * (1 - 2 * (torch.arange(k // 32) % 2))  # amax 127 in every chunk
-    x = (xi * 2.0 ** torch.randint(-9, -3, (6, k // 32, 1), generator=g)).reshape(6, k)
+    xi = torch.randint(-127, 128, (6, k // per, per), generator=g)
+    xi[:, :, 5] = 127 * (1 - 2 * (torch.arange(k // per) % 2))  # amax 127 in every block
+    x = (xi * 2.0 ** torch.randint(-9, -3, (6, k // per, 1), generator=g)).reshape(6, k)
     want = x.double() @ w.T
     for act8 in (False, True):
         layer.act8 = act8
@@ -90,18 +102,20 @@ def test_inputs_on_the_8_bit_grid_give_the_exact_product(fmt: str, build) -> Non
 
 @pytest.mark.parametrize("fmt", list(GGML))
 def test_general_inputs_within_the_rounding_of_x(fmt: str, build) -> None:  # noqa: ANN001
-    """Any x: the product moves from W x by at most what rounding x to 8 bits per 32 values
-    can move it (half a step per value, times |w|), and rows alone equal rows together."""
+    """Any x: the product moves from W x by at most what rounding x to 8 bits per 32 (or
+    x_per) values can move it (half a step per value, times |w|), and rows alone equal rows
+    together."""
     k = _width(fmt)
     layer, w = _layer(fmt, 63, k, 2)
     if not layer.plane.has_q8():  # type: ignore[union-attr]
         pytest.skip(f"this build has no integer path for {fmt} (AVX-512 without VNNI)")
+    per = _x_per(fmt, build)
     x = torch.randn(5, k, generator=torch.Generator().manual_seed(3))
     x[1] *= 1e-4
     x[2, :64] = 0.0
     got = layer.plane.matmul_f32(x, q8=True).double()  # type: ignore[union-attr]
-    half_step = x.reshape(5, -1, 32).abs().amax(-1, keepdim=True) / 127 / 2
-    bound = (half_step.expand(-1, -1, 32).reshape(5, k).double() @ w.abs().T) * 1.01 + 1e-7
+    half_step = x.reshape(5, -1, per).abs().amax(-1, keepdim=True) / 127 / 2
+    bound = (half_step.expand(-1, -1, per).reshape(5, k).double() @ w.abs().T) * 1.01 + 1e-7
     err = (got - x.double() @ w.T).abs()
     assert bool((err <= bound).all()), float((err / bound).max())
     assert float(err.max()) > 1e-4  # (the inputs were rounded: not the float32 product)
@@ -109,19 +123,23 @@ def test_general_inputs_within_the_rounding_of_x(fmt: str, build) -> None:  # no
     assert torch.equal(alone.double(), got)
 
 
-def _rounded(x: torch.Tensor) -> torch.Tensor:
-    """x as the q8 path rounds it: per 32 values, dx = max|x| / 127 and x ~= dx * rint(x / dx)
-    (nearest even), each step one IEEE float32 operation as quant_decode.c's quantize_row_q8
-    does: numpy's float32 division is correctly rounded (torch's vectorized one may be an ulp
-    off, which moves a tie such as 60.5)."""
-    c = x.numpy().astype(np.float32).reshape(x.shape[0], -1, 32)
-    amax = np.abs(c).max(-1, keepdims=True)
+def _rounded(x: torch.Tensor, per: int = 32) -> torch.Tensor:
+    """x as the q8 path rounds it: per 32 (or ``per``) values, dx = max|x| / 127 and x ~= dx *
+    rint(x / dx) (nearest even), each step one IEEE float32 operation as quant_decode.c's
+    quantize_row_q8 does: numpy's float32 division is correctly rounded (torch's vectorized
+    one may be an ulp off, which moves a tie such as 60.5). In blocks of more than 32, a chunk
+    of 32 whose max is at most a quarter (half) of its block's takes a step of dx / 4 (dx / 2)."""
+    c = x.numpy().astype(np.float32).reshape(x.shape[0], -1, per // 32, 32)
+    amax = np.abs(c).max((-2, -1), keepdims=True)
     with np.errstate(divide="ignore"):
         inv = np.where(amax > 0, np.float32(127) / amax, np.float32(0)).astype(np.float32)
-    q = np.clip(np.rint(c * inv), -127, 127)
-    return torch.from_numpy(
-        (q.astype(np.float64) * (amax / np.float32(127)).astype(np.float64)).reshape(x.shape)
-    )
+    e = np.zeros_like(amax[..., :1].repeat(per // 32, -2))
+    if per > 32:  # (2^e: the largest of 1, 2, 4 with the chunk's max * 2^e <= the block's)
+        chunk = np.abs(c).max(-1, keepdims=True)
+        e = (chunk * 2 <= amax).astype(np.float32) + (chunk * 4 <= amax)
+    q = np.clip(np.rint(c * (inv * np.float32(2) ** e)), -127, 127)
+    step = (amax / np.float32(127)).astype(np.float64) / 2.0**e
+    return torch.from_numpy((q.astype(np.float64) * step).reshape(x.shape))
 
 
 @pytest.mark.parametrize("fmt", list(GGML))
@@ -129,15 +147,19 @@ def test_the_product_is_that_of_the_rounded_row(fmt: str, build) -> None:  # noq
     """Any x: the q8 product is W times x rounded to 8 bits (to float32 accuracy), the mins'
     term included: it takes the rounded row's group sums, as llama.cpp's Q8_1 sums do. With
     x's own float sums there, the error would be the codes' offset (8 for Q4_0) times x's
-    rounding instead of the weights' size times it."""
+    rounding instead of the weights' size times it. Chunks of 32 at scales from 1 to 1e-3, so
+    that in super-blocks every shift is taken (chunks at most 1/2, 1/4 of their block's max)."""
     k = _width(fmt)
     layer, w = _layer(fmt, 65, k, 4)
     if not layer.plane.has_q8():  # type: ignore[union-attr]
         pytest.skip(f"this build has no integer path for {fmt} (AVX-512 without VNNI)")
     x = torch.randn(5, k, generator=torch.Generator().manual_seed(5)) + 0.5
+    scales = torch.tensor([1.0, 0.6, 0.4, 0.26, 0.2, 0.1, 0.03, 1e-3])
+    x = (x.reshape(5, -1, 32) * scales[torch.arange(k // 32) % 8, None]).reshape(5, k)
     got = layer.plane.matmul_f32(x, q8=True).double()  # type: ignore[union-attr]
-    want = _rounded(x) @ w.T
-    assert float((got - want).abs().max() / want.abs().max()) < 2e-6
+    rounded = _rounded(x, _x_per(fmt, build))
+    want, size = rounded @ w.T, rounded.abs() @ w.abs().T  # (float32 sums err with the terms)
+    assert float(((got - want).abs() / size.max()).max()) < 2e-6
     for rows in ([3], [4, 0], [1, 2, 3]):  # a row's result whatever else is in the call
         assert torch.equal(layer.plane.matmul_f32(x[rows], q8=True).double(), got[rows])  # type: ignore[union-attr]
 
@@ -249,12 +271,13 @@ def test_amx_products_are_the_rounded_rows_times_w_and_the_vnni_bits(fmt: str, a
         x[3] *= 1e-3
         before = amx.qmat_amx_rows()
         on = layer.plane.matmul_f32(x, q8=True)  # type: ignore[union-attr]
-        assert amx.qmat_amx_rows() - before == rows // 16 * 16  # (the tiles took them)
+        per = _x_per(fmt, [])  # (x in super-blocks: VNNI's integer sub-scales, not the tiles)
+        assert amx.qmat_amx_rows() - before == (rows // 16 * 16 if per == 32 else 0)
         quant_decode.set_amx(amx, False)
         off = layer.plane.matmul_f32(x, q8=True)  # type: ignore[union-attr]
         quant_decode.set_amx(amx, True)
         assert torch.equal(on, off), (fmt, rows)
-        want = _rounded(x) @ w.T
+        want = _rounded(x, per) @ w.T
         assert float((on.double() - want).abs().max() / want.abs().max()) < 2e-6, (fmt, rows)
         for r in (0, 3, rows - 1):
             assert torch.equal(layer.plane.matmul_f32(x[r : r + 1], q8=True), on[r : r + 1])  # type: ignore[union-attr]

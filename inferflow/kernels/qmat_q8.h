@@ -5,47 +5,72 @@
 
 #include "qmat.h"
 
-/* 8-bit activations (the "q8" products): each row of x as int8 codes per 32 columns, x ~= dx *
-   xq with dx = max |x| / 127 and xq = rint(x * 127 / max |x|) (nearest even), the 32 codes of
-   chunk j stored in the tiles' order: byte 4s + e is column (2s, 2s + 1, 16 + 2s, 17 + 2s)[e]
-   (plain: column 4s + e, the order of tiles in groups of 16).
+/* 8-bit activations (the "q8" products): each row of x as int8 codes per `per` columns, x ~=
+   dx * xq with dx = max |x| / 127 and xq = rint(x * 127 / max |x|) (nearest even), the 32 codes
+   of chunk j stored in the tiles' order: byte 4s + e is column (2s, 2s + 1, 16 + 2s, 17 + 2s)[e]
+   (plain: column 4s + e, the order of tiles in groups of 16). per is 32, or a two-level
+   plane's super-block (256, on VNNI builds: x_per); there a chunk whose max is at most 2^-e of
+   its block's (e <= X_SHIFT) takes codes rint(x * 127 / max |x| * 2^e), sh[j] = X_SHIFT - e,
+   and dx = max |x| / 127 / 2^X_SHIFT: x ~= dx * (xq << sh[j]).
    A 4-bit tile's chunk is then one integer dot product per row (exact), times scale * dx in
    float32; the mins' term keeps x's float group sums. Integer sums are exact in any order; the
    float32 operations after them are fixed per build, as for float32 x, so a row's result
    never depends on the other rows. */
-static void quantize_row_q8(const float *x, int64_t k, int8_t *xq, float *dx, const int plain) {
-    for (int64_t j = 0; j < k / 32; j++) {
-        const float *c = x + 32 * j;
-        int8_t *o = xq + 32 * j;
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-        /* the same operations 16 at a time: cvtps rounds to nearest even as rintf does, and
-           |x * id| <= 127 (+ rounding) needs no clamp; columns 2s, 2s + 1 of lo and of hi are
-           interleaved as 16-bit pairs */
-        const __m512 lo = _mm512_loadu_ps(c), hi = _mm512_loadu_ps(c + 16);
-        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
-        const float id = amax > 0.f ? 127.f / amax : 0.f;
-        dx[j] = amax / 127.f;
-        const __m512 vid = _mm512_set1_ps(id);
-        const __m128i l = _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(lo, vid)));
-        const __m128i h = _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(hi, vid)));
-        _mm_storeu_si128((__m128i *)o, plain ? l : _mm_unpacklo_epi16(l, h));
-        _mm_storeu_si128((__m128i *)(o + 16), plain ? h : _mm_unpackhi_epi16(l, h));
-#else
+/* where x is in blocks of more than 32 columns: bits a chunk of 32 far below its block's max
+   may gain (a power of two per chunk, undone by a shift of its integer sums) */
+#define X_SHIFT 2
+static void quantize_row_q8(const float *x, int64_t k, int8_t *xq, float *dx, const int plain,
+                            const int64_t per, int32_t *sh) {
+    for (int64_t b = 0; b < k / per; b++) {
+        const float *c0 = x + per * b;
         float amax = 0.f;
-        for (int i = 0; i < 32; i++) {
-            const float a = fabsf(c[i]);
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+        __m512 m = _mm512_setzero_ps();
+        for (int64_t i = 0; i < per; i += 16) m = _mm512_max_ps(m, _mm512_abs_ps(_mm512_loadu_ps(c0 + i)));
+        amax = _mm512_reduce_max_ps(m);
+#else
+        for (int64_t i = 0; i < per; i++) {
+            const float a = fabsf(c0[i]);
             amax = a > amax ? a : amax;
         }
-        const float id = amax > 0.f ? 127.f / amax : 0.f;
-        dx[j] = amax / 127.f;
-        for (int s = 0; s < 8; s++) {
-            const float v[4] = {c[2 * s], c[2 * s + 1], c[16 + 2 * s], c[17 + 2 * s]};
-            for (int e = 0; e < 4; e++) {
-                const float r = rintf((plain ? c[4 * s + e] : v[e]) * id);
-                o[4 * s + e] = (int8_t)(r > 127.f ? 127.f : (r < -127.f ? -127.f : r));
-            }
-        }
 #endif
+        const float id0 = amax > 0.f ? 127.f / amax : 0.f;
+        dx[b] = per > 32 ? amax / 127.f / (float)(1 << X_SHIFT) : amax / 127.f;
+        for (int64_t j = per / 32 * b; j < per / 32 * (b + 1); j++) {
+            const float *c = x + 32 * j;
+            int8_t *o = xq + 32 * j;
+            float id = id0;
+            if (per > 32) { /* a chunk far below the block's max takes up to X_SHIFT more bits */
+                float am = 0.f;
+#if defined(__AVX512F__)
+                am = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(_mm512_loadu_ps(c)),
+                                                        _mm512_abs_ps(_mm512_loadu_ps(c + 16))));
+#else
+                for (int i = 0; i < 32; i++) am = fabsf(c[i]) > am ? fabsf(c[i]) : am;
+#endif
+                int e = 0;
+                while (e < X_SHIFT && am * (float)(2 << e) <= amax) e++;
+                id = id0 * (float)(1 << e), sh[j] = X_SHIFT - e;
+            }
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+            /* 16 at a time: cvtps rounds to nearest even as rintf does, and |x * id| <= 127
+               (+ rounding) needs no clamp; columns 2s, 2s + 1 of lo and of hi are
+               interleaved as 16-bit pairs */
+            const __m512 vid = _mm512_set1_ps(id);
+            const __m128i l = _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(c), vid)));
+            const __m128i h = _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(c + 16), vid)));
+            _mm_storeu_si128((__m128i *)o, plain ? l : _mm_unpacklo_epi16(l, h));
+            _mm_storeu_si128((__m128i *)(o + 16), plain ? h : _mm_unpackhi_epi16(l, h));
+#else
+            for (int s = 0; s < 8; s++) {
+                const float v[4] = {c[2 * s], c[2 * s + 1], c[16 + 2 * s], c[17 + 2 * s]};
+                for (int e = 0; e < 4; e++) {
+                    const float r = rintf((plain ? c[4 * s + e] : v[e]) * id);
+                    o[4 * s + e] = (int8_t)(r > 127.f ? 127.f : (r < -127.f ? -127.f : r));
+                }
+            }
+#endif
+        }
     }
 }
 
@@ -71,6 +96,17 @@ static void q8_group_sums(const QMat *w, const int8_t *xq, const float *dx, floa
             s += dx[j] * (float)q;
         }
         xs[g] = s;
+    }
+}
+
+/* the integer sums of each group of 16 or 32 columns of a row in blocks (xs16: k / group;
+   either code order: a group is whole sub-blocks), each code << its chunk's shift: |sum| <=
+   32 * 127 * 4 */
+static void q8_group_sums16(const QMat *w, const int8_t *xq, const int32_t *sh, int16_t *xs16) {
+    for (int64_t g = 0; g < w->k / w->group; g++) {
+        int32_t q = 0;
+        for (int64_t i = 0; i < w->group; i++) q += xq[g * w->group + i];
+        xs16[g] = (int16_t)(q * (1 << sh[g * w->group / 32]));
     }
 }
 

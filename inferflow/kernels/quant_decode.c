@@ -199,6 +199,18 @@ static inline int q8_path(const QMat *w, int path) {
 #endif
 }
 
+/* columns of x per 8-bit scale in W's q8 products: a super-block of a two-level plane's
+   groups where VNNI walks its tiles (tile_dot_rows16_sb), else 32 */
+static inline int64_t x_per(const QMat *w, int path) {
+#if defined(Q8_TILES16)
+    if (w->sb && (path == 2 || path == 4 || path == 5 || path == 8) && w->k % (w->group * w->sb) == 0)
+        return x_per_sb(w);
+#else
+    (void)w, (void)path;
+#endif
+    return 32;
+}
+
 /* the body for W's scales (plain16: general, one level, two levels) */
 #define BY_SCALES(general, one, two)                                                               \
     do {                                                                                            \
@@ -210,6 +222,19 @@ static inline int q8_path(const QMat *w, int path) {
 static void block_dot_q8(const QMat *w, int path, int64_t t, const int8_t *xq, const float *dx,
                          const float *xs, float *y, int add, int64_t mr) {
 #if defined(Q8_TILES16)
+    if (x_per(w, path) > 32) {
+        switch (path) { /* (eight, five, six, g16) */
+#define CSB(n, e, f, s, g) tile_dot_rows16_sb(w, t, xq, dx, xs, y, add, n, e, f, s, g)
+#define CSB2(n) CSB(n, 0, 0, 0, 0)
+#define CSB4(n) CSB(n, 0, 1, 0, 0)
+#define CSB5(n) CSB(n, 0, 0, 0, 1)
+#define CSB8(n) CSB(n, 0, 0, 1, 1)
+        case 2: CASES8(CSB2); return;
+        case 4: CASES8(CSB4); return;
+        case 5: CASES8(CSB5); return;
+        default: CASES8(CSB8); return;
+        }
+    }
     switch (path) {
     case 2: /* (plain16 planes: bodies of their own, per path that takes them) */
 #define C6(n) tile_dot_rows16_q8(w, t, xq, dx, xs, y, add, n, 0, 0, 0, 0, 0)
@@ -286,20 +311,34 @@ static inline int64_t blocks_of(const QMat *w, int path) {
 static void gemm_in_team(const QMat *w, const float *x, int64_t M, float *xs, float *y, int add,
                          int8_t *xq, float *dx) {
     const int path = path_of(w), q8 = xq != NULL && q8_path(w, path);
-    const int64_t k = w->k, G = k / w->group, T = blocks_of(w, path);
+    const int64_t k = w->k, G = k / w->group, T = blocks_of(w, path), per = x_per(w, path);
+#if defined(Q8_TILES16)
+    const int64_t R = q8 ? (per > 32 ? MRQ : XQ_ROWS[path]) : X_ROWS[path];
+#else
     const int64_t R = q8 ? XQ_ROWS[path] : X_ROWS[path];
+#endif
     const int64_t J = k / 32;
 #pragma omp for schedule(static)
     for (int64_t m = 0; m < M; m++) {
         if (q8) {
-            quantize_row_q8(x + m * k, k, xq + m * k, dx + m * J, w->group == 16 || path == 1);
-            q8_group_sums(w, xq + m * k, dx + m * J, xs + m * G);
+            if (per > 32) { /* the row's G floats: its int16 group sums, then its k / per
+                               scales; its k / 32 of dx: the chunks' shifts (int32) */
+                int16_t *sums = (int16_t *)(xs + m * G);
+                int32_t *sh = (int32_t *)(dx + m * J);
+                quantize_row_q8(x + m * k, k, xq + m * k, (float *)(sums + G), w->group == 16,
+                                per, sh);
+                q8_group_sums16(w, xq + m * k, sh, sums);
+            } else {
+                quantize_row_q8(x + m * k, k, xq + m * k, dx + m * J, w->group == 16 || path == 1,
+                                per, NULL);
+                q8_group_sums(w, xq + m * k, dx + m * J, xs + m * G);
+            }
         } else
             group_sums(w, x + m * k, xs + m * G);
     }
     int64_t m1 = 0; /* rows before m1 are done */
 #if AMX_BUILT
-    if (q8 && amx_on && M >= 16) { /* (q8 on AVX-512 builds: the tile paths) */
+    if (q8 && amx_on && M >= 16 && per == 32) { /* (q8 on AVX-512 builds: the tile paths) */
         m1 = M / 16 * 16;
         amx_gemm_in_team(w, path, M / 16, xq, dx, xs, y, add);
     }
@@ -336,6 +375,9 @@ void qmat_gemm_f32(const QMat *w, const float *x, int64_t M, float *xs, float *y
 
 /* whether products over W take 8-bit rows of X where asked (this build's path for W has one) */
 int qmat_has_q8(const QMat *w) { return q8_path(w, path_of(w)); }
+
+/* columns of x per 8-bit scale in those products (32, or a two-level plane's super-block) */
+int64_t qmat_x_per(const QMat *w) { return x_per(w, path_of(w)); }
 
 /* whether this build has the AMX products (qmat_amx_enable turns them on) */
 int qmat_amx_built(void) { return AMX_BUILT; }

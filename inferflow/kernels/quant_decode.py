@@ -54,6 +54,7 @@ def library() -> ctypes.CDLL | None:
     lib.qmat_gemm_f32.restype = None
     lib.qmat_half_built.argtypes, lib.qmat_half_built.restype = [], ctypes.c_int
     lib.qmat_has_q8.argtypes, lib.qmat_has_q8.restype = [ctypes.POINTER(CQMat)], ctypes.c_int
+    lib.qmat_x_per.argtypes, lib.qmat_x_per.restype = [ctypes.POINTER(CQMat)], _I64
     lib.qmat_tiles16_built.argtypes, lib.qmat_tiles16_built.restype = [], ctypes.c_int
     lib.decode_stack.argtypes = [ctypes.POINTER(CLayer), _I64, ctypes.POINTER(CDims), _I64, _P]
     lib.decode_stack.argtypes += [_P, _P, _P, _P, _I64, _P, _I64, _P, _P, ctypes.c_int]
@@ -244,11 +245,20 @@ class QPlane:
         lib = library()
         return lib is not None and bool(lib.qmat_has_q8(ctypes.byref(self.struct)))
 
+    def x_per(self) -> int:
+        """Columns of x sharing one 8-bit scale in ``matmul_f32(x, q8=True)``: 32, or where
+        the scales are held in two levels (``factor``) and VNNI walks the tiles, a super-block
+        (256, as llama.cpp's Q8_K for the same k-quants; a chunk of 32 at most 1/2 or 1/4 of
+        its block's max gains 1 or 2 bits), whose sums are then all integers."""
+        lib = library()
+        return 32 if lib is None else int(lib.qmat_x_per(ctypes.byref(self.struct)))
+
     def matmul_f32(self, x: torch.Tensor, q8: bool = False) -> torch.Tensor:
         """``x (M, k) float32 @ W.T`` -> (M, n) float32, all rows at once (each unpacked tile of
         codes meets several rows); every row equals ``matvec``'s bit for bit. ``q8``: each row
-        of x rounded to 8 bits per 32 values first (``quantize_row_q8``) where the codes have
-        an integer path (``has_q8``), the same for every row whatever else is in the call."""
+        of x rounded to 8 bits per ``x_per()`` values first (``quantize_row_q8``) where the
+        codes have an integer path (``has_q8``), the same for every row whatever else is in
+        the call."""
         lib = library()
         if lib is None:
             raise RuntimeError("the quant_decode kernel is not available")

@@ -303,6 +303,106 @@ static inline __attribute__((always_inline)) void tile_dot_rows16_q8(const QMat 
     }
     store_tile16(w, t, acc, mins, out, add, mr);
 }
+
+/* row m's scales of x where it is in super-blocks (after its G int16 group sums) */
+static inline const float *xdx(const float *xs, int m, int64_t G) {
+    return (const float *)((const int16_t *)(xs + m * G) + G);
+}
+
+/* columns of a two-level plane's super-block: one scale of x per super-block (x_per) */
+static inline int64_t x_per_sb(const QMat *w) { return w->group * w->sb; }
+
+/* Two-level planes (sb > 0: k-quants) with x in super-blocks (quantize_row_q8 with per =
+   x_per_sb: one scale per super-block, as llama.cpp's Q8_K for the same formats, and a shift
+   per chunk of 32 for the chunks far below the super-block's max): the scales inside a
+   super-block are W's int8 sub-scales, so a super-block is all integers, sum over chunks of
+   (sum_g sc8_g (codes_g . xq_g)) << shift, scaled once by d * dx in float32; the mins' term
+   likewise, sum_g mn8_g sum(xq_g << shift) (symmetric codes: sc8 and -zero * d), by 16-bit pair
+   products. Row m's shifts are int32 at dx + m J; its group sums (int16) and super-block
+   scales in its G floats of xs (xdx). No int32 sum can overflow: |codes . x| <= 32 * 63 * 127
+   per chunk, times |sc8| <= 128, << 2, over 8 chunks < 2^31. Sub-blocks 0 .. 3 of a chunk are
+   its first group where groups are 16. */
+static inline __attribute__((always_inline)) void tile_dot_rows16_sb(const QMat *w, int64_t t,
+                                                                     const int8_t *xq,
+                                                                     const float *dx,
+                                                                     const float *xs, float *out,
+                                                                     int add, const int mr,
+                                                                     const int eight,
+                                                                     const int five,
+                                                                     const int six,
+                                                                     const int g16) {
+    const int64_t k = w->k, G = k / w->group, J = k / 32, per = x_per_sb(w), NS = k / per;
+    const int64_t cps = per / 32, gpb = per / w->group; /* chunks, groups per block of x */
+    const int sbs = __builtin_ctzll((uint64_t)w->sb);
+    const uint8_t *c = w->codes + t * J * TILE_CHUNK(eight);
+    const int8_t *xr = xq;
+    __m512 acc[MRQ], mins[MRQ];
+    for (int m = 0; m < mr; m++) acc[m] = mins[m] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < NS; b++) {
+        __m512i is[MRQ];
+        for (int m = 0; m < mr; m++) is[m] = _mm512_setzero_si512();
+        for (int64_t jj = b * cps; jj < (b + 1) * cps; jj++, c += TILE_CHUNK(eight), xr += 32) {
+            const int64_t i = (t * G + (g16 ? 2 * jj : jj)) * 16;
+            const __m512i s0 = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(w->sc8 + i)));
+            __m512i h[2];
+            chunk_bits16(w, t, jj, five, six, h);
+            __m512i a[MRQ];
+            for (int m = 0; m < mr; m++) a[m] = _mm512_setzero_si512();
+            __m512i a0[MRQ];
+#pragma GCC unroll 8
+            for (int s = 0; s < 8; s++) {
+                if (g16 && s == 4) { /* the chunk's first group is done */
+                    for (int m = 0; m < mr; m++) {
+                        a0[m] = _mm512_mullo_epi32(a[m], s0);
+                        a[m] = _mm512_setzero_si512();
+                    }
+                }
+                const __m512i q = operand16(c, s, eight, five, six, h);
+                for (int m = 0; m < mr; m++) {
+                    uint32_t xv;
+                    memcpy(&xv, xr + m * k + 4 * s, sizeof xv);
+                    a[m] = _mm512_dpbusd_epi32(a[m], q, _mm512_set1_epi32((int)xv));
+                }
+            }
+            const __m512i s1 = g16 ? _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(w->sc8 + i + 16))) : s0;
+            for (int m = 0; m < mr; m++) { /* (the row's shift for the chunk: dx holds them) */
+                __m512i p = _mm512_mullo_epi32(a[m], s1);
+                if (g16) p = _mm512_add_epi32(p, a0[m]);
+                p = _mm512_sllv_epi32(p, _mm512_set1_epi32(((const int32_t *)(dx + m * J))[jj]));
+                is[m] = _mm512_add_epi32(is[m], p);
+            }
+        }
+        const int64_t i0 = (t * G + b * gpb) * 16;
+        const __m512 d = half16(w->scale, SB16(i0, sbs));
+        for (int m = 0; m < mr; m++)
+            acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(is[m]),
+                                     _mm512_mul_ps(d, _mm512_set1_ps(xdx(xs, m, G)[b])), acc[m]);
+    }
+    /* the mins' term: per super-block, pairs of groups (g, g + 1) as 16-bit lanes */
+    const int8_t *a8 = w->min ? w->mn8 : w->sc8;
+    for (int64_t b = 0; b < NS; b++) {
+        __m512i ms[MRQ];
+        for (int m = 0; m < mr; m++) ms[m] = _mm512_setzero_si512();
+        for (int64_t g = b * gpb; g < (b + 1) * gpb; g += 2) {
+            const int64_t i = (t * G + g) * 16;
+            const __m512i lo = _mm512_cvtepu16_epi32(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(a8 + i))));
+            const __m512i hi = _mm512_cvtepu16_epi32(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(a8 + i + 16))));
+            const __m512i pair = _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16));
+            for (int m = 0; m < mr; m++) {
+                uint32_t sv; /* (sums g, g + 1 of row m) */
+                memcpy(&sv, (const int16_t *)(xs + m * G) + g, sizeof sv);
+                ms[m] = _mm512_dpwssd_epi32(ms[m], pair, _mm512_set1_epi32((int)sv));
+            }
+        }
+        const int64_t i0 = (t * G + b * gpb) * 16;
+        const __m512 mn = w->min ? half16(w->min, SB16(i0, sbs))
+                                 : _mm512_mul_ps(_mm512_set1_ps(-w->zero), half16(w->scale, SB16(i0, sbs)));
+        for (int m = 0; m < mr; m++)
+            mins[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ms[m]),
+                                      _mm512_mul_ps(mn, _mm512_set1_ps(xdx(xs, m, G)[b])), mins[m]);
+    }
+    store_tile16(w, t, acc, mins, out, add, mr);
+}
 #endif
 #endif
 

@@ -404,3 +404,26 @@ def test_portable_builds(
     finally:
         monkeypatch.undo()
         _reset()
+
+
+def test_a_prompt_through_the_gated_ffn_a_few_rows_at_a_time(lib, monkeypatch) -> None:  # noqa: ANN001
+    """Many rows (a prompt) go through GatedFFN a few at a time (ffn.PASS_BYTES: the gated
+    hidden rows stay in the caches and below glibc's mmap ceiling): on quantized W13 / W2
+    (batch-invariant products) the rows come out bit for bit as all at once."""
+    import torch.nn.functional as F
+
+    from inferflow.blocks import ffn
+    from inferflow.spec.types import HParams
+
+    g = torch.Generator().manual_seed(3)
+    block = ffn.GatedFFN(ffn.FFNArgs(64, 96, F.silu, False, HParams.__new__(HParams)))
+    block.w13 = QuantLinear(quantize(torch.randn(192, 64, generator=g) * 0.1, "Q4_0"))
+    block.w2 = QuantLinear(quantize(torch.randn(64, 96, generator=g) * 0.1, "Q4_0"))
+    x = torch.randn(37, 64, generator=g)
+    whole = block(x)
+    passes: list[int] = []
+    rows = block._rows
+    monkeypatch.setattr(block, "_rows", lambda t: passes.append(len(t)) or rows(t))
+    monkeypatch.setattr(ffn, "PASS_BYTES", 5 * 2 * 96 * 4)  # (5 rows a pass)
+    assert torch.equal(block(x), whole)
+    assert passes == [5] * 7 + [2]

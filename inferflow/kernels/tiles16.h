@@ -229,6 +229,21 @@ static inline __attribute__((always_inline)) void chunk_bits16(const QMat *w, in
     h[1] = six ? _mm512_loadu_si512((const void *)(top16(w, t, jj) + 64)) : _mm512_setzero_si512();
 }
 
+/* chunk jj of tile t + 1 (c: tile t's), fetched from memory while tile t's computes: W streams
+   through the products once a step (a 1536 x 151936 Q4_K head at 32 rows: 437 -> 617 G MAC/s;
+   nothing where W stays in the caches) */
+static inline __attribute__((always_inline)) void fetch_next_tile(const QMat *w, const uint8_t *c,
+                                                                  int64_t t, int64_t jj,
+                                                                  const int eight, const int five,
+                                                                  const int six) {
+    const char *next = (const char *)(c + w->k / 32 * TILE_CHUNK(eight));
+    for (int l = 0; l < TILE_CHUNK(eight); l += 64) __builtin_prefetch(next + l);
+    if (five || six) {
+        const char *bits = (const char *)(six ? top16(w, t + 1, jj) : high16(w, t + 1, jj));
+        for (int l = 0; l < (six ? 128 : 64); l += 64) __builtin_prefetch(bits + l);
+    }
+}
+
 /* sub-block s's 16 dwords of codes as bytes, the integer products' operand (c: the chunk's
    tile, h: chunk_bits16's) */
 static inline __attribute__((always_inline)) __m512i operand16(const uint8_t *c, int s,
@@ -267,6 +282,7 @@ static inline __attribute__((always_inline)) void tile_dot_rows16_q8(const QMat 
                                      : scale16(w, i);
         const __m512 s1 = g16 ? scale16(w, i + 16) : sc;
         __m512i h[2];
+        fetch_next_tile(w, c, t, jj, eight, five, six);
         chunk_bits16(w, t, jj, five, six, h);
         __m512i a[MRQ], b[MRQ];
         for (int m = 0; m < mr; m++) a[m] = b[m] = _mm512_setzero_si512();
@@ -343,6 +359,7 @@ static inline __attribute__((always_inline)) void tile_dot_rows16_sb(const QMat 
         for (int m = 0; m < mr; m++) is[m] = _mm512_setzero_si512();
         for (int64_t jj = b * cps; jj < (b + 1) * cps; jj++, c += TILE_CHUNK(eight), xr += 32) {
             const int64_t i = (t * G + (g16 ? 2 * jj : jj)) * 16;
+            fetch_next_tile(w, c, t, jj, eight, five, six);
             const __m512i s0 = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(w->sc8 + i)));
             __m512i h[2];
             chunk_bits16(w, t, jj, five, six, h);

@@ -128,15 +128,15 @@ def _rounded(x: torch.Tensor, per: int = 32) -> torch.Tensor:
     rint(x / dx) (nearest even), each step one IEEE float32 operation as quant_decode.c's
     quantize_row_q8 does: numpy's float32 division is correctly rounded (torch's vectorized
     one may be an ulp off, which moves a tie such as 60.5). In blocks of more than 32, a chunk
-    of 32 whose max is at most a quarter (half) of its block's takes a step of dx / 4 (dx / 2)."""
+    of 32 whose max is at most 1/2, 1/4 or 1/8 of its block's takes a step of dx / 2, 4 or 8."""
     c = x.numpy().astype(np.float32).reshape(x.shape[0], -1, per // 32, 32)
     amax = np.abs(c).max((-2, -1), keepdims=True)
     with np.errstate(divide="ignore"):
         inv = np.where(amax > 0, np.float32(127) / amax, np.float32(0)).astype(np.float32)
     e = np.zeros_like(amax[..., :1].repeat(per // 32, -2))
-    if per > 32:  # (2^e: the largest of 1, 2, 4 with the chunk's max * 2^e <= the block's)
+    if per > 32:  # (2^e: the largest of 1, 2, 4, 8 with the chunk's max * 2^e <= the block's)
         chunk = np.abs(c).max(-1, keepdims=True)
-        e = (chunk * 2 <= amax).astype(np.float32) + (chunk * 4 <= amax)
+        e = sum((chunk * 2.0**i <= amax).astype(np.float32) for i in (1, 2, 3))
     q = np.clip(np.rint(c * (inv * np.float32(2) ** e)), -127, 127)
     step = (amax / np.float32(127)).astype(np.float64) / 2.0**e
     return torch.from_numpy((q.astype(np.float64) * step).reshape(x.shape))
@@ -148,7 +148,7 @@ def test_the_product_is_that_of_the_rounded_row(fmt: str, build) -> None:  # noq
     term included: it takes the rounded row's group sums, as llama.cpp's Q8_1 sums do. With
     x's own float sums there, the error would be the codes' offset (8 for Q4_0) times x's
     rounding instead of the weights' size times it. Chunks of 32 at scales from 1 to 1e-3, so
-    that in super-blocks every shift is taken (chunks at most 1/2, 1/4 of their block's max)."""
+    that in super-blocks every shift is taken (chunks at most 1/2, 1/4, 1/8 of their block's max)."""
     k = _width(fmt)
     layer, w = _layer(fmt, 65, k, 4)
     if not layer.plane.has_q8():  # type: ignore[union-attr]

@@ -18,7 +18,7 @@
    never depends on the other rows. */
 /* where x is in blocks of more than 32 columns: bits a chunk of 32 far below its block's max
    may gain (a power of two per chunk, undone by a shift of its integer sums) */
-#define X_SHIFT 2
+#define X_SHIFT 3
 static void quantize_row_q8(const float *x, int64_t k, int8_t *xq, float *dx, const int plain,
                             const int64_t per, int32_t *sh) {
     for (int64_t b = 0; b < k / per; b++) {
@@ -101,7 +101,7 @@ static void q8_group_sums(const QMat *w, const int8_t *xq, const float *dx, floa
 
 /* the integer sums of each group of 16 or 32 columns of a row in blocks (xs16: k / group;
    either code order: a group is whole sub-blocks), each code << its chunk's shift: |sum| <=
-   32 * 127 * 4 */
+   32 * 127 * 8 */
 static void q8_group_sums16(const QMat *w, const int8_t *xq, const int32_t *sh, int16_t *xs16) {
     for (int64_t g = 0; g < w->k / w->group; g++) {
         int32_t q = 0;

@@ -248,8 +248,8 @@ class QPlane:
     def x_per(self) -> int:
         """Columns of x sharing one 8-bit scale in ``matmul_f32(x, q8=True)``: 32, or where
         the scales are held in two levels (``factor``) and VNNI walks the tiles, a super-block
-        (256, as llama.cpp's Q8_K for the same k-quants; a chunk of 32 at most 1/2 or 1/4 of
-        its block's max gains 1 or 2 bits), whose sums are then all integers."""
+        (256, as llama.cpp's Q8_K for the same k-quants; a chunk of 32 at most 1/2, 1/4 or 1/8
+        of its block's max gains 1, 2 or 3 bits), whose sums are then all integers."""
         lib = library()
         return 32 if lib is None else int(lib.qmat_x_per(ctypes.byref(self.struct)))
 

@@ -281,3 +281,26 @@ def test_amx_products_are_the_rounded_rows_times_w_and_the_vnni_bits(fmt: str, a
         assert float((on.double() - want).abs().max() / want.abs().max()) < 2e-6, (fmt, rows)
         for r in (0, 3, rows - 1):
             assert torch.equal(layer.plane.matmul_f32(x[r : r + 1], q8=True), on[r : r + 1])  # type: ignore[union-attr]
+
+
+def test_super_block_sums_at_their_bound(build) -> None:  # noqa: ANN001
+    """The largest integer sums a super-block can make: Q6_K blocks of code 63 (31 after the
+    offset) under sub-scales of -128 against x of all one value (codes 127, every chunk shifted
+    by 3): -2.097e9, within int32 by 2%. The product is still W x (an overflow would flip it)."""
+    from inferflow.quant.tensor import QuantTensor
+
+    n, k = 16, 512
+    block = np.zeros(210, np.uint8)
+    block[:192] = 0xFF  # ql, qh: every code 63
+    block[192:208] = 0x80  # sub-scales -128
+    block[208:210] = np.frombuffer(np.float16(1.0).tobytes(), np.uint8)
+    data = torch.from_numpy(np.tile(block, (n * k // 256, 1)).reshape(n, -1))
+    layer = QuantLinear(QuantTensor(data, "Q6_K", (n, k)), None)
+    assert layer.plane is not None
+    w = gguf.quants.dequantize(data.numpy().reshape(n, -1), GGML["Q6_K"]).reshape(n, k)
+    assert float(w.min()) == float(w.max()) == -31 * 128
+    x = torch.full((3, k), 0.5)
+    got = layer.plane.matmul_f32(x, q8=True).double()
+    assert torch.allclose(
+        got, torch.full((3, n), -31 * 128 * 0.5 * k, dtype=torch.float64), rtol=1e-6
+    )

@@ -230,8 +230,9 @@ static inline __attribute__((always_inline)) void chunk_bits16(const QMat *w, in
 }
 
 /* chunk jj of tile t + 1 (c: tile t's), fetched from memory while tile t's computes: W streams
-   through the products once a step (a 1536 x 151936 Q4_K head at 32 rows: 437 -> 617 G MAC/s;
-   nothing where W stays in the caches) */
+   through the products once a step (a 1536 x 151936 Q4_K head at 32 rows: ~410 -> ~555 G
+   MAC/s; nothing where W stays in the caches). Past the last tile the addresses are W's end:
+   a prefetch never faults. */
 static inline __attribute__((always_inline)) void fetch_next_tile(const QMat *w, const uint8_t *c,
                                                                   int64_t t, int64_t jj,
                                                                   const int eight, const int five,
@@ -332,9 +333,9 @@ static inline int64_t x_per_sb(const QMat *w) { return w->group * w->sb; }
    x_per_sb: one scale per super-block, as llama.cpp's Q8_K for the same formats, and a shift
    per chunk of 32 for the chunks far below the super-block's max: up to 3 more bits): the
    scales inside a super-block are W's int8 sub-scales, so a super-block is all integers, sum
-   over chunks of (sum_g sc8_g (codes_g . xq_g)) << shift, scaled once by d * dx in float32; the mins' term
-   likewise, sum_g mn8_g sum(xq_g << shift) (symmetric codes: sc8 and -zero * d), by 16-bit pair
-   products. Row m's shifts are int32 at dx + m J; its group sums (int16) and super-block
+   over chunks of (sum_g sc8_g (codes_g . xq_g)) << shift, scaled once by d * dx in float32;
+   the mins' term likewise, sum_g mn8_g sum(xq_g << shift) (symmetric codes: sc8 and -zero *
+   d), by 16-bit pair products. Row m's shifts are int32 at dx + m J; its group sums (int16) and super-block
    scales in its G floats of xs (xdx). No int32 sum can overflow: |codes . x| <= 32 * 63 * 127
    per chunk, times |sc8| <= 128, << 3, over 8 chunks: 2.097e9 < 2^31. Sub-blocks 0 .. 3 of a
    chunk are its first group where groups are 16. */

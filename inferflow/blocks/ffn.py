@@ -69,8 +69,8 @@ class GatedFFN(nn.Module):
 
     def _rows(self, x: torch.Tensor) -> torch.Tensor:
         h = self.w13(x)
-        if self.act is F.silu and _kernel_takes(h):  # (the one-call decode's gate: same bits)
-            fn = kernels.silu_gate()
+        if self.act is F.silu and h.dim() == 2 and kernels.cpu_float32(h):
+            fn = kernels.silu_gate()  # (the one-call decode's gate: the same bits)
             if fn is not None:
                 return self.w2(fn(h))
         return self.w2(self.act(h[:, : self.inner]) * h[:, self.inner :])
@@ -81,14 +81,6 @@ class GatedFFN(nn.Module):
 # past which every call's output is fresh pages (Qwen2.5-1.5B's 512 prompt rows: 37 MB, 12 ms
 # of page faults a layer).
 PASS_BYTES = 8 << 20
-
-
-def _kernel_takes(h: torch.Tensor) -> bool:
-    """The C gate's case: 2-D contiguous float32 rows on the CPU, no autograd."""
-    return (
-        h.dim() == 2 and h.dtype == torch.float32 and h.is_contiguous() and h.device.type == "cpu"
-        and not (torch.is_grad_enabled() and h.requires_grad)
-    )  # fmt: skip
 
 
 class PlainFFN(nn.Module):

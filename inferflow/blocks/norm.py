@@ -33,11 +33,7 @@ class RMSNorm(nn.Module):
         """The C kernel's case: 2-D contiguous float32 rows as wide as the weight, on the CPU, no
         autograd (anything else goes to torch, which also raises on a mismatch)."""
         w = self.weight
-        return (
-            x.dim() == 2 and x.shape[1] == w.numel() and x.is_contiguous() and x.device.type == "cpu"
-            and w.dtype == torch.float32 and w.is_contiguous() and w.device.type == "cpu"
-            and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))
-        )  # fmt: skip
+        return x.dim() == 2 and x.shape[1] == w.numel() and kernels.cpu_float32(x, w)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32 and not self.offset:  # one fused op (same math in float32)

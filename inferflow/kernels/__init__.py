@@ -170,6 +170,15 @@ def rms_norm() -> RmsNorm | None:
     return run
 
 
+def cpu_float32(*ts: torch.Tensor) -> bool:
+    """Whether the row kernels (rms_norm, silu_gate) may read these tensors: contiguous float32
+    on the CPU, outside autograd."""
+    plain = all(
+        t.dtype == torch.float32 and t.is_contiguous() and t.device.type == "cpu" for t in ts
+    )
+    return plain and not (torch.is_grad_enabled() and any(t.requires_grad for t in ts))
+
+
 SiluGate = Callable[[torch.Tensor], torch.Tensor]
 
 

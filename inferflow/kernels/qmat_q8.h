@@ -19,37 +19,38 @@
 /* where x is in blocks of more than 32 columns: bits a chunk of 32 far below its block's max
    may gain (a power of two per chunk, undone by a shift of its integer sums) */
 #define X_SHIFT 3
+
+/* max |c[i]| of a chunk of 32 */
+static inline float chunk_amax(const float *c) {
+#if defined(__AVX512F__)
+    return _mm512_reduce_max_ps(
+        _mm512_max_ps(_mm512_abs_ps(_mm512_loadu_ps(c)), _mm512_abs_ps(_mm512_loadu_ps(c + 16))));
+#else
+    float a = 0.f;
+    for (int i = 0; i < 32; i++) a = fabsf(c[i]) > a ? fabsf(c[i]) : a;
+    return a;
+#endif
+}
+
+/* per: 32 or a super-block (at most 512 columns); sh: per > 32, the chunks' shifts */
 static void quantize_row_q8(const float *x, int64_t k, int8_t *xq, float *dx, const int plain,
                             const int64_t per, int32_t *sh) {
     for (int64_t b = 0; b < k / per; b++) {
-        const float *c0 = x + per * b;
-        float amax = 0.f;
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-        __m512 m = _mm512_setzero_ps();
-        for (int64_t i = 0; i < per; i += 16) m = _mm512_max_ps(m, _mm512_abs_ps(_mm512_loadu_ps(c0 + i)));
-        amax = _mm512_reduce_max_ps(m);
-#else
-        for (int64_t i = 0; i < per; i++) {
-            const float a = fabsf(c0[i]);
-            amax = a > amax ? a : amax;
+        const int64_t j0 = per / 32 * b, nj = per / 32;
+        float am[16], amax = 0.f; /* (each chunk's max, read once; the block's) */
+        for (int64_t j = 0; j < nj; j++) {
+            am[j] = chunk_amax(x + 32 * (j0 + j));
+            amax = am[j] > amax ? am[j] : amax;
         }
-#endif
         const float id0 = amax > 0.f ? 127.f / amax : 0.f;
         dx[b] = per > 32 ? amax / 127.f / (float)(1 << X_SHIFT) : amax / 127.f;
-        for (int64_t j = per / 32 * b; j < per / 32 * (b + 1); j++) {
+        for (int64_t j = j0; j < j0 + nj; j++) {
             const float *c = x + 32 * j;
             int8_t *o = xq + 32 * j;
             float id = id0;
             if (per > 32) { /* a chunk far below the block's max takes up to X_SHIFT more bits */
-                float am = 0.f;
-#if defined(__AVX512F__)
-                am = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(_mm512_loadu_ps(c)),
-                                                        _mm512_abs_ps(_mm512_loadu_ps(c + 16))));
-#else
-                for (int i = 0; i < 32; i++) am = fabsf(c[i]) > am ? fabsf(c[i]) : am;
-#endif
                 int e = 0;
-                while (e < X_SHIFT && am * (float)(2 << e) <= amax) e++;
+                while (e < X_SHIFT && am[j - j0] * (float)(2 << e) <= amax) e++;
                 id = id0 * (float)(1 << e), sh[j] = X_SHIFT - e;
             }
 #if defined(__AVX512F__) && defined(__AVX512BW__)

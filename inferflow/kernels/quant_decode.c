@@ -211,13 +211,6 @@ static inline int64_t x_per(const QMat *w, int path) {
     return 32;
 }
 
-/* the body for W's scales (plain16: general, one level, two levels) */
-#define BY_SCALES(general, one, two)                                                               \
-    do {                                                                                            \
-        const int how = plain16(w);                                                                 \
-        if (how == 1) CASES8(one) else if (how == 2) CASES8(two) else CASES8(general)               \
-    } while (0)
-
 /* block_dot for 8-bit rows of x (q8_path) */
 static void block_dot_q8(const QMat *w, int path, int64_t t, const int8_t *xq, const float *dx,
                          const float *xs, float *y, int add, int64_t mr) {
@@ -239,13 +232,15 @@ static void block_dot_q8(const QMat *w, int path, int64_t t, const int8_t *xq, c
     case 2: /* (plain16 planes: bodies of their own, per path that takes them) */
 #define C6(n) tile_dot_rows16_q8(w, t, xq, dx, xs, y, add, n, 0, 0, 0, 0, 0)
 #define C6P(n) tile_dot_rows16_q8(w, t, xq, dx, xs, y, add, n, 0, 0, 0, 0, 1)
-#define C6K(n) tile_dot_rows16_q8(w, t, xq, dx, xs, y, add, n, 0, 0, 0, 0, 2)
-        BY_SCALES(C6, C6P, C6K);
+        if (plain16(w))
+            CASES8(C6P)
+        else
+            CASES8(C6);
         return;
     case 3:
 #define C8(n) tile_dot_rows16_q8(w, t, xq, dx, xs, y, add, n, 1, 0, 0, 0, 0)
 #define C8P(n) tile_dot_rows16_q8(w, t, xq, dx, xs, y, add, n, 1, 0, 0, 0, 1)
-        if (plain16(w) == 1) /* (two-level 8-bit planes: the general body) */
+        if (plain16(w))
             CASES8(C8P)
         else
             CASES8(C8);
@@ -253,8 +248,10 @@ static void block_dot_q8(const QMat *w, int path, int64_t t, const int8_t *xq, c
     case 4:
 #define C12(n) tile_dot_rows16_q8(w, t, xq, dx, xs, y, add, n, 0, 1, 0, 0, 0)
 #define C12P(n) tile_dot_rows16_q8(w, t, xq, dx, xs, y, add, n, 0, 1, 0, 0, 1)
-#define C12K(n) tile_dot_rows16_q8(w, t, xq, dx, xs, y, add, n, 0, 1, 0, 0, 2)
-        BY_SCALES(C12, C12P, C12K);
+        if (plain16(w))
+            CASES8(C12P)
+        else
+            CASES8(C12);
         return;
     case 5:
 #define C13(n) tile_dot_rows16_q8(w, t, xq, dx, xs, y, add, n, 0, 0, 0, 1, 0)

@@ -47,13 +47,12 @@ static inline __attribute__((always_inline)) __m512 two16(const QMat *w, const f
     return times8(ld16(w, a, SB16(i, __builtin_ctzll((uint64_t)w->sb))), a8, i); /* (sb: 2^n) */
 }
 
-/* How the q8 tile products load W's scales (and mins), each way a body of its own with the same
-   values as scale16's and min16's (fewer branches and registers): 1 = one level of float16 per
-   32 columns (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 as the files hold them), 2 = two levels (sb) of
-   float16 super-block values times int8 ones, per 32 columns (Q4_K, Q5_K), 0 = any other */
+/* Whether the per-32 q8 tile products load W's scales (and mins) as one level of float16 per 32
+   columns (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 as the files hold them): a body of its own with the
+   same values as scale16's and min16's (fewer branches and registers). Two-level planes
+   (Q4_K, Q5_K) take tile_dot_rows16_sb. */
 static inline int plain16(const QMat *w) {
-    if (!HALF_BUILT || !w->half || w->group != 32) return 0;
-    return w->sb ? 2 : 1;
+    return HALF_BUILT && w->half && w->group == 32 && !w->sb;
 }
 
 static inline __attribute__((always_inline)) __m512 scale16(const QMat *w, int64_t i) {
@@ -254,6 +253,17 @@ static inline __attribute__((always_inline)) __m512i operand16(const uint8_t *c,
     return five ? _mm512_or_si512(q, high16_bytes(h[0], s)) : q;
 }
 
+/* acc[m] += a sub-block's 16 dwords of codes q times row m's four x codes at x + m k (one
+   broadcast dword, VNNI), m < mr */
+static inline __attribute__((always_inline)) void dots16(__m512i *acc, __m512i q, const int8_t *x,
+                                                         int64_t k, const int mr) {
+    for (int m = 0; m < mr; m++) {
+        uint32_t xv;
+        memcpy(&xv, x + m * k, sizeof xv);
+        acc[m] = _mm512_dpbusd_epi32(acc[m], q, _mm512_set1_epi32((int)xv));
+    }
+}
+
 /* tile_dot_rows16 with 8-bit rows of x: sub-block s's 16 dwords of codes (as bytes, in the x
    codes' column order) times the chunk's four x codes (one broadcast dword), by VNNI. Groups of
    16 (g16): x in column order too (quantize_row_q8's plain), sub-blocks 0 .. 3 summed for the
@@ -270,7 +280,6 @@ static inline __attribute__((always_inline)) void tile_dot_rows16_q8(const QMat 
                                                                      const int plain) {
     const int64_t k = w->k, G = k / w->group, chunks = g16 || plain ? 1 : w->group / 32;
     const int64_t J = k / 32;
-    const int sbs = plain == 2 ? __builtin_ctzll((uint64_t)w->sb) : 0;
     const uint8_t *c = w->codes + t * J * TILE_CHUNK(eight);
     const int8_t *xr = xq;
     __m512 acc[MRQ], mins[MRQ];
@@ -278,9 +287,7 @@ static inline __attribute__((always_inline)) void tile_dot_rows16_q8(const QMat 
     int64_t g = 0, left = chunks; /* the chunk's (first) group; chunks of it left */
     for (int64_t jj = 0; jj < J; jj++, c += TILE_CHUNK(eight), xr += 32) {
         const int64_t i = (t * G + g) * 16;
-        const __m512 sc = plain == 1 ? half16(w->scale, i)
-                        : plain == 2 ? times8(half16(w->scale, SB16(i, sbs)), w->sc8, i)
-                                     : scale16(w, i);
+        const __m512 sc = plain ? half16(w->scale, i) : scale16(w, i);
         const __m512 s1 = g16 ? scale16(w, i + 16) : sc;
         __m512i h[2];
         fetch_next_tile(w, c, t, jj, eight, five, six);
@@ -289,15 +296,7 @@ static inline __attribute__((always_inline)) void tile_dot_rows16_q8(const QMat 
         for (int m = 0; m < mr; m++) a[m] = b[m] = _mm512_setzero_si512();
 #pragma GCC unroll 8
         for (int s = 0; s < 8; s++) {
-            const __m512i q = operand16(c, s, eight, five, six, h);
-            for (int m = 0; m < mr; m++) {
-                uint32_t xv;
-                memcpy(&xv, xr + m * k + 4 * s, sizeof xv);
-                if (g16 && s >= 4)
-                    b[m] = _mm512_dpbusd_epi32(b[m], q, _mm512_set1_epi32((int)xv));
-                else
-                    a[m] = _mm512_dpbusd_epi32(a[m], q, _mm512_set1_epi32((int)xv));
-            }
+            dots16(g16 && s >= 4 ? b : a, operand16(c, s, eight, five, six, h), xr + 4 * s, k, mr);
         }
         for (int m = 0; m < mr; m++) {
             const __m512 d = _mm512_set1_ps(dx[m * J + jj]);
@@ -306,10 +305,9 @@ static inline __attribute__((always_inline)) void tile_dot_rows16_q8(const QMat 
                 acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(b[m]), _mm512_mul_ps(s1, d), acc[m]);
         }
         if (--left == 0) { /* the group's last chunk: its mins' term */
-            const __m512 mn = !plain           ? min16(w, i)
-                              : !w->min          ? _mm512_mul_ps(_mm512_set1_ps(-w->zero), sc)
-                              : plain == 2       ? times8(half16(w->min, SB16(i, sbs)), w->mn8, i)
-                                                 : half16(w->min, i);
+            const __m512 mn = !plain   ? min16(w, i)
+                              : !w->min  ? _mm512_mul_ps(_mm512_set1_ps(-w->zero), sc)
+                                         : half16(w->min, i);
             const __m512 n1 = g16 ? min16(w, i + 16) : mn;
             for (int m = 0; m < mr; m++) {
                 mins[m] = _mm512_fmadd_ps(mn, _mm512_set1_ps(xs[m * G + g]), mins[m]);
@@ -375,12 +373,7 @@ static inline __attribute__((always_inline)) void tile_dot_rows16_sb(const QMat 
                         a[m] = _mm512_setzero_si512();
                     }
                 }
-                const __m512i q = operand16(c, s, eight, five, six, h);
-                for (int m = 0; m < mr; m++) {
-                    uint32_t xv;
-                    memcpy(&xv, xr + m * k + 4 * s, sizeof xv);
-                    a[m] = _mm512_dpbusd_epi32(a[m], q, _mm512_set1_epi32((int)xv));
-                }
+                dots16(a, operand16(c, s, eight, five, six, h), xr + 4 * s, k, mr);
             }
             const __m512i s1 = g16 ? _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(w->sc8 + i + 16))) : s0;
             for (int m = 0; m < mr; m++) { /* (the row's shift for the chunk: dx holds them) */

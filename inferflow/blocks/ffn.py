@@ -78,8 +78,8 @@ class GatedFFN(nn.Module):
 
 # The gated hidden rows (2 x inner values a row) one pass of GatedFFN holds: a few MiB stay in
 # the CPU's caches between W13, the gate and W2, and stay below glibc's 32 MiB mmap ceiling,
-# past which every call's output is fresh pages (Qwen2.5-1.5B's 512 prompt rows: 37 MB, 12 ms
-# of page faults a layer).
+# past which every call's output is fresh pages (Qwen2.5-1.5B's 512 prompt rows: 37 MB; W13 at
+# 480 rows took 34 ms against 23 ms at 464).
 PASS_BYTES = 8 << 20
 
 

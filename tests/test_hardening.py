@@ -115,7 +115,9 @@ def test_the_hostile_template_costs_the_server_nothing(server: tuple[str, Path, 
 def test_a_client_disconnect_logs_one_line(server: tuple[str, Path, int]) -> None:
     url, log, _ = server
     before = log.read_text()
-    body = {"prompt": "Tell me a long story", "max_tokens": 200, "ignore_eos": True}
+    # (long enough to outlast the 0.5 s timeout and the server's 0.1 s watch on any machine:
+    # at 200 tokens a fast one finished first, sent its answer to nobody and logged nothing)
+    body = {"prompt": "Tell me a long story", "max_tokens": 4000, "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{url}/v1/completions", json=body, timeout=0.5)
     deadline = time.monotonic() + 10

@@ -151,6 +151,42 @@ def test_group_view_attend_writes_the_new_keys(kernel) -> None:  # noqa: ANN001
     torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("window", [None, 5])
+def test_joined_prompt_rows_equal_each_sequence_alone(kernel, window) -> None:  # noqa: ANN001
+    """Several sequences' prompt chunks (PagedView.join: one K/V write, one kernel call, each
+    row reading its sequence's slot list through ``which``) give every row the bits its
+    sequence's own view gives it, and write the same K/V."""
+    chunks = [(0, 7), (3, 9), (10, 11), (0, 1)]  # (start, end) of each sequence's rows
+    cache = PagedKVCache(2, 2, 8, BS, 32, torch.float32)
+    seqs = [SeqBlocks() for _ in chunks]
+    for s, (_, end) in zip(seqs, chunks, strict=True):
+        cache.reserve(s, end)
+    g = torch.Generator().manual_seed(3)
+    cache.k.copy_(torch.randn(cache.k.shape, generator=g))
+    cache.v.copy_(torch.randn(cache.v.shape, generator=g))
+    views = [cache.view(s, a, b) for s, (a, b) in zip(seqs, chunks, strict=True)]
+    positions = torch.cat([torch.arange(a, b) for a, b in chunks])
+    T = len(positions)
+    q, k, v = (torch.randn(T, n, 8, generator=g) for n in (4, 2, 2))
+    k0, v0 = cache.k.clone(), cache.v.clone()
+    alone, row = [], 0
+    for view, (a, b) in zip(views, chunks, strict=True):
+        rows = slice(row, row + b - a)
+        out = view.attend(1, q[rows], k[rows], v[rows], positions[rows], 0.5, window)
+        assert out is not None
+        alone.append(out)
+        row += b - a
+    k1, v1 = cache.k.clone(), cache.v.clone()
+    cache.k.copy_(k0), cache.v.copy_(v0)
+    joined = type(views[0]).join(views, positions)
+    assert joined is not None
+    got = joined.attend(1, q, k, v, 0.5, window)
+    assert torch.equal(got, torch.cat(alone))
+    assert torch.equal(cache.k, k1) and torch.equal(cache.v, v1)
+    with pytest.raises(ValueError, match="which must name one of the 4 slot lists"):
+        kernel(q, cache.k[1], cache.v[1], joined.lists, positions + 1, 0.5, joined.which + 1)
+
+
 def test_off_switch_and_failed_build_fall_back_to_torch(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

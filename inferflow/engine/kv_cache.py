@@ -13,6 +13,7 @@ import logging
 import os
 from array import array
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -443,3 +444,58 @@ class PagedView:
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         self.cache.write(layer, self.write, k, v)
         return *self.cache.read(layer, self.read), self.pos
+
+    @staticmethod
+    def join(views: Sequence[object], positions: torch.Tensor) -> PagedRows | None:
+        """The views of a step's sequences (in row order; ``positions`` their rows') as one
+        PagedRows, where there are several, all PagedViews of one cache the kernel reads."""
+        if len(views) < 2 or not all(type(v) is PagedView for v in views):
+            return None
+        paged = [v for v in views if isinstance(v, PagedView)]
+        cache = paged[0].cache
+        kernel = kernels.decode_attention_for(cache.k)
+        if kernel is None or any(v.cache is not cache for v in paged):
+            return None
+        lists = torch.zeros((len(paged), max(len(v.read) for v in paged)), dtype=torch.long)
+        for i, v in enumerate(paged):  # (past a list's end: never read, lens stop before)
+            lists[i, : len(v.read)] = v.read
+        counts = torch.tensor([len(v.write) for v in paged])
+        which = torch.repeat_interleave(torch.arange(len(paged)), counts)
+        write = torch.cat([v.write for v in paged])
+        return PagedRows(cache, kernel, write, lists, which, positions)
+
+
+class PagedRows:
+    """The rows of several sequences in one step (prompt chunks) at once: one K/V write and one
+    kernel call a layer, not one of each per sequence (32 prompts of SmolLM2: ~0.1 s of a
+    0.65 s prefill went to those calls). Row t reads its sequence's slot list, lists[which[t]]
+    (no copy per row): the same operations as PagedView.attend gives it."""
+
+    def __init__(
+        self,
+        cache: KVPool,
+        kernel: kernels.PagedDecode,
+        write: torch.Tensor,
+        lists: torch.Tensor,
+        which: torch.Tensor,
+        positions: torch.Tensor,
+    ) -> None:
+        self.cache, self.kernel, self.write = cache, kernel, write
+        self.lists, self.which, self.positions = lists, which, positions
+
+    def attend(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        scale: float,
+        window: int | None = None,
+    ) -> torch.Tensor:
+        """Writes every row's K/V and returns their causal attention (within ``window``)."""
+        c = self.cache
+        c.write(layer, self.write, k, v)
+        return kernels.causal_rows(
+            self.kernel, q, c.k[layer], c.v[layer], self.lists, self.positions, scale, window,
+            self.which,
+        )  # fmt: skip

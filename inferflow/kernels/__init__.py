@@ -36,6 +36,7 @@ import subprocess
 from collections.abc import Callable
 from functools import cache
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
@@ -62,9 +63,17 @@ def _library(name: str) -> ctypes.CDLL | None:
         return None
 
 
-PagedDecode = Callable[
-    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor
-]
+class PagedDecode(Protocol):
+    def __call__(
+        self,
+        q: torch.Tensor,
+        kc: torch.Tensor,
+        vc: torch.Tensor,
+        slots: torch.Tensor,
+        lens: torch.Tensor,
+        scale: float,
+        which: torch.Tensor | None = None,
+    ) -> torch.Tensor: ...
 
 
 # The KV caches the C kernels read (paged_decode, decode_stack), by the cache tensor's dtype:
@@ -78,14 +87,16 @@ def paged_decode_attention(cache: torch.dtype = torch.float32) -> PagedDecode | 
     scale) -> (B, H, D)``, q and the result float32 on the CPU, the caches of dtype ``cache``:
     float32, float16 (each value read exactly), or uint8 (slots, KVH, D / 32 * 34), GGML Q8_0
     blocks: sequence b attends over the keys in its first lens[b] slots (every one visible);
-    slots (S,): every row reads that one list. Each row's result is the same bits whatever
-    else is in the call. None where the kernel cannot be built."""
+    slots (S,): every row reads that one list; ``which`` (B,) int64: row b reads list
+    which[b] of slots (L, S) (the rows of several prompts, each its sequence's list). Each
+    row's result is the same bits whatever else is in the call. None where the kernel cannot
+    be built."""
     lib = _library("paged_attention")
     if lib is None:
         return None
     fn, kind = lib.paged_decode, KV_FORMATS[cache]
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64
-    fn.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, ctypes.c_float, ptr]
+    fn.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, ctypes.c_float, ptr]
     fn.argtypes += [ctypes.c_int, ctypes.c_int]
     fn.restype = ctypes.c_int
 
@@ -96,16 +107,26 @@ def paged_decode_attention(cache: torch.dtype = torch.float32) -> PagedDecode | 
         slots: torch.Tensor,
         lens: torch.Tensor,
         scale: float,
+        which: torch.Tensor | None = None,
     ) -> torch.Tensor:
         B, H, D = q.shape
         KVH = kc.shape[1]
         q, slots, lens = q.contiguous(), slots.contiguous(), lens.contiguous()
         if not (kc.is_contiguous() and vc.is_contiguous()):
             raise ValueError("paged_decode_attention: the cache layers must be contiguous")
+        if which is not None:  # (every list it names must exist: the kernel reads them)
+            which = which.contiguous()
+            lists = slots.shape[0] if slots.dim() == 2 else 0
+            if which.shape != (B,) or B and not 0 <= int(which.min()) <= int(which.max()) < lists:
+                raise ValueError(
+                    f"paged_decode_attention: which must name one of the {lists} slot lists "
+                    f"for each of the {B} rows"
+                )
         out = torch.empty_like(q)
         stride = 0 if slots.dim() == 1 else slots.shape[1]  # (S,): one list every row reads
         failed = fn(
-            q.data_ptr(), kc.data_ptr(), vc.data_ptr(), slots.data_ptr(), lens.data_ptr(),
+            q.data_ptr(), kc.data_ptr(), vc.data_ptr(), slots.data_ptr(),
+            None if which is None else which.data_ptr(), lens.data_ptr(),
             B, stride, H, KVH, D, scale, out.data_ptr(), torch.get_num_threads(), kind,
         )  # fmt: skip
         if failed:
@@ -247,17 +268,21 @@ def causal_rows(
     positions: torch.Tensor,
     scale: float,
     window: int | None = None,
+    which: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of query rows q (T, H, D) at ``positions`` (T,) over the keys whose
-    slots ``slots`` lists by position ((S,): one sequence; (T, S): each row's own), within
-    ``window`` positions where one is given: every row by the decode kernel, so a row's result
-    does not depend on how its sequence was chunked or batched."""
+    slots ``slots`` lists by position ((S,): one sequence; (T, S): each row's own; (L, S) with
+    ``which`` (T,): row t's is list which[t]), within ``window`` positions where one is given:
+    every row by the decode kernel, so a row's result does not depend on how its sequence was
+    chunked or batched."""
     if window is None:
-        return kernel(q, kc, vc, slots, positions + 1, scale)
+        return kernel(q, kc, vc, slots, positions + 1, scale, which)
     lo = (positions - window + 1).clamp(min=0)
     lens = positions + 1 - lo
     idx = lo[:, None] + torch.arange(int(lens.max()))
     idx = idx.clamp(max=slots.shape[-1] - 1)  # (past a row's lens: never read)
+    if which is not None:
+        slots = slots[which]
     rows = slots.expand(len(positions), -1) if slots.dim() == 1 else slots
     return kernel(q, kc, vc, rows.gather(1, idx), lens, scale)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import mmap
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
@@ -21,13 +21,9 @@ from inferflow.errors import RequestError
 from inferflow.model.cross import CrossRows
 
 
-class GroupKVView(Protocol):
-    """All sequences of a pure decode step (one new token each) at once: writes the new K/V and
-    returns keys padded to the longest sequence: (B, S, KVH, D) x 2, positions (B, S), valid (B, S)."""
-
-    def update(
-        self, layer: int, k: torch.Tensor, v: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]: ...
+class RowsKVView(Protocol):
+    """The rows of every sequence of a step at once: a pure decode step's (GroupKVView) or
+    several prompts' (FlatBatch.joined)."""
 
     def attend(
         self,
@@ -39,9 +35,19 @@ class GroupKVView(Protocol):
         window: int | None = None,
     ) -> torch.Tensor | None:
         """Writes the new K/V and returns causal attention (within ``window`` positions; no
-        bias or soft-cap) of q (B, H, D) without a padded copy; None, with nothing written,
-        where the view has no such path (then ``update``)."""
+        bias or soft-cap) of q (rows, H, D) without a padded copy; None, with nothing written,
+        where the view has no such path."""
         ...
+
+
+class GroupKVView(RowsKVView, Protocol):
+    """All sequences of a pure decode step (one new token each) at once: where ``attend``
+    cannot run, ``update`` writes the new K/V and returns keys padded to the longest sequence:
+    (B, S, KVH, D) x 2, positions (B, S), valid (B, S)."""
+
+    def update(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]: ...
 
 
 class KVView(Protocol):
@@ -73,6 +79,21 @@ class FlatBatch:
     # decode path (inferflow.model.fused) runs such rows there, and only such rows, so that a
     # request's tokens take the same path whatever else is in the batch.
     decode: list[bool] | None = None
+    _joined: list[RowsKVView | None] = field(default_factory=list, repr=False)
+
+    def joined(self) -> RowsKVView | None:
+        """The sequences' KV views as one, built once per batch, where their type can join
+        them (a ``join(views, positions)`` static method: the paged cache's) and the sequences'
+        rows follow each other in order; else None (then each sequence attends alone)."""
+        if not self._joined:
+            join = getattr(type(self.kv[0]), "join", None) if self.kv else None
+            starts = [s.start for s in self.seqs]
+            ends = [s.start + s.length for s in self.seqs]
+            ordered = (
+                starts[:1] == [0] and starts[1:] == ends[:-1] and ends[-1:] == [len(self.positions)]
+            )
+            self._joined.append(join(self.kv, self.positions) if join and ordered else None)
+        return self._joined[0]
 
     @classmethod
     def single(cls, token_ids: torch.Tensor, start_pos: int, kv: KVView) -> FlatBatch:

@@ -196,6 +196,7 @@ class EngineRunner:
     def _deliver(self, outs: list[RequestOutput]) -> None:
         now = time.monotonic()
         done = []
+        puts: list[tuple[asyncio.Queue[RequestOutput], RequestOutput]] = []
         for o in outs:
             s = self.streams.get(o.request_id)
             if s is None:
@@ -216,10 +217,17 @@ class EngineRunner:
                 if s.n == 0:
                     self.metrics.e2e.observe(now - s.created)
                     done.append(s.id)
+            puts.append((s.queue, o))
+        if puts:  # one wake-up of the event loop a step, not one per stream (a syscall each)
             assert self.loop is not None
-            self.loop.call_soon_threadsafe(s.queue.put_nowait, o)
+            self.loop.call_soon_threadsafe(_put_all, puts)
         for rid in done:
             self.streams.pop(rid, None)
+
+
+def _put_all(puts: list[tuple[asyncio.Queue[RequestOutput], RequestOutput]]) -> None:
+    for q, out in puts:
+        q.put_nowait(out)
 
 
 async def until_disconnect(work: Awaitable[Any], gone: Callable[[], Awaitable[bool]]) -> Any:

@@ -284,9 +284,8 @@ static inline __attribute__((always_inline)) void tile_dot_rows16_q8(const QMat 
     const int8_t *xr = xq;
     __m512 acc[MRQ], mins[MRQ];
     for (int m = 0; m < mr; m++) acc[m] = mins[m] = _mm512_setzero_ps();
-    int64_t g = 0, left = chunks; /* the chunk's (first) group; chunks of it left */
     for (int64_t jj = 0; jj < J; jj++, c += TILE_CHUNK(eight), xr += 32) {
-        const int64_t i = (t * G + g) * 16;
+        const int64_t i = (t * G + (g16 ? 2 * jj : jj / chunks)) * 16; /* its (first) group */
         const __m512 sc = plain ? half16(w->scale, i) : scale16(w, i);
         const __m512 s1 = g16 ? scale16(w, i + 16) : sc;
         __m512i h[2];
@@ -304,16 +303,20 @@ static inline __attribute__((always_inline)) void tile_dot_rows16_q8(const QMat 
             if (g16)
                 acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(b[m]), _mm512_mul_ps(s1, d), acc[m]);
         }
-        if (--left == 0) { /* the group's last chunk: its mins' term */
-            const __m512 mn = !plain   ? min16(w, i)
-                              : !w->min  ? _mm512_mul_ps(_mm512_set1_ps(-w->zero), sc)
-                                         : half16(w->min, i);
-            const __m512 n1 = g16 ? min16(w, i + 16) : mn;
-            for (int m = 0; m < mr; m++) {
-                mins[m] = _mm512_fmadd_ps(mn, _mm512_set1_ps(xs[m * G + g]), mins[m]);
-                if (g16) mins[m] = _mm512_fmadd_ps(n1, _mm512_set1_ps(xs[m * G + g + 1]), mins[m]);
-            }
-            g += g16 ? 2 : 1, left = chunks;
+    }
+    /* the mins' term in a pass of its own: the same operations in the same order as beside
+       the codes' chunks (the same bits), but its accumulators are out of the registers the
+       chunks use (at 512 rows: Q4_1 576 x 3072 ~545 -> ~600 G MAC/s, Q5_0 896 x 4864 453 ->
+       525, Q8_0 575 -> 620) */
+    for (int64_t g = 0; g < G; g += g16 ? 2 : 1) {
+        const int64_t i = (t * G + g) * 16;
+        const __m512 mn = !plain   ? min16(w, i)
+                          : !w->min ? _mm512_mul_ps(_mm512_set1_ps(-w->zero), half16(w->scale, i))
+                                    : half16(w->min, i);
+        const __m512 n1 = g16 ? min16(w, i + 16) : mn;
+        for (int m = 0; m < mr; m++) {
+            mins[m] = _mm512_fmadd_ps(mn, _mm512_set1_ps(xs[m * G + g]), mins[m]);
+            if (g16) mins[m] = _mm512_fmadd_ps(n1, _mm512_set1_ps(xs[m * G + g + 1]), mins[m]);
         }
     }
     store_tile16(w, t, acc, mins, out, add, mr);

@@ -37,6 +37,7 @@ from inferflow.quant.linear import (
     QuantLinear,
     affine_parts,
     dequant_kernel,
+    plane_kernel,
     select_kernel,
 )
 from inferflow.quant.tensor import QuantTensor
@@ -358,3 +359,15 @@ def test_row_parts_in_formats_no_widening_joins_share_one_plane() -> None:
     assert torch.equal(ql.plane.rows(torch.tensor([0, 47, 48, 71])), w.float()[[0, 47, 48, 71]])
     assert torch.equal(ql(x[[2, 5]]), ql(x)[[2, 5]])
     assert QuantLinear.from_row_parts([a, quantize(torch.randn(24, 512), "F16")]) is None
+    # the parts' scales in the file's two levels, as each part's own plane holds them (the
+    # super-block products of act8: one-level scales took the per-32 ones at ~2/3 the speed):
+    # with 8-bit inputs every row is then the bits of its own part's layer
+    if not (quant_decode.tiles16_built() and quant_decode.half_built()):
+        return
+    assert ql.plane is not None and ql.plane.sb == 16 and ql.plane.mn8 is not None
+    alone = [QuantLinear(t) for t in (a, b)]
+    assert all(one.plane is not None and one.plane.sb for one in alone)
+    ql.kernel = plane_kernel(ql.plane, True)
+    for one in alone:
+        one.kernel = plane_kernel(one.plane, True)
+    assert torch.equal(ql(x), torch.cat([one(x) for one in alone], dim=1) + bias)

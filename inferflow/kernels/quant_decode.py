@@ -170,7 +170,7 @@ class QPlane:
         parts = [(d, sc, self.scale)] + ([] if self.min is None else [(dmin, m, self.min)])
         tiled: list[tuple[torch.Tensor, torch.Tensor]] = []
         for hi, lo, now in parts:
-            if hi is None or lo is None or lo.abs().max() > 127:
+            if hi is None or lo is None or not -128 <= int(lo.min()) <= int(lo.max()) <= 127:
                 return False
             hi16, lo8 = _tiled(hi.half(), self.n), _tiled(lo.to(torch.int8), self.n)
             if not torch.equal(hi16.float().repeat_interleave(sb, 1) * lo8.float(), now.float()):

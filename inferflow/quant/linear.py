@@ -277,6 +277,19 @@ def affine_parts_factored(
     return (codes, scale, mn), (joined[0], joined[1], joined[2], joined[3])  # type: ignore[return-value]
 
 
+def _regrouped(
+    f: Factored, view: AffineView, group: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A part's two levels with its groups split to ``group`` columns (each sub-scale and min
+    repeated: the same values), the mins of a symmetric one in two levels too (-zero * d
+    times sc): the factors of one plane over row parts of several k-quants."""
+    d, sc, dmin, m = f
+    if dmin is None or m is None:
+        dmin, m = -(view.zero or 0) * d, sc
+    r = view.group // group
+    return d, sc.repeat_interleave(r, dim=1), dmin, m.repeat_interleave(r, dim=1)
+
+
 def _view_matches(w: QuantTensor, view: AffineView) -> bool:
     """Whether the view reproduces the codec bit for bit on a sample of blocks."""
     fmt = w.qformat
@@ -559,17 +572,22 @@ class QuantLinear(nn.Module):
             return None
         if not plane_takes(levels, group):
             return None
-        codes, scales, mins = [], [], []
+        codes, scales, mins, factors = [], [], [], []
         for p, v in zip(parts, views, strict=True):
             if not _view_matches(p, v):
                 return None
-            c, sc, mn = affine_parts(p)
+            (c, sc, mn), f = affine_parts_factored(p)
             codes.append(c)
             scales.append(sc.repeat_interleave(v.group // group, dim=1))
             mins.append(mn.repeat_interleave(v.group // group, dim=1))
+            factors.append(None if f is None else _regrouped(f, v, group))
         plane = make_plane(torch.cat(codes), torch.cat(scales), torch.cat(mins), levels)
         if plane is None:
             return None
+        blocks = {p.qformat.block_size for p in parts}
+        if len(blocks) == 1 and all(f is not None for f in factors):  # (k-quants: two levels)
+            d, sc, dmin, m = (torch.cat(t) for t in zip(*factors, strict=True))
+            plane.factor(d, sc, dmin, m, sb=blocks.pop() // group)
         layer = cls.__new__(cls)
         nn.Module.__init__(layer)
         layer._shape(plane.n, cols, "+".join(dict.fromkeys(p.format for p in parts)), bias)

@@ -449,9 +449,9 @@ class PagedView:
     def join(views: Sequence[object], positions: torch.Tensor) -> PagedRows | None:
         """The views of a step's sequences (in row order; ``positions`` their rows') as one
         PagedRows, where there are several, all PagedViews of one cache the kernel reads."""
-        if len(views) < 2 or not all(type(v) is PagedView for v in views):
-            return None
         paged = [v for v in views if isinstance(v, PagedView)]
+        if len(paged) < 2 or len(paged) != len(views):
+            return None
         cache = paged[0].cache
         kernel = kernels.decode_attention_for(cache.k)
         if kernel is None or any(v.cache is not cache for v in paged):
@@ -467,9 +467,9 @@ class PagedView:
 
 class PagedRows:
     """The rows of several sequences in one step (prompt chunks) at once: one K/V write and one
-    kernel call a layer, not one of each per sequence (32 prompts of SmolLM2: ~0.1 s of a
-    0.65 s prefill went to those calls). Row t reads its sequence's slot list, lists[which[t]]
-    (no copy per row): the same operations as PagedView.attend gives it."""
+    kernel call a layer, not one of each per sequence (32 SmolLM2 prompts made 1,110 of each:
+    0.17 s of their prefill under cProfile, 0.11 s joined). Row t reads its sequence's slot
+    list, lists[which[t]] (no copy per row): the same operations as PagedView.attend."""
 
     def __init__(
         self,

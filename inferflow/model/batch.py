@@ -1,9 +1,10 @@
 """The flat batch a network's forward takes (DESIGN.md, Engine contract).
 
 All scheduled tokens of all sequences are concatenated into one (N,) tensor for every token-wise
-op; attention runs per sequence against that sequence's KV view. A KV view is anything with
-``update(layer, k_new, v_new, positions) -> (k_all, v_all, k_positions)``: the simple contiguous
-cache below, or the engine's paged cache.
+op; attention runs per sequence against that sequence's KV view, or for all sequences at once
+where their views join (``FlatBatch.joined``, the paged cache's; ``group`` for a decode step). A
+KV view is anything with ``update(layer, k_new, v_new, positions) -> (k_all, v_all,
+k_positions)``: the simple contiguous cache below, or the engine's paged cache.
 """
 
 from __future__ import annotations

@@ -80,7 +80,7 @@ class FlatBatch:
     # decode path (inferflow.model.fused) runs such rows there, and only such rows, so that a
     # request's tokens take the same path whatever else is in the batch.
     decode: list[bool] | None = None
-    _joined: list[RowsKVView | None] = field(default_factory=list, repr=False)
+    _joined: list[RowsKVView | None] = field(default_factory=list, init=False, repr=False)
 
     def joined(self) -> RowsKVView | None:
         """The sequences' KV views as one, built once per batch, where their type can join

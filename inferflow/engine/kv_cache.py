@@ -357,20 +357,24 @@ def gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     return cache.index_select(0, slots.reshape(-1)).view(*slots.shape, *cache.shape[1:])
 
 
-class PagedGroupView:
-    """``valid`` marks each row's keys, a prefix of its ``read`` slots (the rest is padding)."""
+class PagedRows:
+    """Query rows of one step at once, each over its own sequence's keys: row t reads slot list
+    lists[which[t]] of the paged cache (``which`` None: list t; lists (S,): that one list for
+    every row), its first positions[t] + 1 slots. One K/V write and one kernel call a layer for all of them: a decode step's rows
+    (PagedGroupView), or several prompts' (PagedView.join; one call per sequence and layer
+    before: 1,110 of each for 32 SmolLM2 prompts). Each row gets the operations it gets alone."""
 
     def __init__(
         self,
         cache: KVPool,
         write: torch.Tensor,
-        read: torch.Tensor,
-        pos: torch.Tensor,
-        valid: torch.Tensor,
+        lists: torch.Tensor,
+        positions: torch.Tensor,
+        which: torch.Tensor | None = None,
     ) -> None:
-        self.cache, self.write, self.read, self.pos, self.valid = cache, write, read, pos, valid
+        self.cache, self.write, self.lists = cache, write, lists
+        self.positions, self.which = positions, which
         self.kernel = kernels.decode_attention_for(cache.k)
-        self.at = valid.sum(1) - 1  # each sequence's new position (once, not per layer)
 
     def attend(
         self,
@@ -382,17 +386,34 @@ class PagedGroupView:
         window: int | None = None,
     ) -> torch.Tensor | None:
         """Writes the new K/V and returns causal attention (within ``window`` positions, no
-        bias or soft-cap) of the queries (B, H, D) over each sequence's keys, read from the
-        blocks by the C kernel (inferflow.kernels.causal_rows): no padded copy, and each row
-        as it would be computed in any other batch. None, with nothing written, where the
-        kernel cannot run; the caller then uses ``update``."""
+        bias or soft-cap) of the queries (rows, H, D), read from the blocks by the C kernel
+        (inferflow.kernels.causal_rows): no padded copy. None, with nothing written, where the
+        kernel cannot run."""
         if self.kernel is None:
             return None
         c = self.cache
         c.write(layer, self.write, k, v)
         return kernels.causal_rows(
-            self.kernel, q, c.k[layer], c.v[layer], self.read, self.at, scale, window
-        )
+            self.kernel, q, c.k[layer], c.v[layer], self.lists, self.positions, scale, window,
+            self.which,
+        )  # fmt: skip
+
+
+class PagedGroupView(PagedRows):
+    """A decode step: one row per sequence, ``read`` (B, S) its slots, ``valid`` marking its
+    keys, a prefix of them (the rest is padding); where ``attend`` cannot run, ``update``."""
+
+    def __init__(
+        self,
+        cache: KVPool,
+        write: torch.Tensor,
+        read: torch.Tensor,
+        pos: torch.Tensor,
+        valid: torch.Tensor,
+    ) -> None:
+        # (each sequence's new position, once, not per layer)
+        super().__init__(cache, write, read, valid.sum(1) - 1)
+        self.read, self.pos, self.valid = read, pos, valid
 
     def slot_table(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """For inferflow.model.fused: the whole cache and each sequence's slots (B, S), its
@@ -430,14 +451,8 @@ class PagedView:
         """Writes the new K/V and returns causal attention of the new rows' queries (T, H, D)
         by the C decode kernel, each row as in any other batch or chunking
         (inferflow.kernels.causal_rows); None, with nothing written, where it cannot run."""
-        c = self.cache
-        kernel = kernels.decode_attention_for(c.k)
-        if kernel is None:
-            return None
-        c.write(layer, self.write, k, v)
-        return kernels.causal_rows(
-            kernel, q, c.k[layer], c.v[layer], self.read, positions, scale, window
-        )
+        rows = PagedRows(self.cache, self.write, self.read, positions)
+        return rows.attend(layer, q, k, v, scale, window)
 
     def update(
         self, layer: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor
@@ -448,13 +463,12 @@ class PagedView:
     @staticmethod
     def join(views: Sequence[object], positions: torch.Tensor) -> PagedRows | None:
         """The views of a step's sequences (in row order; ``positions`` their rows') as one
-        PagedRows, where there are several, all PagedViews of one cache the kernel reads."""
+        PagedRows, where there are several, all PagedViews of one cache."""
         paged = [v for v in views if isinstance(v, PagedView)]
         if len(paged) < 2 or len(paged) != len(views):
             return None
         cache = paged[0].cache
-        kernel = kernels.decode_attention_for(cache.k)
-        if kernel is None or any(v.cache is not cache for v in paged):
+        if any(v.cache is not cache for v in paged):
             return None
         lists = torch.zeros((len(paged), max(len(v.read) for v in paged)), dtype=torch.long)
         for i, v in enumerate(paged):  # (past a list's end: never read, lens stop before)
@@ -462,40 +476,4 @@ class PagedView:
         counts = torch.tensor([len(v.write) for v in paged])
         which = torch.repeat_interleave(torch.arange(len(paged)), counts)
         write = torch.cat([v.write for v in paged])
-        return PagedRows(cache, kernel, write, lists, which, positions)
-
-
-class PagedRows:
-    """The rows of several sequences in one step (prompt chunks) at once: one K/V write and one
-    kernel call a layer, not one of each per sequence (32 SmolLM2 prompts made 1,110 of each:
-    0.17 s of their prefill under cProfile, 0.11 s joined). Row t reads its sequence's slot
-    list, lists[which[t]] (no copy per row): the same operations as PagedView.attend."""
-
-    def __init__(
-        self,
-        cache: KVPool,
-        kernel: kernels.PagedDecode,
-        write: torch.Tensor,
-        lists: torch.Tensor,
-        which: torch.Tensor,
-        positions: torch.Tensor,
-    ) -> None:
-        self.cache, self.kernel, self.write = cache, kernel, write
-        self.lists, self.which, self.positions = lists, which, positions
-
-    def attend(
-        self,
-        layer: int,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        scale: float,
-        window: int | None = None,
-    ) -> torch.Tensor:
-        """Writes every row's K/V and returns their causal attention (within ``window``)."""
-        c = self.cache
-        c.write(layer, self.write, k, v)
-        return kernels.causal_rows(
-            self.kernel, q, c.k[layer], c.v[layer], self.lists, self.positions, scale, window,
-            self.which,
-        )  # fmt: skip
+        return PagedRows(cache, write, lists, positions, which)

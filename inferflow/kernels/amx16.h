@@ -15,8 +15,8 @@
 
 #define AMX_BUILT 1
 
-static void block_dot_q8(const QMat *w, int path, int64_t t, const int8_t *xq, const float *dx,
-                         const float *xs, float *y, int add, int64_t mr);
+static void block_dot_q8(const QMat *w, int path, int64_t per, int64_t t, const int8_t *xq,
+                         const float *dx, const float *xs, float *y, int add, int64_t mr);
 #define AMX_BLOCKS 8 /* 16-row blocks of x per pass over W's tiles (x's codes stay in L2) */
 
 static int amx_on = 0;
@@ -173,7 +173,7 @@ static void amx_gemm_in_team(const QMat *w, int path, int64_t nb, const int8_t *
             if (!ok) { /* (no scratch: the VNNI products, the same bits) */
                 for (int64_t m = p * AMX_BLOCKS * 16; m < r1 * 16; m += MRQ)
                     for (int64_t u = t; u < t + nt; u++)
-                        block_dot_q8(w, path, u, xq + m * k, dx + m * J, xs + m * G, y + m * w->n,
+                        block_dot_q8(w, path, 32, u, xq + m * k, dx + m * J, xs + m * G, y + m * w->n,
                                      add, r1 * 16 - m < MRQ ? r1 * 16 - m : MRQ);
                 continue;
             }

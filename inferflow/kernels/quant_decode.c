@@ -211,11 +211,12 @@ static inline int64_t x_per(const QMat *w, int path) {
     return 32;
 }
 
-/* block_dot for 8-bit rows of x (q8_path) */
-static void block_dot_q8(const QMat *w, int path, int64_t t, const int8_t *xq, const float *dx,
-                         const float *xs, float *y, int add, int64_t mr) {
+/* block_dot for 8-bit rows of x (q8_path), x in blocks of per = x_per(w, path) columns */
+static void block_dot_q8(const QMat *w, int path, int64_t per, int64_t t, const int8_t *xq,
+                         const float *dx, const float *xs, float *y, int add, int64_t mr) {
+    (void)per; /* (read by VNNI builds only) */
 #if defined(Q8_TILES16)
-    if (x_per(w, path) > 32) {
+    if (per > 32) {
         switch (path) { /* (eight, five, six, g16) */
 #define CSB(n, e, f, s, g) tile_dot_rows16_sb(w, t, xq, dx, xs, y, add, n, e, f, s, g)
 #define CSB2(n) CSB(n, 0, 0, 0, 0)
@@ -346,7 +347,7 @@ static void gemm_in_team(const QMat *w, const float *x, int64_t M, float *xs, fl
         for (int64_t b = 0; b < B; b++) {
             const int64_t m0 = m1 + b * R, mr = M - m0 < R ? M - m0 : R;
             if (q8)
-                block_dot_q8(w, path, t, xq + m0 * k, dx + m0 * J, xs + m0 * G, y + m0 * w->n,
+                block_dot_q8(w, path, per, t, xq + m0 * k, dx + m0 * J, xs + m0 * G, y + m0 * w->n,
                              add, mr);
             else
                 block_dot(w, path, t, x + m0 * k, xs + m0 * G, y + m0 * w->n, add, mr);

@@ -252,7 +252,7 @@ class Attention(nn.Module):
                     q, kp, vp, batch.positions, kpos, valid, self.scale, a.window, a.softcap, bias
                 )
             return self.wo(out.reshape(N, -1))
-        joined = batch.joined() if plain else None
+        joined = batch.joined if plain else None
         out = joined.attend(a.layer, q, k, v, self.scale, a.window) if joined else None
         if out is not None:  # several sequences' rows in one call (each as when alone)
             return self.wo(out.reshape(N, -1))

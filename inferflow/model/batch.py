@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import math
 import mmap
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from functools import cached_property
 from typing import Protocol
 
 import numpy as np
@@ -80,21 +81,19 @@ class FlatBatch:
     # decode path (inferflow.model.fused) runs such rows there, and only such rows, so that a
     # request's tokens take the same path whatever else is in the batch.
     decode: list[bool] | None = None
-    _joined: list[RowsKVView | None] = field(default_factory=list, init=False, repr=False)
 
+    @cached_property
     def joined(self) -> RowsKVView | None:
-        """The sequences' KV views as one, built once per batch, where their type can join
+        """The sequences' KV views as one (built once per batch), where their type can join
         them (a ``join(views, positions)`` static method: the paged cache's) and the sequences'
         rows follow each other in order; else None (then each sequence attends alone)."""
-        if not self._joined:
-            join = getattr(type(self.kv[0]), "join", None) if self.kv else None
-            starts = [s.start for s in self.seqs]
-            ends = [s.start + s.length for s in self.seqs]
-            ordered = (
-                starts[:1] == [0] and starts[1:] == ends[:-1] and ends[-1:] == [len(self.positions)]
-            )
-            self._joined.append(join(self.kv, self.positions) if join and ordered else None)
-        return self._joined[0]
+        join = getattr(type(self.kv[0]), "join", None) if self.kv else None
+        if join is None:
+            return None
+        ends = [s.start + s.length for s in self.seqs]
+        if [s.start for s in self.seqs] != [0, *ends[:-1]] or ends[-1] != len(self.positions):
+            return None
+        return join(self.kv, self.positions)
 
     @classmethod
     def single(cls, token_ids: torch.Tensor, start_pos: int, kv: KVView) -> FlatBatch:

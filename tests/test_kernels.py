@@ -183,6 +183,19 @@ def test_joined_prompt_rows_equal_each_sequence_alone(kernel, window) -> None:  
     got = joined.attend(1, q, k, v, 0.5, window)
     assert torch.equal(got, torch.cat(alone))
     assert torch.equal(cache.k, k1) and torch.equal(cache.v, v1)
+    # and each row is softmax attention over its own sequence's keys, in float64 (GQA: query
+    # head h reads KV head h // 2), the new rows' K/V among them
+    row = 0
+    for view, (a, b) in zip(views, chunks, strict=True):
+        for p in range(a, b):
+            lo = 0 if window is None else max(0, p - window + 1)
+            slots = view.read[lo : p + 1]
+            keys, vals = cache.k[1][slots].double(), cache.v[1][slots].double()
+            for h in range(4):
+                w = torch.softmax(keys[:, h // 2] @ q[row, h].double() * 0.5, 0)
+                want = w @ vals[:, h // 2]
+                torch.testing.assert_close(got[row, h].double(), want, rtol=1e-5, atol=1e-6)
+            row += 1
     with pytest.raises(ValueError, match="which must name one of the 4 slot lists"):
         kernel(q, cache.k[1], cache.v[1], joined.lists, positions + 1, 0.5, joined.which + 1)
 

@@ -371,3 +371,7 @@ def test_row_parts_in_formats_no_widening_joins_share_one_plane() -> None:
     for one in alone:
         one.kernel = plane_kernel(one.plane, True)
     assert torch.equal(ql(x), torch.cat([one(x) for one in alone], dim=1) + bias)
+    from tests.test_act8 import _rounded  # (x as the super-block rounding makes it, numpy)
+
+    want = _rounded(x, 256) @ w.T + bias.double()
+    assert float((ql(x).double() - want).abs().max() / want.abs().max()) < 2e-6

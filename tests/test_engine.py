@@ -42,7 +42,14 @@ def _engine(model, **kw) -> Engine:
         **{
             k: kw.pop(k)
             for k in list(kw)
-            if k in ("max_batched_tokens", "max_running", "max_waiting", "prefix_caching")
+            if k
+            in (
+                "max_batched_tokens",
+                "max_prefill_tokens",
+                "max_running",
+                "max_waiting",
+                "prefix_caching",
+            )
         }
     )
     return Engine(model, None, EngineConfig(scheduler=sched, **kw))
@@ -68,6 +75,41 @@ def test_greedy_batched_equals_alone(model, n: int) -> None:
     for rid, p, sp in zip(ids, prompts, params, strict=True):
         assert results[rid] == _alone(model, p, sp), rid
     assert eng.cache.alloc.num_free == free0
+
+
+def test_prefill_budget_caps_prompt_positions_not_decode_rows(model) -> None:
+    """max_prefill_tokens: a step computes at most that many prompt positions (the prompt that
+    crosses it is chunked, the rest wait), while every running sequence still gets its decode
+    token each step; outputs equal each request run alone."""
+    eng = _engine(model, max_batched_tokens=512, max_prefill_tokens=100)
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    steps: list[list[tuple[str, int, int]]] = []
+    schedule = eng.scheduler.schedule
+
+    def record():  # noqa: ANN202
+        batch = schedule()
+        steps.append([(s.req.id, s.start, s.length) for s in batch])
+        return batch
+
+    eng.scheduler.schedule = record  # type: ignore[method-assign]
+    early = [[3 + i] * 10 for i in range(2)]
+    late = [[20 + i, 21, 22] * 15 for i in range(5)]  # 45 tokens each
+    rids = [eng.add_request(p, params) for p in early]
+    out: dict[str, list[int]] = {}
+    while eng.has_unfinished():
+        for o in eng.step():
+            out.setdefault(o.request_id, []).extend(o.token_ids)
+        if len(rids) == 2:  # (the late ones arrive while the early ones decode)
+            rids += [eng.add_request(p, params) for p in late]
+    prompt_len = dict(zip(rids, [len(p) for p in early + late], strict=True))
+    prompt = [[n for rid, start, n in st if start < prompt_len[rid]] for st in steps]
+    assert prompt[0] == [10, 10]
+    assert prompt[1:4] == [[45, 45, 10], [35, 45, 20], [25]]  # a chunk, then the rest
+    assert all(sum(p) <= 100 for p in prompt)
+    for st in steps[1:5]:  # the early two decode in every one of those steps
+        assert {rid for rid, start, n in st if start >= prompt_len[rid]} >= set(rids[:2])
+    for rid, p in zip(rids, early + late, strict=True):
+        assert out[rid] == _alone(model, p, params), rid
 
 
 def test_seeded_sampling_batch_invariant(model) -> None:

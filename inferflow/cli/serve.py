@@ -99,6 +99,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--max-batched-tokens", type=int, default=512, help="token budget of one engine step (512)"
     )
     p.add_argument(
+        "--max-prefill-tokens",
+        type=int,
+        default=256,
+        help="prompt tokens one engine step takes at most, within --max-batched-tokens (256): a "
+        "burst of prompts finishes a few at a time, running sequences still step each time",
+    )
+    p.add_argument(
         "--max-running", type=int, default=64, help="sequences in the running batch at most (64)"
     )
     p.add_argument("--max-waiting", type=int, default=256, help="queued requests before 429 (256)")
@@ -199,14 +206,24 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     """The engine settings the serve flags give (``args`` from this subcommand's parser)."""
-    for flag in ("max_batched_tokens", "max_running", "max_waiting", "block_size"):
+    for flag in (
+        "max_batched_tokens",
+        "max_prefill_tokens",
+        "max_running",
+        "max_waiting",
+        "block_size",
+    ):
         if getattr(args, flag) < 1:
             raise InferflowError(
                 f"--{flag.replace('_', '-')}: must be >= 1, got {getattr(args, flag)}"
             )
     return EngineConfig(
         SchedulerConfig(
-            args.max_batched_tokens, args.max_running, args.max_waiting, not args.no_prefix_caching
+            args.max_batched_tokens,
+            args.max_running,
+            args.max_waiting,
+            not args.no_prefix_caching,
+            args.max_prefill_tokens,
         ),
         block_size=args.block_size,
         kv_cache_bytes=memory_bytes(args.kv_cache_memory),

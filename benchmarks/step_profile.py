@@ -1,7 +1,7 @@
 """Where the engine's time goes: N concurrent requests (SmolLM2, or ``--spec``; random token-id
 prompts, greedy, a fixed length each) through the in-process engine, with timers around its
-stages: the one-call C decode of the layers (decode rows), the module path (prompt rows), final
-norm and head, sampling and bookkeeping.
+stages: the one-call C decode of the layers (prompt and decode rows where the stack has one), the
+module path (the rest), final norm and head, sampling and bookkeeping.
 
     python benchmarks/step_profile.py [--spec NAME] [--n 32] [--prompt-len 64] [--output-len 128]
                                       [--dtype auto|float32|act8]
@@ -31,8 +31,8 @@ from inferflow.model.stack import Stack  # noqa: E402
 from inferflow.runtime import load  # noqa: E402
 
 STAGES = [
-    (FusedDecode, "run", "layers, decode rows (one-call C decode)"),
-    (Stack, "_run_modules", "layers, prompt rows (modules)"),
+    (FusedDecode, "run", "layers, one-call C decode (all rows it takes)"),
+    (Stack, "_run_modules", "layers, module path (rows it cannot take)"),
     (Stack, "logits", "final norm and head"),
     (Engine, "_update", "sampling and bookkeeping"),
 ]

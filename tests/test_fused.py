@@ -283,11 +283,13 @@ def test_qkv_bias_is_read_by_the_fused_decoder(
 
 @pytest.mark.parametrize("dtype", ["act8", "float32"])
 def test_a_token_decoded_in_one_call_equals_it_prefilled(dtype: str, lib) -> None:  # noqa: ANN001
-    """SmolLM2's logits for a prompt's last token are the same bits whether the token is the
-    last row of the prompt's prefill (the modules: the batched RMS norm, the products, the C
-    SiLU gate) or one one-call decode step after the rest (quant_decode.c's decode_stack), and
-    so are its K and V in every layer: what a model drafting for itself needs for every draft
-    to be accepted. (Under act8 one flipped 8-bit code moves a logit by up to ~0.5.)"""
+    """SmolLM2's logits for a prompt's last token are the same bits whether the prompt runs
+    through the modules (the batched RMS norm, the products, the C SiLU gate, the paged
+    attention kernel), through the one-call C decode (quant_decode.c's decode_stack, every
+    prompt row in one call), or the token is one one-call decode step after the rest; so are
+    K and V of every position in every layer (each row's states through each layer): what a
+    model drafting for itself needs for every draft to be accepted, and what lets a prompt's
+    rows take either path. (Under act8 one flipped 8-bit code moves a logit by up to ~0.5.)"""
     from inferflow.model.batch import ContiguousKVCache
     from inferflow.runtime import load
     from tests.conftest import smollm2_path
@@ -298,16 +300,22 @@ def test_a_token_decoded_in_one_call_equals_it_prefilled(dtype: str, lib) -> Non
     ids = lm.tokenizer.encode("Copy the code: def add(a, b):\n    return a + b\n\ndef sub(a, b):\n")
     n = len(ids)
     caches = [
-        ContiguousKVCache(h.n_layers, h.n_kv_heads, h.head_dim, n, torch.float32) for _ in "ab"
+        ContiguousKVCache(h.n_layers, h.n_kv_heads, h.head_dim, n, torch.float32) for _ in "abc"
     ]
     with torch.no_grad():
-        whole = m(FlatBatch.single(torch.tensor(ids), 0, caches[0]))
-        m(FlatBatch.single(torch.tensor(ids[:-1]), 0, caches[1]))
-        assert m.dec.fused_decode() is not None
-        last = m(FlatBatch.single(torch.tensor(ids[-1:]), n - 1, caches[1]))
-    assert torch.equal(whole[-1], last[-1])
-    assert torch.equal(caches[0].k[:, n - 1], caches[1].k[:, n - 1])
-    assert torch.equal(caches[0].v[:, n - 1], caches[1].v[:, n - 1])
+        fused = m.dec.fused_decode()
+        assert fused is not None
+        m.dec._fused = None  # the modules
+        modules = m(FlatBatch.single(torch.tensor(ids), 0, caches[0]))
+        m.dec._fused = fused  # the one-call C decode
+        prefilled = m(FlatBatch.single(torch.tensor(ids), 0, caches[1]))
+        m(FlatBatch.single(torch.tensor(ids[:-1]), 0, caches[2]))
+        last = m(FlatBatch.single(torch.tensor(ids[-1:]), n - 1, caches[2]))
+    assert torch.equal(modules[-1], prefilled[-1])
+    assert torch.equal(modules[-1], last[-1])
+    for c in caches[1:]:
+        assert torch.equal(caches[0].k[:, :n], c.k[:, :n])
+        assert torch.equal(caches[0].v[:, :n], c.v[:, :n])
 
 
 def test_engine_single_sequence_decode_is_fused(
@@ -334,6 +342,46 @@ def test_engine_single_sequence_decode_is_fused(
     assert model.dec.fused_decode() is not None
     model.dec._fused = None  # the module path from now on
     assert greedy() == fused
+
+
+def test_engine_prompts_in_one_call_equal_the_modules_alone(
+    quant_llamas: dict[str, Path], write_spec, lib, monkeypatch: pytest.MonkeyPatch
+) -> None:  # noqa: ANN001
+    """A step's rows of several prompts (chunked, beside decode rows) in one decode_stack
+    call, each row reading its own sequence's slot list: every generated token's log-probs
+    (the top two too) are the bits each prompt gets alone through the module path."""
+    from inferflow.model import fused as fused_mod
+
+    model, _ = _quantized_and_reference(_load(quant_llamas, write_spec))
+    g = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (5, 19, 33, 12, 27)]
+    params = SamplingParams(max_new_tokens=6, ignore_eos=True, logprobs=2)
+    shared: list[bool] = []  # per fused call: whether rows shared their sequence's list
+    row_slots = fused_mod.row_slots
+
+    def spy(batch):  # noqa: ANN001, ANN202
+        got = row_slots(batch)
+        shared.append(got is not None and got[3] is not None)
+        return got
+
+    monkeypatch.setattr(fused_mod, "row_slots", spy)
+
+    def run(group: list[list[int]]) -> list[list]:
+        sched = SchedulerConfig(max_batched_tokens=48, max_prefill_tokens=40)
+        eng = Engine(model, None, EngineConfig(sched, block_size=4))
+        rids = [eng.add_request(p, params) for p in group]
+        seen: dict[str, list] = {r: [] for r in rids}
+        while eng.has_unfinished():
+            for o in eng.step():
+                seen[o.request_id] += [(lp.token_id, lp.logprob, lp.top) for lp in o.logprobs]
+        return [seen[r] for r in rids]
+
+    model.dec.forget_fused()
+    batched = run(prompts)
+    assert model.dec.fused_decode() is not None and any(shared)
+    model.dec._fused = None  # the module path from now on
+    alone = [run([p])[0] for p in prompts]
+    assert batched == alone
 
 
 @pytest.mark.parametrize(

@@ -392,27 +392,34 @@ int qmat_tiles16_built(void) {
 #endif
 }
 
-/* B new tokens, one per sequence, through every layer: x (B, hidden) in place. cos / sin: (B,
-   rotary_dim / 2), row b's angles. kc / vc: layer 0 of the cache, layer l at l * layer_stride
-   floats, slot s of KV head g at (s * KV heads + g) * head_dim. slots (B, S): row b's keys are
-   in its first lens[b] slots, the last one where its own K / V go. scratch: at least B (hidden +
-   (heads + 2 kv_heads) head_dim + heads head_dim + 3 inner + heads S + K / 16) floats, K = max(
+/* B rows through every layer: x (B, hidden) in place. A row is one position of a sequence: a
+   decode step's new token, or one of a prompt's (several rows of a sequence, in order). cos /
+   sin: (B, rotary_dim / 2), row b's angles. kc / vc: layer 0 of the cache, layer l at l *
+   layer_stride floats, slot s of KV head g at (s * KV heads + g) * head_dim. slots (lists, S):
+   row b reads list i = which[b] (which NULL: i = b), its keys in the first lens[b] slots, the
+   last one where its own K / V go (every row's K / V of a layer are written before any row
+   attends: a prompt's later rows see its earlier ones). scratch: at least B (hidden + (heads +
+   2 kv_heads) head_dim + heads head_dim + 3 inner + K / 16) + nthreads S floats, K = max(
    hidden, inner, heads * head_dim) (the widest product's input: its group sums), and with
    act_q8 B (K / 32 + K / 4) more (its 8-bit rows). Every row gets the same operations whatever
    B is and whichever rows are beside it. */
 void decode_stack(const Layer *layers, int64_t L, const Dims *d, int64_t B, float *x,
                   const float *cos, const float *sin, uint8_t *kc, uint8_t *vc, int64_t layer_stride,
-                  const int64_t *slots, int64_t S, const int64_t *lens, float *scratch,
-                  int nthreads) {
+                  const int64_t *slots, const int64_t *which, int64_t S, const int64_t *lens,
+                  float *scratch, int nthreads) {
     const int64_t H = d->heads, KVH = d->kv_heads, D = d->head_dim, F = d->inner, E = d->hidden;
     const int64_t QKV = (H + 2 * KVH) * D, R2 = d->rotary_dim / 2, NC = (F + 15) / 16;
     /* bytes of a KV head in the cache */
     const int64_t W = d->kv_format == 1 ? D / 32 * 34 : D * (d->kv_format == 2 ? 2 : 4);
     float *h = scratch, *qkv = h + B * E, *att = qkv + B * QKV;
-    float *gu = att + B * H * D, *act = gu + B * 2 * F, *p = act + B * F, *xs = p + B * H * S;
+    float *gu = att + B * H * D, *act = gu + B * 2 * F, *p = act + B * F, *xs = p + nthreads * S;
     const int64_t K = E > F ? (E > H * D ? E : H * D) : (F > H * D ? F : H * D);
     float *dx = d->act_q8 ? xs + B * K / 16 : NULL;
     int8_t *xq = d->act_q8 ? (int8_t *)(dx + B * K / 32) : NULL;
+    /* attention tasks: a row's heads at a time where there are rows enough (a thread reads
+       its rows' keys alone, and a prompt's later rows, with more keys, spread over the
+       threads), else one head */
+    const int64_t run = B >= 4 * nthreads ? H : 1;
 #pragma omp parallel num_threads(nthreads)
     for (int64_t l = 0; l < L; l++) {
         const Layer *ly = layers + l;
@@ -424,7 +431,7 @@ void decode_stack(const Layer *layers, int64_t L, const Dims *d, int64_t B, floa
 #pragma omp for schedule(static)
         for (int64_t b = 0; b < B; b++) {
             float *row = qkv + b * QKV;
-            const int64_t w = slots[b * S + lens[b] - 1];
+            const int64_t w = slots[(which ? which[b] : b) * S + lens[b] - 1];
             if (ly->qkv_bias)
                 for (int64_t i = 0; i < QKV; i++) row[i] += ly->qkv_bias[i];
             for (int64_t j = 0; j < H + KVH; j++)
@@ -443,15 +450,16 @@ void decode_stack(const Layer *layers, int64_t L, const Dims *d, int64_t B, floa
                 memcpy(v + w * KVH * W, row + (H + KVH) * D, sizeof(float) * KVH * D);
             }
         }
-#pragma omp for collapse(2) schedule(static)
+#pragma omp for collapse(2) schedule(dynamic, run)
         for (int64_t b = 0; b < B; b++)
             for (int64_t j = 0; j < H; j++) { /* (the last slot is this token's) */
-                float *pj = p + (b * H + j) * S, *out = att + (b * H + j) * D;
+                float *pj = p + omp_get_thread_num() * S, *out = att + (b * H + j) * D;
+                const int64_t *list = slots + (which ? which[b] : b) * S;
                 if (d->kv_format == 1)
-                    attend_head_q8_any(qkv + b * QKV + j * D, k, v, slots + b * S, lens[b],
-                                       KVH * W, j / (H / KVH) * W, D, d->scale, pj, out);
+                    attend_head_q8_any(qkv + b * QKV + j * D, k, v, list, lens[b], KVH * W,
+                                       j / (H / KVH) * W, D, d->scale, pj, out);
                 else /* (stride and offset in elements) */
-                    attend_head_any(qkv + b * QKV + j * D, k, v, slots + b * S, lens[b], KVH * D,
+                    attend_head_any(qkv + b * QKV + j * D, k, v, list, lens[b], KVH * D,
                                     j / (H / KVH) * D, D, d->scale, pj, out, d->kv_format == 2);
             }
         gemm_in_team(&ly->o, att, B, xs, x, 1, xq, dx);

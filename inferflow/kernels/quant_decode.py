@@ -57,7 +57,7 @@ def library() -> ctypes.CDLL | None:
     lib.qmat_x_per.argtypes, lib.qmat_x_per.restype = [ctypes.POINTER(CQMat)], _I64
     lib.qmat_tiles16_built.argtypes, lib.qmat_tiles16_built.restype = [], ctypes.c_int
     lib.decode_stack.argtypes = [ctypes.POINTER(CLayer), _I64, ctypes.POINTER(CDims), _I64, _P]
-    lib.decode_stack.argtypes += [_P, _P, _P, _P, _I64, _P, _I64, _P, _P, ctypes.c_int]
+    lib.decode_stack.argtypes += [_P, _P, _P, _P, _I64, _P, _P, _I64, _P, _P, ctypes.c_int]
     lib.decode_stack.restype = None
     lib.q8_0_rows.argtypes, lib.q8_0_rows.restype = [_P, _I64, _I64, _P], None
     lib.qmat_amx_built.argtypes, lib.qmat_amx_built.restype = [], ctypes.c_int

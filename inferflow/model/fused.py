@@ -1,11 +1,12 @@
-"""One decode token of each of B sequences through a whole decoder stack in a single C call.
+"""A step's rows (decode tokens, prompt rows) through a whole decoder stack in a single C call.
 
 A decode step is a few hundred small torch ops (norms, four projections, rotary embedding,
 cache write, attention, gating, residuals, per layer), and at these sizes their dispatch costs
-more than their arithmetic. ``FusedDecode`` runs every layer of a stack in one call of
-``decode_stack`` (inferflow/kernels/quant_decode.c) when the stack is one it implements, for
-every decode row of a step (inferflow.model.stack sends them all here, alone or many, so that a
-generated token gets the same operations in any batch):
+more than their arithmetic; a prompt step's rows pay the same dispatch per layer, and a step
+with both kinds read every weight twice. ``FusedDecode`` runs every layer of a stack in one
+call of ``decode_stack`` (inferflow/kernels/quant_decode.c) when the stack is one it implements,
+for every row of a step (inferflow.model.stack sends them all here, alone or many, prompt rows
+and decode rows alike: the module path's operations, bit for bit, tests/test_fused.py):
 
 - residual ``pre_norm`` with ``rms`` / ``rms_offset`` norms (one eps for the stack);
 - attention without bias, q/k-norm, sliding window, soft-cap or additive position bias, with
@@ -113,6 +114,7 @@ class FusedDecode:
             int(rope.pairing == "adjacent"), norm.eps, norm.offset, a.scale,
         )  # fmt: skip
         self.layers = (CLayer * len(parts))()
+        self._work = torch.empty(0)
         # what the structs point at: norm weights, and the planes (alive while this object is,
         # whatever happens to the modules that made them)
         self._keep: list[torch.Tensor | QPlane] = []
@@ -135,48 +137,59 @@ class FusedDecode:
         return cls(stack, parts)
 
     def run(self, x: torch.Tensor, batch: FlatBatch) -> torch.Tensor | None:
-        """The stack's output (B, hidden) for a batch of one new token per sequence, or None
-        where the batch's KV views cannot be read by the kernel (then the module path runs)."""
+        """The stack's output (N, hidden) for the batch's rows (decode tokens, prompt rows:
+        each a position of its sequence), or None where the batch's KV views cannot be read by
+        the kernel (then the module path runs)."""
         if x.dtype != torch.float32 or x.device.type != "cpu":
             return None
-        kv = decode_slots(batch)
+        kv = row_slots(batch)
         if kv is None:
             return None
-        k, v, slots, lens = kv
+        k, v, slots, which, lens = kv
         self.dims.kv_format = KV_FORMATS[k.dtype]
         self.dims.act_q8 = int(getattr(self.qkv, "act8", False))
-        B, S = slots.shape
+        B, S = len(lens), slots.shape[1]
         cos, sin = self.rope.cos_sin(batch.positions, torch.float32)
         cos, sin = cos.reshape(B, -1).contiguous(), sin.reshape(B, -1).contiguous()
         out = x.reshape(B, -1).clone()
-        d = self.dims
-        size = d.hidden + 2 * (d.heads + d.kv_heads) * d.head_dim + 3 * d.inner + d.heads * S
+        d, threads = self.dims, torch.get_num_threads()
+        size = d.hidden + 2 * (d.heads + d.kv_heads) * d.head_dim + 3 * d.inner
         widest = max(d.hidden, d.inner, d.heads * d.head_dim)
         size += widest // 16  # a product input's group sums
         if self.dims.act_q8:
             size += widest // 32 + widest // 4  # and its 8-bit rows: scales, int8 codes
-        scratch = torch.empty(B * size, dtype=torch.float32)
+        scratch = self._scratch(B * size + threads * S)
         lib = library()
         assert lib is not None
         lib.decode_stack(
             self.layers, len(self.layers), ctypes.byref(self.dims), B, out.data_ptr(),
             cos.data_ptr(), sin.data_ptr(), k.data_ptr(), v.data_ptr(), k[0].nbytes,
-            slots.data_ptr(), S, lens.data_ptr(), scratch.data_ptr(), torch.get_num_threads(),
+            slots.data_ptr(), None if which is None else which.data_ptr(), S, lens.data_ptr(),
+            scratch.data_ptr(), threads,
         )  # fmt: skip
         return out
 
+    def _scratch(self, n: int) -> torch.Tensor:
+        """n floats of working memory, kept between calls: a prompt step's rows need tens of
+        MiB, which as a fresh allocation each call would be fresh pages each call (glibc maps
+        blocks past 32 MiB anew)."""
+        if self._work.numel() < n:
+            self._work = torch.empty(n, dtype=torch.float32)
+        return self._work
 
-def decode_slots(
+
+def row_slots(
     batch: FlatBatch,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """For a batch of one new token per sequence: every layer's K and V (layers, slots, KV
-    heads, D) float32, float16 or Q8_0 blocks, each row's slots (B, S) int64 (its first lens[b] are positions 0 ..
-    its own, the last where its K/V go) and lens (B,); None where a view cannot say
-    (a group view's ``slot_table()``; ``decode_slots(position)`` of ContiguousKVCache and the
-    engine's paged views)."""
-    if any(s.length != 1 for s in batch.seqs):
-        return None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor] | None:
+    """For the batch's rows (each a position of its sequence: a decode step's token, a prompt's
+    rows): every layer's K and V (layers, slots, KV heads, D) float32, float16 or Q8_0 blocks,
+    slot lists (lists, S) int64, which list each row reads ((N,) int64; None: row b reads list
+    b) and lens (N,): row b's keys are the first lens[b] slots of its list (positions 0 .. its
+    own), the last where its K/V go. None where a view cannot say (a group view's
+    ``slot_table()``; ``decode_slots(position)``, the slots through a position, of
+    ContiguousKVCache and the engine's paged views)."""
     lens = batch.positions + 1
+    which = None
     if batch.group is not None:
         table = getattr(batch.group, "slot_table", None)
         if table is None:
@@ -186,13 +199,19 @@ def decode_slots(
         views = [getattr(view, "decode_slots", None) for view in batch.kv]
         if any(f is None for f in views):
             return None
-        got = [f(int(p)) for f, p in zip(views, batch.positions, strict=True)]  # type: ignore[misc]
+        # each sequence's list through its last row's position
+        ends = [int(batch.positions[s.start + s.length - 1]) for s in batch.seqs]
+        got = [f(e) for f, e in zip(views, ends, strict=True)]  # type: ignore[misc]
         k, v = got[0][0], got[0][1]
         if any(g[0] is not k or g[1] is not v for g in got):
             return None  # (sequences in different caches)
-        slots = torch.zeros((len(got), int(lens.max())), dtype=torch.long)
+        slots = torch.zeros((len(got), max(g[2].numel() for g in got)), dtype=torch.long)
         for i, g in enumerate(got):
             slots[i, : g[2].numel()] = g[2]
+        if any(s.length != 1 or s.start != i for i, s in enumerate(batch.seqs)):
+            which = torch.empty(len(lens), dtype=torch.long)
+            for i, s in enumerate(batch.seqs):
+                which[s.start : s.start + s.length] = i
     if k.dtype not in KV_FORMATS:
         return None
-    return k, v, slots.contiguous(), lens
+    return k, v, slots.contiguous(), which, lens.contiguous()

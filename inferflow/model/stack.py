@@ -304,17 +304,17 @@ class Stack(nn.Module):
         return x
 
     def run_layers(self, x: torch.Tensor, batch: FlatBatch) -> torch.Tensor:
-        # decode rows (one generated token of a sequence) go through the one-call C decode
-        # where the stack allows, always, and the other rows through the modules: a request's
-        # tokens take the same path, so the same arithmetic, whatever else is in the batch
-        dec = batch.decode_seqs()
-        fused = self.fused_decode() if dec else None
+        # every row goes through the one-call C decode where the stack and the batch's KV views
+        # allow; where they do not, decode rows (one generated token of a sequence) still do,
+        # and the other rows go through the modules, whose operations are the C decode's bit
+        # for bit: a request's tokens get the same arithmetic whatever else is in the batch
+        fused = self.fused_decode()
         if fused is not None:
-            if len(dec) == len(batch.seqs):
-                out = fused.run(x, batch)
-                if out is not None:
-                    return out
-            elif batch.group is None:
+            out = fused.run(x, batch)
+            if out is not None:
+                return out
+            dec = batch.decode_seqs()
+            if dec and len(dec) < len(batch.seqs) and batch.group is None:
                 mixed = self._run_mixed(fused, x, batch, dec)
                 if mixed is not None:
                     return mixed

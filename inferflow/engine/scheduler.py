@@ -33,8 +33,8 @@ class SchedulerConfig:
     # prefill positions a step takes at most (within max_batched_tokens; deterministic mode's
     # chunks take the whole budget). Smaller steps finish a burst's first prompts sooner, but
     # each step also runs every decode row: benchmarks/prefill_burst.py, 32 prompts of 64
-    # tokens, mean time to the first token against 512: 0.92x at 256, 0.98x at 128, 1.18x at
-    # 64 (SmolLM2), 0.93x at 256 (Qwen2.5-0.5B); the same tokens a second, long prompts alike
+    # tokens, mean time to the first token against 512: 0.90x at 256 and 192, 0.92x at 128
+    # (SmolLM2), 0.92x at 256 (Qwen2.5-0.5B); the same tokens a second, long prompts alike
     max_prefill_tokens: int = 256
 
     def __post_init__(self) -> None:

@@ -217,6 +217,21 @@ def test_checks_that_need_no_weights_fail_before_loading(
         assert err.startswith("error: ") and message in err, (argv, err)
 
 
+def test_serve_prefill_budget_flag_reaches_the_scheduler() -> None:
+    """--max-prefill-tokens (default 256) is the scheduler's max_prefill_tokens; 0 is one
+    error naming the flag."""
+    from inferflow.cli.main import build_parser
+    from inferflow.cli.serve import engine_config
+    from inferflow.errors import InferflowError
+
+    parse = build_parser().parse_args
+    assert engine_config(parse(["serve", "m"])).scheduler.max_prefill_tokens == 256
+    got = engine_config(parse(["serve", "m", "--max-prefill-tokens", "64"])).scheduler
+    assert (got.max_prefill_tokens, got.max_batched_tokens) == (64, 512)
+    with pytest.raises(InferflowError, match="--max-prefill-tokens: must be >= 1, got 0"):
+        engine_config(parse(["serve", "m", "--max-prefill-tokens", "0"]))
+
+
 def test_serve_on_a_port_in_use_exits_1_before_loading(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -3,6 +3,8 @@ different steps, chunked prefill, preemption) equal each request run alone; no b
 
 from __future__ import annotations
 
+from dataclasses import fields
+
 import pytest
 import torch
 
@@ -39,18 +41,7 @@ def _alone(model, prompt: list[int], params: SamplingParams) -> list[int]:
 
 def _engine(model, **kw) -> Engine:
     sched = SchedulerConfig(
-        **{
-            k: kw.pop(k)
-            for k in list(kw)
-            if k
-            in (
-                "max_batched_tokens",
-                "max_prefill_tokens",
-                "max_running",
-                "max_waiting",
-                "prefix_caching",
-            )
-        }
+        **{k: kw.pop(k) for k in list(kw) if k in {f.name for f in fields(SchedulerConfig)}}
     )
     return Engine(model, None, EngineConfig(scheduler=sched, **kw))
 

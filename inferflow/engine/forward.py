@@ -22,7 +22,7 @@ class Rows:
     tokens: list[int]
     # every row is a token the model generated, fed back; such rows are computed one by one
     # as decode rows, so that a token's arithmetic is the same whether it comes alone or with
-    # speculated tokens after it (inferflow.model.stack runs decode rows on one path)
+    # speculated tokens after it (a decode step alone attends as one group)
     decode: bool
     logits: int = 1
 
@@ -59,7 +59,6 @@ def forward_rows(model: PagedDecoder, cache: PagedKVCache, items: list[Rows]) ->
         views,
         torch.tensor(rows, dtype=torch.long),
     )
-    flat.decode = [d for *_, d in parts]
     if grouped:
         flat.group = cache.group_view([p[0] for p in parts], [p[1] for p in parts])
     return model(flat).float()

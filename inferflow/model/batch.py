@@ -76,11 +76,6 @@ class FlatBatch:
     # (inferflow.model.cross: a CrossBank's rows)
     cross: CrossRows | None = None
     token_types: torch.Tensor | None = None  # (N,) segment ids (text pairs); None: all 0
-    # per sequence: its one row is a token the model generated, fed back (a decode step), as
-    # opposed to a prompt token; None: every sequence of one row is. A stack with a one-call
-    # decode path (inferflow.model.fused) runs such rows there, and only such rows, so that a
-    # request's tokens take the same path whatever else is in the batch.
-    decode: list[bool] | None = None
 
     @cached_property
     def joined(self) -> RowsKVView | None:
@@ -100,31 +95,6 @@ class FlatBatch:
         n = token_ids.numel()
         pos = torch.arange(start_pos, start_pos + n, dtype=torch.long)
         return cls(token_ids.reshape(-1).long(), pos, [SeqSlice(0, n)], [kv])
-
-    def decode_seqs(self) -> list[int]:
-        """The sequences whose one row is a decode step (see ``decode``)."""
-        flags = self.decode or [True] * len(self.seqs)
-        return [i for i, s in enumerate(self.seqs) if s.length == 1 and flags[i]]
-
-    def subset(self, which: list[int]) -> tuple[FlatBatch, torch.Tensor]:
-        """The batch of sequences ``which`` alone (a decoder's self-attention state only), and
-        their rows in this batch."""
-        if self.cross is not None or self.group is not None:
-            raise ValueError("subset: a batch with cross-attention rows or a group view")
-        seqs, parts, row = [], [], 0
-        for i in which:
-            s = self.seqs[i]
-            parts.append(torch.arange(s.start, s.start + s.length))
-            seqs.append(SeqSlice(row, s.length))
-            row += s.length
-        rows = torch.cat(parts) if parts else torch.empty(0, dtype=torch.long)
-        types = None if self.token_types is None else self.token_types[rows]
-        flags = None if self.decode is None else [self.decode[i] for i in which]
-        sub = FlatBatch(
-            self.token_ids[rows], self.positions[rows], seqs, [self.kv[i] for i in which],
-            token_types=types, decode=flags,
-        )  # fmt: skip
-        return sub, rows
 
     def default_logits_rows(self) -> torch.Tensor:
         return torch.tensor([s.start + s.length - 1 for s in self.seqs], dtype=torch.long)

@@ -304,38 +304,13 @@ class Stack(nn.Module):
         return x
 
     def run_layers(self, x: torch.Tensor, batch: FlatBatch) -> torch.Tensor:
-        # every row goes through the one-call C decode where the stack and the batch's KV views
-        # allow; where they do not, decode rows (one generated token of a sequence) still do,
-        # and the other rows go through the modules, whose operations are the C decode's bit
-        # for bit: a request's tokens get the same arithmetic whatever else is in the batch
+        # every row, prompt or decode, goes through the one-call C decode where the stack has
+        # one and the batch's KV views give slots (the engine's always do), else through the
+        # modules: their operations are the C decode's bit for bit (tests/test_fused.py), so a
+        # request's tokens get the same arithmetic whatever else is in the batch
         fused = self.fused_decode()
-        if fused is not None:
-            out = fused.run(x, batch)
-            if out is not None:
-                return out
-            dec = batch.decode_seqs()
-            if dec and len(dec) < len(batch.seqs) and batch.group is None:
-                mixed = self._run_mixed(fused, x, batch, dec)
-                if mixed is not None:
-                    return mixed
-        return self._run_modules(x, batch)
-
-    def _run_mixed(
-        self, fused: FusedDecode, x: torch.Tensor, batch: FlatBatch, dec: list[int]
-    ) -> torch.Tensor | None:
-        """Decode rows through the C decode, prompt rows through the modules; None where the
-        C decode cannot read these rows' KV views."""
-        sub, rows = batch.subset(dec)
-        out_dec = fused.run(x[rows], sub)
-        if out_dec is None:
-            return None
-        chosen = set(dec)
-        others = [i for i in range(len(batch.seqs)) if i not in chosen]
-        rest, rest_rows = batch.subset(others)
-        out = torch.empty_like(x)
-        out[rows] = out_dec
-        out[rest_rows] = self._run_modules(x[rest_rows], rest)
-        return out
+        out = fused.run(x, batch) if fused is not None else None
+        return out if out is not None else self._run_modules(x, batch)
 
     def _run_modules(self, x: torch.Tensor, batch: FlatBatch) -> torch.Tensor:
         x0 = x  # the embedding output (network.gates.embedding_skip)

@@ -224,6 +224,16 @@ def _token_by_token(model, ids: list[int]) -> torch.Tensor:  # noqa: ANN001
     return torch.stack(out)
 
 
+def _prefill(model, ids: list[int]) -> torch.Tensor:  # noqa: ANN001
+    """Logits of every row, the whole prompt in one forward pass."""
+    h = model.spec.hparams
+    cache = ContiguousKVCache(h.n_layers, h.n_kv_heads, h.head_dim, len(ids), torch.float32)
+    batch = FlatBatch.single(torch.tensor(ids), 0, cache)
+    batch.logits_rows = torch.arange(len(ids))
+    with torch.no_grad():
+        return model(batch)
+
+
 @pytest.mark.parametrize(
     "network",
     [
@@ -239,15 +249,19 @@ def test_fused_decoder_matches_the_dequantized_float_model(
     network: dict | None,
     lib,  # noqa: ANN001
 ) -> None:
+    """Token by token, and the whole prompt in one call (every row's logits: a prompt's later
+    rows read the K/V its earlier rows wrote in the same call), against the float model
+    holding the dequantized weights."""
     model, ref = _quantized_and_reference(_load(quant_llamas, write_spec, network))
     ids = torch.randint(0, 256, (40,), generator=torch.Generator().manual_seed(5)).tolist()
     ours = _token_by_token(model, ids)
     assert model.dec.fused_decode() is not None  # the one-call path ran
     assert ref.dec.fused_decode() is None  # float projections: the module path
     want = _token_by_token(ref, ids)
-    err = (ours - want).abs().max() / want.abs().max()
-    assert err < 1e-5, f"relative error {err:.2e}"
-    assert torch.equal(ours.argmax(-1), want.argmax(-1))
+    for got in (ours, _prefill(model, ids)):
+        err = (got - want).abs().max() / want.abs().max()
+        assert err < 1e-5, f"relative error {err:.2e}"
+        assert torch.equal(got.argmax(-1), want.argmax(-1))
 
 
 def test_qkv_bias_is_read_by_the_fused_decoder(

@@ -98,12 +98,13 @@ class Scheduler:
                 break
             if req not in self.running:  # preempted earlier in this loop
                 continue
-            take = self._take(req, budget, fill)
+            filling = self._filling(req)
+            take = self._take(req, min(budget, fill) if filling else budget)
             if take and req.draft is not None:
                 take = self._with_draft(req, take, budget)
             if not take or not self._reserve_running(req, req.kv.num_computed + take, out):
                 continue
-            fill -= take if self._filling(req) else 0
+            fill -= take if filling else 0
             out.append(
                 Scheduled(
                     req, req.kv.num_computed, take, req.kv.num_computed + take >= len(req.tokens)
@@ -118,7 +119,8 @@ class Scheduler:
                 hit = self.cache.match_prefix(req.kv, req.tokens)
                 if not req.started:  # (what the client's prompt found cached, once)
                     req.cached_tokens = min(hit, len(req.prompt_ids))
-            take = self._take(req, budget, fill)
+            filling = self._filling(req)
+            take = self._take(req, min(budget, fill) if filling else budget)
             if not take:
                 break
             try:
@@ -131,7 +133,7 @@ class Scheduler:
                 self.queued -= 1
             req.status, req.started = RUNNING, True
             self.running.append(req)
-            fill -= take if self._filling(req) else 0
+            fill -= take if filling else 0
             out.append(
                 Scheduled(
                     req, req.kv.num_computed, take, req.kv.num_computed + take == len(req.tokens)
@@ -146,12 +148,11 @@ class Scheduler:
         step computes): they count against ``max_prefill_tokens``."""
         return len(req.tokens) - req.kv.num_computed > 1
 
-    def _take(self, req: Request, budget: int, fill: int) -> int:
-        """Tokens of ``req`` to compute this step (0: it waits for a step with more budget);
-        ``fill``: the prefill positions the step may still take."""
+    def _take(self, req: Request, budget: int) -> int:
+        """Tokens of ``req`` to compute this step (0: it waits for a step with more budget)."""
         done, todo = req.kv.num_computed, len(req.tokens) - req.kv.num_computed
         if not self.fixed_chunks:
-            return min(todo, budget, fill) if todo > 1 else min(todo, budget)
+            return min(todo, budget)
         chunk = self.cfg.max_batched_tokens
         n_prompt = len(req.prompt_ids)
         want = min(chunk - done % chunk, n_prompt - done) if done < n_prompt else 1

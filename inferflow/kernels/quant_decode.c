@@ -416,10 +416,10 @@ void decode_stack(const Layer *layers, int64_t L, const Dims *d, int64_t B, floa
     const int64_t K = E > F ? (E > H * D ? E : H * D) : (F > H * D ? F : H * D);
     float *dx = d->act_q8 ? xs + B * K / 16 : NULL;
     int8_t *xq = d->act_q8 ? (int8_t *)(dx + B * K / 32) : NULL;
-    /* attention tasks: a row's heads at a time where there are rows enough (a thread reads
-       its rows' keys alone, and a prompt's later rows, with more keys, spread over the
-       threads), else one head */
-    const int64_t run = B >= 4 * nthreads ? H : 1;
+    /* attention tasks, dealt to the threads in turn: a row's heads at a time where there are
+       rows enough (a thread reads its rows' keys alone, and a prompt's later rows, with more
+       keys, spread over the threads), else an equal share of the heads each (no atomics) */
+    const int64_t run = B >= 4 * nthreads ? H : (B * H + nthreads - 1) / nthreads;
 #pragma omp parallel num_threads(nthreads)
     for (int64_t l = 0; l < L; l++) {
         const Layer *ly = layers + l;
@@ -450,7 +450,7 @@ void decode_stack(const Layer *layers, int64_t L, const Dims *d, int64_t B, floa
                 memcpy(v + w * KVH * W, row + (H + KVH) * D, sizeof(float) * KVH * D);
             }
         }
-#pragma omp for collapse(2) schedule(dynamic, run)
+#pragma omp for collapse(2) schedule(static, run)
         for (int64_t b = 0; b < B; b++)
             for (int64_t j = 0; j < H; j++) { /* (the last slot is this token's) */
                 float *pj = p + omp_get_thread_num() * S, *out = att + (b * H + j) * D;

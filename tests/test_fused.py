@@ -358,12 +358,43 @@ def test_engine_single_sequence_decode_is_fused(
     assert greedy() == fused
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("D", [32, 64, 80, 128, 256])
+def test_a_prompts_rows_at_once_are_each_row_alone(lib, D: int, dtype: torch.dtype) -> None:  # noqa: ANN001
+    """The one-call decode takes a prompt's rows a few at a time in one attention task
+    (attend_rows_any: a block of keys read once for all of them): every row's output is the
+    bits it gets alone as a decode row, and softmax(q K^T s) V in float64 within float32's
+    rounding. Blocks of 1 to 4 rows, keys in scattered slots, key counts across the 16-key
+    blocks (and, D = 128, more rows than one pass keeps in the registers)."""
+    g = torch.Generator().manual_seed(D)
+    S = 80
+    slots = torch.randperm(S, generator=g)
+    k = torch.randn(S, D, generator=g).to(dtype)
+    v = torch.randn(S, D, generator=g).to(dtype)
+    scale = D**-0.5
+    for lens in ([1, 2], [15, 16, 17], [31, 32, 33, 34], [5, 40, 16, 80], [64], [70, 71, 72, 73]):
+        q = torch.randn(len(lens), D, generator=g) * 3
+        at_once = quant_decode.attend_rows(q, k, v, slots, lens, scale)
+        alone = quant_decode.attend_rows(q, k, v, slots, lens, scale, one_by_one=True)
+        assert torch.equal(at_once, alone), lens
+        for r, n in enumerate(lens):
+            keys, vals = k[slots[:n]].double(), v[slots[:n]].double()
+            want = torch.softmax(keys @ q[r].double() * scale, 0) @ vals
+            torch.testing.assert_close(at_once[r].double(), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kv_dtype", [None, "float16", "q8"])
 def test_engine_prompts_in_one_call_equal_the_modules_alone(
-    quant_llamas: dict[str, Path], write_spec, lib, monkeypatch: pytest.MonkeyPatch
-) -> None:  # noqa: ANN001
+    quant_llamas: dict[str, Path],
+    write_spec,  # noqa: ANN001
+    lib,  # noqa: ANN001
+    monkeypatch: pytest.MonkeyPatch,
+    kv_dtype: str | None,
+) -> None:
     """A step's rows of several prompts (chunked, beside decode rows) in one decode_stack
-    call, each row reading its own sequence's slot list: every generated token's log-probs
-    (the top two too) are the bits each prompt gets alone through the module path."""
+    call, each row reading its own sequence's slot list (a prompt's rows a few at a time in
+    one attention task: attend_rows_any), with each KV cache type: every generated token's
+    log-probs (the top two too) are the bits each prompt gets alone through the module path."""
     from inferflow.model import fused as fused_mod
 
     model, _ = _quantized_and_reference(_load(quant_llamas, write_spec))
@@ -382,7 +413,7 @@ def test_engine_prompts_in_one_call_equal_the_modules_alone(
 
     def run(group: list[list[int]]) -> list[list]:
         sched = SchedulerConfig(max_batched_tokens=48, max_prefill_tokens=40)
-        eng = Engine(model, None, EngineConfig(sched, block_size=4))
+        eng = Engine(model, None, EngineConfig(sched, block_size=4, kv_cache_dtype=kv_dtype))
         rids = [eng.add_request(p, params) for p in group]
         seen: dict[str, list] = {r: [] for r in rids}
         while eng.has_unfinished():

@@ -1,5 +1,6 @@
 /* One query head's attention over keys and values listed by slot (float32 or float16:
-   attend_head, GGML Q8_0 blocks: attend_head_q8), shared by
+   attend_head, GGML Q8_0 blocks: attend_head_q8; a few rows of one prompt at once with
+   attend_head's bits: attend_rows_any), shared by
    paged_attention.c (a decode step of many sequences) and quant_decode.c (one token through a
    whole decoder): scores, softmax (max subtracted) and the weighted sum of the values. */
 #ifndef INFERFLOW_ATTEND_H
@@ -317,4 +318,129 @@ static inline void attend_head_any(const float *q, const void *kc, const void *v
         ATTEND_BY_D(0)
     }
 }
+/* rows of a prompt whose attention reads the keys at once (per thread, the scores' scratch is
+   ATTEND_ROWS times a row's S) */
+#define ATTEND_ROWS 4
+
+#if defined(__AVX512F__)
+/* attend_head for R rows of one sequence and one query head (R <= ATTEND_ROWS, R nv <= 16:
+   their outputs' accumulators stay in the registers), D = 16 nv with nv <= 8: row r's query
+   at q + r qs, its keys the first n[r] of sl, its scores
+   at p + r ps, its output at out + r os. Each row gets attend_head's operations in its order
+   (the same bits), but a block of 16 keys is read (and its addresses found) once for all the
+   rows that have it, and each value once for all R rows. */
+static inline __attribute__((always_inline)) void attend_rows16(const float *q, int64_t qs,
+                                                                const void *kc, const void *vc,
+                                                                const int64_t *sl, const int64_t *n,
+                                                                const int R, int64_t stride,
+                                                                int64_t off, const int64_t nv,
+                                                                float scale, float *p, int64_t ps,
+                                                                float *out, int64_t os,
+                                                                const int half) {
+    const int64_t D = 16 * nv;
+    int64_t nmax = 0, nmin = n[0];
+    for (int r = 0; r < R; r++) {
+        nmax = n[r] > nmax ? n[r] : nmax;
+        nmin = n[r] < nmin ? n[r] : nmin;
+    }
+    __m512 top[ATTEND_ROWS];
+    float mx[ATTEND_ROWS];
+    for (int r = 0; r < R; r++) top[r] = _mm512_set1_ps(-INFINITY);
+    for (int64_t t = 0; t + 16 <= nmax; t += 16) {
+        const void *kp[16];
+        for (int u = 0; u < 16; u++) kp[u] = kv_at(kc, sl[t + u] * stride + off, half);
+        if (t + 32 <= nmax) /* the next block, while this one computes */
+            for (int u = 0; u < 16; u++) {
+                const char *a = (const char *)kv_at(kc, sl[t + 16 + u] * stride + off, half);
+                for (int64_t b = 0; b < D * (half ? 2 : 4); b += 64) __builtin_prefetch(a + b);
+            }
+#pragma GCC unroll 4
+        for (int r = 0; r < ATTEND_ROWS; r++) {
+            if (r >= R || t + 16 > n[r]) continue;
+            __m512 qv[8], s[16];
+            for (int64_t i = 0; i < nv; i++) qv[i] = _mm512_loadu_ps(q + r * qs + 16 * i);
+#pragma GCC unroll 16
+            for (int u = 0; u < 16; u++) {
+                s[u] = _mm512_mul_ps(qv[0], kv16(kp[u], 0, half));
+                for (int64_t i = 1; i < nv; i++)
+                    s[u] = _mm512_fmadd_ps(qv[i], kv16(kp[u], 16 * i, half), s[u]);
+            }
+            const __m512 x = _mm512_mul_ps(sum16x16(s), _mm512_set1_ps(scale));
+            _mm512_storeu_ps(p + r * ps + t, x);
+            top[r] = _mm512_max_ps(top[r], x);
+        }
+    }
+    for (int r = 0; r < R; r++) { /* each row's last n % 16 keys, one at a time */
+        mx[r] = _mm512_reduce_max_ps(top[r]);
+        for (int64_t t = n[r] / 16 * 16; t < n[r]; t++) {
+            const void *k = kv_at(kc, sl[t] * stride + off, half);
+            __m512 s = _mm512_mul_ps(_mm512_loadu_ps(q + r * qs), kv16(k, 0, half));
+            for (int64_t i = 1; i < nv; i++)
+                s = _mm512_fmadd_ps(_mm512_loadu_ps(q + r * qs + 16 * i), kv16(k, 16 * i, half), s);
+            const float x = _mm512_reduce_add_ps(s) * scale;
+            p[r * ps + t] = x;
+            if (x > mx[r]) mx[r] = x;
+        }
+        /* the weights p[t] / sum, each rounded as attend_head's p[t] * inv */
+        float *pr = p + r * ps;
+        const __m512 inv = _mm512_set1_ps(1.f / exp_sum(pr, n[r], mx[r]));
+        for (int64_t t = 0; t < n[r]; t += 16) {
+            const __mmask16 m = n[r] - t >= 16 ? 0xFFFF : (__mmask16)((1u << (n[r] - t)) - 1);
+            _mm512_mask_storeu_ps(pr + t, m, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, pr + t), inv));
+        }
+    }
+    __m512 acc[16];
+    for (int i = 0; i < 16; i++) acc[i] = _mm512_setzero_ps();
+    for (int64_t t = 0; t < nmax; t++) {
+        const void *v = kv_at(vc, sl[t] * stride + off, half);
+        fetch_ahead(vc, sl, t, nmax, stride, off, D, half);
+        __m512 vv[8];
+        for (int64_t i = 0; i < nv; i++) vv[i] = kv16(v, 16 * i, half);
+        const int all = t < nmin;
+#pragma GCC unroll 4
+        for (int r = 0; r < ATTEND_ROWS && (r + 1) * nv <= 16; r++) {
+            if (r >= R || (!all && t >= n[r])) continue;
+            const __m512 w = _mm512_set1_ps(p[r * ps + t]);
+            for (int64_t i = 0; i < nv; i++)
+                acc[r * nv + i] = _mm512_fmadd_ps(w, vv[i], acc[r * nv + i]);
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int64_t i = 0; i < nv; i++) _mm512_storeu_ps(out + r * os + 16 * i, acc[r * nv + i]);
+}
+#endif
+
+/* attend_rows16 where D allows (a multiple of 16 up to 128: the rows 16 / (D / 16) at a
+   time), with D a constant for the common head sizes; else attend_head row by row */
+static inline void attend_rows_any(const float *q, int64_t qs, const void *kc, const void *vc,
+                                   const int64_t *sl, const int64_t *n, int R, int64_t stride,
+                                   int64_t off, int64_t D, float scale, float *p, int64_t ps,
+                                   float *out, int64_t os, int half) {
+#if defined(__AVX512F__)
+    if (D % 16 == 0 && D <= 128) {
+        const int per = (int)(16 / (D / 16)) < ATTEND_ROWS ? (int)(16 / (D / 16)) : ATTEND_ROWS;
+        for (int r = 0; r < R; r += per) {
+            const int m = R - r < per ? R - r : per;
+#define ROWS16(nv, h)                                                                               \
+    attend_rows16(q + r * qs, qs, kc, vc, sl, n + r, m, stride, off, nv, scale, p + r * ps, ps,    \
+                  out + r * os, os, h)
+            if (D == 64 && half)
+                ROWS16(4, 1);
+            else if (D == 64)
+                ROWS16(4, 0);
+            else if (D == 128 && half)
+                ROWS16(8, 1);
+            else if (D == 128)
+                ROWS16(8, 0);
+            else
+                ROWS16(D / 16, half);
+#undef ROWS16
+        }
+        return;
+    }
+#endif
+    for (int r = 0; r < R; r++)
+        attend_head_any(q + r * qs, kc, vc, sl, n[r], stride, off, D, scale, p + r * ps, out + r * os, half);
+}
+
 #endif

@@ -37,6 +37,7 @@
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #if defined(__FMA__) || defined(__F16C__) || defined(__AVX512F__)
 #include <immintrin.h>
@@ -399,10 +400,10 @@ int qmat_tiles16_built(void) {
    row b reads list i = which[b] (which NULL: i = b), its keys in the first lens[b] slots, the
    last one where its own K / V go (every row's K / V of a layer are written before any row
    attends: a prompt's later rows see its earlier ones). scratch: at least B (hidden + (heads +
-   2 kv_heads) head_dim + heads head_dim + 3 inner + K / 16) + nthreads S floats, K = max(
-   hidden, inner, heads * head_dim) (the widest product's input: its group sums), and with
-   act_q8 B (K / 32 + K / 4) more (its 8-bit rows). Every row gets the same operations whatever
-   B is and whichever rows are beside it. */
+   2 kv_heads) head_dim + heads head_dim + 3 inner + K / 16) + nthreads ATTEND_ROWS S floats
+   (decode_attend_rows), K = max(hidden, inner, heads * head_dim) (the widest product's
+   input: its group sums), and with act_q8 B (K / 32 + K / 4) more (its 8-bit rows). Every row
+   gets the same operations whatever B is and whichever rows are beside it. */
 void decode_stack(const Layer *layers, int64_t L, const Dims *d, int64_t B, float *x,
                   const float *cos, const float *sin, uint8_t *kc, uint8_t *vc, int64_t layer_stride,
                   const int64_t *slots, const int64_t *which, int64_t S, const int64_t *lens,
@@ -412,14 +413,25 @@ void decode_stack(const Layer *layers, int64_t L, const Dims *d, int64_t B, floa
     /* bytes of a KV head in the cache */
     const int64_t W = d->kv_format == 1 ? D / 32 * 34 : D * (d->kv_format == 2 ? 2 : 4);
     float *h = scratch, *qkv = h + B * E, *att = qkv + B * QKV;
-    float *gu = att + B * H * D, *act = gu + B * 2 * F, *p = act + B * F, *xs = p + nthreads * S;
+    float *gu = att + B * H * D, *act = gu + B * 2 * F, *p = act + B * F;
+    float *xs = p + nthreads * ATTEND_ROWS * S;
     const int64_t K = E > F ? (E > H * D ? E : H * D) : (F > H * D ? F : H * D);
     float *dx = d->act_q8 ? xs + B * K / 16 : NULL;
     int8_t *xq = d->act_q8 ? (int8_t *)(dx + B * K / 32) : NULL;
-    /* attention tasks, dealt to the threads in turn: a row's heads at a time where there are
-       rows enough (a thread reads its rows' keys alone, and a prompt's later rows, with more
-       keys, spread over the threads), else an equal share of the heads each (no atomics) */
-    const int64_t run = B >= 4 * nthreads ? H : (B * H + nthreads - 1) / nthreads;
+    /* attention tasks: a block of rows (up to ATTEND_ROWS rows of one sequence in a row, a
+       prompt's: they read its keys once; else one row) with one head, dealt to the threads in
+       turn: a block's heads at a time where there are blocks enough (a thread reads its
+       blocks' keys alone, and a prompt's later rows, with more keys, spread over the threads),
+       else an equal share of the heads each (no atomics) */
+    int64_t *blk = malloc((size_t)(B + 1) * sizeof *blk), nb = 0;
+    for (int64_t b = 0; b < B; b++)
+        if (!blk) /* (no memory for the list: one row a block, blk[i] = i) */
+            nb++;
+        else if (nb == 0 || !which || d->kv_format == 1 || which[b] != which[b - 1] ||
+                 b - blk[nb - 1] == ATTEND_ROWS)
+            blk[nb++] = b;
+    if (blk) blk[nb] = B;
+    const int64_t run = nb >= 4 * nthreads ? H : (nb * H + nthreads - 1) / nthreads;
 #pragma omp parallel num_threads(nthreads)
     for (int64_t l = 0; l < L; l++) {
         const Layer *ly = layers + l;
@@ -451,16 +463,21 @@ void decode_stack(const Layer *layers, int64_t L, const Dims *d, int64_t B, floa
             }
         }
 #pragma omp for collapse(2) schedule(static, run)
-        for (int64_t b = 0; b < B; b++)
-            for (int64_t j = 0; j < H; j++) { /* (the last slot is this token's) */
-                float *pj = p + omp_get_thread_num() * S, *out = att + (b * H + j) * D;
+        for (int64_t i = 0; i < nb; i++)
+            for (int64_t j = 0; j < H; j++) { /* (the last slot is a row's own token's) */
+                const int64_t b = blk ? blk[i] : i, rows = blk ? blk[i + 1] - b : 1;
+                float *pj = p + omp_get_thread_num() * ATTEND_ROWS * S, *out = att + (b * H + j) * D;
                 const int64_t *list = slots + (which ? which[b] : b) * S;
                 if (d->kv_format == 1)
                     attend_head_q8_any(qkv + b * QKV + j * D, k, v, list, lens[b], KVH * W,
                                        j / (H / KVH) * W, D, d->scale, pj, out);
-                else /* (stride and offset in elements) */
+                else if (rows == 1) /* (stride and offset in elements) */
                     attend_head_any(qkv + b * QKV + j * D, k, v, list, lens[b], KVH * D,
                                     j / (H / KVH) * D, D, d->scale, pj, out, d->kv_format == 2);
+                else
+                    attend_rows_any(qkv + b * QKV + j * D, QKV, k, v, list, lens + b, (int)rows,
+                                    KVH * D, j / (H / KVH) * D, D, d->scale, pj, S, out, H * D,
+                                    d->kv_format == 2);
             }
         gemm_in_team(&ly->o, att, B, xs, x, 1, xq, dx);
 #pragma omp for schedule(static)
@@ -474,6 +491,26 @@ void decode_stack(const Layer *layers, int64_t L, const Dims *d, int64_t B, floa
         }
         gemm_in_team(&ly->down, act, B, xs, x, 1, xq, dx);
     }
+    free(blk);
+}
+
+/* rows of a prompt one attention task takes (the one-call decode's scratch: decode_stack) */
+int64_t decode_attend_rows(void) { return ATTEND_ROWS; }
+
+/* R rows of one sequence and query head over a float32 (or, half, float16) cache as
+   decode_stack's attention tasks take them: at once (attend_rows_any), or (one_by_one) as a
+   decode row alone (attend_head_any) (for tests) */
+void attend_rows_f32(const float *q, int64_t qs, const void *kc, const void *vc,
+                     const int64_t *sl, const int64_t *n, int64_t R, int64_t stride, int64_t off,
+                     int64_t D, float scale, float *p, int64_t ps, float *out, int64_t os, int half,
+                     int one_by_one) {
+    if (!one_by_one) {
+        attend_rows_any(q, qs, kc, vc, sl, n, (int)R, stride, off, D, scale, p, ps, out, os, half);
+        return;
+    }
+    for (int64_t r = 0; r < R; r++)
+        attend_head_any(q + r * qs, kc, vc, sl, n[r], stride, off, D, scale, p + r * ps,
+                        out + r * os, half);
 }
 
 /* rows of n floats -> their Q8_0 blocks, as decode_stack writes them (for tests) */

@@ -59,6 +59,10 @@ def library() -> ctypes.CDLL | None:
     lib.decode_stack.argtypes = [ctypes.POINTER(CLayer), _I64, ctypes.POINTER(CDims), _I64, _P]
     lib.decode_stack.argtypes += [_P, _P, _P, _P, _I64, _P, _P, _I64, _P, _P, ctypes.c_int]
     lib.decode_stack.restype = None
+    lib.decode_attend_rows.argtypes, lib.decode_attend_rows.restype = [], _I64
+    lib.attend_rows_f32.argtypes = [_P, _I64, _P, _P, _P, _P, _I64, _I64, _I64, _I64]
+    lib.attend_rows_f32.argtypes += [ctypes.c_float, _P, _I64, _P, _I64, ctypes.c_int, ctypes.c_int]
+    lib.attend_rows_f32.restype = None
     lib.q8_0_rows.argtypes, lib.q8_0_rows.restype = [_P, _I64, _I64, _P], None
     lib.qmat_amx_built.argtypes, lib.qmat_amx_built.restype = [], ctypes.c_int
     lib.qmat_amx_enable.argtypes, lib.qmat_amx_enable.restype = [ctypes.c_int], ctypes.c_int
@@ -425,4 +429,33 @@ def q8_0_rows(x: torch.Tensor) -> torch.Tensor:
     x = x.float().contiguous()
     out = torch.empty((x.shape[0], x.shape[1] // 32 * 34), dtype=torch.uint8)
     lib.q8_0_rows(x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr())
+    return out
+
+
+def attend_rows(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    slots: torch.Tensor,
+    lens: list[int],
+    scale: float,
+    one_by_one: bool = False,
+) -> torch.Tensor:
+    """Rows of one sequence through the one-call decode's attention for one query head (for
+    tests): q (R, D) float32; k, v (slots, D) float32 or float16; row r attends to the keys in
+    the first lens[r] of ``slots``. At once (a prompt's block of rows), or ``one_by_one`` as
+    decode rows alone. Returns (R, D)."""
+    lib = library()
+    assert lib is not None
+    R, D = q.shape
+    q, k, v = q.float().contiguous(), k.contiguous(), v.contiguous()
+    sl = slots.to(torch.int64).contiguous()
+    n = torch.tensor(lens, dtype=torch.int64)
+    p = torch.empty(R, len(sl), dtype=torch.float32)
+    out = torch.empty(R, D, dtype=torch.float32)
+    lib.attend_rows_f32(
+        q.data_ptr(), D, k.data_ptr(), v.data_ptr(), sl.data_ptr(), n.data_ptr(), R, D, 0, D,
+        scale, p.data_ptr(), len(sl), out.data_ptr(), D, int(k.dtype == torch.float16),
+        int(one_by_one),
+    )  # fmt: skip
     return out

@@ -158,9 +158,10 @@ class FusedDecode:
         size += widest // 16  # a product input's group sums
         if self.dims.act_q8:
             size += widest // 32 + widest // 4  # and its 8-bit rows: scales, int8 codes
-        scratch = self._scratch(B * size + threads * S)
         lib = library()
         assert lib is not None
+        # (per thread: the scores of the rows one attention task takes)
+        scratch = self._scratch(B * size + threads * lib.decode_attend_rows() * S)
         lib.decode_stack(
             self.layers, len(self.layers), ctypes.byref(self.dims), B, out.data_ptr(),
             cos.data_ptr(), sin.data_ptr(), k.data_ptr(), v.data_ptr(), k[0].nbytes,

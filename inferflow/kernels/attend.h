@@ -318,6 +318,7 @@ static inline void attend_head_any(const float *q, const void *kc, const void *v
         ATTEND_BY_D(0)
     }
 }
+
 /* rows of a prompt whose attention reads the keys at once (per thread, the scores' scratch is
    ATTEND_ROWS times a row's S) */
 #define ATTEND_ROWS 4
@@ -325,10 +326,10 @@ static inline void attend_head_any(const float *q, const void *kc, const void *v
 #if defined(__AVX512F__)
 /* attend_head for R rows of one sequence and one query head (R <= ATTEND_ROWS, R nv <= 16:
    their outputs' accumulators stay in the registers), D = 16 nv with nv <= 8: row r's query
-   at q + r qs, its keys the first n[r] of sl, its scores
-   at p + r ps, its output at out + r os. Each row gets attend_head's operations in its order
-   (the same bits), but a block of 16 keys is read (and its addresses found) once for all the
-   rows that have it, and each value once for all R rows. */
+   at q + r qs, its keys the first n[r] of sl, its scores at p + r ps, its output at out + r
+   os. Each row gets attend_head's operations in its order (the same bits), but a block of 16
+   keys is read (and its addresses found) once for all the rows that have it, and each value
+   once for all R rows. */
 static inline __attribute__((always_inline)) void attend_rows16(const float *q, int64_t qs,
                                                                 const void *kc, const void *vc,
                                                                 const int64_t *sl, const int64_t *n,

@@ -411,14 +411,15 @@ static inline __attribute__((always_inline)) void attend_rows16(const float *q, 
 }
 #endif
 
-/* attend_rows16 where D allows (a multiple of 16 up to 128: the rows 16 / (D / 16) at a
-   time), with D a constant for the common head sizes; else attend_head row by row */
+/* attend_rows16 for two rows or more where D allows (a multiple of 16 up to 128: the rows
+   16 / (D / 16) at a time), with D a constant for the common head sizes; else attend_head row
+   by row (a decode row) */
 static inline void attend_rows_any(const float *q, int64_t qs, const void *kc, const void *vc,
                                    const int64_t *sl, const int64_t *n, int R, int64_t stride,
                                    int64_t off, int64_t D, float scale, float *p, int64_t ps,
                                    float *out, int64_t os, int half) {
 #if defined(__AVX512F__)
-    if (D % 16 == 0 && D <= 128) {
+    if (R > 1 && D % 16 == 0 && D <= 128) {
         const int per = (int)(16 / (D / 16)) < ATTEND_ROWS ? (int)(16 / (D / 16)) : ATTEND_ROWS;
         for (int r = 0; r < R; r += per) {
             const int m = R - r < per ? R - r : per;

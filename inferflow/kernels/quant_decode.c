@@ -37,7 +37,6 @@
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
-#include <stdlib.h>
 #include <string.h>
 #if defined(__FMA__) || defined(__F16C__) || defined(__AVX512F__)
 #include <immintrin.h>
@@ -399,11 +398,29 @@ int qmat_tiles16_built(void) {
    layer_stride floats, slot s of KV head g at (s * KV heads + g) * head_dim. slots (lists, S):
    row b reads list i = which[b] (which NULL: i = b), its keys in the first lens[b] slots, the
    last one where its own K / V go (every row's K / V of a layer are written before any row
-   attends: a prompt's later rows see its earlier ones). scratch: at least B (hidden + (heads +
-   2 kv_heads) head_dim + heads head_dim + 3 inner + K / 16) + nthreads ATTEND_ROWS S floats
-   (decode_attend_rows), K = max(hidden, inner, heads * head_dim) (the widest product's
-   input: its group sums), and with act_q8 B (K / 32 + K / 4) more (its 8-bit rows). Every row
-   gets the same operations whatever B is and whichever rows are beside it. */
+   attends: a prompt's later rows see its earlier ones). scratch: decode_stack_scratch floats.
+   Every row gets the same operations whatever B is and whichever rows are beside it. */
+/* widest input of a layer's products (their group sums and 8-bit rows are sized by it) */
+static int64_t widest_input(const Dims *d) {
+    const int64_t E = d->hidden, F = d->inner, HD = d->heads * d->head_dim;
+    return E > F ? (E > HD ? E : HD) : (F > HD ? F : HD);
+}
+
+/* floats of the row-block list at the start of decode_stack's scratch (B + 1 int64, rounded
+   up to 64 bytes: what follows stays aligned as the scratch is) */
+static int64_t blocks_floats(int64_t B) { return (2 * (B + 1) + 15) / 16 * 16; }
+
+/* floats of scratch decode_stack needs for B rows, slot lists of S, nthreads threads: the
+   row-block list; per row its normed input, q / k / v, attention output, gate and up, gated
+   values and the widest product input's group sums (act_q8: and its 8-bit rows, scales and
+   codes); per thread the scores of one attention task's rows */
+int64_t decode_stack_scratch(const Dims *d, int64_t B, int64_t S, int nthreads) {
+    const int64_t K = widest_input(d), H = d->heads, KVH = d->kv_heads, D = d->head_dim;
+    int64_t row = d->hidden + (2 * H + 2 * KVH) * D + 3 * d->inner + K / 16;
+    if (d->act_q8) row += K / 32 + K / 4;
+    return blocks_floats(B) + B * row + (int64_t)nthreads * ATTEND_ROWS * S;
+}
+
 void decode_stack(const Layer *layers, int64_t L, const Dims *d, int64_t B, float *x,
                   const float *cos, const float *sin, uint8_t *kc, uint8_t *vc, int64_t layer_stride,
                   const int64_t *slots, const int64_t *which, int64_t S, const int64_t *lens,
@@ -412,10 +429,11 @@ void decode_stack(const Layer *layers, int64_t L, const Dims *d, int64_t B, floa
     const int64_t QKV = (H + 2 * KVH) * D, R2 = d->rotary_dim / 2, NC = (F + 15) / 16;
     /* bytes of a KV head in the cache */
     const int64_t W = d->kv_format == 1 ? D / 32 * 34 : D * (d->kv_format == 2 ? 2 : 4);
-    float *h = scratch, *qkv = h + B * E, *att = qkv + B * QKV;
+    int64_t *blk = (int64_t *)scratch; /* (decode_stack_scratch's layout) */
+    float *h = scratch + blocks_floats(B), *qkv = h + B * E, *att = qkv + B * QKV;
     float *gu = att + B * H * D, *act = gu + B * 2 * F, *p = act + B * F;
     float *xs = p + nthreads * ATTEND_ROWS * S;
-    const int64_t K = E > F ? (E > H * D ? E : H * D) : (F > H * D ? F : H * D);
+    const int64_t K = widest_input(d);
     float *dx = d->act_q8 ? xs + B * K / 16 : NULL;
     int8_t *xq = d->act_q8 ? (int8_t *)(dx + B * K / 32) : NULL;
     /* attention tasks: a block of rows (up to ATTEND_ROWS rows of one sequence in a row, a
@@ -423,14 +441,12 @@ void decode_stack(const Layer *layers, int64_t L, const Dims *d, int64_t B, floa
        turn: a block's heads at a time where there are blocks enough (a thread reads its
        blocks' keys alone, and a prompt's later rows, with more keys, spread over the threads),
        else an equal share of the heads each (no atomics) */
-    int64_t *blk = malloc((size_t)(B + 1) * sizeof *blk), nb = 0;
+    int64_t nb = 0;
     for (int64_t b = 0; b < B; b++)
-        if (!blk) /* (no memory for the list: one row a block, blk[i] = i) */
-            nb++;
-        else if (nb == 0 || !which || d->kv_format == 1 || which[b] != which[b - 1] ||
-                 b - blk[nb - 1] == ATTEND_ROWS)
+        if (nb == 0 || !which || d->kv_format == 1 || which[b] != which[b - 1] ||
+            b - blk[nb - 1] == ATTEND_ROWS)
             blk[nb++] = b;
-    if (blk) blk[nb] = B;
+    blk[nb] = B;
     const int64_t run = nb >= 4 * nthreads ? H : (nb * H + nthreads - 1) / nthreads;
 #pragma omp parallel num_threads(nthreads)
     for (int64_t l = 0; l < L; l++) {
@@ -465,19 +481,16 @@ void decode_stack(const Layer *layers, int64_t L, const Dims *d, int64_t B, floa
 #pragma omp for collapse(2) schedule(static, run)
         for (int64_t i = 0; i < nb; i++)
             for (int64_t j = 0; j < H; j++) { /* (the last slot is a row's own token's) */
-                const int64_t b = blk ? blk[i] : i, rows = blk ? blk[i + 1] - b : 1;
+                const int64_t b = blk[i];
                 float *pj = p + omp_get_thread_num() * ATTEND_ROWS * S, *out = att + (b * H + j) * D;
                 const int64_t *list = slots + (which ? which[b] : b) * S;
-                if (d->kv_format == 1)
+                if (d->kv_format == 1) /* (blocks of one row) */
                     attend_head_q8_any(qkv + b * QKV + j * D, k, v, list, lens[b], KVH * W,
                                        j / (H / KVH) * W, D, d->scale, pj, out);
-                else if (rows == 1) /* (stride and offset in elements) */
-                    attend_head_any(qkv + b * QKV + j * D, k, v, list, lens[b], KVH * D,
-                                    j / (H / KVH) * D, D, d->scale, pj, out, d->kv_format == 2);
-                else
-                    attend_rows_any(qkv + b * QKV + j * D, QKV, k, v, list, lens + b, (int)rows,
-                                    KVH * D, j / (H / KVH) * D, D, d->scale, pj, S, out, H * D,
-                                    d->kv_format == 2);
+                else /* (stride and offset in elements) */
+                    attend_rows_any(qkv + b * QKV + j * D, QKV, k, v, list, lens + b,
+                                    (int)(blk[i + 1] - b), KVH * D, j / (H / KVH) * D, D,
+                                    d->scale, pj, S, out, H * D, d->kv_format == 2);
             }
         gemm_in_team(&ly->o, att, B, xs, x, 1, xq, dx);
 #pragma omp for schedule(static)
@@ -491,11 +504,7 @@ void decode_stack(const Layer *layers, int64_t L, const Dims *d, int64_t B, floa
         }
         gemm_in_team(&ly->down, act, B, xs, x, 1, xq, dx);
     }
-    free(blk);
 }
-
-/* rows of a prompt one attention task takes (the one-call decode's scratch: decode_stack) */
-int64_t decode_attend_rows(void) { return ATTEND_ROWS; }
 
 /* R rows of one sequence and query head over a float32 (or, half, float16) cache as
    decode_stack's attention tasks take them: at once (attend_rows_any), or (one_by_one) as a

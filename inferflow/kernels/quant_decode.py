@@ -59,7 +59,8 @@ def library() -> ctypes.CDLL | None:
     lib.decode_stack.argtypes = [ctypes.POINTER(CLayer), _I64, ctypes.POINTER(CDims), _I64, _P]
     lib.decode_stack.argtypes += [_P, _P, _P, _P, _I64, _P, _P, _I64, _P, _P, ctypes.c_int]
     lib.decode_stack.restype = None
-    lib.decode_attend_rows.argtypes, lib.decode_attend_rows.restype = [], _I64
+    lib.decode_stack_scratch.argtypes = [ctypes.POINTER(CDims), _I64, _I64, ctypes.c_int]
+    lib.decode_stack_scratch.restype = _I64
     lib.attend_rows_f32.argtypes = [_P, _I64, _P, _P, _P, _P, _I64, _I64, _I64, _I64]
     lib.attend_rows_f32.argtypes += [ctypes.c_float, _P, _I64, _P, _I64, ctypes.c_int, ctypes.c_int]
     lib.attend_rows_f32.restype = None

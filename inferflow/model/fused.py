@@ -152,18 +152,12 @@ class FusedDecode:
         cos, sin = self.rope.cos_sin(batch.positions, torch.float32)
         cos, sin = cos.reshape(B, -1).contiguous(), sin.reshape(B, -1).contiguous()
         out = x.reshape(B, -1).clone()
-        d, threads = self.dims, torch.get_num_threads()
-        size = d.hidden + 2 * (d.heads + d.kv_heads) * d.head_dim + 3 * d.inner
-        widest = max(d.hidden, d.inner, d.heads * d.head_dim)
-        size += widest // 16  # a product input's group sums
-        if self.dims.act_q8:
-            size += widest // 32 + widest // 4  # and its 8-bit rows: scales, int8 codes
-        lib = library()
+        threads, lib = torch.get_num_threads(), library()
         assert lib is not None
-        # (per thread: the scores of the rows one attention task takes)
-        scratch = self._scratch(B * size + threads * lib.decode_attend_rows() * S)
+        dims = ctypes.byref(self.dims)
+        scratch = self._scratch(lib.decode_stack_scratch(dims, B, S, threads))
         lib.decode_stack(
-            self.layers, len(self.layers), ctypes.byref(self.dims), B, out.data_ptr(),
+            self.layers, len(self.layers), dims, B, out.data_ptr(),
             cos.data_ptr(), sin.data_ptr(), k.data_ptr(), v.data_ptr(), k[0].nbytes,
             slots.data_ptr(), None if which is None else which.data_ptr(), S, lens.data_ptr(),
             scratch.data_ptr(), threads,

@@ -3,10 +3,13 @@ token-id prompts, greedy): the mean time from the burst to each request's first 
 tokens a second, for each prefill budget (``SchedulerConfig.max_prefill_tokens``: the prompt
 tokens one step takes at most), the settings alternating round by round in one process so that
 a slow or fast spell of the machine falls on all of them alike. No HTTP: the scheduling alone.
+Each burst gets a fresh KV pool; ``--warm`` runs every budget also with the pool's next blocks
+mapped first (``Engine.warm_cache``, what an idle server does), against pages mapped by the
+step's own writes.
 
     python benchmarks/prefill_burst.py [--spec NAME] [--n 32] [--prompt-len 64]
                                        [--output-len 8] [--prefill-tokens 512,256,128]
-                                       [--max-batched-tokens 512] [--rounds 15]
+                                       [--max-batched-tokens 512] [--rounds 15] [--warm]
 """
 
 from __future__ import annotations
@@ -30,10 +33,17 @@ from inferflow.runtime import LanguageModel, load  # noqa: E402
 
 
 def burst(
-    lm: LanguageModel, sched: SchedulerConfig, prompts: list[list[int]], output_len: int
+    lm: LanguageModel,
+    sched: SchedulerConfig,
+    prompts: list[list[int]],
+    output_len: int,
+    warm: bool = False,
 ) -> tuple[float, float]:
-    """(mean seconds to the first token, generated tokens a second) of one burst."""
+    """(mean seconds to the first token, generated tokens a second) of one burst on a fresh KV
+    pool; ``warm``: its next blocks mapped first, as an idle server does (Engine.warm_cache)."""
     eng = Engine(lm.model, lm.tokenizer, EngineConfig(scheduler=sched))
+    while warm and eng.warm_cache():
+        pass
     params = SamplingParams(max_new_tokens=output_len, ignore_eos=True)
     for p in prompts:
         eng.add_request(p, params)
@@ -59,6 +69,9 @@ def main() -> int:
     ap.add_argument("--prefill-tokens", default="512,256,128")
     ap.add_argument("--max-batched-tokens", type=int, default=512)
     ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument(
+        "--warm", action="store_true", help="each budget also with the KV pool mapped ahead"
+    )
     args = ap.parse_args()
     lm = load(args.spec, "auto")
     budgets = [int(b) for b in args.prefill_tokens.split(",")]
@@ -68,28 +81,30 @@ def main() -> int:
     }
     rng = random.Random(0)
     burst(lm, scheds[budgets[0]], [[rng.randint(1000, 40000)] * 8] * 2, 2)  # warm-up
-    ttft: dict[int, list[float]] = {b: [] for b in budgets}
-    tps: dict[int, list[float]] = {b: [] for b in budgets}
+    settings = [(b, w) for b in budgets for w in ((False, True) if args.warm else (False,))]
+    ttft: dict[tuple[int, bool], list[float]] = {s: [] for s in settings}
+    tps: dict[tuple[int, bool], list[float]] = {s: [] for s in settings}
     for _ in range(args.rounds):
         prompts = [
             [rng.randint(1000, 40000) for _ in range(args.prompt_len)] for _ in range(args.n)
         ]
-        for b in budgets:  # (the same prompts for every setting in a round)
-            t, r = burst(lm, scheds[b], prompts, args.output_len)
-            ttft[b].append(t)
-            tps[b].append(r)
+        for b, w in settings:  # (the same prompts for every setting in a round)
+            t, r = burst(lm, scheds[b], prompts, args.output_len, w)
+            ttft[b, w].append(t)
+            tps[b, w].append(r)
     print("command: python benchmarks/prefill_burst.py " + shlex.join(sys.argv[1:]))
     print(
         f"{args.spec}, {args.n} prompts of {args.prompt_len} tokens at once, {args.output_len} "
         f"generated each, --max-batched-tokens {args.max_batched_tokens}, "
         f"threads={torch.get_num_threads()}, {args.rounds} rounds (medians)"
     )
-    base = statistics.median(ttft[budgets[0]])
-    print("| max_prefill_tokens | mean TTFT | vs first | tok/s |")
-    print("|---:|---:|---:|---:|")
-    for b in budgets:
-        t = statistics.median(ttft[b])
-        print(f"| {b} | {t:.3f} s | {t / base:.2f}x | {statistics.median(tps[b]):.0f} |")
+    base = statistics.median(ttft[settings[0]])
+    print("| max_prefill_tokens | KV pool | mean TTFT | vs first | tok/s |")
+    print("|---:|---|---:|---:|---:|")
+    for b, w in settings:
+        t, r = statistics.median(ttft[b, w]), statistics.median(tps[b, w])
+        pool = "mapped ahead" if w else "fresh"
+        print(f"| {b} | {pool} | {t:.3f} s | {t / base:.2f}x | {r:.0f} |")
     return 0
 
 

@@ -3,18 +3,24 @@ different steps, chunked prefill, preemption) equal each request run alone; no b
 
 from __future__ import annotations
 
+import asyncio
+import time
 from dataclasses import fields
 
 import pytest
 import torch
 
-from inferflow.engine.engine import Engine, EngineConfig
+from inferflow.engine.engine import WARM_AHEAD, Engine, EngineConfig
 from inferflow.engine.generate import generate_tokens
+from inferflow.engine.kv_cache import PagedKVCache, SeqBlocks
 from inferflow.engine.sampling import SamplingParams
 from inferflow.engine.scheduler import QueueFull, SchedulerConfig
 from inferflow.errors import RequestError
 from inferflow.model.build import load_model
+from inferflow.server.metrics import Metrics
+from inferflow.server.runner import EngineRunner
 from inferflow.spec import load_spec
+from tests.conftest import needs_proc, rss
 
 tf = pytest.importorskip("transformers")
 VOCAB = 128
@@ -336,3 +342,62 @@ def test_bf16_batched_divergence_starts_at_a_near_tie(bf16_model) -> None:
             gaps.append(t[i][0][1] - t[i][1][1])
     print(f"bf16: {len(gaps)}/32 requests diverged; top-1/top-2 gaps at divergence: {gaps}")
     assert all(g < 0.01 for g in gaps), gaps
+
+
+@needs_proc
+def test_warm_ahead_maps_never_used_blocks_and_nothing_else() -> None:
+    """An idle engine writes the pool's next never-used blocks (their pages get mapped then,
+    not by a step's keys and values): the resident memory grows by those blocks, the blocks of
+    running requests and of cached prefixes keep their values, and allocation goes on in
+    order past the warmed blocks."""
+    cache = PagedKVCache(4, 2, 64, 16, 1024, torch.float32)  # 64 KiB a block, 64 MiB in all
+    per_block = 64 << 10
+    a, b = SeqBlocks(), SeqBlocks()
+    cache.reserve(a, 5 * 16)
+    cache.reserve(b, 3 * 16)
+    g = torch.Generator().manual_seed(0)
+    for seq in (a, b):
+        slots = torch.tensor([blk * 16 + i for blk in seq.blocks for i in range(16)])
+        for layer in range(4):
+            k = torch.randn(len(slots), 2, 64, generator=g)
+            cache.write(layer, slots, k, -k)
+    tokens = list(range(3 * 16))
+    b.num_computed = len(tokens)
+    cache.register_full_blocks(b, tokens)
+    cache.release(b)  # (its blocks stay cached: a later prompt may match them)
+    assert cache.alloc.fresh == 8
+    used = torch.tensor([blk * 16 + i for blk in a.blocks + b.blocks for i in range(16)])
+    before = cache.k[:, used].clone(), cache.v[:, used].clone()
+    r0 = rss()
+    calls = 0
+    while cache.warm_ahead(256 * per_block, 64 * per_block):  # 16 MiB ahead, 4 MiB a call
+        calls += 1
+    assert calls == 4 and cache.written == 8 + 256
+    assert rss() - r0 >= 0.9 * 256 * per_block  # the pages are mapped now
+    assert torch.equal(cache.k[:, used], before[0]) and torch.equal(cache.v[:, used], before[1])
+    assert cache.match_prefix(SeqBlocks(), [*tokens, 7]) == 3 * 16  # the cached prefix is kept
+    c = SeqBlocks()
+    cache.reserve(c, 10 * 16)
+    assert c.blocks == list(range(8, 18))  # never-used blocks first, in order
+    assert cache.warm_ahead(256 * per_block, 1) and cache.written == 8 + 256 + 1
+    while cache.warm_ahead(1 << 30, 1 << 30):  # never past the pool's end
+        pass
+    assert cache.written == 1024
+
+
+def test_an_idle_server_warms_its_kv_pool(model) -> None:
+    """The server's engine thread warms the pool while it has no request (Engine.warm_cache)."""
+    eng = _engine(model)
+    per_block = 2 * eng.cache.k[:, : eng.cache.block_size].nbytes
+    want = min(eng.cache.alloc.num_blocks, WARM_AHEAD // per_block)
+    runner = EngineRunner(eng, Metrics(), 4)
+    loop = asyncio.new_event_loop()
+    runner.start(loop)
+    try:
+        deadline = time.monotonic() + 30
+        while eng.cache.written < want and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert eng.cache.written == want
+    finally:
+        runner.stop()
+        loop.close()

@@ -30,6 +30,11 @@ from inferflow.model.network import Network, PagedDecoder
 
 log = logging.getLogger(__name__)
 
+# KV blocks mapped ahead of use while the engine is idle (Engine.warm_cache): 64 MiB holds a
+# burst of 32 64-token prompts of SmolLM2-135M or Qwen2.5-1.5B (23 / 28 KiB a token in float16);
+# benchmarks/prefill_burst.py --warm measures it. A slice a call keeps a request's wait ~1 ms.
+WARM_AHEAD, WARM_SLICE = 64 << 20, 2 << 20
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -208,6 +213,12 @@ class Engine(BeamSteps):
             self._finish(req, "abort")
             self._aborted.append(req)
         return bool(live)
+
+    def warm_cache(self) -> bool:
+        """For idle time: map the pages of the next ``WARM_AHEAD`` bytes of never-used KV blocks
+        (``WARM_SLICE`` a call), so that a burst's prompts write their keys and values to mapped
+        memory. False when they are mapped already."""
+        return self.cache.warm_ahead(WARM_AHEAD, WARM_SLICE)
 
     def has_unfinished(self) -> bool:
         """True while a step has work: requests to run, or abort events not yet returned."""

@@ -41,6 +41,9 @@ class BlockAllocator:
         self.refs = [0] * num_blocks
         self.free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
         self.on_reuse: dict[int, bytes] = {}  # block -> prefix hash it still holds (evictable)
+        # blocks from here on were never allocated: freed blocks go to the back of ``free``,
+        # so these stay at its front, and are taken in order, before any block comes back
+        self.fresh = 0
 
     @property
     def num_free(self) -> int:
@@ -51,6 +54,7 @@ class BlockAllocator:
             raise KVCacheFull("the KV cache has no free block")
         block, _ = self.free.popitem(last=False)
         self.refs[block] = 1
+        self.fresh = max(self.fresh, block + 1)
         return block
 
     def incref(self, block: int) -> None:
@@ -202,6 +206,7 @@ class PagedKVCache(KVPool):
         self.k, self.v = lazy_zeros(shape, fmt.store), lazy_zeros(shape, fmt.store)
         self.block_size = block_size
         self.alloc = BlockAllocator(num_blocks)
+        self.written = 0  # blocks before this one had their pages written (warm_ahead)
         self.prefix: dict[bytes, int] = {}  # prefix hash -> block
         # prefix hashes are keyed by a secret of this cache: a client cannot search offline for
         # token blocks whose hash collides with another's (Python's hash of ints can be)
@@ -220,6 +225,28 @@ class PagedKVCache(KVPool):
     ) -> int:
         per_value = KVFormat(kv_dtype, dtype, head_dim).bytes_per_value()
         return int(2 * n_layers * block_size * n_kv_heads * head_dim * per_value)
+
+    def warm_ahead(self, ahead: int, most: int) -> bool:
+        """Write zeros to the never-used blocks next in line for allocation, up to ``ahead``
+        bytes of them, at most ``most`` bytes a call (at least a block). Their pages are mapped
+        on first write (~1.4 us per 4 KiB on the machine measured): paid here, when the engine
+        is idle, instead of by the next step's keys and values. Blocks in use or holding a
+        cached prefix are never touched. False when that much is written already."""
+        per_block = 2 * self.k[:, : self.block_size].nbytes
+        fresh = self.alloc.fresh
+        start = max(self.written, fresh)
+        end = min(
+            self.alloc.num_blocks,
+            fresh + max(1, ahead // per_block),
+            start + max(1, most // per_block),
+        )
+        if end <= start:
+            return False
+        rows = slice(start * self.block_size, end * self.block_size)
+        self.k[:, rows].zero_()
+        self.v[:, rows].zero_()
+        self.written = end
+        return True
 
     def kernel_decode(self) -> bool:
         """Whether decode steps read the blocks with the C kernel (inferflow.kernels): then a

@@ -153,9 +153,12 @@ class EngineRunner:
             if engine is None or not engine.has_unfinished():  # nothing to step
                 if self.stopping:
                     return
-                if not self.batcher.pending():
-                    self.wake.wait(0.5)
-                    self.wake.clear()
+                if self.batcher.pending():
+                    continue
+                if engine is not None and not self.wake.is_set() and engine.warm_cache():
+                    continue  # (a slice at a time: a request waits ~1 ms at most)
+                self.wake.wait(0.5)
+                self.wake.clear()
                 continue
             try:
                 outs = engine.step()

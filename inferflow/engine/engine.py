@@ -30,9 +30,10 @@ from inferflow.model.network import Network, PagedDecoder
 
 log = logging.getLogger(__name__)
 
-# KV blocks mapped ahead of use while the engine is idle (Engine.warm_cache): 64 MiB holds a
-# burst of 32 64-token prompts of SmolLM2-135M or Qwen2.5-1.5B (23 / 28 KiB a token in float16);
-# benchmarks/prefill_burst.py --warm measures it. A slice a call keeps a request's wait ~1 ms.
+# KV blocks mapped ahead of use while the engine is idle (Engine.warm_cache): 64 MiB holds the
+# keys and values of ~1,450 SmolLM2-135M tokens in float32 (45 KiB a token), most of a burst of
+# 32 64-token prompts (benchmarks/prefill_burst.py --warm). A slice a call (~1 ms of page
+# faults) is all a request arriving meanwhile waits.
 WARM_AHEAD, WARM_SLICE = 64 << 20, 2 << 20
 
 

@@ -229,8 +229,8 @@ class PagedKVCache(KVPool):
     def warm_ahead(self, ahead: int, most: int) -> bool:
         """Write zeros to the never-used blocks next in line for allocation, up to ``ahead``
         bytes of them, at most ``most`` bytes a call (at least a block). Their pages are mapped
-        on first write (~1.4 us per 4 KiB on the machine measured): paid here, when the engine
-        is idle, instead of by the next step's keys and values. Blocks in use or holding a
+        on first write, a page fault each 4 KiB: paid here, when the engine is idle, instead
+        of by the next step's keys and values. Blocks in use or holding a
         cached prefix are never touched. False when that much is written already."""
         per_block = 2 * self.k[:, : self.block_size].nbytes
         fresh = self.alloc.fresh

@@ -401,3 +401,36 @@ def test_an_idle_server_warms_its_kv_pool(model) -> None:
     finally:
         runner.stop()
         loop.close()
+
+
+def test_a_failing_warm_up_leaves_the_server_serving(model, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Mapping the pool ahead is idle work: if it raises, the engine thread logs it, stops
+    warming and still serves requests (their tokens are the module path's, alone)."""
+    eng = _engine(model)
+    calls = []
+
+    def broken() -> bool:
+        calls.append(1)
+        raise OSError("no memory to map")
+
+    monkeypatch.setattr(eng, "warm_cache", broken)
+    runner = EngineRunner(eng, Metrics(), 4)
+    loop = asyncio.new_event_loop()
+    runner.start(loop)
+    try:
+        deadline = time.monotonic() + 30
+        while not calls and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert calls and runner.thread.is_alive()
+        prompt, params = _prompts(1, seed=3)[0], SamplingParams(max_new_tokens=5, ignore_eos=True)
+        out: asyncio.Queue = asyncio.Queue()
+        runner.submit([prompt], params, out)
+        got: list[int] = []
+        while len(got) < 5 and time.monotonic() < deadline:
+            loop.run_until_complete(asyncio.sleep(0.01))  # (deliveries come by the loop)
+            while not out.empty():
+                got += out.get_nowait().token_ids
+        assert got == _alone(model, prompt, params) and len(calls) == 1
+    finally:
+        runner.stop()
+        loop.close()

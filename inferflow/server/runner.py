@@ -61,6 +61,7 @@ class EngineRunner:
         self.wake = threading.Event()
         self.batcher = Batcher(max_waiting, self.wake.set)
         self.stopping = False
+        self.warming = True  # (until Engine.warm_cache fails once)
         # requests posted to the inbox and taken from it (each written by one thread only)
         self.posted = self.taken = 0
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -155,7 +156,7 @@ class EngineRunner:
                     return
                 if self.batcher.pending():
                     continue
-                if engine is not None and not self.wake.is_set() and engine.warm_cache():
+                if engine is not None and not self.wake.is_set() and self._warm(engine):
                     continue  # (a slice at a time: a request waits ~1 ms at most)
                 self.wake.wait(0.5)
                 self.wake.clear()
@@ -166,6 +167,18 @@ class EngineRunner:
                 log.exception("engine step failed; ending the requests in flight")
                 outs = engine.fail_all()
             self._deliver(outs)  # (the gauges update after the next drain)
+
+    def _warm(self, engine: Engine) -> bool:
+        """One slice of ``Engine.warm_cache`` (idle time only). It only maps memory ahead: a
+        failure is logged and ends the warming, never this thread."""
+        if not self.warming:
+            return False
+        try:
+            return engine.warm_cache()
+        except Exception:
+            log.exception("mapping the KV cache ahead of use failed; serving goes on without it")
+            self.warming = False
+            return False
 
     def _drain(self) -> None:
         while True:

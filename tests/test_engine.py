@@ -403,7 +403,9 @@ def test_an_idle_server_warms_its_kv_pool(model) -> None:
         loop.close()
 
 
-def test_a_failing_warm_up_leaves_the_server_serving(model, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_failing_warm_up_leaves_the_server_serving(
+    model, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Mapping the pool ahead is idle work: if it raises, the engine thread logs it, stops
     warming and still serves requests (their tokens are the module path's, alone)."""
     eng = _engine(model)

@@ -86,8 +86,9 @@ async def _post_stream(url: str, payload: dict) -> AsyncIterator[bytes]:
         while (line := await reader.readline()) not in (b"\r\n", b"\n", b""):
             key, _, value = line.decode("latin-1").partition(":")
             headers[key.strip().lower()] = value.strip()
-        if len(status) < 2 or status[1] != b"200":
-            raise RuntimeError(f"HTTP {status[1:2]!r}: {(await reader.read(200))!r}")
+        code = status[1].decode("latin-1") if len(status) > 1 else "(no status line)"
+        if code != "200":
+            raise RuntimeError(f"HTTP {code}: {(await reader.read(200))!r}")
         if headers.get("transfer-encoding", "").lower() == "chunked":
             while size := int((await reader.readline()).split(b";")[0], 16):
                 yield (await reader.readexactly(size + 2))[:-2]

@@ -97,4 +97,4 @@ def test_the_client_counts_the_tokens_with_text_whatever_the_framing(framing: st
 def test_an_error_status_is_an_error_naming_it() -> None:
     _, _, err = asyncio.run(_exchange("length", status=400))
     assert isinstance(err, RuntimeError)
-    assert "400" in str(err)
+    assert str(err).startswith("HTTP 400: ") and "bad" in str(err)

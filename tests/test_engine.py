@@ -388,8 +388,9 @@ def test_warm_ahead_maps_never_used_blocks_and_nothing_else() -> None:
 def test_an_idle_server_warms_its_kv_pool(model) -> None:
     """The server's engine thread warms the pool while it has no request (Engine.warm_cache)."""
     eng = _engine(model)
-    per_block = 2 * eng.cache.k[:, : eng.cache.block_size].nbytes
-    want = min(eng.cache.alloc.num_blocks, WARM_AHEAD // per_block)
+    cache = eng.cache
+    per_block = 2 * cache.k.element_size() * cache.k[0, 0].numel() * len(cache.k) * cache.block_size
+    want = min(cache.alloc.num_blocks, WARM_AHEAD // per_block)
     runner = EngineRunner(eng, Metrics(), 4)
     loop = asyncio.new_event_loop()
     runner.start(loop)

@@ -205,6 +205,9 @@ class PagedKVCache(KVPool):
         shape = (n_layers, num_blocks * block_size, n_kv_heads, fmt.width)
         self.k, self.v = lazy_zeros(shape, fmt.store), lazy_zeros(shape, fmt.store)
         self.block_size = block_size
+        self.block_bytes = self.bytes_per_block(
+            n_layers, n_kv_heads, head_dim, block_size, dtype, kv_dtype
+        )
         self.alloc = BlockAllocator(num_blocks)
         self.written = 0  # blocks before this one had their pages written (warm_ahead)
         self.prefix: dict[bytes, int] = {}  # prefix hash -> block
@@ -230,10 +233,9 @@ class PagedKVCache(KVPool):
         """Write zeros to the never-used blocks next in line for allocation, up to ``ahead``
         bytes of them, at most ``most`` bytes a call (at least a block). Their pages are mapped
         on first write, a page fault each 4 KiB: paid here, when the engine is idle, instead
-        of by the next step's keys and values. Blocks in use or holding a
-        cached prefix are never touched. False when that much is written already."""
-        per_block = 2 * self.k[:, : self.block_size].nbytes
-        fresh = self.alloc.fresh
+        of by the next step's keys and values. Blocks in use or holding a cached prefix are
+        never touched. False when that much is written already."""
+        per_block, fresh = self.block_bytes, self.alloc.fresh
         start = max(self.written, fresh)
         end = min(
             self.alloc.num_blocks,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import gc
 import logging
 import threading
 from collections.abc import AsyncIterator, Callable
@@ -56,6 +57,7 @@ def create_app(cfg: ServerConfig) -> FastAPI:
         yield
         if state.runner is not None:
             state.runner.stop()
+        gc.unfreeze()  # (state.load froze what it loaded)
 
     app = FastAPI(title="Inferflow", lifespan=lifespan)
     app.state.inferflow = state

@@ -6,16 +6,14 @@ pages where Linux allows, as the planes are), so both meet the same spell of a m
 read rate drifts from minute to minute.
 
     python benchmarks/read_floor.py [--spec NAME] [--rows 1] [--rounds 25] [--threads 2]
-                                    [--dtype auto|float32|act8] [--small-pages]
+                                    [--dtype auto|float32|act8]
 
 At one row a step's products read every weight once and do little else: their time against the
 read's is how far the kernels stand from the bandwidth floor (the rest of a step, norms,
 attention and Python, is benchmarks/step_profile.py's). Each product here is a call of its own
 (an OpenMP region each, a few microseconds), where the one-call decode runs a step's products in
-one region: a small model's many small products pay that here. ``--small-pages`` adds passes
-of the same products on copies of the codes on 4 KiB pages (the planes' own are on 2 MiB pages
-where Linux allows: inferflow.heap.on_huge_pages). Prints the median pass of each, its rate and
-their ratio.
+one region: a small model's many small products pay that here. Prints the median pass of each,
+its rate and their ratio.
 """
 
 from __future__ import annotations
@@ -34,33 +32,18 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from inferflow.heap import on_huge_pages  # noqa: E402
-from inferflow.kernels.quant_decode import CQMat, QPlane, library  # noqa: E402
+from inferflow.kernels.quant_decode import library  # noqa: E402
 from inferflow.quant.linear import QuantLinear  # noqa: E402
 from inferflow.runtime import load  # noqa: E402
 
 
-def _small_pages(p: QPlane, keep: list[object]) -> CQMat:
-    """p's C view with its codes (and high bits) copied to fresh memory on 4 KiB pages."""
-    struct = CQMat.from_buffer_copy(p.struct)
-    for name in ("codes", "high"):
-        t = getattr(p, name)
-        if t is not None:
-            copy = t.clone()  # (a fresh allocation: not collapsed)
-            keep.append(copy)
-            setattr(struct, name, copy.data_ptr())
-    return struct
-
-
-def products(
-    model: torch.nn.Module, rows: int, threads: int, small_pages: bool = False
-) -> tuple[Callable[[], None], int]:
+def products(model: torch.nn.Module, rows: int, threads: int) -> tuple[Callable[[], None], int]:
     """One pass of every planed QuantLinear's product on ``rows`` random rows (the buffers made
-    once: a pass is the C calls alone) and the bytes of weights it reads; ``small_pages``: on
-    copies of the codes on 4 KiB pages."""
+    once: a pass is the C calls alone) and the bytes of weights it reads."""
     lib = library()
     if lib is None:
         raise SystemExit("the quant_decode kernel is not available (INFERFLOW_KERNELS=0?)")
-    calls, nbytes, keep = [], 0, list[object]()
+    calls, nbytes = [], 0
     for m in model.modules():
         if not isinstance(m, QuantLinear) or m.plane is None:
             continue
@@ -69,14 +52,12 @@ def products(
         xs = torch.empty(rows * p.k // 16)  # (group sums: the smallest group is 16)
         xq = torch.empty(rows * p.k, dtype=torch.int8) if m.act8 else None
         dx = torch.empty(rows * p.k // 32) if m.act8 else None
-        struct = _small_pages(p, keep) if small_pages else p.struct
-        calls.append((ctypes.byref(struct), x, xs, y, xq, dx))
+        calls.append((ctypes.byref(p.struct), x, xs, y, xq, dx))
         nbytes += p.nbytes
     if not calls:
         raise SystemExit("the model has no quantized products on a plane (a float checkpoint?)")
 
     def run() -> None:
-        _ = keep  # (the copies live as long as the pass)
         for s, x, xs, y, xq, dx in calls:
             lib.qmat_gemm_f32(s, x.data_ptr(), rows, xs.data_ptr(), y.data_ptr(), threads,
                               None if xq is None else xq.data_ptr(),
@@ -92,11 +73,6 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=25)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--dtype", default="auto", help="auto (serve's default), float32 or act8")
-    ap.add_argument(
-        "--small-pages",
-        action="store_true",
-        help="also the products on copies of the codes on 4 KiB pages (what 2 MiB pages earn)",
-    )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     print("command: python benchmarks/read_floor.py " + shlex.join(sys.argv[1:]))
@@ -104,22 +80,17 @@ def main() -> int:
     if not isinstance(lm.model, torch.nn.Module):
         raise SystemExit(f"{args.spec}: the network is not one module (a partitioned model?)")
     run, nbytes = products(lm.model, args.rows, args.threads)
-    fns = {"products": run}
-    if args.small_pages:
-        fns["products, codes on 4 KiB pages"] = products(lm.model, args.rows, args.threads, True)[0]
     buf = torch.ones(nbytes // 4)
     on_huge_pages(buf.data_ptr(), buf.nbytes)  # (as the planes are, where Linux allows)
 
     def read() -> None:
         buf.sum()
 
-    fns["plain read"] = read
-
-    passes: dict[str, list[float]] = {name: [] for name in fns}
-    for fn in fns.values():  # warm-up: kernels built, pages touched
+    passes: dict[str, list[float]] = {"products": [], "plain read": []}
+    for fn in (run, read):  # warm-up: kernels built, pages touched
         fn()
     for _ in range(args.rounds):
-        for name, fn in fns.items():
+        for name, fn in (("products", run), ("plain read", read)):
             t = time.perf_counter()
             fn()
             passes[name].append(time.perf_counter() - t)

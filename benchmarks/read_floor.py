@@ -1,9 +1,8 @@
 """How close a decode step's products come to the machine's read rate: every quantized product of
 a model (``--spec``; the layers' fused planes and the head, in the order a step runs them) on
 ``--rows`` rows of x, timed in passes that alternate with a plain read of as many bytes (torch's
-sum over a float32 buffer of that size, the serving benchmark's bandwidth measure, on 2 MiB
-pages where Linux allows, as the planes are), so both meet the same spell of a machine whose
-read rate drifts from minute to minute.
+sum over a float32 buffer of that size, the serving benchmark's bandwidth measure), so both meet
+the same spell of a machine whose read rate drifts from minute to minute.
 
     python benchmarks/read_floor.py [--spec NAME] [--rows 1] [--rounds 25] [--threads 2]
                                     [--dtype auto|float32|act8]
@@ -31,7 +30,6 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from inferflow.heap import on_huge_pages  # noqa: E402
 from inferflow.kernels.quant_decode import library  # noqa: E402
 from inferflow.quant.linear import QuantLinear  # noqa: E402
 from inferflow.runtime import load  # noqa: E402
@@ -81,7 +79,6 @@ def main() -> int:
         raise SystemExit(f"{args.spec}: the network is not one module (a partitioned model?)")
     run, nbytes = products(lm.model, args.rows, args.threads)
     buf = torch.ones(nbytes // 4)
-    on_huge_pages(buf.data_ptr(), buf.nbytes)  # (as the planes are, where Linux allows)
 
     def read() -> None:
         buf.sum()

@@ -19,7 +19,6 @@ from functools import cache, cached_property
 
 import torch
 
-from inferflow.heap import on_huge_pages
 from inferflow.kernels import _library
 
 log = logging.getLogger(__name__)
@@ -126,11 +125,6 @@ class QPlane:
     sc8: torch.Tensor | None = None
     mn8: torch.Tensor | None = None
     sb: int = 0
-
-    def __post_init__(self) -> None:
-        for t in (self.codes, self.high):  # (what the products stream: heap.on_huge_pages)
-            if t is not None:
-                on_huge_pages(t.data_ptr(), t.nbytes)
 
     @property
     def shape(self) -> tuple[int, int]:

@@ -192,6 +192,29 @@ def test_the_loaded_model_is_out_of_the_collectors_way_while_serving(tmp_path) -
     assert any(o is model for o in gc.get_objects())
 
 
+def test_a_load_that_ends_after_shutdown_starts_nothing_and_freezes_nothing(tmp_path) -> None:  # noqa: ANN001
+    """The load runs in a thread of its own: where the server stopped before it ended (a quick
+    Ctrl-C, a test's client closed early), it neither starts an engine thread nor freezes what
+    it made (nothing would ever unfreeze it)."""
+    import asyncio
+    import gc
+
+    from inferflow.server.state import ServerConfig, ServerState
+    from inferflow.spec import load_spec
+    from tests.conftest import tiny_llama
+
+    tiny_llama(tmp_path)
+    state = ServerState(ServerConfig(load_spec(tmp_path / "spec.yaml")))
+    state.close()  # (before the load ends)
+    loop = asyncio.new_event_loop()
+    try:
+        state.load(loop)
+    finally:
+        loop.close()
+    assert state.runner is None and state.lm is None and state.load_error is None
+    assert gc.get_freeze_count() == 0
+
+
 def test_a_failed_batched_call_answers_openai_500_and_a_bad_request_400() -> None:
     """A batched call that fails with anything but an InferflowError is a 500 with OpenAI's
     error body (EngineRunner.batch turns it into ModelFailed; it was a plain-text 500 with the

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import gc
 import logging
 import threading
 from collections.abc import AsyncIterator, Callable
@@ -55,9 +54,7 @@ def create_app(cfg: ServerConfig) -> FastAPI:
             target=state.load, args=(loop,), name="inferflow-load", daemon=True
         ).start()
         yield
-        if state.runner is not None:
-            state.runner.stop()
-        gc.unfreeze()  # (state.load froze what it loaded)
+        state.close()
 
     app = FastAPI(title="Inferflow", lifespan=lifespan)
     app.state.inferflow = state

@@ -11,6 +11,7 @@ import hashlib
 import json
 import logging
 import os
+import threading
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -112,6 +113,8 @@ class ServerState:
         self.load_error: str | None = None
         self.started = time.time()
         self.draining = False  # SIGTERM: new requests get 503 while running ones finish
+        self.closed = False  # close() ran: a load still under way starts nothing
+        self.life = threading.Lock()  # (load's start and close, one at a time)
         self.active = 0  # HTTP requests in flight (but /health and /metrics)
         self.fingerprint = system_fingerprint(cfg)
         self.compiler = GrammarCompiler(cfg.grammar)
@@ -131,14 +134,18 @@ class ServerState:
                 draft = None if cfg.draft is None else load(cfg.draft, cfg.dtype, cfg.quant).model
                 engine = Engine(lm.model, lm.tokenizer, cfg.engine, draft)
             runner = EngineRunner(engine, self.metrics, self.cfg.engine.scheduler.max_waiting)
-            # what was loaded lives as long as the server: out of the garbage collector's way,
-            # so that a full collection while serving walks only what requests made (SmolLM2's
-            # server: ~230k objects, ~130 ms a full collection holding the GIL; create_app's
-            # shutdown unfreezes them)
-            gc.collect()
-            gc.freeze()
-            runner.start(loop)
-            self.lm, self.runner = lm, runner
+            with self.life:
+                if self.closed:
+                    log.info("the server stopped while %s loaded: not started", self.name)
+                    return
+                # what was loaded lives as long as the server: out of the garbage collector's
+                # way, so that a full collection while serving walks only what requests made
+                # (SmolLM2's server: ~230k objects, ~130 ms a full collection holding the
+                # GIL); close() unfreezes them
+                gc.collect()
+                gc.freeze()
+                runner.start(loop)
+                self.lm, self.runner = lm, runner
             peak = peak_rss() / 2**20
             log.info(
                 "model %s loaded in %.1f s (peak RSS %.0f MiB)%s",
@@ -150,6 +157,15 @@ class ServerState:
         except Exception as e:
             log.exception("loading %s failed", self.name)
             self.load_error = str(e)
+
+    def close(self) -> None:
+        """At shutdown: the engine stopped (its requests aborted) and what load froze back in
+        the garbage collector's generations; a load still under way starts nothing."""
+        with self.life:
+            self.closed = True
+            if self.runner is not None:
+                self.runner.stop()
+                gc.unfreeze()
 
     def ready(self, model: str | None = None) -> tuple[LanguageModel, EngineRunner]:
         if self.lm is None or self.runner is None:

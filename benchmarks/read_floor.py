@@ -54,23 +54,30 @@ class Product(NamedTuple):
 
 def products(model: torch.nn.Module, rows: int) -> list[Product]:
     """Every planed QuantLinear's product on ``rows`` random rows (the buffers made once: a pass
-    is the C calls alone)."""
+    is the C calls alone); a layer in two planes (``tails``) is two products of its format."""
     out = []
-    for m in model.modules():
-        if not isinstance(m, QuantLinear) or m.plane is None:
+    for layer in model.modules():
+        if not isinstance(layer, QuantLinear) or layer.plane is None:
             continue
-        p = m.plane
-        x, y = torch.randn(rows, p.k), torch.empty(rows, p.n)
-        xs = torch.empty(rows * p.k // 16)  # (group sums: the smallest group is 16)
-        xq = torch.empty(rows * p.k, dtype=torch.int8) if m.act8 else None
-        dx = torch.empty(rows * p.k // 32) if m.act8 else None
-        ptrs = [None if t is None else t.data_ptr() for t in (xq, dx)]
-        args = (ctypes.byref(p.struct), x.data_ptr(), rows, xs.data_ptr(), y.data_ptr())
-        bufs = (x, y, xs, xq, dx)
-        out.append(Product((*args, *ptrs), bufs, m.format, p.nbytes, p.n * p.k * rows))
+        for m in (layer, *layer.tails):
+            out.append(_product(m, layer.format, rows))
     if not out:
         raise SystemExit("the model has no quantized products on a plane (a float checkpoint?)")
     return out
+
+
+def _product(m: QuantLinear, fmt: str, rows: int) -> Product:
+    """The C call of ``m``'s plane on ``rows`` random rows, and its buffers."""
+    p = m.plane
+    assert p is not None
+    x, y = torch.randn(rows, p.k), torch.empty(rows, p.n)
+    xs = torch.empty(rows * p.k // 16)  # (group sums: the smallest group is 16)
+    xq = torch.empty(rows * p.k, dtype=torch.int8) if m.act8 else None
+    dx = torch.empty(rows * p.k // 32) if m.act8 else None
+    ptrs = [None if t is None else t.data_ptr() for t in (xq, dx)]
+    args = (ctypes.byref(p.struct), x.data_ptr(), rows, xs.data_ptr(), y.data_ptr())
+    bufs = (x, y, xs, xq, dx)
+    return Product((*args, *ptrs), bufs, fmt, p.nbytes, p.n * p.k * rows)
 
 
 def vnni_peak() -> Callable[[float], float] | None:

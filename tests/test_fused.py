@@ -264,6 +264,25 @@ def test_fused_decoder_matches_the_dequantized_float_model(
         assert torch.equal(got.argmax(-1), want.argmax(-1))
 
 
+def _tiny_hf(tmp: pytest.TempPathFactory, write_spec, arch: str, hidden: int, inner: int):  # noqa: ANN001, ANN202
+    """A two-layer random transformers model of ``arch`` (llama, qwen2: 4 heads, 2 KV heads),
+    saved and loaded float32 by its spec."""
+    tf = pytest.importorskip("transformers")
+    classes = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM")}
+    config, causal = classes[arch]
+    cfg = getattr(tf, config)(
+        hidden_size=hidden, intermediate_size=inner, num_attention_heads=4,
+        num_key_value_heads=2, num_hidden_layers=2, vocab_size=256,
+        max_position_embeddings=64, tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    hf = getattr(tf, causal)(cfg)
+    randomize(hf)
+    d = tmp.mktemp(arch)
+    hf.save_pretrained(d)
+    return load_model(load_spec(write_spec(spec_doc(arch, d, "safetensors"))), torch.float32)
+
+
 def test_qkv_bias_is_read_by_the_fused_decoder(
     tmp_path_factory: pytest.TempPathFactory,
     write_spec,  # noqa: ANN001
@@ -272,18 +291,7 @@ def test_qkv_bias_is_read_by_the_fused_decoder(
     """A qwen2 stack (biases on q, k and v only) decodes in the one call too, against the
     float model holding the dequantized weights; without the bias the kernel would be off by
     the bias's share of each logit (checked: the model's biases are not zero)."""
-    tf = pytest.importorskip("transformers")
-    cfg = tf.Qwen2Config(
-        hidden_size=128, intermediate_size=192, num_attention_heads=4, num_key_value_heads=2,
-        num_hidden_layers=2, vocab_size=256, max_position_embeddings=64,
-        tie_word_embeddings=False,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    hf = tf.Qwen2ForCausalLM(cfg)
-    randomize(hf)
-    d = tmp_path_factory.mktemp("qwen2")
-    hf.save_pretrained(d)
-    model = load_model(load_spec(write_spec(spec_doc("qwen2", d, "safetensors"))), torch.float32)
+    model = _tiny_hf(tmp_path_factory, write_spec, "qwen2", hidden=128, inner=192)
     model, ref = _quantized_and_reference(model)
     bias = model.dec.layers()[0].self_attn.wqkv.bias
     assert bias is not None and float(bias.abs().max()) > 0.01
@@ -520,3 +528,42 @@ def test_a_prompt_through_the_gated_ffn_a_few_rows_at_a_time(lib, monkeypatch) -
     monkeypatch.setattr(ffn, "PASS_BYTES", 5 * 2 * 96 * 4)  # (5 rows a pass)
     assert torch.equal(block(x), whole)
     assert passes == [5] * 7 + [2]
+
+
+def test_projections_in_two_formats_decode_in_one_call(
+    tmp_path_factory: pytest.TempPathFactory,
+    write_spec,  # noqa: ANN001
+    lib,  # noqa: ANN001
+) -> None:
+    """q/k/v whose q and k rows are Q4_K and v rows Q6_K (as Q4_K_M files hold them), and a
+    gated FFN whose gate is Q4_K and up Q6_K: each layer of two planes, which the one-call
+    decode writes into one output row; token by token and a whole prompt against the float
+    model holding the dequantized weights (v's rows or up's dropped or misplaced would be off
+    by their whole share)."""
+    model = _tiny_hf(tmp_path_factory, write_spec, "llama", hidden=256, inner=512)
+    policy = QuantPolicy(default="Q4_K")
+    ref = dequantized_copy(model, policy)
+    splits = {"self_attn.wqkv": 256 + 128, "feed_forward.w13": 512}  # rows before the Q6_K ones
+    parts: dict[str, list] = {}
+    for i, layer in enumerate(model.dec.layers()):
+        for name, rows in splits.items():
+            w = layer.get_submodule(name).weight.detach()
+            parts[f"{i}.{name}"] = [quantize(w[:rows], "Q4_K"), quantize(w[rows:], "Q6_K")]
+            exact = torch.cat([q.dequantize() for q in parts[f"{i}.{name}"]])
+            with torch.no_grad():
+                ref.dec.layers()[i].get_submodule(name).weight.copy_(exact)
+    quantize_model(model, policy)
+    for i, layer in enumerate(model.dec.layers()):
+        for name in splits:
+            two = QuantLinear.from_row_parts(parts[f"{i}.{name}"])
+            assert two is not None and len(two.tails) == 1
+            owner, attr = name.split(".")
+            setattr(layer.get_submodule(owner), attr, two)
+    ids = torch.randint(0, 256, (24,), generator=torch.Generator().manual_seed(5)).tolist()
+    ours = _token_by_token(model, ids)
+    assert model.dec.fused_decode() is not None  # the one-call path ran
+    want = _token_by_token(ref, ids)
+    for got in (ours, _prefill(model, ids)):
+        err = (got - want).abs().max() / want.abs().max()
+        assert err < 1e-5, f"relative error {err:.2e}"
+        assert torch.equal(got.argmax(-1), want.argmax(-1))

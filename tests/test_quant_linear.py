@@ -37,7 +37,6 @@ from inferflow.quant.linear import (
     QuantLinear,
     affine_parts,
     dequant_kernel,
-    plane_kernel,
     select_kernel,
 )
 from inferflow.quant.tensor import QuantTensor
@@ -329,12 +328,13 @@ def test_serve_dense_batch_flag_is_checked(capsys: pytest.CaptureFixture[str]) -
     assert "--dense-batch: must be >= 1, got 0" in capsys.readouterr().err
 
 
-def test_row_parts_in_formats_no_widening_joins_share_one_plane() -> None:
+def test_row_parts_in_two_formats_are_two_planes() -> None:
     """A fused q/k/v whose rows a Q4_K_M file stores as Q4_K and Q6_K (no exact widening joins
-    them) is one C plane of the parts' own values: products against gguf-py's decoding of
-    each part, its bias added, rows read back exactly, a row's result the same in any company;
-    it was a float32 copy of the weights (4 bytes a weight) and kept the stack off the one-call
-    decode."""
+    them) is one layer of two C planes, each run's rows as its own layer holds them: products
+    against gguf-py's decoding of each part, its bias added, rows read back exactly, a row's
+    result the same in any company, with 8-bit inputs too the bits of each part's own layer;
+    no more bytes than the two layers. (One plane of both, the Q4_K rows widened to 6-bit
+    codes in groups of 16, held ~40% more bytes for them; a float32 copy before that.)"""
     gguf = pytest.importorskip("gguf")
     if quant_decode.library() is None:
         pytest.skip("no C compiler here: the plane cannot be built")
@@ -342,36 +342,56 @@ def test_row_parts_in_formats_no_widening_joins_share_one_plane() -> None:
     bias = torch.randn(72, generator=torch.Generator().manual_seed(1))
     ql = QuantLinear.from_row_parts([a, b], bias)
     assert ql is not None and ql.kernel_name == "plane" and ql.format == "Q4_K+Q6_K"
-    assert ql.nbytes < 72 * 512 * 2
-    w = torch.cat(
+    assert ql.plane is not None and len(ql.tails) == 1 and ql.tails[0].plane is not None
+    alone = [QuantLinear(t) for t in (a, b)]
+    assert ql.nbytes == sum(one.nbytes for one in alone)
+    w = _gguf_rows(gguf, [a, b])
+    x = torch.randn(7, 512, generator=torch.Generator().manual_seed(2))
+    ref = x.double() @ w.T + bias.double()
+    assert float((ql(x).double() - ref).abs().max() / ref.abs().max()) < 1e-6
+    assert torch.equal(ql.plane.rows(torch.tensor([0, 47])), w.float()[[0, 47]])
+    assert torch.equal(ql.tails[0].plane.rows(torch.tensor([0, 23])), w.float()[[48, 71]])
+    assert torch.equal(ql(x[[2, 5]]), ql(x)[[2, 5]])
+    assert QuantLinear.from_row_parts([a, quantize(torch.randn(24, 512), "F16")]) is None
+    for one in (ql, *alone):
+        one.set_act8(True)
+    assert torch.equal(ql(x), torch.cat([one(x) for one in alone], dim=1) + bias)
+    if quant_decode.tiles16_built() and quant_decode.half_built():  # (super-block rounding)
+        from tests.test_act8 import _rounded  # (x as the super-block rounding makes it, numpy)
+
+        want = _rounded(x, 256) @ w.T + bias.double()
+        assert float((ql(x).double() - want).abs().max() / want.abs().max()) < 2e-6
+
+
+def test_row_parts_in_more_runs_share_one_plane() -> None:
+    """Three runs of formats (Q4_K, Q6_K, Q4_K rows) are one C plane of the parts' own values,
+    the groups brought to the smallest group size by repeating their scale and min and the
+    codes at the widest part's bits: products against gguf-py's decoding, a row's result the
+    same in any company."""
+    gguf = pytest.importorskip("gguf")
+    if quant_decode.library() is None:
+        pytest.skip("no C compiler here: the plane cannot be built")
+    parts = [random_blocks("Q4_K", 32, 512), random_blocks("Q6_K", 16, 512)]
+    parts.append(random_blocks("Q4_K", 16, 512))
+    ql = QuantLinear.from_row_parts(parts)
+    assert ql is not None and ql.plane is not None and ql.tails == () and ql.plane.bits == 6
+    w = _gguf_rows(gguf, parts)
+    x = torch.randn(5, 512, generator=torch.Generator().manual_seed(3))
+    ref = x.double() @ w.T
+    assert float((ql(x).double() - ref).abs().max() / ref.abs().max()) < 1e-6
+    assert torch.equal(ql.plane.rows(torch.tensor([0, 40, 63])), w.float()[[0, 40, 63]])
+    assert torch.equal(ql(x[[1, 3]]), ql(x)[[1, 3]])
+
+
+def _gguf_rows(gguf, parts: list[QuantTensor]) -> torch.Tensor:  # noqa: ANN001
+    """The parts' rows as gguf-py decodes them, float64."""
+    return torch.cat(
         [
             torch.from_numpy(
                 gguf.quants.dequantize(t.data.numpy(), getattr(gguf.GGMLQuantizationType, t.format))
             )
             .reshape(t.shape)
             .double()
-            for t in (a, b)
+            for t in parts
         ]
     )
-    x = torch.randn(7, 512, generator=torch.Generator().manual_seed(2))
-    ref = x.double() @ w.T + bias.double()
-    assert float((ql(x).double() - ref).abs().max() / ref.abs().max()) < 1e-6
-    assert torch.equal(ql.plane.rows(torch.tensor([0, 47, 48, 71])), w.float()[[0, 47, 48, 71]])
-    assert torch.equal(ql(x[[2, 5]]), ql(x)[[2, 5]])
-    assert QuantLinear.from_row_parts([a, quantize(torch.randn(24, 512), "F16")]) is None
-    # the parts' scales in the file's two levels, as each part's own plane holds them (the
-    # super-block products of act8: one-level scales took the per-32 ones at ~2/3 the speed):
-    # with 8-bit inputs every row is then the bits of its own part's layer
-    if not (quant_decode.tiles16_built() and quant_decode.half_built()):
-        return
-    assert ql.plane is not None and ql.plane.sb == 16 and ql.plane.mn8 is not None
-    alone = [QuantLinear(t) for t in (a, b)]
-    assert all(one.plane is not None and one.plane.sb for one in alone)
-    ql.kernel = plane_kernel(ql.plane, True)
-    for one in alone:
-        one.kernel = plane_kernel(one.plane, True)
-    assert torch.equal(ql(x), torch.cat([one(x) for one in alone], dim=1) + bias)
-    from tests.test_act8 import _rounded  # (x as the super-block rounding makes it, numpy)
-
-    want = _rounded(x, 256) @ w.T + bias.double()
-    assert float((ql(x).double() - want).abs().max() / want.abs().max()) < 2e-6

@@ -148,7 +148,7 @@ static inline __attribute__((always_inline)) void amx_tiles(const QMat *w, int64
                     if (g16) mins[m] = _mm512_fmadd_ps(n1, _mm512_set1_ps(sr[m * G + 2 * g + 1]), mins[m]);
                 }
             }
-            store_tile16(w, t0 + tb, a, mins, out + rb * 16 * w->n, add, 16);
+            store_tile16(w, t0 + tb, a, mins, out + rb * 16 * ldy_of(w), add, 16);
         }
 }
 
@@ -173,7 +173,7 @@ static void amx_gemm_in_team(const QMat *w, int path, int64_t nb, const int8_t *
             if (!ok) { /* (no scratch: the VNNI products, the same bits) */
                 for (int64_t m = p * AMX_BLOCKS * 16; m < r1 * 16; m += MRQ)
                     for (int64_t u = t; u < t + nt; u++)
-                        block_dot_q8(w, path, 32, u, xq + m * k, dx + m * J, xs + m * G, y + m * w->n,
+                        block_dot_q8(w, path, 32, u, xq + m * k, dx + m * J, xs + m * G, y + m * ldy_of(w),
                                      add, r1 * 16 - m < MRQ ? r1 * 16 - m : MRQ);
                 continue;
             }
@@ -184,9 +184,9 @@ static void amx_gemm_in_team(const QMat *w, int path, int64_t nb, const int8_t *
                 const int nr = r1 - r < 2 ? 1 : 2;
                 const int64_t m = r * 16;
                 if (g16)
-                    amx_tiles(w, t, nt, b, xq + m * k, dx + m * J, xs + m * G, y + m * w->n, add, nr, 1);
+                    amx_tiles(w, t, nt, b, xq + m * k, dx + m * J, xs + m * G, y + m * ldy_of(w), add, nr, 1);
                 else
-                    amx_tiles(w, t, nt, b, xq + m * k, dx + m * J, xs + m * G, y + m * w->n, add, nr, 0);
+                    amx_tiles(w, t, nt, b, xq + m * k, dx + m * J, xs + m * G, y + m * ldy_of(w), add, nr, 0);
             }
         }
     _tile_release();

@@ -22,7 +22,12 @@ typedef struct {
        own are those times sc8 and mn8 (tiles, k / group, 16) int8; sb is a power of two */
     const int8_t *sc8, *mn8;
     int64_t sb;
+    int64_t ldy; /* floats between rows of the products' output (0: n; more where W's rows are
+                    some of the output's columns: a layer held as several planes) */
 } QMat;
+
+/* floats between rows of W's products' output */
+static inline int64_t ldy_of(const QMat *w) { return w->ldy ? w->ldy : w->n; }
 
 /* GCC vector types (AVX2 ymm; scalar code where the CPU has no vectors) */
 typedef float v8f __attribute__((vector_size(32)));
@@ -129,7 +134,7 @@ static inline __attribute__((always_inline)) void store_tile(const QMat *w, int6
     for (int m = 0; m < mr; m++) {
         float o[16];
         memcpy(o, acc[m], sizeof o);
-        float *y = out + m * w->n + 16 * t;
+        float *y = out + m * ldy_of(w) + 16 * t;
         for (int64_t i = 0; i < rows; i++) y[i] = (add ? y[i] : 0.f) + o[i];
     }
 }
@@ -214,7 +219,7 @@ static inline __attribute__((always_inline)) void row_dot_rows(const QMat *w, in
         for (int m = 0; m < mr; m++) {
             const v8f v = acc[r][m];
             const float s = ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7]));
-            float *y = out + m * w->n + r0 + r;
+            float *y = out + m * ldy_of(w) + r0 + r;
             *y = (add ? *y : 0.f) + (s + mins[r][m]);
         }
 }

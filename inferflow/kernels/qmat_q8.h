@@ -228,7 +228,7 @@ static inline __attribute__((always_inline)) void row_dot_rows_q8(const QMat *w,
         for (int m = 0; m < mr; m++) {
             const v8f v = acc[r][m];
             const float s = ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7]));
-            float *y = out + m * w->n + r0 + r;
+            float *y = out + m * ldy_of(w) + r0 + r;
             *y = (add ? *y : 0.f) + (s + mins[r][m]);
         }
 }

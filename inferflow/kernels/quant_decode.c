@@ -59,6 +59,9 @@ typedef struct {
     const float *attn_norm, *ffn_norm; /* (hidden,) */
     QMat qkv, o, gate_up, down;        /* gate_up: [gate; up] rows */
     const float *qkv_bias;             /* NULL, or added to the q/k/v rows before the rotation */
+    /* n > 0: the rows after qkv's (gate_up's), in a plane of their own (rows stored in another
+       format); both planes' ldy is then the whole output row's width */
+    QMat qkv2, gate_up2;
 } Layer;
 
 typedef struct {
@@ -347,10 +350,10 @@ static void gemm_in_team(const QMat *w, const float *x, int64_t M, float *xs, fl
         for (int64_t b = 0; b < B; b++) {
             const int64_t m0 = m1 + b * R, mr = M - m0 < R ? M - m0 : R;
             if (q8)
-                block_dot_q8(w, path, per, t, xq + m0 * k, dx + m0 * J, xs + m0 * G, y + m0 * w->n,
+                block_dot_q8(w, path, per, t, xq + m0 * k, dx + m0 * J, xs + m0 * G, y + m0 * ldy_of(w),
                              add, mr);
             else
-                block_dot(w, path, t, x + m0 * k, xs + m0 * G, y + m0 * w->n, add, mr);
+                block_dot(w, path, t, x + m0 * k, xs + m0 * G, y + m0 * ldy_of(w), add, mr);
         }
 }
 
@@ -358,7 +361,7 @@ static void gemm_in_team(const QMat *w, const float *x, int64_t M, float *xs, fl
 void qmat_gemv(const QMat *w, const float *x, int64_t M, float *xs, float *y, int nthreads) {
     for (int64_t m = 0; m < M; m++) {
 #pragma omp parallel num_threads(nthreads)
-        gemm_in_team(w, x + m * w->k, 1, xs, y + m * w->n, 0, NULL, NULL);
+        gemm_in_team(w, x + m * w->k, 1, xs, y + m * ldy_of(w), 0, NULL, NULL);
     }
 }
 
@@ -456,6 +459,7 @@ void decode_stack(const Layer *layers, int64_t L, const Dims *d, int64_t B, floa
         for (int64_t b = 0; b < B; b++)
             rms_norm_row(x + b * E, ly->attn_norm, E, d->eps, d->norm_offset, h + b * E);
         gemm_in_team(&ly->qkv, h, B, xs, qkv, 0, xq, dx);
+        if (ly->qkv2.n) gemm_in_team(&ly->qkv2, h, B, xs, qkv + ly->qkv.n, 0, xq, dx);
 #pragma omp for schedule(static)
         for (int64_t b = 0; b < B; b++) {
             float *row = qkv + b * QKV;
@@ -497,6 +501,7 @@ void decode_stack(const Layer *layers, int64_t L, const Dims *d, int64_t B, floa
         for (int64_t b = 0; b < B; b++)
             rms_norm_row(x + b * E, ly->ffn_norm, E, d->eps, d->norm_offset, h + b * E);
         gemm_in_team(&ly->gate_up, h, B, xs, gu, 0, xq, dx);
+        if (ly->gate_up2.n) gemm_in_team(&ly->gate_up2, h, B, xs, gu + ly->gate_up.n, 0, xq, dx);
 #pragma omp for schedule(static)
         for (int64_t i = 0; i < B * NC; i++) { /* (16 values of a row at a time) */
             const int64_t b = i / NC, c = i % NC * 16, n = F - c < 16 ? F - c : 16;

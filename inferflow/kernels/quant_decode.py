@@ -29,12 +29,13 @@ _P, _I64, _I32, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_f
 class CQMat(ctypes.Structure):
     _fields_ = [("codes", _P), ("scale", _P), ("min", _P), ("n", _I64), ("k", _I64)]
     _fields_ += [("group", _I64), ("bits", _I32), ("half", _I32), ("high", _P), ("zero", _F)]
-    _fields_ += [("sc8", _P), ("mn8", _P), ("sb", _I64)]
+    _fields_ += [("sc8", _P), ("mn8", _P), ("sb", _I64), ("ldy", _I64)]  # (ldy 0: n)
 
 
 class CLayer(ctypes.Structure):
     _fields_ = [("attn_norm", _P), ("ffn_norm", _P), ("qkv", CQMat), ("o", CQMat)]
     _fields_ += [("gate_up", CQMat), ("down", CQMat), ("qkv_bias", _P)]
+    _fields_ += [("qkv2", CQMat), ("gate_up2", CQMat)]  # (n 0: none)
 
 
 class CDims(ctypes.Structure):

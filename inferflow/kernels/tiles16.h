@@ -71,7 +71,7 @@ static inline __attribute__((always_inline)) void store_tile16(const QMat *w, in
     const int64_t rows = w->n - 16 * t < 16 ? w->n - 16 * t : 16;
     const __mmask16 keep = (__mmask16)((1u << rows) - 1);
     for (int m = 0; m < mr; m++) {
-        float *y = out + m * w->n + 16 * t;
+        float *y = out + m * ldy_of(w) + 16 * t;
         const __m512 o = _mm512_add_ps(acc[m], mins[m]);
         _mm512_mask_storeu_ps(y, keep, add ? _mm512_add_ps(_mm512_maskz_loadu_ps(keep, y), o) : o);
     }

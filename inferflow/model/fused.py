@@ -36,7 +36,7 @@ from inferflow.blocks.ffn import GatedFFN
 from inferflow.blocks.norm import RMSNorm
 from inferflow.blocks.position import Rotary
 from inferflow.kernels import KV_FORMATS
-from inferflow.kernels.quant_decode import CDims, CLayer, QPlane, library
+from inferflow.kernels.quant_decode import CDims, CLayer, CQMat, QPlane, library
 from inferflow.model.batch import FlatBatch
 
 if TYPE_CHECKING:
@@ -50,6 +50,7 @@ class _Parts(NamedTuple):
     ffn_norm: RMSNorm
     planes: list[QPlane]  # wqkv, wo, w13, w2
     qkv_bias: torch.Tensor | None  # float32, contiguous
+    tails: list[QPlane | None]  # wqkv's and w13's rows in a plane of their own (or None)
 
 
 def _layer_parts(layer: Layer) -> _Parts | str:
@@ -76,8 +77,12 @@ def _layer_parts(layer: Layer) -> _Parts | str:
         return "a projection without a C plane (float, or a non-affine format)"
     if any(m.bias is not None for m in mods[1:]):
         return "a bias on the output, FFN or down projection (q/k/v biases are read)"
+    tails = [getattr(m, "tails", ()) for m in mods]
+    if tails[1] or tails[3] or any(len(t) > 1 or t and t[0].tails for t in tails):
+        return "a projection in more planes than q/k/v's and the gated FFN's two"
     bias = None if a.wqkv.bias is None else a.wqkv.bias.detach().float().contiguous()
-    return _Parts(norms[0], norms[1], [p for p in planes if isinstance(p, QPlane)], bias)
+    held = [p for p in planes if isinstance(p, QPlane)]
+    return _Parts(norms[0], norms[1], held, bias, [t[0].plane if t else None for t in tails[::2]])
 
 
 def _stack_parts(stack: Stack) -> list[_Parts] | str:
@@ -120,13 +125,18 @@ class FusedDecode:
         self._keep: list[torch.Tensor | QPlane] = []
         for i, p in enumerate(parts):
             ws = [n.weight.detach().float().contiguous() for n in (p.attn_norm, p.ffn_norm)]
-            self._keep += [*ws, *p.planes]
-            mats = (q.struct for q in p.planes)
+            self._keep += [*ws, *p.planes, *(t for t in p.tails if t is not None)]
+            mats = [CQMat.from_buffer_copy(q.struct) for q in p.planes]
+            tails = [CQMat() for _ in p.tails]  # (n 0: none)
+            for j, (at, tail) in enumerate(zip((0, 2), p.tails, strict=True)):
+                if tail is not None:  # both planes write the output's rows (their stride)
+                    tails[j] = CQMat.from_buffer_copy(tail.struct)
+                    mats[at].ldy = tails[j].ldy = mats[at].n + tail.n
             bias = None
             if p.qkv_bias is not None:
                 self._keep.append(p.qkv_bias)
                 bias = p.qkv_bias.data_ptr()
-            self.layers[i] = CLayer(ws[0].data_ptr(), ws[1].data_ptr(), *mats, bias)
+            self.layers[i] = CLayer(ws[0].data_ptr(), ws[1].data_ptr(), *mats, bias, *tails)
 
     @classmethod
     def build(cls, stack: Stack) -> FusedDecode | None:

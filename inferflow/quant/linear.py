@@ -472,10 +472,16 @@ def set_activations(model: nn.Module, act8: bool) -> int:
     n = 0
     for mod in model.modules():
         if isinstance(mod, QuantLinear) and mod.plane is not None:
-            mod.act8 = act8
-            mod.kernel = plane_kernel(mod.plane, act8)
-            n += mod.plane.has_q8()
+            n += mod.set_act8(act8)
     return n
+
+
+def _rows_joined(run: list[QuantTensor]) -> QuantTensor:
+    """Row blocks of one format (the same columns) as one tensor of their rows in order."""
+    if len(run) == 1:
+        return run[0]
+    data = torch.cat([p.data.reshape(-1) for p in run])
+    return QuantTensor(data, run[0].format, (sum(p.shape[0] for p in run), run[0].shape[1]))
 
 
 def dequant_kernel(w: QuantTensor, tile_bytes: int = TILE_BYTES) -> Kernel:
@@ -513,6 +519,10 @@ class QuantLinear(nn.Module):
     dense_rows: int | None
     plane: QPlane | None
     act8: bool  # set_activations: 8-bit inputs into the plane's products
+    # rows after the plane's, each block a plane layer of its own (from_row_parts: row blocks
+    # in two formats); a plain attribute, not submodules: nbytes counts them, and the layer's
+    # kernel computes them (set_act8)
+    tails: tuple[QuantLinear, ...]
 
     def __init__(
         self, weight: QuantTensor, bias: torch.Tensor | None = None, kernel: str | None = None
@@ -552,17 +562,24 @@ class QuantLinear(nn.Module):
         if bias is not None and tuple(bias.shape) != (out,):
             raise QuantError(f"bias of shape {list(bias.shape)} for {out} outputs")
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
-        self.dense_rows, self.plane, self.act8 = None, None, False
+        self.dense_rows, self.plane, self.act8, self.tails = None, None, False, ()
 
     @classmethod
     def from_row_parts(
         cls, parts: list[QuantTensor], bias: torch.Tensor | None = None
     ) -> QuantLinear | None:
         """One layer over row blocks stored in different formats that no exact widening joins
-        (a fused q/k/v of Q4_K q/k and a Q6_K v, as Q4_K_M files hold): each part's affine
-        values (code * scale + min) in one C plane, the groups brought to the smallest group
-        size by repeating their scale and min (the same values), the codes at the widest
-        part's bits. None where some part has no affine view or no plane can hold them."""
+        (a fused q/k/v of Q4_K q/k and a Q6_K v, as Q4_K_M files hold). Two runs of formats
+        (q/k then v): a plane for each, as each run's own layer holds it (``tails``: the
+        second), the one-call decode writing both into the output's rows. Else each part's
+        affine values (code * scale + min) in one C plane, the groups brought to the smallest
+        group size by repeating their scale and min (the same values), the codes at the widest
+        part's bits (Q4_K rows widened to Q6_K's 6-bit codes in groups of 16: ~40% more bytes,
+        and those products at Q6_K's speed). None where some part has no affine view or no
+        plane can hold them."""
+        split = cls._two_planes(parts, bias)
+        if split is not None:
+            return split
         views = [AFFINE_VIEWS.get(p.format) for p in parts if p.format in AFFINE_VIEWS]
         if len(views) != len(parts) or any(len(p.shape) != 2 for p in parts):
             return None
@@ -594,6 +611,46 @@ class QuantLinear(nn.Module):
         layer.plane, layer.kernel_name = plane, "plane"
         layer.kernel, layer.nbytes = plane_kernel(plane), plane.nbytes
         return layer
+
+    @classmethod
+    def _two_planes(
+        cls, parts: list[QuantTensor], bias: torch.Tensor | None
+    ) -> QuantLinear | None:
+        """from_row_parts's layer of two runs of formats, each run's rows one plane layer; None
+        where there are more runs or a run's layer has no plane."""
+        runs: list[list[QuantTensor]] = []
+        for p in parts:
+            if runs and runs[-1][0].format == p.format:
+                runs[-1].append(p)
+            else:
+                runs.append([p])
+        if len(runs) != 2 or any(len(p.shape) != 2 for p in parts):
+            return None
+        layers = [cls(_rows_joined(run)) for run in runs]
+        if any(one.plane is None for one in layers):
+            return None
+        head, tail = layers
+        plane = head.plane
+        fmt = "+".join(dict.fromkeys(p.format for p in parts))
+        head._shape(head.out_features + tail.out_features, head.in_features, fmt, bias)
+        head.plane, head.tails, head.nbytes = plane, (tail,), head.nbytes + tail.nbytes
+        head.set_act8(False)
+        return head
+
+    def set_act8(self, act8: bool) -> bool:
+        """Round the inputs of the plane's products (and the tails') to 8 bits or not; returns
+        whether the plane takes integer products then (``QPlane.has_q8``)."""
+        assert self.plane is not None
+        self.act8, first = act8, plane_kernel(self.plane, act8)
+        for t in self.tails:
+            t.set_act8(act8)
+        tails = self.tails
+
+        def joined(x: torch.Tensor) -> torch.Tensor:
+            return torch.cat([first(x), *(t(x) for t in tails)], dim=-1)
+
+        self.kernel = joined if tails else first
+        return self.plane.has_q8()
 
     def attach_dense(self, rows: int) -> None:
         """Calls of ``rows`` rows or more multiply by a dense bf16 copy of the int4pack

@@ -64,7 +64,7 @@ def _mixed_rows(
     source: WeightSource, parts: Sequence[Bound], mod: Linear
 ) -> list[QuantTensor] | None:
     """Row blocks of a linear weight stored in several formats, in row order and covering its
-    rows (``QuantLinear.from_row_parts`` holds them in one plane); else None."""
+    rows (``QuantLinear.from_row_parts`` holds them in its planes); else None."""
     blocks = stored_parts(source, parts)
     if blocks is None or len(blocks) < 2:
         return None

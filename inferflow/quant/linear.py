@@ -626,8 +626,10 @@ class QuantLinear(nn.Module):
                 runs.append([p])
         if len(runs) != 2 or any(len(p.shape) != 2 for p in parts):
             return None
+        if len({p.shape[1] for p in parts}) != 1:
+            return None
         layers = [cls(_rows_joined(run)) for run in runs]
-        if any(one.plane is None for one in layers):
+        if any(one.plane is None or one.kernel_name != "plane" for one in layers):
             return None
         head, tail = layers
         plane = head.plane

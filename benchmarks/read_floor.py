@@ -42,42 +42,42 @@ from inferflow.runtime import load  # noqa: E402
 
 
 class Product(NamedTuple):
-    """One planed product of a pass: the C call's arguments (pointers into ``bufs``), its
-    format, bytes and multiply-adds."""
+    """One planed product of a pass: its C call, format, bytes and multiply-adds."""
 
-    args: tuple[object, ...]
-    bufs: tuple[torch.Tensor | None, ...]
+    run: Callable[[], None]
     fmt: str
     nbytes: int
     macs: int
 
 
-def products(model: torch.nn.Module, rows: int) -> list[Product]:
+def products(model: torch.nn.Module, rows: int, threads: int) -> list[Product]:
     """Every planed QuantLinear's product on ``rows`` random rows (the buffers made once: a pass
-    is the C calls alone); a layer in two planes (``tails``) is two products of its format."""
+    is the C calls alone); a layer in two planes is its plane's product under the layer's
+    format (Q4_K+Q6_K) and its ``tail``'s, a layer of its own, under the tail's (Q6_K)."""
     out = []
-    for layer in model.modules():
-        if not isinstance(layer, QuantLinear) or layer.plane is None:
-            continue
-        for m in (layer, *layer.tails):
-            out.append(_product(m, layer.format, rows))
+    for m in model.modules():
+        if isinstance(m, QuantLinear) and m.plane is not None:
+            out.append(_product(m, rows, threads))
     if not out:
         raise SystemExit("the model has no quantized products on a plane (a float checkpoint?)")
     return out
 
 
-def _product(m: QuantLinear, fmt: str, rows: int) -> Product:
-    """The C call of ``m``'s plane on ``rows`` random rows, and its buffers."""
-    p = m.plane
-    assert p is not None
+def _product(m: QuantLinear, rows: int, threads: int) -> Product:
+    """The C call of ``m``'s plane on ``rows`` random rows (its buffers held by the call)."""
+    lib, p = library(), m.plane
+    assert lib is not None and p is not None
     x, y = torch.randn(rows, p.k), torch.empty(rows, p.n)
     xs = torch.empty(rows * p.k // 16)  # (group sums: the smallest group is 16)
     xq = torch.empty(rows * p.k, dtype=torch.int8) if m.act8 else None
     dx = torch.empty(rows * p.k // 32) if m.act8 else None
-    ptrs = [None if t is None else t.data_ptr() for t in (xq, dx)]
-    args = (ctypes.byref(p.struct), x.data_ptr(), rows, xs.data_ptr(), y.data_ptr())
-    bufs = (x, y, xs, xq, dx)
-    return Product((*args, *ptrs), bufs, fmt, p.nbytes, p.n * p.k * rows)
+
+    def run() -> None:
+        lib.qmat_gemm_f32(ctypes.byref(p.struct), x.data_ptr(), rows, xs.data_ptr(), y.data_ptr(),
+                          threads, None if xq is None else xq.data_ptr(),
+                          None if dx is None else dx.data_ptr())  # fmt: skip
+
+    return Product(run, m.format, p.nbytes, p.n * p.k * rows)
 
 
 def vnni_peak() -> Callable[[float], float] | None:
@@ -108,13 +108,12 @@ def main() -> int:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     print("command: python benchmarks/read_floor.py " + shlex.join(sys.argv[1:]))
-    lib = library()
-    if lib is None:
+    if library() is None:
         raise SystemExit("the quant_decode kernel is not available (INFERFLOW_KERNELS=0?)")
     lm = load(args.spec, args.dtype)
     if not isinstance(lm.model, torch.nn.Module):
         raise SystemExit(f"{args.spec}: the network is not one module (a partitioned model?)")
-    calls = products(lm.model, args.rows)
+    calls = products(lm.model, args.rows, args.threads)
     nbytes, macs = sum(c.nbytes for c in calls), sum(c.macs for c in calls)
     buf = torch.ones(nbytes // 4)
     peak = vnni_peak()
@@ -125,7 +124,7 @@ def main() -> int:
         spent = dict.fromkeys(formats, 0.0)
         for c in calls:
             t = time.perf_counter()
-            lib.qmat_gemm_f32(*c.args[:5], args.threads, *c.args[5:])
+            c.run()
             spent[c.fmt] += time.perf_counter() - t
         return spent
 

@@ -342,15 +342,15 @@ def test_row_parts_in_two_formats_are_two_planes() -> None:
     bias = torch.randn(72, generator=torch.Generator().manual_seed(1))
     ql = QuantLinear.from_row_parts([a, b], bias)
     assert ql is not None and ql.kernel_name == "plane" and ql.format == "Q4_K+Q6_K"
-    assert ql.plane is not None and len(ql.tails) == 1 and ql.tails[0].plane is not None
+    assert ql.plane is not None and ql.tail is not None and ql.tail.plane is not None
     alone = [QuantLinear(t) for t in (a, b)]
-    assert ql.nbytes == sum(one.nbytes for one in alone)
+    assert sum(m.nbytes for m in ql.modules()) == sum(one.nbytes for one in alone)
     w = _gguf_rows(gguf, [a, b])
     x = torch.randn(7, 512, generator=torch.Generator().manual_seed(2))
     ref = x.double() @ w.T + bias.double()
     assert float((ql(x).double() - ref).abs().max() / ref.abs().max()) < 1e-6
     assert torch.equal(ql.plane.rows(torch.tensor([0, 47])), w.float()[[0, 47]])
-    assert torch.equal(ql.tails[0].plane.rows(torch.tensor([0, 23])), w.float()[[48, 71]])
+    assert torch.equal(ql.tail.plane.rows(torch.tensor([0, 23])), w.float()[[48, 71]])
     assert torch.equal(ql(x[[2, 5]]), ql(x)[[2, 5]])
     assert QuantLinear.from_row_parts([a, quantize(torch.randn(24, 512), "F16")]) is None
     for one in (ql, *alone):
@@ -374,7 +374,7 @@ def test_row_parts_in_more_runs_share_one_plane() -> None:
     parts = [random_blocks("Q4_K", 32, 512), random_blocks("Q6_K", 16, 512)]
     parts.append(random_blocks("Q4_K", 16, 512))
     ql = QuantLinear.from_row_parts(parts)
-    assert ql is not None and ql.plane is not None and ql.tails == () and ql.plane.bits == 6
+    assert ql is not None and ql.plane is not None and ql.tail is None and ql.plane.bits == 6
     w = _gguf_rows(gguf, parts)
     x = torch.randn(5, 512, generator=torch.Generator().manual_seed(3))
     ref = x.double() @ w.T

@@ -50,7 +50,7 @@ class _Parts(NamedTuple):
     ffn_norm: RMSNorm
     planes: list[QPlane]  # wqkv, wo, w13, w2
     qkv_bias: torch.Tensor | None  # float32, contiguous
-    tails: list[QPlane | None]  # wqkv's and w13's rows in a plane of their own (or None)
+    tails: list[QPlane | None]  # wqkv's and w13's later rows in a plane of their own, or None
 
 
 def _layer_parts(layer: Layer) -> _Parts | str:
@@ -77,12 +77,13 @@ def _layer_parts(layer: Layer) -> _Parts | str:
         return "a projection without a C plane (float, or a non-affine format)"
     if any(m.bias is not None for m in mods[1:]):
         return "a bias on the output, FFN or down projection (q/k/v biases are read)"
-    tails = [getattr(m, "tails", ()) for m in mods]
-    if tails[1] or tails[3] or any(len(t) > 1 or t and t[0].tails for t in tails):
-        return "a projection in more planes than q/k/v's and the gated FFN's two"
+    tails = [getattr(m, "tail", None) for m in mods]
+    if tails[1] is not None or tails[3] is not None:
+        return "an output or down projection in two planes (q/k/v's and the gated FFN's are read)"
     bias = None if a.wqkv.bias is None else a.wqkv.bias.detach().float().contiguous()
     held = [p for p in planes if isinstance(p, QPlane)]
-    return _Parts(norms[0], norms[1], held, bias, [t[0].plane if t else None for t in tails[::2]])
+    second = [None if t is None else t.plane for t in (tails[0], tails[2])]
+    return _Parts(norms[0], norms[1], held, bias, second)
 
 
 def _stack_parts(stack: Stack) -> list[_Parts] | str:

@@ -45,6 +45,7 @@ worst cases are ~0.11 * 2**-8 * (|x| @ A^T). Symmetric formats (Q4_0, Q5_0, Q8_0
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -519,10 +520,9 @@ class QuantLinear(nn.Module):
     dense_rows: int | None
     plane: QPlane | None
     act8: bool  # set_activations: 8-bit inputs into the plane's products
-    # rows after the plane's, each block a plane layer of its own (from_row_parts: row blocks
-    # in two formats); a plain attribute, not submodules: nbytes counts them, and the layer's
-    # kernel computes them (set_act8)
-    tails: tuple[QuantLinear, ...]
+    # the rows after the plane's, a plane layer of their own (from_row_parts: row blocks in
+    # two formats): a submodule (its nbytes its own), which the layer's kernel calls (set_act8)
+    tail: QuantLinear | None
 
     def __init__(
         self, weight: QuantTensor, bias: torch.Tensor | None = None, kernel: str | None = None
@@ -562,7 +562,7 @@ class QuantLinear(nn.Module):
         if bias is not None and tuple(bias.shape) != (out,):
             raise QuantError(f"bias of shape {list(bias.shape)} for {out} outputs")
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
-        self.dense_rows, self.plane, self.act8, self.tails = None, None, False, ()
+        self.dense_rows, self.plane, self.act8, self.tail = None, None, False, None
 
     @classmethod
     def from_row_parts(
@@ -570,7 +570,7 @@ class QuantLinear(nn.Module):
     ) -> QuantLinear | None:
         """One layer over row blocks stored in different formats that no exact widening joins
         (a fused q/k/v of Q4_K q/k and a Q6_K v, as Q4_K_M files hold). Two runs of formats
-        (q/k then v): a plane for each, as each run's own layer holds it (``tails``: the
+        (q/k then v): a plane for each, as each run's own layer holds it (``tail``: the
         second), the one-call decode writing both into the output's rows. Else each part's
         affine values (code * scale + min) in one C plane, the groups brought to the smallest
         group size by repeating their scale and min (the same values), the codes at the widest
@@ -618,12 +618,7 @@ class QuantLinear(nn.Module):
     ) -> QuantLinear | None:
         """from_row_parts's layer of two runs of formats, each run's rows one plane layer; None
         where there are more runs or a run's layer has no plane."""
-        runs: list[list[QuantTensor]] = []
-        for p in parts:
-            if runs and runs[-1][0].format == p.format:
-                runs[-1].append(p)
-            else:
-                runs.append([p])
+        runs = [list(run) for _, run in itertools.groupby(parts, key=lambda p: p.format)]
         if len(runs) != 2 or any(len(p.shape) != 2 for p in parts):
             return None
         if len({p.shape[1] for p in parts}) != 1:
@@ -635,23 +630,19 @@ class QuantLinear(nn.Module):
         plane = head.plane
         fmt = "+".join(dict.fromkeys(p.format for p in parts))
         head._shape(head.out_features + tail.out_features, head.in_features, fmt, bias)
-        head.plane, head.tails, head.nbytes = plane, (tail,), head.nbytes + tail.nbytes
+        head.plane, head.tail = plane, tail
         head.set_act8(False)
         return head
 
     def set_act8(self, act8: bool) -> bool:
-        """Round the inputs of the plane's products (and the tails') to 8 bits or not; returns
+        """Round the inputs of the plane's products (and the tail's) to 8 bits or not; returns
         whether the plane takes integer products then (``QPlane.has_q8``)."""
         assert self.plane is not None
-        self.act8, first = act8, plane_kernel(self.plane, act8)
-        for t in self.tails:
-            t.set_act8(act8)
-        tails = self.tails
-
-        def joined(x: torch.Tensor) -> torch.Tensor:
-            return torch.cat([first(x), *(t(x) for t in tails)], dim=-1)
-
-        self.kernel = joined if tails else first
+        self.act8, first, tail = act8, plane_kernel(self.plane, act8), self.tail
+        self.kernel = first
+        if tail is not None:
+            tail.set_act8(act8)
+            self.kernel = lambda x: torch.cat([first(x), tail(x)], dim=-1)
         return self.plane.has_q8()
 
     def attach_dense(self, rows: int) -> None:

@@ -206,9 +206,9 @@ SiluGate = Callable[[torch.Tensor], torch.Tensor]
 @cache
 def silu_gate() -> SiluGate | None:
     """``f(h (N, 2F)) -> (N, F)``: SiLU(h[:, :F]) * h[:, F:] (the gated FFN's [gate | up] rows;
-    float32 on the CPU, contiguous), each value the scalar expression with a correctly rounded
-    expf: the one-call decode's gate is the same code (rows.h). None where the kernel cannot be
-    built."""
+    float32 on the CPU, contiguous), each value the scalar expression with rows.h's expf (within
+    2 ulp; the same bits in every build): the one-call decode's gate is the same code. None where
+    the kernel cannot be built."""
     lib = _library("rows")
     if lib is None:
         return None

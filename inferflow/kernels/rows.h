@@ -3,7 +3,7 @@
    decoder): both libraries give the same bits, so a token prefilled and the same token decoded
    agree. Products are rounded one by one (no fused multiply-add), as torch computes them:
    rotation is bit for bit the torch path; the norm differs from torch's only in the order its
-   sum of squares is added up, the gate by torch's exp (within an ulp; ours correctly rounded). */
+   sum of squares is added up, the gate by its exp (torch's and ours each within 2 ulp). */
 #ifndef INFERFLOW_ROWS_H
 #define INFERFLOW_ROWS_H
 #include <math.h>
@@ -11,61 +11,65 @@
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
-#if defined(__AVX512F__) && defined(__AVX512DQ__)
+/* expf in float, the same operations in the vector and the scalar code (so every value gets
+   the same bits whichever loop computes it, and a build without AVX-512 the same as one with):
+   x clamped to [-104, 89] (below, the float result is 0; above, inf; NaN passes), n = x log2 e
+   rounded to the nearest integer, r = x - n ln 2 by two fused steps (ln 2's high part has 12
+   significant bits: n hi is exact), e^r by Taylor's polynomial to r^7 (|r| <= 0.35: the
+   truncation is below 6e-9 relative) in fused steps, times 2^n rounded once (denormals
+   included). The gate below is then within 2.4 ulp of float64, as torch's is (tests/
+   test_kernels.py); 2.5x faster than the correctly rounded double-precision exp it replaced
+   (256 x 1536 values on one thread: 0.21 -> 0.085 ms). */
+#define EXPF_LO (-104.f)
+#define EXPF_HI 89.f
+#define EXPF_LOG2E 1.44269502f
+#define EXPF_LN2_HI 0.693145751953125f
+#define EXPF_LN2_LO 1.4286068203094173e-06f
+static const float expf_poly[8] = {1.f,         1.f,           0.5f,           1.f / 6,
+                                   1.f / 24,    1.f / 120,     1.f / 720,      1.f / 5040};
 
-/* expf of 16 floats, each correctly rounded but where the exact value lies within ~1e-14 of a
-   rounding boundary (libm's expf is correctly rounded too, torch's vectorized one within an
-   ulp): exp in double (x - n ln 2 by two fused steps, Taylor to the 11th power: relative error
-   below 1e-14), then one rounding to float, denormals and overflow to inf included. NaN stays
-   NaN. */
-static inline __m512 exp16_cr(__m512 x) {
-    __m512d h[2] = {_mm512_cvtps_pd(_mm512_castps512_ps256(x)),
-                    _mm512_cvtps_pd(_mm512_extractf32x8_ps(x, 1))};
-    static const double inv_fact[12] = {1.0,
-                                        1.0,
-                                        1.0 / 2,
-                                        1.0 / 6,
-                                        1.0 / 24,
-                                        1.0 / 120,
-                                        1.0 / 720,
-                                        1.0 / 5040,
-                                        1.0 / 40320,
-                                        1.0 / 362880,
-                                        1.0 / 3628800,
-                                        1.0 / 39916800};
-    __m256 f[2];
-    for (int i = 0; i < 2; i++) {
-        /* below -104 the float result is 0, above 89 inf: clamp there (NaN passes: max / min
-           return their second operand where one is NaN) */
-        const __m512d a = _mm512_min_pd(_mm512_set1_pd(89.0), _mm512_max_pd(_mm512_set1_pd(-104.0), h[i]));
-        const __m512d n = _mm512_roundscale_pd(_mm512_mul_pd(a, _mm512_set1_pd(1.4426950408889634)),
-                                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        __m512d r = _mm512_fnmadd_pd(n, _mm512_set1_pd(6.93147180369123816490e-01), a);
-        r = _mm512_fnmadd_pd(n, _mm512_set1_pd(1.90821492927058770002e-10), r);
-        __m512d p = _mm512_set1_pd(inv_fact[11]);
-        for (int k = 10; k >= 0; k--) p = _mm512_fmadd_pd(p, r, _mm512_set1_pd(inv_fact[k]));
-        f[i] = _mm512_cvtpd_ps(_mm512_scalef_pd(p, n));
-    }
-    return _mm512_insertf32x8(_mm512_castps256_ps512(f[0]), f[1], 1);
+__attribute__((optimize("fp-contract=off"))) static inline float expf_rows(float x) {
+    if (x != x) return x; /* NaN */
+    float a = x < EXPF_LO ? EXPF_LO : x;
+    a = a > EXPF_HI ? EXPF_HI : a;
+    const float n = nearbyintf(a * EXPF_LOG2E);
+    const float r = fmaf(-n, EXPF_LN2_LO, fmaf(-n, EXPF_LN2_HI, a));
+    float p = expf_poly[7];
+    for (int k = 6; k >= 0; k--) p = fmaf(p, r, expf_poly[k]);
+    return ldexpf(p, (int)n);
+}
+
+#if defined(__AVX512F__)
+/* expf_rows of 16 floats (max / min return their second operand where one is NaN) */
+static inline __m512 exp16_rows(__m512 x) {
+    const __m512 a = _mm512_min_ps(_mm512_set1_ps(EXPF_HI), _mm512_max_ps(_mm512_set1_ps(EXPF_LO), x));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(a, _mm512_set1_ps(EXPF_LOG2E)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 m = _mm512_sub_ps(_mm512_setzero_ps(), n);
+    __m512 r = _mm512_fmadd_ps(m, _mm512_set1_ps(EXPF_LN2_HI), a);
+    r = _mm512_fmadd_ps(m, _mm512_set1_ps(EXPF_LN2_LO), r);
+    __m512 p = _mm512_set1_ps(expf_poly[7]);
+    for (int k = 6; k >= 0; k--) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(expf_poly[k]));
+    return _mm512_scalef_ps(p, n);
 }
 #endif
 
 /* out[i] = g[i] / (1 + expf(-g[i])) * u[i] (SiLU of the gate times the up projection) for n
-   values, each rounded as the scalar expression with a correctly rounded expf */
+   values, each rounded as that scalar expression with expf_rows */
 __attribute__((optimize("fp-contract=off"))) static void silu_gate_row(const float *g,
                                                                        const float *u, int64_t n,
                                                                        float *out) {
     int64_t i = 0;
-#if defined(__AVX512F__) && defined(__AVX512DQ__)
+#if defined(__AVX512F__)
     for (; i < n; i += 16) {
         const __mmask16 m = n - i >= 16 ? 0xFFFF : (__mmask16)((1u << (n - i)) - 1);
         const __m512 x = _mm512_maskz_loadu_ps(m, g + i);
-        const __m512 e = exp16_cr(_mm512_sub_ps(_mm512_setzero_ps(), x));
+        const __m512 e = exp16_rows(_mm512_sub_ps(_mm512_setzero_ps(), x));
         const __m512 s = _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.f), e));
         _mm512_mask_storeu_ps(out + i, m, _mm512_mul_ps(s, _mm512_maskz_loadu_ps(m, u + i)));
     }
 #endif
-    for (; i < n; i++) out[i] = g[i] / (1.f + expf(-g[i])) * u[i];
+    for (; i < n; i++) out[i] = g[i] / (1.f + expf_rows(-g[i])) * u[i];
 }
 
 /* out[i] = (x[i] * r) * (offset + w[i]), r = 1 / sqrt(mean(x^2) + eps). The sum of squares

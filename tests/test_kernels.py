@@ -35,11 +35,13 @@ def _reset() -> None:
 
 
 @contextlib.contextmanager
-def _without_avx512(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[None]:
-    """The kernels built for a CPU without AVX-512 (the plain-C loops), in a cache of their own,
-    while the block runs; the usual ones after."""
-    monkeypatch.setenv("INFERFLOW_KERNEL_CACHE", str(tmp_path))
-    monkeypatch.setattr(kernels, "FLAGS", [*kernels.FLAGS, "-mno-avx512f"])
+def _without_avx512(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, *more: str
+) -> Iterator[None]:
+    """The kernels built for a CPU without AVX-512 (the plain-C loops; ``more``: other switches,
+    e.g. -mno-avx2), in a cache of their own, while the block runs; the usual ones after."""
+    monkeypatch.setenv("INFERFLOW_KERNEL_CACHE", str(tmp_path / "-".join(["cache", *more])))
+    monkeypatch.setattr(kernels, "FLAGS", [*kernels.FLAGS, "-mno-avx512f", *more])
     _reset()
     try:
         yield
@@ -361,13 +363,13 @@ def test_silu_gate_kernel_against_float64_alone_and_without_avx512(
     """SiLU(gate) * up by rows.h's own expf: within a few float32 ulp of float64 over the whole
     range (gates below -88.7, whose exp overflows float32, give -0 against at most ~1e-36 |up|;
     NaN and the infinities as the expression gives them); a row alone and a column anywhere in
-    its row get the same bits; a build without AVX-512 (the scalar loop) gives the same bits as
-    the vector one."""
+    its row get the same bits; builds without AVX-512 (AVX2's 8 at a time) and without AVX2 (the
+    scalar loop) give the same bits as the AVX-512 one."""
     fast = kernels.silu_gate()
     if fast is None:
         pytest.skip("no C compiler here: the kernel cannot be built (the torch path runs)")
     g = torch.Generator().manual_seed(4)
-    N, F = 37, 1000  # (F not a multiple of 16: a masked last vector)
+    N, F = 37, 1003  # (F not a multiple of 16 or 8: a masked last vector, a scalar tail)
     gate = torch.randn(N, F, generator=g) * torch.logspace(-6, 2, N)[:, None]
     gate[0, :12] = torch.tensor([-120.0, -104.5, -103.9, -88.8, -87.3, -1e-40, 0.0, 1e-40, 88.8,
                                  89.5, 120.0, -0.0])  # fmt: skip
@@ -383,10 +385,11 @@ def test_silu_gate_kernel_against_float64_alone_and_without_avx512(
         assert torch.equal(fast(h[i : i + 1]), got[i : i + 1])
     rolled = torch.cat([gate.roll(7, 1), up.roll(7, 1)], 1)  # every column elsewhere in its row
     torch.testing.assert_close(fast(rolled), got.roll(7, 1), rtol=0, atol=0, equal_nan=True)
-    with _without_avx512(monkeypatch, tmp_path):
-        plain = kernels.silu_gate()
-        assert plain is not None and plain is not fast
-        torch.testing.assert_close(plain(h), got, rtol=0, atol=0, equal_nan=True)
+    for more in ((), ("-mno-avx2", "-mno-fma")):  # AVX2's 8 at a time, then one at a time
+        with _without_avx512(monkeypatch, tmp_path, *more):
+            plain = kernels.silu_gate()
+            assert plain is not None and plain is not fast
+            torch.testing.assert_close(plain(h), got, rtol=0, atol=0, equal_nan=True)
 
 
 def test_a_changed_header_rebuilds_the_kernels_that_include_it(

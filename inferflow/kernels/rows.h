@@ -8,7 +8,7 @@
 #define INFERFLOW_ROWS_H
 #include <math.h>
 #include <stdint.h>
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #endif
 /* expf in float, the same operations in the vector and the scalar code (so every value gets
@@ -19,7 +19,8 @@
    truncation is below 6e-9 relative) in fused steps, times 2^n rounded once (denormals
    included). The gate below is then within 2.4 ulp of float64, as torch's is (tests/
    test_kernels.py); 2.5x faster than the correctly rounded double-precision exp it replaced
-   (256 x 1536 values on one thread: 0.21 -> 0.085 ms). */
+   (256 x 1536 values on one thread: 0.21 -> 0.085 ms); AVX2 builds take 8 at a time (0.16 ms
+   there, against 1.2 ms with libm's expf one at a time before). */
 #define EXPF_LO (-104.f)
 #define EXPF_HI 89.f
 #define EXPF_LOG2E 1.44269502f
@@ -28,7 +29,11 @@
 static const float expf_poly[8] = {1.f,         1.f,           0.5f,           1.f / 6,
                                    1.f / 24,    1.f / 120,     1.f / 720,      1.f / 5040};
 
-__attribute__((optimize("fp-contract=off"))) static inline float expf_rows(float x) {
+/* (every function of the gate keeps the order its operations are written in: the library's
+   -fassociative-math would fold exp8_rows's two powers of 2 into one, which overflows) */
+#define EXPF_EXACT __attribute__((optimize("no-associative-math", "fp-contract=off")))
+
+EXPF_EXACT static inline float expf_rows(float x) {
     if (x != x) return x; /* NaN */
     float a = x < EXPF_LO ? EXPF_LO : x;
     a = a > EXPF_HI ? EXPF_HI : a;
@@ -41,7 +46,7 @@ __attribute__((optimize("fp-contract=off"))) static inline float expf_rows(float
 
 #if defined(__AVX512F__)
 /* expf_rows of 16 floats (max / min return their second operand where one is NaN) */
-static inline __m512 exp16_rows(__m512 x) {
+EXPF_EXACT static inline __m512 exp16_rows(__m512 x) {
     const __m512 a = _mm512_min_ps(_mm512_set1_ps(EXPF_HI), _mm512_max_ps(_mm512_set1_ps(EXPF_LO), x));
     const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(a, _mm512_set1_ps(EXPF_LOG2E)),
                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
@@ -52,13 +57,31 @@ static inline __m512 exp16_rows(__m512 x) {
     for (int k = 6; k >= 0; k--) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(expf_poly[k]));
     return _mm512_scalef_ps(p, n);
 }
+#elif defined(__AVX2__) && defined(__FMA__)
+/* 2^k for integers k in [-126, 127] */
+EXPF_EXACT static inline __m256 pow2_8(__m256i k) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(k, _mm256_set1_epi32(127)), 23));
+}
+
+/* expf_rows of 8 floats (AVX2 builds). 2^n as two normal powers (n in [-150, 128]): p times
+   the first is exact, the second product rounds once, as ldexpf does */
+EXPF_EXACT static inline __m256 exp8_rows(__m256 x) {
+    const __m256 a = _mm256_min_ps(_mm256_set1_ps(EXPF_HI), _mm256_max_ps(_mm256_set1_ps(EXPF_LO), x));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(a, _mm256_set1_ps(EXPF_LOG2E)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m256 m = _mm256_sub_ps(_mm256_setzero_ps(), n);
+    __m256 r = _mm256_fmadd_ps(m, _mm256_set1_ps(EXPF_LN2_HI), a);
+    r = _mm256_fmadd_ps(m, _mm256_set1_ps(EXPF_LN2_LO), r);
+    __m256 p = _mm256_set1_ps(expf_poly[7]);
+    for (int k = 6; k >= 0; k--) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(expf_poly[k]));
+    const __m256i ni = _mm256_cvtps_epi32(n), n1 = _mm256_srai_epi32(ni, 1);
+    return _mm256_mul_ps(_mm256_mul_ps(p, pow2_8(n1)), pow2_8(_mm256_sub_epi32(ni, n1)));
+}
 #endif
 
 /* out[i] = g[i] / (1 + expf(-g[i])) * u[i] (SiLU of the gate times the up projection) for n
    values, each rounded as that scalar expression with expf_rows */
-__attribute__((optimize("fp-contract=off"))) static void silu_gate_row(const float *g,
-                                                                       const float *u, int64_t n,
-                                                                       float *out) {
+EXPF_EXACT static void silu_gate_row(const float *g, const float *u, int64_t n, float *out) {
     int64_t i = 0;
 #if defined(__AVX512F__)
     for (; i < n; i += 16) {
@@ -67,6 +90,13 @@ __attribute__((optimize("fp-contract=off"))) static void silu_gate_row(const flo
         const __m512 e = exp16_rows(_mm512_sub_ps(_mm512_setzero_ps(), x));
         const __m512 s = _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.f), e));
         _mm512_mask_storeu_ps(out + i, m, _mm512_mul_ps(s, _mm512_maskz_loadu_ps(m, u + i)));
+    }
+#elif defined(__AVX2__) && defined(__FMA__)
+    for (; i + 8 <= n; i += 8) {
+        const __m256 x = _mm256_loadu_ps(g + i);
+        const __m256 e = exp8_rows(_mm256_sub_ps(_mm256_setzero_ps(), x));
+        const __m256 s = _mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.f), e));
+        _mm256_storeu_ps(out + i, _mm256_mul_ps(s, _mm256_loadu_ps(u + i)));
     }
 #endif
     for (; i < n; i++) out[i] = g[i] / (1.f + expf_rows(-g[i])) * u[i];

@@ -14,7 +14,7 @@
 /* expf in float, the same operations in the vector and the scalar code (so every value gets
    the same bits whichever loop computes it, and a build without AVX-512 the same as one with):
    x clamped to [-104, 89] (below, the float result is 0; above, inf; NaN passes), n = x log2 e
-   rounded to the nearest integer, r = x - n ln 2 by two fused steps (ln 2's high part has 12
+   rounded to the nearest integer, r = x - n ln 2 by two fused steps (ln 2's high part has 15
    significant bits: n hi is exact), e^r by Taylor's polynomial to r^7 (|r| <= 0.35: the
    truncation is below 6e-9 relative) in fused steps, times 2^n rounded once (denormals
    included). The gate below is then within 2.4 ulp of float64, as torch's is (tests/

@@ -5,29 +5,12 @@
    whole decoder): scores, softmax (max subtracted) and the weighted sum of the values. */
 #ifndef INFERFLOW_ATTEND_H
 #define INFERFLOW_ATTEND_H
+#include "expf.h"
 #include "kvq8.h"
 #include <math.h>
 #include <stdint.h>
 #if defined(__AVX512F__)
 #include <immintrin.h>
-
-/* exp of 16 floats <= 0 (Cephes' expf polynomial on x - n ln 2, then times 2^n): within 2 ulp
-   of expf; below -87.3 it returns about 1e-38 instead of a denormal or 0 */
-static inline __m512 exp16(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
-    return _mm512_scalef_ps(p, n);
-}
 
 /* lane t = the sum of v[t]'s 16 lanes, for 16 vectors at once: the tree of
    _mm512_reduce_add_ps (lanes i + i + 8, then i + i + 4, i + i + 2, i + i + 1), so each sum
@@ -52,8 +35,8 @@ static inline __m512 sum16x16(const __m512 v[16]) {
 }
 #endif
 
-/* p[0..n) = exp(p - mx), returns their sum */
-static inline float exp_sum(float *p, int64_t n, float mx) {
+/* p[0..n) = exp(p - mx) (expf.h: the same bits in every build), returns their sum */
+EXPF_EXACT static inline float exp_sum(float *p, int64_t n, float mx) {
     float sum = 0.f;
     int64_t t = 0;
 #if defined(__AVX512F__)
@@ -67,7 +50,7 @@ static inline float exp_sum(float *p, int64_t n, float mx) {
     sum = _mm512_reduce_add_ps(acc);
 #endif
     for (; t < n; t++) {
-        p[t] = expf(p[t] - mx);
+        p[t] = expf_one(p[t] - mx);
         sum += p[t];
     }
     return sum;

@@ -340,6 +340,37 @@ def test_a_token_decoded_in_one_call_equals_it_prefilled(dtype: str, lib) -> Non
         assert torch.equal(caches[0].v[:, :n], c.v[:, :n])
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
+def test_the_last_layer_runs_only_the_rows_asked_for(
+    quant_llamas: dict[str, Path],
+    write_spec,  # noqa: ANN001
+    lib,  # noqa: ANN001
+    kv_dtype: torch.dtype,
+) -> None:
+    """Asked for some rows' outputs only (those that need logits), the one-call decode gives
+    each of them the bits it gives when every row's output is asked for, and writes every
+    row's K/V of every layer the same (the last layer's too: later steps attend to them)."""
+    model, _ = _quantized_and_reference(_load(quant_llamas, write_spec))
+    stack, h = model.dec, model.spec.hparams
+    ids = torch.randint(0, 256, (23,), generator=torch.Generator().manual_seed(5))
+    n = len(ids)
+
+    def run(rows: list[int] | None) -> tuple[torch.Tensor, ContiguousKVCache]:
+        cache = ContiguousKVCache(h.n_layers, h.n_kv_heads, h.head_dim, n, kv_dtype)
+        batch = FlatBatch.single(ids, 0, cache)
+        keep = None if rows is None else torch.tensor(rows, dtype=torch.long)
+        with torch.no_grad():
+            return stack.run_layers(stack.embed(batch), batch, keep), cache
+
+    assert stack.fused_decode() is not None
+    every, want = run(None)
+    assert every.shape == (n, h.hidden)
+    for rows in ([n - 1], [0, 4, 5, 17, n - 1], [], list(range(n)), [1, 2, 3, 4, 5, 6, 7]):
+        got, cache = run(rows)
+        assert torch.equal(got, every[rows]), rows
+        assert torch.equal(cache.k, want.k) and torch.equal(cache.v, want.v), rows
+
+
 def test_engine_single_sequence_decode_is_fused(
     quant_llamas: dict[str, Path], write_spec, lib
 ) -> None:  # noqa: ANN001

@@ -401,17 +401,41 @@ int qmat_tiles16_built(void) {
    layer_stride floats, slot s of KV head g at (s * KV heads + g) * head_dim. slots (lists, S):
    row b reads list i = which[b] (which NULL: i = b), its keys in the first lens[b] slots, the
    last one where its own K / V go (every row's K / V of a layer are written before any row
-   attends: a prompt's later rows see its earlier ones). scratch: decode_stack_scratch floats.
-   Every row gets the same operations whatever B is and whichever rows are beside it. */
+   attends: a prompt's later rows see its earlier ones). keep (NULL: every row): the nkeep rows,
+   in increasing order, whose outputs are wanted (those that need logits): the last layer
+   writes every row's K / V, then attends and runs the rest only for them, and x's first nkeep
+   rows are theirs after it (llama.cpp's last layer likewise). scratch: decode_stack_scratch
+   floats. Every row gets the same operations whatever B is and whichever rows are beside it
+   or kept. */
 /* widest input of a layer's products (their group sums and 8-bit rows are sized by it) */
 static int64_t widest_input(const Dims *d) {
     const int64_t E = d->hidden, F = d->inner, HD = d->heads * d->head_dim;
     return E > F ? (E > HD ? E : HD) : (F > HD ? F : HD);
 }
 
-/* floats of the row-block list at the start of decode_stack's scratch (B + 1 int64, rounded
-   up to 64 bytes: what follows stays aligned as the scratch is) */
-static int64_t blocks_floats(int64_t B) { return (2 * (B + 1) + 15) / 16 * 16; }
+/* floats of the row lists at the start of decode_stack's scratch (the row blocks' B + 1 int64,
+   then the kept rows' lens and lists, B each; rounded up to 64 bytes: what follows stays
+   aligned as the scratch is) */
+static int64_t blocks_floats(int64_t B) { return (2 * (3 * B + 1) + 15) / 16 * 16; }
+
+/* the row blocks of attention's tasks (decode_stack): up to ATTEND_ROWS rows of one list in a
+   row (a prompt's: they read its keys once), else one row; blk[nb] = B. Returns nb. */
+static int64_t row_blocks(int64_t B, const int64_t *which, int kv_format, int64_t *blk) {
+    int64_t nb = 0;
+    for (int64_t b = 0; b < B; b++)
+        if (nb == 0 || !which || kv_format == 1 || which[b] != which[b - 1] ||
+            b - blk[nb - 1] == ATTEND_ROWS)
+            blk[nb++] = b;
+    blk[nb] = B;
+    return nb;
+}
+
+/* attention tasks a thread takes in turn (decode_stack): a block's H heads where there are
+   blocks enough, else an equal share of nb H (at least one) */
+static int64_t task_run(int64_t nb, int64_t H, int nthreads) {
+    const int64_t run = nb >= 4 * nthreads ? H : (nb * H + nthreads - 1) / nthreads;
+    return run > 0 ? run : 1;
+}
 
 /* floats of scratch decode_stack needs for B rows, slot lists of S, nthreads threads: the
    row-block list; per row its normed input, q / k / v, attention output, gate and up, gated
@@ -427,7 +451,7 @@ int64_t decode_stack_scratch(const Dims *d, int64_t B, int64_t S, int nthreads) 
 void decode_stack(const Layer *layers, int64_t L, const Dims *d, int64_t B, float *x,
                   const float *cos, const float *sin, uint8_t *kc, uint8_t *vc, int64_t layer_stride,
                   const int64_t *slots, const int64_t *which, int64_t S, const int64_t *lens,
-                  float *scratch, int nthreads) {
+                  const int64_t *keep, int64_t nkeep, float *scratch, int nthreads) {
     const int64_t H = d->heads, KVH = d->kv_heads, D = d->head_dim, F = d->inner, E = d->hidden;
     const int64_t QKV = (H + 2 * KVH) * D, R2 = d->rotary_dim / 2, NC = (F + 15) / 16;
     /* bytes of a KV head in the cache */
@@ -439,18 +463,14 @@ void decode_stack(const Layer *layers, int64_t L, const Dims *d, int64_t B, floa
     const int64_t K = widest_input(d);
     float *dx = d->act_q8 ? xs + B * K / 16 : NULL;
     int8_t *xq = d->act_q8 ? (int8_t *)(dx + B * K / 32) : NULL;
-    /* attention tasks: a block of rows (up to ATTEND_ROWS rows of one sequence in a row, a
-       prompt's: they read its keys once; else one row) with one head, dealt to the threads in
+    /* attention tasks: a block of rows (row_blocks) with one head, dealt to the threads in
        turn: a block's heads at a time where there are blocks enough (a thread reads its
        blocks' keys alone, and a prompt's later rows, with more keys, spread over the threads),
        else an equal share of the heads each (no atomics) */
-    int64_t nb = 0;
-    for (int64_t b = 0; b < B; b++)
-        if (nb == 0 || !which || d->kv_format == 1 || which[b] != which[b - 1] ||
-            b - blk[nb - 1] == ATTEND_ROWS)
-            blk[nb++] = b;
-    blk[nb] = B;
-    const int64_t run = nb >= 4 * nthreads ? H : (nb * H + nthreads - 1) / nthreads;
+    int64_t nb = row_blocks(B, which, d->kv_format, blk);
+    int64_t run = task_run(nb, H, nthreads);
+    int64_t *kept_lens = blk + B + 1, *kept_which = kept_lens + B; /* (keep's rows) */
+    if (keep && nkeep == B) keep = NULL; /* (every row kept: nothing to move) */
 #pragma omp parallel num_threads(nthreads)
     for (int64_t l = 0; l < L; l++) {
         const Layer *ly = layers + l;
@@ -481,6 +501,24 @@ void decode_stack(const Layer *layers, int64_t L, const Dims *d, int64_t B, floa
                 memcpy(k + w * KVH * W, row + H * D, sizeof(float) * KVH * D);
                 memcpy(v + w * KVH * W, row + (H + KVH) * D, sizeof(float) * KVH * D);
             }
+        }
+        if (keep && l == L - 1) {
+#pragma omp single
+            { /* the kept rows to the front (keep increasing: a row moves only downwards, over
+                 one already moved or skipped), with their lists and key counts */
+                for (int64_t i = 0; i < nkeep; i++) {
+                    const int64_t b = keep[i];
+                    if (b != i) {
+                        memcpy(x + i * E, x + b * E, sizeof(float) * E);
+                        memcpy(qkv + i * QKV, qkv + b * QKV, sizeof(float) * H * D);
+                    }
+                    kept_lens[i] = lens[b];
+                    kept_which[i] = which ? which[b] : b;
+                }
+                B = nkeep, lens = kept_lens, which = kept_which;
+                nb = row_blocks(B, which, d->kv_format, blk);
+                run = task_run(nb, H, nthreads);
+            } /* (its barrier: every thread reads the new B, lists and blocks after it) */
         }
 #pragma omp for collapse(2) schedule(static, run)
         for (int64_t i = 0; i < nb; i++)

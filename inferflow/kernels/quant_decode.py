@@ -58,7 +58,7 @@ def library() -> ctypes.CDLL | None:
     lib.qmat_x_per.argtypes, lib.qmat_x_per.restype = [ctypes.POINTER(CQMat)], _I64
     lib.qmat_tiles16_built.argtypes, lib.qmat_tiles16_built.restype = [], ctypes.c_int
     lib.decode_stack.argtypes = [ctypes.POINTER(CLayer), _I64, ctypes.POINTER(CDims), _I64, _P]
-    lib.decode_stack.argtypes += [_P, _P, _P, _P, _I64, _P, _P, _I64, _P, _P, ctypes.c_int]
+    lib.decode_stack.argtypes += [_P, _P, _P, _P, _I64, _P, _P, _I64, _P, _P, _I64, _P, ctypes.c_int]
     lib.decode_stack.restype = None
     lib.decode_stack_scratch.argtypes = [ctypes.POINTER(CDims), _I64, _I64, ctypes.c_int]
     lib.decode_stack_scratch.restype = _I64

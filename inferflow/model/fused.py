@@ -147,10 +147,14 @@ class FusedDecode:
             return None
         return cls(stack, parts)
 
-    def run(self, x: torch.Tensor, batch: FlatBatch) -> torch.Tensor | None:
+    def run(
+        self, x: torch.Tensor, batch: FlatBatch, rows: torch.Tensor | None = None
+    ) -> torch.Tensor | None:
         """The stack's output (N, hidden) for the batch's rows (decode tokens, prompt rows:
         each a position of its sequence), or None where the batch's KV views cannot be read by
-        the kernel (then the module path runs)."""
+        the kernel (then the module path runs). ``rows`` (increasing indices): only their
+        outputs, (len(rows), hidden); the last layer attends and runs its products for them
+        alone (every row's K/V still written)."""
         if x.dtype != torch.float32 or x.device.type != "cpu":
             return None
         kv = row_slots(batch)
@@ -163,6 +167,9 @@ class FusedDecode:
         cos, sin = self.rope.cos_sin(batch.positions, torch.float32)
         cos, sin = cos.reshape(B, -1).contiguous(), sin.reshape(B, -1).contiguous()
         out = x.reshape(B, -1).clone()
+        keep = None if rows is None else rows.to(torch.int64).contiguous()
+        if keep is not None and keep.numel() > 1 and not bool((keep[1:] > keep[:-1]).all()):
+            raise ValueError("FusedDecode.run: rows must be increasing")
         threads, lib = torch.get_num_threads(), library()
         assert lib is not None
         dims = ctypes.byref(self.dims)
@@ -171,9 +178,10 @@ class FusedDecode:
             self.layers, len(self.layers), dims, B, out.data_ptr(),
             cos.data_ptr(), sin.data_ptr(), k.data_ptr(), v.data_ptr(), k[0].nbytes,
             slots.data_ptr(), None if which is None else which.data_ptr(), S, lens.data_ptr(),
+            None if keep is None else keep.data_ptr(), 0 if keep is None else keep.numel(),
             scratch.data_ptr(), threads,
         )  # fmt: skip
-        return out
+        return out if keep is None else out[: keep.numel()]
 
     def _scratch(self, n: int) -> torch.Tensor:
         """n floats of working memory, kept between calls: a prompt step's rows need tens of

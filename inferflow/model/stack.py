@@ -280,8 +280,9 @@ class Stack(nn.Module):
     def layers(self) -> list[Layer]:
         return [getattr(self, str(i)) for i in self.layer_ids]
 
-    def hidden_states(self, batch: FlatBatch) -> torch.Tensor:
-        return self.final_norm(self.run_layers(self.embed(batch), batch))
+    def hidden_states(self, batch: FlatBatch, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """The final norm's output for every row, or (``rows``) for those rows only."""
+        return self.final_norm(self.run_layers(self.embed(batch), batch, rows))
 
     def embed(self, batch: FlatBatch) -> torch.Tensor:
         """The first layer's input (N, hidden): token (+ position, type) embeddings."""
@@ -303,14 +304,21 @@ class Stack(nn.Module):
             x = self.embed_proj(x)
         return x
 
-    def run_layers(self, x: torch.Tensor, batch: FlatBatch) -> torch.Tensor:
+    def run_layers(
+        self, x: torch.Tensor, batch: FlatBatch, rows: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Every row's output, or (``rows``, increasing) those rows' only: the one-call decode
+        then skips the others' attention and products in the last layer."""
         # every row, prompt or decode, goes through the one-call C decode where the stack has
         # one and the batch's KV views give slots (the engine's always do), else through the
         # modules: their operations are the C decode's bit for bit (tests/test_fused.py), so a
         # request's tokens get the same arithmetic whatever else is in the batch
         fused = self.fused_decode()
-        out = fused.run(x, batch) if fused is not None else None
-        return out if out is not None else self._run_modules(x, batch)
+        out = fused.run(x, batch, rows) if fused is not None else None
+        if out is not None:
+            return out
+        out = self._run_modules(x, batch)
+        return out if rows is None else out[rows]
 
     def _run_modules(self, x: torch.Tensor, batch: FlatBatch) -> torch.Tensor:
         x0 = x  # the embedding output (network.gates.embedding_skip)

@@ -48,6 +48,4 @@ class DecoderOnly(nn.Module):
     def forward(self, batch: FlatBatch) -> torch.Tensor:
         """Logits (R, vocab) for ``batch.logits_rows`` (default: each sequence's last token)."""
         rows = batch.logits_rows if batch.logits_rows is not None else batch.default_logits_rows()
-        if rows.numel() > 1 and not bool((rows[1:] > rows[:-1]).all()):  # (as given: any order)
-            return self.logits(self.hidden_states(batch)[rows])
         return self.logits(self.dec.hidden_states(batch, rows))

@@ -152,9 +152,9 @@ class FusedDecode:
     ) -> torch.Tensor | None:
         """The stack's output (N, hidden) for the batch's rows (decode tokens, prompt rows:
         each a position of its sequence), or None where the batch's KV views cannot be read by
-        the kernel (then the module path runs). ``rows`` (increasing indices): only their
-        outputs, (len(rows), hidden); the last layer attends and runs its products for them
-        alone (every row's K/V still written)."""
+        the kernel (then the module path runs). ``rows`` (strictly increasing, as
+        Stack.run_layers sees to): only their outputs, (len(rows), hidden); the last layer
+        attends and runs its products for them alone (every row's K/V still written)."""
         if x.dtype != torch.float32 or x.device.type != "cpu":
             return None
         kv = row_slots(batch)
@@ -168,8 +168,6 @@ class FusedDecode:
         cos, sin = cos.reshape(B, -1).contiguous(), sin.reshape(B, -1).contiguous()
         out = x.reshape(B, -1).clone()
         keep = None if rows is None else rows.to(torch.int64).contiguous()
-        if keep is not None and keep.numel() > 1 and not bool((keep[1:] > keep[:-1]).all()):
-            raise ValueError("FusedDecode.run: rows must be increasing")
         threads, lib = torch.get_num_threads(), library()
         assert lib is not None
         dims = ctypes.byref(self.dims)

@@ -307,8 +307,11 @@ class Stack(nn.Module):
     def run_layers(
         self, x: torch.Tensor, batch: FlatBatch, rows: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """Every row's output, or (``rows``, increasing) those rows' only: the one-call decode
-        then skips the others' attention and products in the last layer."""
+        """Every row's output, or (``rows``) those rows' only: where they are strictly
+        increasing, the one-call decode skips the others' attention and products in the last
+        layer."""
+        if rows is not None and rows.numel() > 1 and not bool((rows[1:] > rows[:-1]).all()):
+            return self.run_layers(x, batch)[rows]
         # every row, prompt or decode, goes through the one-call C decode where the stack has
         # one and the batch's KV views give slots (the engine's always do), else through the
         # modules: their operations are the C decode's bit for bit (tests/test_fused.py), so a

@@ -344,3 +344,20 @@ def test_engine_mixed_batch_equals_alone_and_isolates_a_bad_request(tiny_model) 
             assert r.output_ids == [s.token_id for s in generate_tokens(tiny_model, p, alone)]
             assert r.finish_reason == "length"
     assert len({tuple(r.output_ids) for g in groups[1:-1] for r in g}) > 3
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16])
+def test_argmax_rows_is_torchs_argmax(dtype: torch.dtype) -> None:
+    """Greedy rows' tokens (numpy's argmax on the CPU) are torch's argmax: the first of tied
+    largest values, a NaN as the largest, all -inf -> 0, a large vocabulary, strided rows."""
+    g = torch.Generator().manual_seed(3)
+    z = torch.randint(-5, 6, (9, 151936), generator=g).to(dtype)  # (many ties)
+    z[1, 7] = z[1, 100] = z[1, 151935] = 40  # three tied maxima: the first
+    z[2, 50], z[2, 60] = math.nan, 100  # a NaN counts as the largest
+    z[3] = -math.inf
+    z[4, 151935] = math.inf
+    z[5, :] = 0.0
+    z[5, 9] = -0.0  # (-0 equals 0: the first still wins)
+    z[6, 1000:2000] = torch.finfo(dtype).max
+    for rows in (z, z[:, ::3], z[[8, 2, 2]], z[:1]):
+        assert B.argmax_rows(rows) == rows.argmax(-1).tolist()

@@ -321,7 +321,7 @@ def sample_batch(
     toks = [0] * len(samplers)
     greedy = [i for i, k in enumerate(kinds) if k == GREEDY]
     if greedy:
-        for i, t in zip(greedy, B.take_rows(x, greedy).argmax(-1).tolist(), strict=True):
+        for i, t in zip(greedy, B.argmax_rows(B.take_rows(x, greedy)), strict=True):
             toks[i] = t
     vec = [i for i, k in enumerate(kinds) if k == VECTOR]
     # (overwrites x when every row is vectorized: nothing reads x after that)

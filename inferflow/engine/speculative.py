@@ -37,6 +37,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from inferflow.engine import batch_sampling as B
 from inferflow.engine.forward import Rows, forward_rows
 from inferflow.engine.kv_cache import KVCacheFull, PagedKVCache, SeqBlocks
 from inferflow.engine.request import Request
@@ -184,7 +185,7 @@ def accept(
     """The target's float32 logits (K + 1, V) after the request's last token and after each of
     the K drafts: the tokens to append and how many drafts they accept."""
     if params.temperature == 0:  # (the argmax plain greedy decoding takes, row by row)
-        best = logits.argmax(-1).tolist()
+        best = B.argmax_rows(logits)
         n = 0
         while n < len(draft.tokens) and draft.tokens[n] == best[n]:
             n += 1

@@ -10,8 +10,10 @@ last message says so, and is ChatML otherwise."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -127,6 +129,53 @@ def test_a_client_disconnect_logs_one_line(server: tuple[str, Path, int]) -> Non
     new = log.read_text()[len(before) :]
     assert new.count("the client disconnected") == 1
     assert "Traceback" not in log.read_text()
+
+
+def _raw(url: str, head: bytes, pause: float = 0.0) -> bytes:
+    """What the server answers a raw request ``head`` sent in 64 KiB writes (``pause`` seconds
+    apart), read until it closes the connection or 30 s pass."""
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as s:
+        try:
+            for i in range(0, len(head), 1 << 16):
+                s.sendall(head[i : i + (1 << 16)])
+                time.sleep(pause)
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # (closed on us mid-send: its answer is read below)
+        out = b""
+        with contextlib.suppress(ConnectionResetError):
+            while chunk := s.recv(65536):
+                out += chunk
+    return out
+
+
+def test_a_huge_request_head_gets_a_400_and_is_not_buffered(server: tuple[str, Path, int]) -> None:
+    """A request line or headers past 16 KiB (one header of 8 MB, sent in one go or slowly;
+    many small headers; a long URL) get a 400 naming the limit and a closed connection, as
+    uvicorn's h11 protocol answered them, while the server's memory stays put (its C parser
+    would buffer them all); heads within the limit are served."""
+    url, _, pid = server
+
+    def rss() -> int:
+        status = Path(f"/proc/{pid}/status").read_text()
+        return int(next(x for x in status.splitlines() if x.startswith("VmRSS")).split()[1])
+
+    before = rss()
+    heads = [
+        b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 8_000_000 + b"\r\n\r\n",
+        b"GET /health HTTP/1.1\r\nHost: x\r\n" + b"X-A: bbbbbbbbbbbbbbbb\r\n" * 2000 + b"\r\n",
+        b"GET /health?" + b"q" * 40_000 + b" HTTP/1.1\r\nHost: x\r\n\r\n",
+    ]
+    for head in heads:
+        got = _raw(url, head)
+        assert got.startswith(b"HTTP/1.1 400"), got[:200]
+        assert b"over 16384 bytes" in got, got[-200:]
+    got = _raw(url, heads[0][:300_000], pause=0.01)  # (slowly, never finished)
+    assert got.startswith(b"HTTP/1.1 400"), got[:200]
+    assert rss() - before < 20_000, (before, rss())  # KiB
+    ok = _raw(url, b"GET /health HTTP/1.1\r\nHost: x\r\nX-Ok: " + b"c" * 12_000 + b"\r\n\r\n")
+    assert ok.startswith(b"HTTP/1.1 200"), ok[:200]
+    assert httpx.get(f"{url}/health", timeout=5).status_code == 200
 
 
 def test_sigterm_under_64_streams_ends_every_stream(tmp_path: Path) -> None:

@@ -15,6 +15,7 @@ from typing import Any
 import uvicorn
 
 from inferflow.errors import Unavailable
+from inferflow.server.http_protocol import http_protocol
 from inferflow.server.state import ServerState
 
 log = logging.getLogger(__name__)
@@ -102,6 +103,11 @@ def serve(app: Any, host: str, port: int, grace: float, sock: socket.socket | No
     (``listen``'s), else on a socket uvicorn binds."""
     # (uvicorn's own shutdown then only closes idle connections: drain ended the requests)
     config = uvicorn.Config(
-        app, host=host, port=port, timeout_graceful_shutdown=5, log_level="info"
+        app,
+        host=host,
+        port=port,
+        timeout_graceful_shutdown=5,
+        log_level="info",
+        http=http_protocol(),
     )
     DrainingServer(config, app.state.inferflow, grace).run(sockets=None if sock is None else [sock])

@@ -16,41 +16,69 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 HEAD_LIMIT = 16 * 1024  # bytes of a request's line and headers (h11's default, as before)
+REFUSAL = f"Request line and headers over {HEAD_LIMIT} bytes."
 
 
 def http_protocol() -> Any:
     """What ``uvicorn.Config(http=...)`` takes: ``BoundedHttpTools``, or "h11"."""
     try:
+        import httptools
         from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
     except ImportError:  # (httptools absent)
         return "h11"
 
     class BoundedHttpTools(HttpToolsProtocol):
-        """uvicorn's httptools protocol; bytes received while a request's head is incomplete
-        are counted, and past HEAD_LIMIT the request gets a 400 and the connection closes."""
+        """uvicorn's httptools protocol, a request's head bounded twice: its URL and headers
+        as parsed (a head that arrives whole in one read), and the bytes received while it is
+        incomplete (the parser holds a header until its end: one endless header)."""
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-            self._in_head, self._head_bytes = True, 0
+            self._in_head, self._received, self._heads, self._parsed = True, 0, 0, 0
+            self._refused = False
             super().connection_made(transport)
 
+        def on_message_begin(self) -> None:
+            self._parsed = 0
+            super().on_message_begin()
+
+        def on_url(self, url: bytes) -> None:
+            self._parse(len(url))
+            super().on_url(url)
+
+        def on_header(self, name: bytes, value: bytes) -> None:
+            self._parse(len(name) + len(value) + 4)  # (": " and CRLF)
+            super().on_header(name, value)
+
+        def _parse(self, n: int) -> None:
+            self._parsed += n
+            if self._parsed > HEAD_LIMIT:  # (uvicorn answers the parser's error: a 400)
+                self._refused = True
+                raise httptools.HttpParserError(REFUSAL)
+
         def on_headers_complete(self) -> None:
-            self._in_head = False
+            self._in_head, self._heads, self._received = False, self._heads + 1, 0
             super().on_headers_complete()
 
         def on_message_complete(self) -> None:
             super().on_message_complete()
-            self._in_head, self._head_bytes = True, 0  # (the next request's head)
+            self._in_head = True  # (the next request's head)
+
+        def send_400_response(self, msg: str) -> None:
+            super().send_400_response(REFUSAL if self._refused else msg)
 
         def data_received(self, data: bytes) -> None:
             if self.transport.is_closing():
                 return
-            counted = self._in_head
+            # (counted where a head was incomplete before the chunk and none ended in it: a
+            # chunk may end one request, body and all, and begin the next)
+            counted, heads = self._in_head, self._heads
             super().data_received(data)
-            if counted and self._in_head:
-                self._head_bytes += len(data)
-                if self._head_bytes > HEAD_LIMIT and not self.transport.is_closing():
-                    msg = f"Request line and headers over {HEAD_LIMIT} bytes."
-                    log.warning("%s", msg)
-                    self.send_400_response(msg)
+            if not counted or self._heads != heads or self.transport.is_closing():
+                return
+            self._received += len(data)
+            if self._received > HEAD_LIMIT:
+                log.warning("%s", REFUSAL)
+                self._refused = True
+                self.send_400_response(REFUSAL)
 
     return BoundedHttpTools

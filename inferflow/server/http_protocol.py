@@ -33,8 +33,7 @@ def http_protocol() -> Any:
         incomplete (the parser holds a header until its end: one endless header)."""
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-            self._in_head, self._received, self._heads, self._parsed = True, 0, 0, 0
-            self._refused = False
+            self._in_head, self._received, self._parsed, self._refused = True, 0, 0, False
             super().connection_made(transport)
 
         def on_message_begin(self) -> None:
@@ -56,7 +55,7 @@ def http_protocol() -> Any:
                 raise httptools.HttpParserError(REFUSAL)
 
         def on_headers_complete(self) -> None:
-            self._in_head, self._heads, self._received = False, self._heads + 1, 0
+            self._in_head, self._received = False, 0
             super().on_headers_complete()
 
         def on_message_complete(self) -> None:
@@ -69,14 +68,10 @@ def http_protocol() -> Any:
         def data_received(self, data: bytes) -> None:
             if self.transport.is_closing():
                 return
-            # (counted where a head was incomplete before the chunk and none ended in it: a
-            # chunk may end one request, body and all, and begin the next)
-            counted, heads = self._in_head, self._heads
+            if self._in_head:  # (a head that ends in this chunk zeroes the count)
+                self._received += len(data)
             super().data_received(data)
-            if not counted or self._heads != heads or self.transport.is_closing():
-                return
-            self._received += len(data)
-            if self._received > HEAD_LIMIT:
+            if self._received > HEAD_LIMIT and not self.transport.is_closing():
                 log.warning("%s", REFUSAL)
                 self._refused = True
                 self.send_400_response(REFUSAL)

@@ -112,11 +112,12 @@ class Partition:
                 w = self._buffer((mb.token_ids.shape[0], hidden), self.dtype)
                 dist.recv(w, self._peer(self.stage - 1), tag=m)
                 x = w.to(self.device)
-            x = dec.run_layers(x, batch)
+            # (the last stage's layers: only the rows that need logits past its last attention)
+            x = dec.run_layers(x, batch, batch.logits_rows if self.stage == last else None)
             if self.stage < last:
                 sends.append(dist.isend(self._wire(x), self._peer(self.stage + 1), tag=m))
                 continue
-            out = dec.logits(dec.final_norm(x[batch.logits_rows])).float()
+            out = dec.logits(dec.final_norm(x)).float()
             if self.rank == 0:
                 logits.append(out)
             elif self.tp == 0:

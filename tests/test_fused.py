@@ -351,25 +351,27 @@ def test_the_last_layer_runs_only_the_rows_asked_for(
     each of them the bits it gives when every row's output is asked for, and writes every
     row's K/V of every layer the same (the last layer's too: later steps attend to them).
     (Checked to fail with the kept rows' q, x, key counts or lists left unmoved.)"""
-    model, _ = _quantized_and_reference(_load(quant_llamas, write_spec))
-    stack, h = model.dec, model.spec.hparams
+    model, ref = _quantized_and_reference(_load(quant_llamas, write_spec))
+    h = model.spec.hparams
     ids = torch.randint(0, 256, (23,), generator=torch.Generator().manual_seed(5))
     n = len(ids)
 
-    def run(rows: list[int] | None) -> tuple[torch.Tensor, ContiguousKVCache]:
+    def run(m, rows: list[int] | None) -> tuple[torch.Tensor, ContiguousKVCache]:  # noqa: ANN001
         cache = ContiguousKVCache(h.n_layers, h.n_kv_heads, h.head_dim, n, kv_dtype)
         batch = FlatBatch.single(ids, 0, cache)
         keep = None if rows is None else torch.tensor(rows, dtype=torch.long)
         with torch.no_grad():
-            return stack.run_layers(stack.embed(batch), batch, keep), cache
+            return m.dec.run_layers(m.dec.embed(batch), batch, keep), cache
 
-    assert stack.fused_decode() is not None
-    every, want = run(None)
+    assert model.dec.fused_decode() is not None and ref.dec.fused_decode() is None
+    every, want = run(model, None)
+    floats, _ = run(ref, None)  # (the float model of the dequantized weights, the modules)
     assert every.shape == (n, h.hidden)
     # (rows out of order or repeated: every row computed, then those picked)
     for rows in ([n - 1], [0, 4, 5, 17, n - 1], [], list(range(n)), [1, 2, 3, 4, 5], [7, 2, 7]):
-        got, cache = run(rows)
+        got, cache = run(model, rows)
         assert torch.equal(got, every[rows]), rows
+        torch.testing.assert_close(got, floats[rows], rtol=1e-4, atol=1e-4 * floats.abs().max())
         assert torch.equal(cache.k, want.k) and torch.equal(cache.v, want.v), rows
 
 
